@@ -1,0 +1,50 @@
+# Two commands from a fresh clone: `make demo` and `make test`. The first target that needs it creates
+# .venv, installs torch 2.13.0 (CPU wheel) and this package with its test extra, and builds the C++
+# extension; later runs rebuild the extension only when csrc/ changed.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+INSTALLED := $(VENV)/.installed
+BUILT := $(VENV)/.built
+CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' 2>/dev/null)
+
+.PHONY: setup build demo test test-fast lint format bench clean
+
+setup: $(BUILT)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip setuptools wheel ninja
+
+$(INSTALLED): $(PY) pyproject.toml setup.py
+	$(PIP) install torch==2.13.0
+	TORCH_KVOFFLOAD_BUILD_EXT=0 $(PIP) install --no-build-isolation -e '.[test,bench]'
+	touch $@
+
+$(BUILT): $(INSTALLED) $(CSRC)
+	MAX_JOBS=$${MAX_JOBS:-2} $(PY) setup.py -q build_ext --inplace
+	touch $@
+
+build: $(BUILT)
+
+lint: $(INSTALLED)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(INSTALLED)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: lint $(BUILT)
+	$(PY) -m pytest -q tests
+
+demo: $(BUILT)
+	$(PY) examples/ops_demo.py
+
+bench: $(BUILT)
+	$(PY) benchmarks/copy_bench.py
+
+clean:
+	rm -rf build torch_kvoffload/*.so $(BUILT)

@@ -1,0 +1,66 @@
+// Shared helpers for the CPU kernels: argument checks with the op's name in every message, and a
+// guard that releases the Python GIL while a kernel runs so copies overlap Python-side compute.
+#pragma once
+
+#include <Python.h>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <string>
+
+namespace kvoffload {
+
+// Releases the GIL for the guard's lifetime when the calling thread holds it (a kernel may also be
+// reached from C++ without Python, where there is nothing to release).
+class GilRelease {
+ public:
+  GilRelease() {
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      state_ = PyEval_SaveThread();
+    }
+  }
+  ~GilRelease() {
+    if (state_ != nullptr) {
+      PyEval_RestoreThread(state_);
+    }
+  }
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+
+ private:
+  PyThreadState* state_ = nullptr;
+};
+
+inline std::string shape_str(const at::Tensor& t) {
+  return c10::str(t.sizes());
+}
+
+// "torch.int64" style dtype names, matching the messages of the Python kernels.
+inline std::string dtype_str(at::ScalarType dtype) {
+  return "torch." + std::string(c10::getDtypeNames(dtype).first);
+}
+
+// Checks an index tensor: CPU, the expected dtype and number of dimensions.
+inline void check_index_tensor(
+    const char* op, const char* arg, const at::Tensor& t, at::ScalarType dtype, int64_t dim) {
+  TORCH_CHECK_VALUE(
+      t.device().is_cpu(), "kvoffload::", op, ": argument '", arg, "' must be a CPU tensor, got ",
+      t.device());
+  TORCH_CHECK_TYPE(
+      t.scalar_type() == dtype, "kvoffload::", op, ": argument '", arg, "' must have dtype ",
+      dtype_str(dtype), ", got ", dtype_str(t.scalar_type()));
+  TORCH_CHECK_VALUE(
+      t.dim() == dim, "kvoffload::", op, ": argument '", arg, "' must have exactly ", dim,
+      " dimensions, got shape ", shape_str(t));
+}
+
+// Whether src and dst may share bytes (same storage and intersecting byte ranges).
+bool may_overlap(const at::Tensor& src, const at::Tensor& dst);
+
+// The tensor a kernel may read while writing dst: src itself, or a snapshot of it when it shares memory
+// with dst. An op never reads what it writes: the result is as if src had been cloned before the call,
+// which is exactly the program a compiler meant when it dropped such a clone (pytorch#198031).
+at::Tensor unaliased_source(const at::Tensor& src, const at::Tensor& dst);
+
+}  // namespace kvoffload

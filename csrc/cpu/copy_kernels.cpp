@@ -1,0 +1,190 @@
+// CPU kernels of the block / row copy family: kvoffload::copy_blocks and kvoffload::copy_rows.
+// Every argument is validated before the first byte of the destination is written.
+
+#include "common.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace kvoffload {
+
+namespace {
+
+// Bytes moved per parallel task: keeps tasks large enough that thread start-up does not dominate.
+constexpr int64_t kBytesPerTask = 1 << 18;
+
+bool trailing_contiguous(const at::Tensor& t, int64_t first_dim) {
+  int64_t expected = 1;
+  for (int64_t d = t.dim() - 1; d >= first_dim; --d) {
+    if (t.size(d) != 1 && t.stride(d) != expected) {
+      return false;
+    }
+    expected *= t.size(d);
+  }
+  return true;
+}
+
+void check_pair(const char* op, int64_t lead_dims, const at::Tensor& src, const at::Tensor& dst) {
+  TORCH_CHECK_VALUE(
+      src.device().is_cpu() && dst.device().is_cpu(), "kvoffload::", op,
+      ": the CPU kernel needs 'src' and 'dst' on the CPU, got ", src.device(), " and ", dst.device());
+  TORCH_CHECK_VALUE(
+      src.dim() >= lead_dims, "kvoffload::", op, ": argument 'src' must have at least ", lead_dims,
+      " dimensions, got shape ", shape_str(src));
+  TORCH_CHECK_VALUE(
+      dst.dim() >= lead_dims, "kvoffload::", op, ": argument 'dst' must have at least ", lead_dims,
+      " dimensions, got shape ", shape_str(dst));
+  TORCH_CHECK_VALUE(
+      src.sizes().slice(lead_dims) == dst.sizes().slice(lead_dims), "kvoffload::", op,
+      ": 'src' and 'dst' must have equal trailing shapes after dim ", lead_dims - 1, ", got ",
+      shape_str(src), " and ", shape_str(dst));
+  TORCH_CHECK_TYPE(
+      src.scalar_type() == dst.scalar_type(), "kvoffload::", op,
+      ": 'src' and 'dst' must have the same dtype, got ", dtype_str(src.scalar_type()), " and ",
+      dtype_str(dst.scalar_type()));
+}
+
+// Checks 0 <= idx[i * step] < limit for every i.
+void check_range(
+    const char* op, const char* arg, const int64_t* idx, int64_t n, int64_t step, int64_t limit) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t v = idx[i * step];
+    TORCH_CHECK_INDEX(
+        v >= 0 && v < limit, "kvoffload::", op, ": argument '", arg, "' entry ", i, " is ", v,
+        ", expected a value in [0, ", limit, ")");
+  }
+}
+
+// Checks that idx[i * step] are pairwise distinct (all already known to lie in [0, limit)).
+void check_unique(
+    const char* op, const char* arg, const int64_t* idx, int64_t n, int64_t step, int64_t limit) {
+  if (n < 2) {
+    return;
+  }
+  if (limit <= 64 * n || limit <= (int64_t{1} << 24)) {
+    std::vector<bool> seen(static_cast<size_t>(limit), false);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t v = idx[i * step];
+      TORCH_CHECK_VALUE(
+          !seen[v], "kvoffload::", op, ": argument '", arg, "' holds destination ", v,
+          " more than once (entry ", i, "); destinations must be distinct");
+      seen[v] = true;
+    }
+    return;
+  }
+  std::vector<int64_t> sorted(n);
+  for (int64_t i = 0; i < n; ++i) {
+    sorted[i] = idx[i * step];
+  }
+  std::sort(sorted.begin(), sorted.end());
+  auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  TORCH_CHECK_VALUE(
+      dup == sorted.end(), "kvoffload::", op, ": argument '", arg, "' holds destination ", *dup,
+      " more than once; destinations must be distinct");
+}
+
+int64_t grain_for(int64_t item_bytes) {
+  return std::max<int64_t>(1, kBytesPerTask / std::max<int64_t>(1, item_bytes));
+}
+
+void copy_blocks_cpu(const at::Tensor& src_in, const at::Tensor& dst, const at::Tensor& mapping) {
+  constexpr const char* op = "copy_blocks";
+  check_pair(op, 1, src_in, dst);
+  check_index_tensor(op, "mapping", mapping, at::kLong, 2);
+  TORCH_CHECK_VALUE(
+      mapping.size(1) == 2, "kvoffload::", op,
+      ": argument 'mapping' must have shape [n, 2] of (src_block, dst_block), got ", shape_str(mapping));
+  const at::Tensor map = mapping.contiguous();
+  const int64_t n = map.size(0);
+  const int64_t* m = map.const_data_ptr<int64_t>();
+  check_range(op, "mapping[:, 0]", m, n, 2, src_in.size(0));
+  check_range(op, "mapping[:, 1]", m + 1, n, 2, dst.size(0));
+  check_unique(op, "mapping[:, 1]", m + 1, n, 2, dst.size(0));
+  if (n == 0 || src_in.numel() == 0) {
+    return;
+  }
+  const at::Tensor src = unaliased_source(src_in, dst);
+
+  GilRelease no_gil;
+  if (trailing_contiguous(src, 1) && trailing_contiguous(dst, 1)) {
+    const int64_t block_bytes = src.numel() / src.size(0) * src.element_size();
+    const auto* s = static_cast<const char*>(src.const_data_ptr());
+    auto* d = static_cast<char*>(dst.data_ptr());
+    const int64_t s_stride = src.stride(0) * src.element_size();
+    const int64_t d_stride = dst.stride(0) * dst.element_size();
+    at::parallel_for(0, n, grain_for(block_bytes), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        std::memcpy(d + m[2 * i + 1] * d_stride, s + m[2 * i] * s_stride, block_bytes);
+      }
+    });
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    dst.select(0, m[2 * i + 1]).copy_(src.select(0, m[2 * i]));
+  }
+}
+
+void copy_rows_cpu(
+    const at::Tensor& src_in, const at::Tensor& dst, const at::Tensor& src_slots,
+    const at::Tensor& dst_slots) {
+  constexpr const char* op = "copy_rows";
+  check_pair(op, 2, src_in, dst);
+  check_index_tensor(op, "src_slots", src_slots, at::kLong, 1);
+  check_index_tensor(op, "dst_slots", dst_slots, at::kLong, 1);
+  TORCH_CHECK_VALUE(
+      src_slots.numel() == dst_slots.numel(), "kvoffload::", op,
+      ": 'src_slots' and 'dst_slots' must have the same length, got ", src_slots.numel(), " and ",
+      dst_slots.numel());
+  const at::Tensor ss = src_slots.contiguous();
+  const at::Tensor ds = dst_slots.contiguous();
+  const int64_t n = ss.numel();
+  const int64_t* si = ss.const_data_ptr<int64_t>();
+  const int64_t* di = ds.const_data_ptr<int64_t>();
+  const int64_t src_bs = src_in.size(1);
+  const int64_t dst_bs = dst.size(1);
+  check_range(op, "src_slots", si, n, 1, src_in.size(0) * src_bs);
+  check_range(op, "dst_slots", di, n, 1, dst.size(0) * dst_bs);
+  check_unique(op, "dst_slots", di, n, 1, dst.size(0) * dst_bs);
+  if (n == 0 || src_in.numel() == 0) {
+    return;
+  }
+  const at::Tensor src = unaliased_source(src_in, dst);
+
+  GilRelease no_gil;
+  if (trailing_contiguous(src, 2) && trailing_contiguous(dst, 2)) {
+    const int64_t esz = src.element_size();
+    const int64_t row_bytes = src.numel() / (src.size(0) * src_bs) * esz;
+    const auto* s = static_cast<const char*>(src.const_data_ptr());
+    auto* d = static_cast<char*>(dst.data_ptr());
+    const int64_t s0 = src.stride(0) * esz, s1 = src.stride(1) * esz;
+    const int64_t d0 = dst.stride(0) * esz, d1 = dst.stride(1) * esz;
+    at::parallel_for(0, n, grain_for(row_bytes), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t a = si[i], b = di[i];
+        std::memcpy(
+            d + (b / dst_bs) * d0 + (b % dst_bs) * d1, s + (a / src_bs) * s0 + (a % src_bs) * s1,
+            row_bytes);
+      }
+    });
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    dst.select(0, di[i] / dst_bs)
+        .select(0, di[i] % dst_bs)
+        .copy_(src.select(0, si[i] / src_bs).select(0, si[i] % src_bs));
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvoffload, CPU, m) {
+  m.impl("copy_blocks", &copy_blocks_cpu);
+  m.impl("copy_rows", &copy_rows_cpu);
+}
+
+}  // namespace kvoffload

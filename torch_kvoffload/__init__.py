@@ -1,0 +1,9 @@
+"""torch_kvoffload: KV-cache offload for MLA / SFA attention models in PyTorch."""
+
+from torch_kvoffload import device, ops
+from torch_kvoffload._extension import extension_available, extension_load_error
+from torch_kvoffload.ops import registered_ops
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "device", "extension_available", "extension_load_error", "ops", "registered_ops"]

@@ -1,0 +1,287 @@
+"""Accelerator abstraction: device detection, transfer streams, events and pinned host memory.
+
+Every runtime moves data through :class:`TransferStream` and orders work with :class:`TransferEvent`:
+
+* On an accelerator (CUDA, or Ascend NPU through ``torch_npu``) a transfer stream is a ``torch.Stream``;
+  submitted work is enqueued on it and an event recorded after it; waiting from compute makes the
+  compute stream wait on the event — never a whole-device ``synchronize()``.
+* On CPU there are no streams: each transfer stream owns a worker thread that runs submitted work in
+  order. The C++ kernels release the GIL, so a copy in flight really overlaps compute on the caller's
+  thread, and several streams have several copies in flight.
+
+``torch_npu`` is optional and probed lazily: importing it without CANN breaks ``import torch``, so it is
+never imported at module top level, and an import failure of any kind means "no NPU".
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from torch_kvoffload.counters import Counters
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "TransferError",
+    "TransferEvent",
+    "TransferStream",
+    "accelerator_type",
+    "default_device",
+    "empty_host",
+    "pin_memory_enabled",
+    "probe_npu",
+    "record_compute_event",
+    "zeros_host",
+]
+
+
+class TransferError(RuntimeError):
+    """Work submitted to a transfer stream failed; raised by every waiter on its event."""
+
+
+# ------------------------------------------------------------------------------------------- detection
+
+
+@functools.cache
+def probe_npu() -> bool:
+    """Whether ``torch_npu`` imports and reports an available NPU (guarded: any failure means no)."""
+    try:
+        importlib.import_module("torch_npu")
+        return bool(torch.npu.is_available())  # type: ignore[attr-defined]
+    except (ImportError, RuntimeError, AttributeError, OSError) as exc:
+        logger.debug("torch_npu not usable: %s", exc)
+        return False
+
+
+@functools.cache
+def accelerator_type() -> str:
+    """``"cuda"``, ``"npu"`` or ``"cpu"`` — the accelerator this process computes on."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if probe_npu():
+        return "npu"
+    return "cpu"
+
+
+def default_device() -> torch.device:
+    """The compute device: the current accelerator, or the CPU."""
+    kind = accelerator_type()
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.accelerator.current_device_index())
+
+
+def pin_memory_enabled() -> bool:
+    """Host buffers are pinned exactly when an accelerator copies from / to them."""
+    return accelerator_type() != "cpu"
+
+
+def empty_host(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """Uninitialised host tensor, pinned when an accelerator exists."""
+    return torch.empty(tuple(shape), dtype=dtype, pin_memory=pin_memory_enabled())
+
+
+def zeros_host(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """Zero-filled host tensor, pinned when an accelerator exists."""
+    return torch.zeros(tuple(shape), dtype=dtype, pin_memory=pin_memory_enabled())
+
+
+# -------------------------------------------------------------------------------------------- events
+
+
+class TransferEvent:
+    """Completion of work on a transfer stream (or of compute up to a point).
+
+    ``wait()`` blocks the calling host thread until the work finished and raises :class:`TransferError`
+    if it failed. ``wait_on_compute()`` orders the current compute stream after the event: on an
+    accelerator without blocking the host, on CPU by blocking (compute runs on the caller's thread).
+    """
+
+    def __init__(self, *, device_event: Any = None) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._device_event = device_event
+
+    @classmethod
+    def completed(cls) -> TransferEvent:
+        ev = cls()
+        ev._done.set()
+        return ev
+
+    @classmethod
+    def failed(cls, error: BaseException) -> TransferEvent:
+        ev = cls()
+        ev._set_error(error)
+        return ev
+
+    def _set_done(self) -> None:
+        self._done.set()
+
+    def _set_error(self, error: BaseException) -> None:
+        self._error = error
+        self._done.set()
+
+    @property
+    def error(self) -> BaseException | None:
+        """The failure of the submitted work, once it has failed."""
+        return self._error
+
+    def query(self) -> bool:
+        """True once the work finished (successfully or not); never blocks."""
+        if not self._done.is_set():
+            return False
+        if self._device_event is not None and self._error is None:
+            return bool(self._device_event.query())
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the work finished; raise :class:`TransferError` if it failed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"transfer did not complete within {timeout} s")
+        if self._error is not None:
+            raise TransferError(f"transfer failed: {self._error}") from self._error
+        if self._device_event is not None:
+            self._device_event.synchronize()
+
+    def wait_on_compute(self) -> None:
+        """Order subsequent compute after this event (raises if the work failed)."""
+        self._done.wait()
+        if self._error is not None:
+            raise TransferError(f"transfer failed: {self._error}") from self._error
+        if self._device_event is not None:
+            torch.accelerator.current_stream().wait_event(self._device_event)
+
+
+def record_compute_event() -> TransferEvent:
+    """An event marking everything submitted to the compute stream so far.
+
+    Pass it as ``after=`` to :meth:`TransferStream.submit` to order a transfer after compute that reads
+    or writes its buffers. On CPU compute is synchronous on the caller's thread, so it is already done.
+    """
+    if accelerator_type() == "cpu":
+        return TransferEvent.completed()
+    ev = torch.Event(default_device())
+    ev.record(torch.accelerator.current_stream())
+    out = TransferEvent(device_event=ev)
+    out._set_done()
+    return out
+
+
+# ------------------------------------------------------------------------------------------- streams
+
+
+class TransferStream:
+    """An in-order queue of transfers that runs concurrently with compute.
+
+    ``submit(fn, *args, after=events)`` runs ``fn(*args)`` after every event in ``after`` completed and
+    after all work submitted earlier to this stream; it returns a :class:`TransferEvent`. If ``fn`` raises,
+    or an event in ``after`` failed, the returned event carries the error and later work still runs.
+
+    Counters: ``submitted``, ``completed``, ``failed``, ``busy_seconds``.
+    """
+
+    def __init__(self, name: str = "transfer", device: torch.device | None = None) -> None:
+        self.name = name
+        self.device = device if device is not None else default_device()
+        self.counters = Counters(["submitted", "completed", "failed", "busy_seconds"])
+        self._closed = False
+        if self.device.type == "cpu":
+            self._queue: queue.SimpleQueue[tuple[Callable[[], None], TransferEvent, tuple] | None]
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._worker, name=f"kvoffload-{name}", daemon=True)
+            self._thread.start()
+            self._stream = None
+        else:
+            self._stream = torch.Stream(self.device)
+
+    # -- CPU worker
+    def _worker(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, event, after = item
+            self._run(fn, event, after)
+
+    def _run(self, fn: Callable[[], None], event: TransferEvent, after: Sequence[TransferEvent]) -> None:
+        start = time.perf_counter()
+        try:
+            for dep in after:
+                dep.wait()
+            fn()
+        except BaseException as exc:  # delivered to waiters, not lost in the worker thread
+            self.counters.add("failed")
+            logger.debug("transfer on %s failed: %s", self.name, exc)
+            event._set_error(exc)
+        else:
+            self.counters.add("completed")
+            event._set_done()
+        finally:
+            self.counters.add("busy_seconds", time.perf_counter() - start)
+
+    def submit(
+        self, fn: Callable[..., None], *args: Any, after: Sequence[TransferEvent] = (), **kwargs: Any
+    ) -> TransferEvent:
+        """Enqueue ``fn(*args, **kwargs)``; return the event that completes when it has run."""
+        if self._closed:
+            raise RuntimeError(f"transfer stream {self.name!r} is closed")
+        self.counters.add("submitted")
+        call = functools.partial(fn, *args, **kwargs)
+        if self._stream is None:
+            event = TransferEvent()
+            self._queue.put((call, event, tuple(after)))
+            return event
+        return self._submit_device(call, tuple(after))
+
+    def _submit_device(self, call: Callable[[], None], after: Sequence[TransferEvent]) -> TransferEvent:
+        device_event = torch.Event(self.device)
+        event = TransferEvent(device_event=device_event)
+        try:
+            with self._stream:
+                for dep in after:
+                    dep._done.wait()
+                    if dep.error is not None:
+                        raise TransferError(f"dependency failed: {dep.error}") from dep.error
+                    if dep._device_event is not None:
+                        self._stream.wait_event(dep._device_event)
+                call()
+                device_event.record(self._stream)
+        except BaseException as exc:
+            self.counters.add("failed")
+            event._set_error(exc)
+            return event
+        self.counters.add("completed")
+        event._set_done()
+        return event
+
+    def synchronize(self) -> None:
+        """Block until all work submitted so far has run (errors stay with their events)."""
+        barrier = self.submit(lambda: None)
+        barrier._done.wait()
+        if barrier._device_event is not None:
+            barrier._device_event.synchronize()
+
+    def close(self) -> None:
+        """Finish queued work and stop the worker thread; idempotent."""
+        if self._closed:
+            return
+        self.synchronize()
+        self._closed = True
+        if self._stream is None:
+            self._queue.put(None)
+            self._thread.join()
+
+    def __enter__(self) -> TransferStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

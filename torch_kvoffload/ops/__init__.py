@@ -1,0 +1,32 @@
+"""``torch.ops.kvoffload`` — schemas, fake kernels, reference kernels and typed public wrappers.
+
+Importing this package defines every op (one module per op family) and then loads the C++ extension,
+whose ``TORCH_LIBRARY_IMPL`` blocks register the CPU kernels.
+"""
+
+from torch_kvoffload.ops import copy
+from torch_kvoffload.ops._registry import (
+    OpInfo,
+    format_registered_ops,
+    has_kernel,
+    reference_kernel,
+    register_device_kernel,
+    registered_ops,
+)
+from torch_kvoffload.ops.copy import copy_blocks, copy_rows
+
+from torch_kvoffload._extension import load_extension as _load_extension  # isort: skip
+
+_load_extension()
+
+__all__ = [
+    "OpInfo",
+    "copy",
+    "copy_blocks",
+    "copy_rows",
+    "format_registered_ops",
+    "has_kernel",
+    "reference_kernel",
+    "register_device_kernel",
+    "registered_ops",
+]

@@ -1,0 +1,51 @@
+"""Helpers shared by the benchmark scripts: timing, result files, summary tables."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def median_seconds(fn: Callable[[], object], *, repeat: int, warmup: int = 2) -> float:
+    """Median wall time of ``fn()`` over ``repeat`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+    }
+
+
+def write_json(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine_info(), **payload}, indent=2) + "\n")
+    return path
+
+
+def format_table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [headers, *[[f"{c:.3f}" if isinstance(c, float) else str(c) for c in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,134 @@
+"""The device layer: detection, pinned host memory, transfer streams and events (CPU worker threads)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from conftest import requires_cpp
+
+from torch_kvoffload import device
+from torch_kvoffload.device import TransferError, TransferEvent, TransferStream
+
+
+def test_cpu_detection_and_host_memory() -> None:
+    assert device.accelerator_type() == "cpu"
+    assert device.default_device() == torch.device("cpu")
+    assert not device.pin_memory_enabled()
+    t = device.empty_host((3, 4), torch.bfloat16)
+    assert t.shape == (3, 4) and t.dtype == torch.bfloat16 and not t.is_pinned()
+    assert torch.count_nonzero(device.zeros_host((5,), torch.float32)) == 0
+
+
+@pytest.mark.parametrize("failure", [ImportError, RuntimeError])
+def test_npu_probe_is_guarded(tmp_path, monkeypatch, failure: type[Exception]) -> None:
+    """A torch_npu that fails to import (missing, or installed without CANN) just means 'no NPU'."""
+    (tmp_path / "torch_npu.py").write_text(f"raise {failure.__name__}('no CANN here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    device.probe_npu.cache_clear()
+    try:
+        assert device.probe_npu() is False
+    finally:
+        device.probe_npu.cache_clear()
+
+
+def test_submit_is_asynchronous_and_ordered() -> None:
+    release = threading.Event()
+    order: list[int] = []
+    with TransferStream("t") as stream:
+        first = stream.submit(lambda: (release.wait(10), order.append(1)))
+        second = stream.submit(order.append, 2)
+        # the caller is not blocked while the first transfer is in flight
+        assert not first.query() and not second.query()
+        release.set()
+        second.wait(10)
+        assert first.query() and order == [1, 2]
+        assert stream.counters.get("completed") == 2
+
+
+def test_two_streams_have_two_transfers_in_flight() -> None:
+    """Both tasks must be running at the same moment for the barrier to open."""
+    barrier = threading.Barrier(2, timeout=10)
+    with TransferStream("a") as a, TransferStream("b") as b:
+        ea, eb = a.submit(barrier.wait), b.submit(barrier.wait)
+        ea.wait(15)
+        eb.wait(15)
+
+
+def test_after_orders_across_streams() -> None:
+    gate = threading.Event()
+    log: list[str] = []
+    with TransferStream("a") as a, TransferStream("b") as b:
+        ea = a.submit(lambda: (gate.wait(10), log.append("a")))
+        eb = b.submit(log.append, "b", after=[ea])
+        time.sleep(0.05)
+        assert log == []  # b waits for a
+        gate.set()
+        eb.wait(10)
+        assert log == ["a", "b"]
+
+
+def test_errors_reach_every_waiter_and_dependants() -> None:
+    def boom() -> None:
+        raise OSError("disk on fire")
+
+    with TransferStream("t") as stream:
+        failed = stream.submit(boom)
+        dependant = stream.submit(lambda: None, after=[failed])
+        later = stream.submit(lambda: None)
+        for waiter in (failed.wait, failed.wait_on_compute, dependant.wait):
+            with pytest.raises(TransferError, match="disk on fire"):
+                waiter()
+        later.wait(10)  # the stream keeps working after a failure
+        assert isinstance(failed.error, OSError)
+        assert stream.counters.get("failed") == 2
+
+
+def test_completed_event_and_compute_event() -> None:
+    TransferEvent.completed().wait()
+    device.record_compute_event().wait_on_compute()
+    with pytest.raises(TransferError):
+        TransferEvent.failed(ValueError("x")).wait()
+    ev = TransferEvent()
+    with pytest.raises(TimeoutError):
+        ev.wait(timeout=0.01)
+
+
+def test_closed_stream_rejects_work() -> None:
+    stream = TransferStream("t")
+    stream.close()
+    stream.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        stream.submit(lambda: None)
+
+
+@requires_cpp
+def test_cpp_copy_releases_the_gil() -> None:
+    """While a large copy_rows runs on the transfer thread, Python code keeps running on this thread."""
+    src = torch.randn(4096, 128, 64)
+    dst = torch.empty_like(src)
+    n = src.shape[0] * src.shape[1]
+    slots = torch.randperm(n)
+    window: dict[str, float] = {}
+
+    def copy() -> None:
+        window["start"] = time.perf_counter()
+        for _ in range(3):
+            torch.ops.kvoffload.copy_rows(src, dst, slots, torch.arange(n))
+        window["end"] = time.perf_counter()
+
+    ticks: list[float] = []
+    with TransferStream("t") as stream:
+        ev = stream.submit(copy)
+        while not ev.query():
+            ticks.append(time.perf_counter())
+        ev.wait()
+    inside = [t for t in ticks if window["start"] < t < window["end"]]
+    duration = window["end"] - window["start"]
+    # with the GIL held for the whole copy this thread could not tick at all inside the window
+    assert len(inside) > 100, (len(inside), duration)
+    assert torch.equal(dst.view(n, 64)[torch.arange(n)], src.view(n, 64)[slots])

@@ -27,6 +27,24 @@ def median_seconds(fn: Callable[[], object], *, repeat: int, warmup: int = 2) ->
     return statistics.median(times)
 
 
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]], *, repeat: int, warmup: int = 2, progress: Any = None
+) -> dict[str, float]:
+    """Median wall time of each function, timed round-robin so machine noise hits all of them alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+        if progress is not None:
+            progress.update(1)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def machine_info() -> dict[str, Any]:
     return {
         "torch": torch.__version__,

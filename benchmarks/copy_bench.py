@@ -16,9 +16,10 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import format_table, median_seconds, write_json
+from _common import format_table, interleaved_medians, write_json
 
 import torch_kvoffload
+from torch_kvoffload.device import empty_host
 from torch_kvoffload.ops import copy_blocks, copy_rows
 
 ROW = 512 + 64
@@ -34,7 +35,8 @@ def main() -> None:
 
     torch.manual_seed(0)
     n = args.rows
-    pool = torch.randn(args.pool_blocks, BLOCK, ROW).to(torch.bfloat16)
+    pool = empty_host((args.pool_blocks, BLOCK, ROW), torch.bfloat16)  # how host pools are allocated
+    pool.normal_()
     pool_rows = pool.view(-1, ROW)
     nbytes = n * ROW * pool.element_size()
     dst = torch.empty(n // BLOCK, BLOCK, ROW, dtype=torch.bfloat16)
@@ -59,9 +61,8 @@ def main() -> None:
         "copy_blocks (random blocks)": lambda: copy_blocks(pool, dst, block_map),
         "index_select (random blocks)": lambda: torch.index_select(pool, 0, block_ids, out=dst),
     }
-    seconds = {}
-    for name, fn in tqdm(variants.items(), desc="copy_bench", unit="variant"):
-        seconds[name] = median_seconds(fn, repeat=args.repeat)
+    with tqdm(total=args.repeat, desc="copy_bench", unit="round") as progress:
+        seconds = interleaved_medians(variants, repeat=args.repeat, progress=progress)
 
     base = seconds["contiguous copy_"]
     rows = [[name, nbytes / s / 1e9, base / s] for name, s in seconds.items()]

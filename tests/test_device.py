@@ -132,3 +132,13 @@ def test_cpp_copy_releases_the_gil() -> None:
     # with the GIL held for the whole copy this thread could not tick at all inside the window
     assert len(inside) > 100, (len(inside), duration)
     assert torch.equal(dst.view(n, 64)[torch.arange(n)], src.view(n, 64)[slots])
+
+
+def test_host_pools_are_advised_to_use_huge_pages() -> None:
+    big = device.empty_host((8, 1 << 20), torch.uint8)  # 8 MiB
+    small = torch.empty(1024)
+    if sys.platform.startswith("linux"):
+        assert device.advise_huge_pages(big)
+    assert not device.advise_huge_pages(small)
+    big.fill_(7)
+    assert int(big.sum()) == 7 * big.numel()

@@ -59,6 +59,36 @@ def test_two_streams_have_two_transfers_in_flight() -> None:
         eb.wait(15)
 
 
+@requires_cpp
+def test_two_copies_overlap_in_time() -> None:
+    """Two large copy_rows calls on two streams run at the same time (the kernel releases the GIL).
+
+    If the copies were serialised — one worker, or a kernel holding the GIL — the second copy could not
+    start before the first ended.
+    """
+    src = torch.randn(2048, 64, 128)
+    n = src.shape[0] * src.shape[1]
+    dsts = [torch.empty_like(src), torch.empty_like(src)]
+    perm = torch.randperm(n)
+    barrier = threading.Barrier(2, timeout=10)
+    spans: dict[int, tuple[float, float]] = {}
+
+    def copy(i: int) -> None:
+        barrier.wait()
+        start = time.perf_counter()
+        for _ in range(4):
+            torch.ops.kvoffload.copy_rows(src, dsts[i], perm, torch.arange(n))
+        spans[i] = (start, time.perf_counter())
+
+    with TransferStream("a") as a, TransferStream("b") as b:
+        events = [a.submit(copy, 0), b.submit(copy, 1)]
+        for ev in events:
+            ev.wait(60)
+    (s0, e0), (s1, e1) = spans[0], spans[1]
+    assert s0 < e1 and s1 < e0, spans
+    assert torch.equal(dsts[0], dsts[1])
+
+
 def test_after_orders_across_streams() -> None:
     gate = threading.Event()
     log: list[str] = []

@@ -238,3 +238,21 @@ def test_two_processes_share_data(master) -> None:
 
 if __name__ == "__main__":
     _child(sys.argv[1], sys.argv[2], sys.argv[3])
+
+
+def test_factory_builds_mooncake(master) -> None:
+    from torch_kvoffload.store import MooncakeKVStore, create_store
+
+    store = create_store(
+        "mooncake",
+        capacity_bytes="1MiB",
+        master_server_addr=master.master_addr,
+        metadata_server=master.metadata_server,
+    )
+    try:
+        assert isinstance(store, MooncakeKVStore)
+        store.put("factory/a", torch.arange(10))
+        out = torch.empty(10, dtype=torch.int64)
+        assert store.get("factory/a", out) and torch.equal(out, torch.arange(10))
+    finally:
+        store.close()

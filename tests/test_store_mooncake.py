@@ -138,14 +138,16 @@ def test_bad_master_is_reported() -> None:
     from torch_kvoffload.store.mooncake import MooncakeKVStore
     from torch_kvoffload.store.mooncake_master import free_port
 
-    port = free_port()
-    with pytest.raises((StoreUnavailableError, ValueError)):
+    with pytest.raises(StoreUnavailableError, match="setup returned"):
         MooncakeKVStore(
             1 << 20,
-            master_server_addr=f"127.0.0.1:{port}",
+            master_server_addr=f"127.0.0.1:{free_port()}",  # nothing listens there
             metadata_server=f"http://127.0.0.1:{free_port()}/metadata",
-            global_segment_size=1 << 10,
+            global_segment_size=0,
+            setup_retries=1,
         )
+    with pytest.raises(ValueError, match="global_segment_size must be 0 or >="):
+        MooncakeKVStore(1 << 20, master_server_addr="x:1", metadata_server="y", global_segment_size=1 << 10)
     with pytest.raises(ValueError, match="protocol"):
         MooncakeKVStore(1 << 20, master_server_addr="x:1", metadata_server="y", protocol="udp")
 

@@ -61,6 +61,7 @@ _MOONCAKE = {
     "global_segment_size",
     "local_buffer_size",
     "replica_num",
+    "setup_retries",
 }
 _MEMCACHE = {"device_id", "config_path", "init_bm"}
 _OWNER = {
@@ -91,6 +92,7 @@ class StoreConfig(ConfigModel):
     global_segment_size: int | None = Field(default=None, ge=0)
     local_buffer_size: int = Field(default=16 << 20, ge=0)
     replica_num: int = Field(default=1, ge=1)
+    setup_retries: int | None = Field(default=None, ge=1)
     # memcache
     device_id: int = Field(default=0, ge=0)
     config_path: str | None = None
@@ -142,6 +144,7 @@ def build_store(config: StoreConfig) -> KVStore:
             global_segment_size=config.global_segment_size,
             local_buffer_size=config.local_buffer_size,
             replica_num=config.replica_num,
+            setup_retries=config.setup_retries,
         )
     from torch_kvoffload.store.memcache import MemcacheKVStore
 

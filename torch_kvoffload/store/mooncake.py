@@ -38,6 +38,7 @@ __all__ = ["MooncakeKVStore", "import_mooncake_store"]
 
 PACKAGE = "mooncake-transfer-engine-non-cuda"
 DEFAULT_LOCAL_BUFFER = 16 << 20
+_RETRIES_ENV = "MC_STORE_CLIENT_SETUP_RETRIES"
 MIN_SEGMENT = 16 << 20  # the client refuses to mount a smaller segment ("Total size must be at least")
 
 
@@ -66,6 +67,9 @@ class MooncakeKVStore(RemoteKVStore):
             ``capacity_bytes``, at least 16 MiB, Mooncake's minimum; ``0``: none — a pure client that stores into others' segments).
         local_buffer_size: the client's registered transfer buffer.
         replica_num: replicas per object.
+        setup_retries: attempts to reach the master during setup (Mooncake's
+            ``MC_STORE_CLIENT_SETUP_RETRIES``, set only while ``setup`` runs); ``None`` keeps its default,
+            which takes about 90 s to give up on an unreachable master.
     """
 
     _name = "MooncakeKVStore"
@@ -82,6 +86,7 @@ class MooncakeKVStore(RemoteKVStore):
         global_segment_size: int | None = None,
         local_buffer_size: int = DEFAULT_LOCAL_BUFFER,
         replica_num: int = 1,
+        setup_retries: int | None = None,
     ) -> None:
         super().__init__(capacity_bytes)
         if protocol not in ("tcp", "rdma"):
@@ -113,10 +118,21 @@ class MooncakeKVStore(RemoteKVStore):
         }
         if protocol == "tcp":
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)
+        if setup_retries is not None and setup_retries < 1:
+            raise ValueError(f"MooncakeKVStore: setup_retries must be >= 1, got {setup_retries}")
+        saved = os.environ.get(_RETRIES_ENV)
+        if setup_retries is not None:
+            os.environ[_RETRIES_ENV] = str(setup_retries)
         try:
             rc = self._client.setup(setup)
         except (RuntimeError, OSError, TypeError) as exc:
             raise StoreUnavailableError(f"MooncakeKVStore: setup failed: {exc}") from exc
+        finally:
+            if setup_retries is not None:
+                if saved is None:
+                    os.environ.pop(_RETRIES_ENV, None)
+                else:
+                    os.environ[_RETRIES_ENV] = saved
         if rc != 0:
             raise StoreUnavailableError(
                 f"MooncakeKVStore: setup returned {rc} (master {master_server_addr}, metadata {metadata_server})"

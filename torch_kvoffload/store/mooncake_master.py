@@ -19,6 +19,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -203,6 +204,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metrics-port", type=int, default=0)
     parser.add_argument("--lease-ttl-ms", type=int, default=1000)
     args = parser.parse_args(argv)
+
+    def _terminate(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # stop the children on SIGTERM too
+
+    signal.signal(signal.SIGTERM, _terminate)
     master = MooncakeMaster(
         host=args.host,
         rpc_port=args.rpc_port,

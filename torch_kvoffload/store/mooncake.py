@@ -11,7 +11,8 @@ see :mod:`torch_kvoffload.store.mooncake_master`. Calls used (``MooncakeDistribu
   ``put_from`` silently keeps an existing value), returning 0 or a negative error code;
 * ``get_into(key, ptr, size)`` / ``batch_get_into(...)``: the number of bytes read, or negative
   (-704: no such object; -600: buffer too small);
-* ``get_size(key)`` (negative when absent), ``is_exist`` / ``batch_is_exist`` (1 / 0 / negative),
+* ``get_size(key)`` (negative when absent), ``batch_get_replica_desc(keys)`` (sizes of a batch in one
+  round trip), ``is_exist`` / ``batch_is_exist`` (1 / 0 / negative),
   ``remove(key)`` / ``batch_remove(keys)`` (0 = removed; fails while a read lease is held — the lease
   length is the master's ``--default_kv_lease_ttl``), ``register_buffer(ptr, size)``.
 
@@ -169,7 +170,18 @@ class MooncakeKVStore(RemoteKVStore):
 
     # ---------------------------------------------------------------------------------- primitives
     def _sizes(self, keys: list[str]) -> list[int]:
-        return [int(self._client.get_size(k)) for k in keys]
+        if len(keys) == 1:
+            return [int(self._client.get_size(keys[0]))]
+        # one metadata round trip for the batch: sizes from the replicas' buffer descriptors
+        found = self._client.batch_get_replica_desc(keys)
+        sizes = []
+        for key in keys:
+            memory = [r for r in found.get(key, ()) if r.is_memory_replica()]
+            if memory:
+                sizes.append(int(memory[0].get_memory_descriptor().buffer_descriptor.size))
+            else:  # absent, or only on disk: ask for the size directly
+                sizes.append(int(self._client.get_size(key)) if key in found else 0)
+        return sizes
 
     def _exist(self, keys: list[str]) -> list[int]:
         if len(keys) == 1:

@@ -4,7 +4,7 @@ Moves ``--blocks`` blocks of one MLA layer (``128 tokens x 576 x bf16`` = 144 Ki
 in one run and reports GB/s and microseconds per block side by side:
 
 * ``copy baseline``: ``dst[i].copy_(src[i])`` into a preallocated buffer — the floor any store pays;
-* ``local put`` / ``local get`` / ``local batch_get``: the embedded store with room for every block;
+* ``local put`` / ``batch_put`` / ``get`` / ``batch_get``: the embedded store with room for every block;
 * ``local get x2 threads``: two threads reading disjoint halves (the copies run outside the lock);
 * ``local put, evicting``: the store holds half the blocks, so every put evicts;
 * ``mooncake batch_put`` / ``mooncake batch_get``: loopback TCP master, if the package is installed.
@@ -42,7 +42,14 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=512)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--no-mooncake", action="store_true")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="intra-op threads (1: no OpenMP fan-out per 144 KiB copy)",
+    )
     args = parser.parse_args()
+    torch.set_num_threads(args.torch_threads)
 
     n = args.blocks
     src = torch.randn(n, *BLOCK_SHAPE).to(DTYPE)
@@ -92,6 +99,7 @@ def main() -> None:
     cases: list[tuple[str, Callable[[], None]]] = [
         ("copy baseline", copy_baseline),
         ("local put", put_all),
+        ("local batch_put", lambda: store.batch_put(keys, list(src.unbind(0)))),
         ("local get", get_all),
         ("local batch_get", batch_get_all),
         ("local get x2 threads", get_two_threads),
@@ -136,7 +144,7 @@ def main() -> None:
     base = results["copy baseline"]
     rows = []
     print(
-        f"\n{n} blocks of {block_bytes} bytes ({total / 2**20:.0f} MiB), best of {args.repeat} interleaved rounds; mooncake: {mooncake_note}"
+        f"\n{n} blocks of {block_bytes} bytes ({total / 2**20:.0f} MiB), best of {args.repeat} interleaved rounds, {args.torch_threads} torch thread(s); mooncake: {mooncake_note}"
     )
     print(f"{'path':<24}{'GB/s':>8}{'us/block':>10}{'x baseline':>12}")
     for name, secs in results.items():

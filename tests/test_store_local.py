@@ -250,6 +250,23 @@ def test_batch_ops() -> None:
     assert store.get("d", out) and torch.equal(out, torch.ones(2))
 
 
+def test_batch_put_larger_than_capacity_matches_sequential_puts() -> None:
+    vals = [torch.full((4,), float(i)) for i in range(10)]
+    keys = [f"k{i}" for i in range(10)]
+    batched, sequential = LocalKVStore(64), LocalKVStore(64)
+    batched.put("old", torch.zeros(4))
+    sequential.put("old", torch.zeros(4))
+    batched.batch_put(keys, vals)
+    for k, v in zip(keys, vals, strict=True):
+        sequential.put(k, v)
+    assert batched.lru_keys() == sequential.lru_keys() == keys[-4:]
+    assert batched.counters.snapshot() == sequential.counters.snapshot()
+    for k, v in zip(keys[-4:], vals[-4:], strict=True):
+        out = torch.empty(4)
+        assert batched.get(k, out) and torch.equal(out, v)
+    _check_invariants(batched)
+
+
 def test_alignment_pads_and_counts_against_capacity() -> None:
     store = LocalKVStore(200, alignment=64)
     store.put("a", torch.zeros(10, dtype=torch.uint8))
@@ -351,10 +368,17 @@ def test_concurrent_put_get_no_torn_reads() -> None:
         out = torch.empty(n_elems, dtype=torch.int32)
         for _ in range(iters):
             key = f"k{rng.randrange(12)}"
-            if rng.random() < 0.5:
+            op = rng.random()
+            if op < 0.35:
                 # every value is one constant derived from (key, writer): a torn read mixes constants
                 tag = int(key[1:]) * 1000 + tid
                 store.put(key, torch.full((n_elems,), tag, dtype=torch.int32))
+            elif op < 0.5:
+                key2 = f"k{rng.randrange(12)}"
+                store.batch_put(
+                    [key, key2],
+                    [torch.full((n_elems,), int(k[1:]) * 1000 + tid, dtype=torch.int32) for k in (key, key2)],
+                )
             elif store.get(key, out):
                 first = int(out[0])
                 if not bool((out == first).all()) or first // 1000 != int(key[1:]):

@@ -181,48 +181,81 @@ class LocalKVStore(KVStore):
     def put(self, key: str, value: torch.Tensor) -> None:
         check_key("LocalKVStore.put", key)
         check_host_tensor("LocalKVStore.put", "value", value)
-        nbytes = value.nbytes
-        if nbytes > self.capacity_bytes:
+        self._check_fits("put", value)
+        self._put_items("put", [(key, value)])
+
+    def batch_put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> None:
+        """Like ``put`` per pair (a later duplicate key wins), with one lock round trip per round.
+
+        Every argument is validated before anything is stored.
+        """
+        self._check_batch("LocalKVStore.batch_put", keys, values, "values")
+        for value in values:
+            self._check_fits("batch_put", value)
+        last = {key: i for i, key in enumerate(keys)}
+        self._put_items("batch_put", [(key, values[i]) for key, i in last.items()])
+
+    def _check_fits(self, fn: str, value: torch.Tensor) -> None:
+        if value.nbytes > self.capacity_bytes:
             raise ValueError(
-                f"LocalKVStore.put: value of {nbytes} bytes does not fit in a store of {self.capacity_bytes} bytes"
+                f"LocalKVStore.{fn}: value of {value.nbytes} bytes does not fit in a store of "
+                f"{self.capacity_bytes} bytes"
             )
-        src = tensor_bytes(value)
+
+    def _put_items(self, fn: str, items: list[tuple[str, torch.Tensor]]) -> None:
+        pos = 0
+        while pos < len(items):
+            pos = self._put_round(fn, items, pos)
+
+    def _put_round(self, fn: str, items: list[tuple[str, torch.Tensor]], pos: int) -> int:
+        """Allocate regions for ``items[pos:]`` (as many as can be had without waiting once some are
+        held), copy outside the lock, publish; return the position reached."""
+        pending: list[tuple[_Entry, torch.Tensor]] = []
         waited = False
         with self._cond:
-            arena = self._check_open("put")
-            old = self._index.pop(key, None)
-            if old is not None:
-                self._retire(old)
-            while True:
+            arena = self._check_open(fn)
+            while pos < len(items):
+                key, value = items[pos]
+                nbytes = value.nbytes
+                old = self._index.pop(key, None)
+                if old is not None:
+                    self._retire(old)
                 region = self._allocate(nbytes)
-                if region is not None:
-                    break
-                if self._evict_one():
+                while region is None and self._evict_one():
+                    region = self._allocate(nbytes)
+                if region is None:
+                    if pending:
+                        break  # publish this round first: its regions are not evictable while written
+                    waited = True  # every held byte is being read or written right now
+                    self._cond.wait()
+                    arena = self._check_open(fn)
                     continue
-                waited = True  # every held byte is being read or written right now
-                self._cond.wait()
-                arena = self._check_open("put")
-            entry = _Entry(key, region[0], region[1], nbytes)
+                pending.append((_Entry(key, region[0], region[1], nbytes), value))
+                pos += 1
         if waited:
             self.counters.add("put_waits")
         try:
-            if nbytes:
-                arena[entry.offset : entry.offset + nbytes].copy_(src)
+            for entry, value in pending:
+                if entry.nbytes:
+                    arena[entry.offset : entry.offset + entry.nbytes].copy_(tensor_bytes(value))
         except BaseException:
             with self._cond:
-                self._release_region(entry.offset, entry.reserved)
+                for entry, _ in pending:
+                    self._release_region(entry.offset, entry.reserved)
             raise
         with self._cond:
             if self._closed:
-                raise StoreClosedError("LocalKVStore.put: the store was closed during the put")
-            racing = self._index.pop(key, None)  # a concurrent put of the same key published first
-            if racing is not None:
-                self._retire(racing)
-            self._index[key] = entry
-            self._stored += nbytes
-            self._cond.notify_all()  # a new evictable entry
-        self.counters.add("puts")
-        self.counters.add("bytes_put", nbytes)
+                raise StoreClosedError(f"LocalKVStore.{fn}: the store was closed during the put")
+            for entry, _ in pending:
+                racing = self._index.pop(entry.key, None)  # a concurrent put of the same key published first
+                if racing is not None:
+                    self._retire(racing)
+                self._index[entry.key] = entry
+                self._stored += entry.nbytes
+            self._cond.notify_all()  # new evictable entries
+        self.counters.add("puts", len(pending))
+        self.counters.add("bytes_put", sum(entry.nbytes for entry, _ in pending))
+        return pos
 
     def _pin(self, fn: str, keys: Sequence[str], outs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list]:
         """Look up, size-check, then pin and refresh every hit — all or nothing. Lock held."""

@@ -268,6 +268,20 @@ def kvpp_worker(
     spec = cfg.bundle()
     num_blocks = blocks_needed(cfg, script) + options.get("extra_blocks", 0)
     name = f"toy-kvpp-{rank}"
+    mismatch = ""
+    if options.get("mismatch_check"):  # ranks with different block counts must refuse to run
+        bad = build_kvpp_runtime(
+            group,
+            dict.fromkeys(layers, spec),
+            0,
+            draft_bundles=dict.fromkeys(drafts, spec),
+            num_blocks=num_blocks + group.local_rank,
+        )
+        try:
+            bad.scheduler.schedule_forward(False)
+        except RuntimeError as exc:
+            mismatch = str(exc)
+        bad.close()
     rt = build_kvpp_runtime(
         group,
         dict.fromkeys(layers, spec),
@@ -340,6 +354,7 @@ def kvpp_worker(
         "elapsed": elapsed,
         "wait_seconds": wait_seconds,
         "cfg": asdict(cfg),
+        "mismatch": mismatch,
     }
     if options.get("fail_target") is not None:  # index among this stage's target layers
         result["fail_layer"] = rt.plan.target_layers[options["fail_target"]]
@@ -402,3 +417,10 @@ def _failure_check(rt, fail_layer: int, group) -> dict:
         "submitted_after": list(transport.submitted),
         "later_error": later_error,
     }
+
+
+def kvpp_jobs_worker(rank: int, world: int, jobs: list[tuple]) -> None:
+    """Run several :func:`kvpp_worker` jobs ``(cfg_dict, tp, pp, out_path, options)`` in one set of
+    processes (each job creates its own KVPP groups), saving process start-up time."""
+    for cfg_dict, tp, pp, out_path, options in jobs:
+        kvpp_worker(rank, world, cfg_dict, tp, pp, out_path, options)

@@ -51,7 +51,22 @@ def _entry(
 def spawn_local(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, pg_timeout: float = 60.0
 ) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo processes; raise on any failure."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo processes; raise on any failure.
+
+    The free port is picked before the processes bind it; if another process took it meanwhile, the run
+    is retried once on a new port.
+    """
+    try:
+        _spawn_once(fn, world_size, args, timeout, pg_timeout)
+    except RuntimeError as exc:
+        if "address already in use" not in str(exc).lower():
+            raise
+        _spawn_once(fn, world_size, args, timeout, pg_timeout)
+
+
+def _spawn_once(
+    fn: Callable[..., Any], world_size: int, args: tuple, timeout: float, pg_timeout: float
+) -> None:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")

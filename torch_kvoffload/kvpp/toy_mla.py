@@ -293,7 +293,6 @@ def kvpp_worker(
     )
     sched = rt.scheduler
     broadcasts_per_step: list[float] = []
-    wait_seconds = 0.0
 
     def hook(layer: int, views: dict[str, torch.Tensor]) -> None:
         kvpp_wait_layer(name, layer, list(views.values()))

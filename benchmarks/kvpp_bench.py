@@ -8,7 +8,10 @@
 2. Overlap: a 2-process gloo run (loopback) of a toy MLA stack decoding with long histories. Per decode
    step, side by side in one run: the compute-only step (no broadcast), the step with KVPP one-layer-ahead
    prefetch, and the same broadcasts issued back to back without compute. Hidden fraction
-   = 1 − (time the compute thread waited for broadcasts) / (serial broadcast time).
+   = 1 − (time the compute thread waited for broadcasts) / (serial broadcast time). The first layer's
+   broadcast has no compute before it in the forward, so with L layers at most (L − 1) / L can hide; and a
+   wait also covers the skew between ranks (a broadcast completes only when both ranks joined it), which
+   on a loaded machine with fewer cores than busy threads can exceed the transfer itself.
 
 Prints tables and writes ``benchmarks/results/kvpp_bench.json``.
 """

@@ -183,3 +183,36 @@ def test_registration_by_name() -> None:
         KVPPScheduler(small_allocation(), RecordingTransport(), name="sched-test-reg")
     sched.close()
     assert "sched-test-reg" not in registered_schedulers()
+
+
+def test_wait_timeout_keeps_the_broadcast_pending() -> None:
+    alloc = small_allocation()
+    transport = RecordingTransport()
+    sched = KVPPScheduler(alloc, transport, wait_timeout=0.05)
+    transport.gate.clear()
+    sched.schedule_forward(True)
+    with pytest.raises(TimeoutError):
+        sched.wait_for_layer(0)
+    assert sched.pending_layer == 0 and sched.failed is None  # a collective in flight cannot be dropped
+    transport.gate.set()
+    for layer in range(5):
+        sched.wait_for_layer(layer)
+    sched.complete_forward()
+    sched.close()
+
+
+def test_transport_argument_checks() -> None:
+    from torch_kvoffload.kvpp import BroadcastTransport, KVPPGroup, create_kvpp_group
+
+    with pytest.raises(ValueError, match="needs a process group"):
+        BroadcastTransport(KVPPGroup((0, 1), 0, 0))
+    single = BroadcastTransport(KVPPGroup((3,), 0, 0))
+    with pytest.raises(ValueError, match="contiguous 1-D uint8"):
+        single.broadcast(0, torch.zeros(4), 0)
+    with pytest.raises(ValueError, match="owner id 1 out of range"):
+        single.broadcast(0, torch.zeros(4, dtype=torch.uint8), 1)
+    single.broadcast(0, torch.zeros(4, dtype=torch.uint8), 0).wait(5)  # a group of one: nothing to move
+    assert single.all_gather_object({"a": 1}) == [{"a": 1}]
+    single.close()
+    with pytest.raises(RuntimeError, match="not initialised"):
+        create_kvpp_group(1, 1, 1, 2, torch.device("cpu"))

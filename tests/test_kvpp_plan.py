@@ -335,3 +335,37 @@ def test_allocation_errors() -> None:
         KVPPAllocation(plan, specs, 3, "cpu", {7: specs[0]})
     with pytest.raises(ValueError, match="num_blocks"):
         KVPPAllocation(plan, specs, 0)
+
+
+def test_build_runtime_on_a_group_of_one() -> None:
+    from torch_kvoffload.kvpp import KVPPGroup, build_kvpp_runtime
+
+    spec = BundleSpec.mla(4, 16, 8, torch.float32, index_dim=8)
+    group = KVPPGroup((0,), 0, 0)
+    available = 3 * SCRATCH_ALIGNMENT
+    rt = build_kvpp_runtime(group, dict.fromkeys(range(3), spec), available, draft_bundles={3: spec})
+    plan = KVPPPlan(
+        dict.fromkeys(range(3), spec.bytes_per_block), dict.fromkeys(range(3), 0), 0, spec.bytes_per_block
+    )
+    assert rt.allocation.num_blocks == plan.num_blocks(available) > 0
+    assert rt.allocation.scratch_bytes == 0  # the only rank owns every layer
+    assert rt.allocation.allocated_bytes <= available
+    rt.scheduler.schedule_forward(True)
+    for layer in range(4):
+        rt.scheduler.wait_for_layer(layer)
+    rt.scheduler.complete_forward()
+    assert rt.scheduler.counters.get("broadcasts") == 3
+    rt.close()
+    with pytest.raises(ValueError, match="hold no block"):
+        build_kvpp_runtime(group, dict.fromkeys(range(3), spec), 100)
+
+
+def test_group_local_ids_map_to_global_ranks() -> None:
+    from torch_kvoffload.kvpp import KVPPGroup, kvpp_size
+
+    assert kvpp_size(2, 4) == 8
+    g = KVPPGroup((4, 5, 6, 7), 2, 1)
+    assert [g.global_rank(i) for i in range(4)] == [4, 5, 6, 7]
+    assert g.size == 4
+    with pytest.raises(ValueError, match="owner id 4"):
+        g.global_rank(4)

@@ -143,6 +143,12 @@ class KVPPScheduler:
         event = self.transport.broadcast(layer, span, self.plan.owners[layer], after=[record_compute_event()])
         self._pending = (layer, event)
         self._next = index + 1
+        logger.debug(
+            "KVPP broadcast of layer %d (%d bytes) from owner %d",
+            layer,
+            span.numel(),
+            self.plan.owners[layer],
+        )
         self.counters.add("broadcasts")
         self.counters.add("bytes_broadcast", span.numel())
 

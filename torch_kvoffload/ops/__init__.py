@@ -4,7 +4,7 @@ Importing this package defines every op (one module per op family) and then load
 whose ``TORCH_LIBRARY_IMPL`` blocks register the CPU kernels.
 """
 
-from torch_kvoffload.ops import copy
+from torch_kvoffload.ops import copy, kvpp
 from torch_kvoffload.ops._registry import (
     OpInfo,
     format_registered_ops,
@@ -14,6 +14,7 @@ from torch_kvoffload.ops._registry import (
     registered_ops,
 )
 from torch_kvoffload.ops.copy import copy_blocks, copy_rows
+from torch_kvoffload.ops.kvpp import kvpp_prefetch_layer, kvpp_wait_layer
 
 from torch_kvoffload._extension import load_extension as _load_extension  # isort: skip
 
@@ -26,6 +27,9 @@ __all__ = [
     "copy_rows",
     "format_registered_ops",
     "has_kernel",
+    "kvpp",
+    "kvpp_prefetch_layer",
+    "kvpp_wait_layer",
     "reference_kernel",
     "register_device_kernel",
     "registered_ops",

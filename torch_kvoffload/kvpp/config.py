@@ -1,0 +1,113 @@
+"""KVPP configuration: the switch, the replication domain (TP × PCP) and the deployment limits.
+
+KVPP is enabled with ``enable_kvpp`` (a lax boolean: ``true``, ``"False"``, ``1`` ...). The group size is
+``tp_size * pcp_size`` — the domain over which MLA KV is replicated — and a size of 1 means off. The other
+fields describe the deployment so that combinations KVPP cannot serve are rejected when the model is built,
+each with its own message, instead of failing (or silently mis-serving) at run time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from torch_kvoffload.config import ConfigModel, parse_lax_bool
+
+__all__ = ["KVPPConfig"]
+
+_GRAPH_MODES_OK = ("eager", "piecewise")
+_ATTENTION_OK = ("mla", "sfa")
+_SPEC_METHODS_OK = ("mtp", "dspark")
+_KV_ROLES = ("none", "kv_producer", "kv_consumer", "kv_both")
+
+
+class KVPPConfig(ConfigModel):
+    """KV layer parallelism inside a TP (× PCP) group.
+
+    Fields
+    ------
+    enable_kvpp : lax bool, default False.
+    tp_size, pcp_size : tensor- and prefill-context-parallel sizes (≥ 1); ``size = tp_size * pcp_size``.
+    dcp_size : decode-context-parallel size; must be 1 with KVPP.
+    graph_mode : ``"eager"`` or ``"piecewise"`` with KVPP (``"full"``, ``"full_and_piecewise"`` rejected).
+    attention : ``"mla"`` or ``"sfa"`` (MLA with a lightning indexer) with KVPP; anything else rejected.
+    hybrid_model : a model mixing attention kinds (e.g. MLA + linear / sliding window); rejected with KVPP.
+    speculative_method : ``None``, ``"mtp"`` or ``"dspark"`` with KVPP.
+    num_speculative_tokens : fixed draft length (≥ 0).
+    dynamic_speculative_tokens : a variable draft length (adaptive verification); rejected with KVPP.
+    kv_role : P/D role: ``"none"`` (joint), ``"kv_producer"`` (prefill), ``"kv_both"``, ``"kv_consumer"``
+        (decode-only node — rejected with KVPP).
+    """
+
+    enable_kvpp: bool = False
+    tp_size: int = Field(default=1, ge=1)
+    pcp_size: int = Field(default=1, ge=1)
+    dcp_size: int = Field(default=1, ge=1)
+    graph_mode: str = "eager"
+    attention: str = "mla"
+    hybrid_model: bool = False
+    speculative_method: str | None = None
+    num_speculative_tokens: int = Field(default=0, ge=0)
+    dynamic_speculative_tokens: bool = False
+    kv_role: str = "none"
+
+    @field_validator("enable_kvpp", "hybrid_model", "dynamic_speculative_tokens", mode="before")
+    @classmethod
+    def _lax_bool(cls, value: Any, info: Any) -> bool:
+        return parse_lax_bool(info.field_name, value)
+
+    @field_validator("graph_mode", "attention", "kv_role", mode="before")
+    @classmethod
+    def _lower(cls, value: Any, info: Any) -> Any:
+        if not isinstance(value, str):
+            raise ValueError(f"{info.field_name}: expected a string, got {value!r}")
+        return value.strip().lower()
+
+    @field_validator("kv_role")
+    @classmethod
+    def _known_role(cls, value: str) -> str:
+        if value not in _KV_ROLES:
+            raise ValueError(f"kv_role: expected one of {list(_KV_ROLES)}, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _kvpp_limits(self) -> KVPPConfig:
+        if not self.enable_kvpp:
+            return self
+        if self.dcp_size != 1:
+            raise ValueError(f"KVPP and DCP cannot be enabled at the same time (dcp_size={self.dcp_size})")
+        if self.graph_mode not in _GRAPH_MODES_OK:
+            raise ValueError(
+                f"KVPP supports eager execution or piecewise graphs only, got graph_mode={self.graph_mode!r}"
+            )
+        if self.attention not in _ATTENTION_OK:
+            raise ValueError(f"KVPP supports only MLA / SFA models, got attention={self.attention!r}")
+        if self.hybrid_model:
+            raise ValueError("KVPP supports only non-hybrid MLA models, got hybrid_model=True")
+        if self.speculative_method is not None:
+            if self.speculative_method.lower() not in _SPEC_METHODS_OK:
+                raise ValueError(
+                    "KVPP supports speculative decoding only with a fixed number of tokens "
+                    f"(methods {list(_SPEC_METHODS_OK)}), got speculative_method={self.speculative_method!r}"
+                )
+            if self.dynamic_speculative_tokens:
+                raise ValueError(
+                    "KVPP supports only a fixed number of speculative tokens, "
+                    "got dynamic_speculative_tokens=True"
+                )
+        if self.kv_role == "kv_consumer":
+            raise ValueError(
+                "KVPP must be disabled on the decode-only node of a P/D deployment (kv_consumer)"
+            )
+        return self
+
+    @property
+    def size(self) -> int:
+        """KVPP group size: ``tp_size * pcp_size`` when enabled, else 1 (1 = off)."""
+        return self.tp_size * self.pcp_size if self.enable_kvpp else 1
+
+    @property
+    def active(self) -> bool:
+        """Whether KVPP actually shards the cache (enabled and a group larger than one rank)."""
+        return self.size > 1

@@ -1,0 +1,88 @@
+"""Broadcast of a layer bundle from its owner to the rest of the KVPP group.
+
+One broadcast moves one contiguous ``uint8`` span (the bundle) with ``torch.distributed.broadcast`` on the
+dedicated KVPP process group (gloo on CPU, nccl on CUDA, hccl on Ascend). It runs on the device layer's
+:class:`~torch_kvoffload.device.TransferStream` — a worker thread on CPU, a side stream on an accelerator —
+ordered after the given events (the compute that last read the destination). The returned event completes
+when the transfer finished, including the owner's reads of its source: on CPU gloo returns only then; on
+an accelerator the stream waits on the collective's work and an event is recorded after it.
+
+Collectives of one group must be issued in the same order on every rank; all KVPP broadcasts of a rank go
+through its one transfer stream, in layer order, so that holds as long as every rank schedules the same
+forwards.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from torch_kvoffload.device import TransferEvent, TransferStream
+from torch_kvoffload.kvpp.groups import KVPPGroup
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BroadcastTransport"]
+
+
+class BroadcastTransport:
+    """Owner → peers broadcast of bundle spans inside one :class:`KVPPGroup`.
+
+    ``stream`` defaults to a new :class:`TransferStream` named ``kvpp-prefetch`` on ``device``; it is
+    closed by :meth:`close` only if this object created it.
+    """
+
+    def __init__(
+        self, group: KVPPGroup, device: torch.device | str = "cpu", stream: TransferStream | None = None
+    ) -> None:
+        if group.size > 1 and group.process_group is None:
+            raise ValueError("BroadcastTransport: a group of more than one rank needs a process group")
+        self.group = group
+        self.device = torch.device(device)
+        self._own_stream = stream is None
+        self.stream = stream if stream is not None else TransferStream("kvpp-prefetch", self.device)
+
+    @property
+    def rank(self) -> int:
+        return self.group.local_rank
+
+    def _broadcast(self, layer: int, span: torch.Tensor, src: int) -> None:
+        import torch.distributed as dist
+
+        work = dist.broadcast(span, src=src, group=self.group.process_group, async_op=True)
+        work.wait()
+
+    def broadcast(
+        self, layer: int, span: torch.Tensor, owner: int, after: Sequence[TransferEvent] = ()
+    ) -> TransferEvent:
+        """Broadcast ``span`` (``uint8 [bytes]``, contiguous) from group-local ``owner`` to every peer.
+
+        Every rank of the group calls this for the same layers in the same order: the owner's span is the
+        source, the others' spans are overwritten.
+        """
+        if span.dtype != torch.uint8 or span.dim() != 1 or not span.is_contiguous():
+            raise ValueError(
+                f"BroadcastTransport.broadcast: argument 'span' must be a contiguous 1-D uint8 tensor, "
+                f"got {span.dtype} {list(span.shape)} contiguous={span.is_contiguous()}"
+            )
+        src = self.group.global_rank(owner)
+        if self.group.size == 1:
+            return self.stream.submit(lambda: None, after=after)
+        return self.stream.submit(self._broadcast, layer, span, src, after=after)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Gather a picklable object from every rank of the group (main thread, no broadcast in flight)."""
+        if self.group.size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.group.size
+        dist.all_gather_object(out, obj, group=self.group.process_group)
+        return out
+
+    def close(self) -> None:
+        if self._own_stream:
+            self.stream.close()

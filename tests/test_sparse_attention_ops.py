@@ -31,7 +31,9 @@ def _sparse_case(t, h, dc, dr, n, k, dtype, *, pad: float = 0.2, dup: bool = Tru
     q_pe = torch.randn(t, h, dr).to(dtype)
     kv_c = torch.randn(n, dc).to(dtype)
     k_pe = torch.randn(n, dr).to(dtype)
-    idx = torch.randint(0, max(n, 1), (t, k)) if dup else torch.stack([torch.randperm(n)[:k] for _ in range(t)])
+    idx = (
+        torch.randint(0, max(n, 1), (t, k)) if dup else torch.stack([torch.randperm(n)[:k] for _ in range(t)])
+    )
     idx = torch.where(torch.rand(t, k) < pad, -1, idx).to(torch.int32) if n else torch.full((t, k), -1)
     return q_nope, q_pe, kv_c, k_pe, idx.to(torch.int32)
 
@@ -114,7 +116,10 @@ def test_rows_without_valid_index(dtype) -> None:
         assert bool((out[1] == 0).all()) and bool((lse[1] == -math.inf).all())
         assert bool(torch.isfinite(lse[0]).all()) and bool(torch.isfinite(out).all())
     # K = 0 and N = 0
-    for kv, pe, ix in [(kv_c, k_pe, idx[:, :0]), (kv_c[:0], k_pe[:0], torch.full((3, 2), -1, dtype=torch.int32))]:
+    for kv, pe, ix in [
+        (kv_c, k_pe, idx[:, :0]),
+        (kv_c[:0], k_pe[:0], torch.full((3, 2), -1, dtype=torch.int32)),
+    ]:
         out, lse = sparse_mla_attention(q_nope, q_pe, kv, pe, ix, 0.2)
         assert bool((out == 0).all()) and bool((lse == -math.inf).all())
 
@@ -128,7 +133,9 @@ def test_empty_tokens_and_strided_rows() -> None:
     cache = torch.randn(10, 24)
     kv_c, k_pe = cache[:, :16], cache[:, 16:]
     out, lse = sparse_mla_attention(q_nope, q_pe, kv_c, k_pe, idx, 0.2)
-    ref = reference_kernel("sparse_mla_attention")(q_nope, q_pe, kv_c.contiguous(), k_pe.contiguous(), idx, 0.2)
+    ref = reference_kernel("sparse_mla_attention")(
+        q_nope, q_pe, kv_c.contiguous(), k_pe.contiguous(), idx, 0.2
+    )
     torch.testing.assert_close(out, ref[0])
     torch.testing.assert_close(lse, ref[1])
 
@@ -237,7 +244,9 @@ def test_copy_sfa_equals_copy_rows_then_sparse_attention(dtype, shape) -> None:
 
 
 def test_copy_sfa_production_shape_bf16() -> None:
-    c = _copy_sfa_case(2, 16, 512, 64, 4096, 2048, torch.bfloat16, block_size=128, blocks_per_row=64, miss_frac=0.1)
+    c = _copy_sfa_case(
+        2, 16, 512, 64, 4096, 2048, torch.bfloat16, block_size=128, blocks_per_row=64, miss_frac=0.1
+    )
     expected = _clone(c)
     _composed(expected)
     scatter_copy_sparse_mla_attention(**c)
@@ -263,7 +272,10 @@ def test_copy_sfa_ignores_entries_past_miss_count_and_strided_outputs() -> None:
 
 def _opcheck_cases():
     for dtype in DTYPES:
-        yield torch.ops.kvoffload.sparse_mla_attention.default, (*_sparse_case(3, 4, 32, 8, 20, 6, dtype), 0.1)
+        yield (
+            torch.ops.kvoffload.sparse_mla_attention.default,
+            (*_sparse_case(3, 4, 32, 8, 20, 6, dtype), 0.1),
+        )
         c = _copy_sfa_case(2, 4, 32, 8, 16, 8, dtype)
         yield torch.ops.kvoffload.scatter_copy_sparse_mla_attention.default, tuple(c.values())
 
@@ -328,7 +340,11 @@ def _sparse_error_cases():
 @pytest.mark.parametrize("case", _sparse_error_cases(), ids=lambda c: c[2][:40])
 def test_sparse_bad_input_raises(case, kernel: str) -> None:
     args, exc, fragment = case
-    fn = torch.ops.kvoffload.sparse_mla_attention if kernel == "dispatch" else reference_kernel("sparse_mla_attention")
+    fn = (
+        torch.ops.kvoffload.sparse_mla_attention
+        if kernel == "dispatch"
+        else reference_kernel("sparse_mla_attention")
+    )
     with pytest.raises(exc, match=f"kvoffload::sparse_mla_attention: .*{fragment}"):
         fn(*args)
 
@@ -358,15 +374,27 @@ def _copy_error_cases():
     return [
         (w(a=setitem("miss_tokens", (0, 1), 12)), IndexError, "'miss_tokens' entry \\[0, 1\\] is 12"),
         (w(a=setitem("miss_tokens", (1, 0), -1)), IndexError, "'miss_tokens' entry \\[1, 0\\] is -1"),
-        (w(a=setitem("block_table", (0, 2), nb)), IndexError, "'block_table' entry \\[0, 2\\] \\(block of miss"),
+        (
+            w(a=setitem("block_table", (0, 2), nb)),
+            IndexError,
+            "'block_table' entry \\[0, 2\\] \\(block of miss",
+        ),
         (w(a=setitem("miss_slots", (0, 1), 12)), IndexError, "'miss_slots' entry \\[0, 1\\] is 12"),
-        (w(a=setitem("miss_slots", (0, 1), 3)), ValueError, "'miss_slots' row 0 holds destination 3 more than once"),
+        (
+            w(a=setitem("miss_slots", (0, 1), 3)),
+            ValueError,
+            "'miss_slots' row 0 holds destination 3 more than once",
+        ),
         (w(a=setitem("miss_count", 2, 4)), ValueError, "'miss_count' entry 2 is 4"),
         (w(a=setitem("miss_count", 2, -1)), ValueError, "'miss_count' entry 2 is -1"),
         (w(a=setitem("slots", (2, 0), 12)), IndexError, "'slots' entry \\[2, 0\\] is 12"),
         (w(a=setitem("slots", (1, 1), -3)), IndexError, "'slots' entry \\[1, 1\\] is -3"),
         (w(slots=c["slots"].long()), TypeError, "'slots' must have dtype torch.int32"),
-        (w(miss_slots=c["miss_slots"][:, :1]), ValueError, "'miss_slots' must have the shape of 'miss_tokens'"),
+        (
+            w(miss_slots=c["miss_slots"][:, :1]),
+            ValueError,
+            "'miss_slots' must have the shape of 'miss_tokens'",
+        ),
         (w(block_table=c["block_table"][:2]), ValueError, "'block_table' must have 3 rows"),
         (w(hot_kv_c=c["hot_kv_c"][:2]), ValueError, "'hot_kv_c' and 'hot_k_pe' must have the same leading"),
         (w(hot_kv_c=c["hot_kv_c"].bfloat16()), TypeError, "'q_nope' and 'hot_kv_c' must have the same dtype"),

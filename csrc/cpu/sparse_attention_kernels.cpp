@@ -5,7 +5,7 @@
 // that stay in cache, scores for all heads of the group are computed with a register-tiled kernel
 // (4 heads x 2 rows per tile, the row loads shared by the heads), a vectorised exp gives the softmax, and
 // a second pass over the chunks accumulates p . kv_c (4 heads x 16 columns per tile). Everything
-// accumulates in fp32. The hot loops are compiled twice (AVX2+FMA and baseline x86-64) and picked at
+// accumulates in fp32. The hot loops are compiled twice (x86-64-v3 (AVX2, FMA) and baseline x86-64) and picked at
 // load time.
 
 #include "common.h"
@@ -222,7 +222,7 @@ struct Scratch {
 // Attention of heads [h0, h1) of one token. q_nope / q_pe point at the token's [H, Dc] / [H, Dr] rows
 // (contiguous), out at its [H, Dc] output row (contiguous), lse at its [H] row.
 template <typename T>
-__attribute__((target_clones("arch=haswell", "default"))) void attend_heads(
+__attribute__((target_clones("arch=x86-64-v3", "default"))) void attend_heads(
     const T* q_nope, const T* q_pe, RowSource<T> src, int64_t Dc, int64_t Dr, int64_t h0, int64_t h1,
     float scale, T* out, float* lse, Scratch& sc) {
   const int64_t G = h1 - h0;

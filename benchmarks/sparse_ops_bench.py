@@ -188,7 +188,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--rows", type=int, default=4, help="decode rows (requests) per step")
-    parser.add_argument("--miss", type=float, default=0.10, help="fraction of the top-k missing the hot buffer")
+    parser.add_argument(
+        "--miss", type=float, default=0.10, help="fraction of the top-k missing the hot buffer"
+    )
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--indexer-heads", type=int, default=64)
     parser.add_argument("--indexer-tokens", type=int, default=4)
@@ -201,32 +203,21 @@ def main() -> None:
             steps.append(decode_step_case(ctx, args.rows, args.miss, args.repeat, bar))
             agreement.append(indexer_agreement(ctx, args.indexer_tokens, args.indexer_heads, bar))
 
+    step_rows = [
+        [s["context"], s["copy_sfa_ms"], s["gather_torch_bf16_ms"], s["gather_torch_fp32_ms"], s["dense_fp32_ms"],
+         s["dense_over_copy_sfa"], s["gather_over_copy_sfa"]]
+        for s in steps
+    ]  # fmt: skip
+    agree_rows = [
+        [a["context"], a["heads"], a["top_k"], a["agreement_mean"], a["agreement_min"],
+         a["float_indexer_ms_per_token"], a["int8_indexer_ms_per_token"]]
+        for a in agreement
+    ]  # fmt: skip
     print("\nDecode step per layer (bf16, 16 heads, Dc 512, Dr 64, K 2048, C 4096), median ms:")
-    print(
-        table(
-            ["context", "copy_sfa", "gather bf16", "gather fp32", "dense fp32", "dense/csfa", "gather/csfa"],
-            [
-                [
-                    s["context"], s["copy_sfa_ms"], s["gather_torch_bf16_ms"], s["gather_torch_fp32_ms"],
-                    s["dense_fp32_ms"], s["dense_over_copy_sfa"], s["gather_over_copy_sfa"],
-                ]
-                for s in steps
-            ],
-        )  # fmt: skip
-    )
+    headers = ["context", "copy_sfa", "gather bf16", "gather fp32", "dense fp32", "dense/csfa", "gather/csfa"]
+    print(table(headers, step_rows))
     print("\nIndexer top-k set agreement, int8 vs fp32 (random data):")
-    print(
-        table(
-            ["context", "heads", "top_k", "mean", "min", "fp32 ms/tok", "int8 ms/tok"],
-            [
-                [
-                    a["context"], a["heads"], a["top_k"], a["agreement_mean"], a["agreement_min"],
-                    a["float_indexer_ms_per_token"], a["int8_indexer_ms_per_token"],
-                ]
-                for a in agreement
-            ],
-        )  # fmt: skip
-    )
+    print(table(["context", "heads", "top_k", "mean", "min", "fp32 ms/tok", "int8 ms/tok"], agree_rows))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "machine": {

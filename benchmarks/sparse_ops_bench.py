@@ -167,10 +167,16 @@ def indexer_agreement(context: int, tokens: int, heads: int, bar: tqdm) -> dict[
     got = quant_lightning_indexer(qi, qs, w, ki, ks, table, cu, lens, TOPK)
     t_float = best_of(2, lambda: lightning_indexer(q, w, k, table, cu, lens, TOPK))
     t_int8 = best_of(2, lambda: quant_lightning_indexer(qi, qs, w, ki, ks, table, cu, lens, TOPK))
-    per_token = []
-    for a, b in zip(ref.tolist(), got.tolist(), strict=True):
-        valid = {x for x in a if x >= 0}
-        per_token.append(len(valid & set(b)) / max(1, len(valid)))
+    ref_bf16 = lightning_indexer(q.bfloat16(), w, k.bfloat16(), table, cu, lens, TOPK)
+
+    def agree(a: torch.Tensor, b: torch.Tensor) -> list[float]:
+        out = []
+        for x, y in zip(a.tolist(), b.tolist(), strict=True):
+            valid = {v for v in x if v >= 0}
+            out.append(len(valid & set(y)) / max(1, len(valid)))
+        return out
+
+    per_token = agree(ref, got)
     bar.update(1)
     return {
         "context": context,
@@ -179,6 +185,8 @@ def indexer_agreement(context: int, tokens: int, heads: int, bar: tqdm) -> dict[
         "top_k": TOPK,
         "agreement_mean": statistics.mean(per_token),
         "agreement_min": min(per_token),
+        "bf16_vs_fp32_agreement_mean": statistics.mean(agree(ref, ref_bf16)),
+        "int8_vs_bf16_agreement_mean": statistics.mean(agree(ref_bf16, got)),
         "float_indexer_ms_per_token": t_float * 1e3 / tokens,
         "int8_indexer_ms_per_token": t_int8 * 1e3 / tokens,
     }
@@ -218,14 +226,26 @@ def main() -> None:
     ]  # fmt: skip
     agree_rows = [
         [a["context"], a["heads"], a["top_k"], a["agreement_mean"], a["agreement_min"],
-         a["float_indexer_ms_per_token"], a["int8_indexer_ms_per_token"]]
+         a["bf16_vs_fp32_agreement_mean"], a["int8_vs_bf16_agreement_mean"], a["float_indexer_ms_per_token"],
+         a["int8_indexer_ms_per_token"]]
         for a in agreement
     ]  # fmt: skip
     print("\nDecode step per layer (bf16, 16 heads, Dc 512, Dr 64, K 2048, C 4096), median ms:")
     headers = ["context", "copy_sfa", "gather bf16", "gather fp32", "dense fp32", "dense/csfa", "gather/csfa"]
     print(table(headers, step_rows))
-    print("\nIndexer top-k set agreement, int8 vs fp32 (random data):")
-    print(table(["context", "heads", "top_k", "mean", "min", "fp32 ms/tok", "int8 ms/tok"], agree_rows))
+    print("\nIndexer top-k set agreement (share of positions both select; random data):")
+    headers = [
+        "context",
+        "heads",
+        "top_k",
+        "int8~fp32",
+        "min",
+        "bf16~fp32",
+        "int8~bf16",
+        "fp32 ms/tok",
+        "int8 ms/tok",
+    ]
+    print(table(headers, agree_rows))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "machine": {

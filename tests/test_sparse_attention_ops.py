@@ -267,6 +267,21 @@ def test_copy_sfa_ignores_entries_past_miss_count_and_strided_outputs() -> None:
     assert torch.equal(got["out"], expected["out"]) and torch.equal(got["hot_kv_c"], expected["hot_kv_c"])
 
 
+@pytest.mark.parametrize("kernel", ["dispatch", "reference"])
+def test_copy_sfa_output_sharing_memory_with_queries(kernel: str) -> None:
+    """``out`` may be the query buffer itself (written in place): queries are read as before the call."""
+    name = "scatter_copy_sparse_mla_attention"
+    fn = getattr(torch.ops.kvoffload, name) if kernel == "dispatch" else reference_kernel(name)
+    c = _copy_sfa_case(3, 4, 32, 8, 16, 12, torch.float32)
+    expected = _clone(c)
+    fn(*expected.values())
+    got = _clone(c)
+    got["out"] = got["q_nope"]  # same tensor as input and output
+    fn(*got.values())
+    assert torch.equal(got["q_nope"], expected["out"])
+    assert torch.equal(got["lse"], expected["lse"])
+
+
 # ------------------------------------------------------------------------------------ opcheck / compile
 
 

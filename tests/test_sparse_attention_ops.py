@@ -282,6 +282,22 @@ def test_copy_sfa_output_sharing_memory_with_queries(kernel: str) -> None:
     assert torch.equal(got["lse"], expected["lse"])
 
 
+def test_copy_sfa_host_pool_may_live_on_another_device() -> None:
+    """The host pool (and the index tensors) may sit on another device than the hot buffers: checked on
+    meta hot buffers / queries with a CPU pool (the accelerator case: pinned host pool, device hot buffers)."""
+    c = _copy_sfa_case(2, 4, 16, 8, 8, 4, torch.float32)
+    on_meta = {"q_nope", "q_pe", "hot_kv_c", "hot_k_pe", "slots", "out", "lse"}
+    meta = {k: v.to("meta") if k in on_meta else v for k, v in c.items()}
+    torch.ops.kvoffload.scatter_copy_sparse_mla_attention(*meta.values())  # structure accepted
+    meta["host_k_pe"] = meta["host_k_pe"].to("meta")
+    with pytest.raises(ValueError, match="'host_k_pe' must be on cpu \\(as 'host_kv_c'\\)"):
+        torch.ops.kvoffload.scatter_copy_sparse_mla_attention(*meta.values())
+    meta["host_k_pe"] = c["host_k_pe"]
+    meta["out"] = c["out"]
+    with pytest.raises(ValueError, match="'out' must be on meta"):
+        torch.ops.kvoffload.scatter_copy_sparse_mla_attention(*meta.values())
+
+
 # ------------------------------------------------------------------------------------ opcheck / compile
 
 

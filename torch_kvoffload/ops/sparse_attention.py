@@ -240,15 +240,17 @@ def _copy_sfa_structure(
         _checks.fail(
             op, f"argument 'lse' must have shape {list(q_nope.shape[:2])} ([R, H]), got {list(lse.shape)}"
         )
+    # The host pool is read where it lives (e.g. pinned CPU memory while the hot buffers sit on the
+    # accelerator); the small index tensors may be on either side.
     _check_devices(
         op,
         q_nope,
-        {
-            "q_pe": q_pe, "host_kv_c": host_kv_c, "host_k_pe": host_k_pe, "block_table": block_table,
-            "hot_kv_c": hot_kv_c, "hot_k_pe": hot_k_pe, "miss_tokens": miss_tokens, "miss_slots": miss_slots,
-            "miss_count": miss_count, "slots": slots, "out": out, "lse": lse,
-        },
-    )  # fmt: skip
+        {"q_pe": q_pe, "hot_kv_c": hot_kv_c, "hot_k_pe": hot_k_pe, "slots": slots, "out": out, "lse": lse},
+    )
+    if host_k_pe.device != host_kv_c.device:
+        _checks.fail(
+            op, f"argument 'host_k_pe' must be on {host_kv_c.device} (as 'host_kv_c'), got {host_k_pe.device}"
+        )
 
 
 def copy_sfa_miss_slots(
@@ -395,7 +397,8 @@ def scatter_copy_sparse_mla_attention(
     q_nope, q_pe : Tensor
         ``[R, H, Dc]`` / ``[R, H, Dr]``, fp32 or bf16.
     host_kv_c, host_k_pe : Tensor
-        ``[num_blocks, block_size, Dc]`` / ``[num_blocks, block_size, Dr]``: the layer's paged host pool.
+        ``[num_blocks, block_size, Dc]`` / ``[num_blocks, block_size, Dr]``: the layer's paged host pool, on
+        any device (read in place; typically pinned CPU memory while everything else is on the accelerator).
     block_table : Tensor
         ``int32 [R, max_blocks]``: row ``r``'s logical block → physical host block.
     hot_kv_c, hot_k_pe : Tensor

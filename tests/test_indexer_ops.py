@@ -278,6 +278,29 @@ def test_quant_indexer_exact_on_integer_data(shape, w_dtype) -> None:
         assert torch.equal(quant_lightning_indexer(*args, top_k), expected)
 
 
+@pytest.mark.parametrize("dim", [1024, 2048])
+def test_quant_indexer_full_int8_range_long_rows(dim: int) -> None:
+    """Full int8 range including −128: D = 1024 is the longest row whose dots the fp32 tiles hold exactly
+    (1024 · 128² = 2²⁴); D = 2048 takes the int32 path. Two heads keep the fp32 epilogue order-free."""
+    nb, bs, t, h = 3, 8, 2, 2
+    q = torch.full((t, h, dim), -128, dtype=torch.int8)
+    q[1] = torch.randint(-128, 128, (h, dim), dtype=torch.int8)
+    k = torch.full((nb, bs, dim), -128, dtype=torch.int8)
+    k[1:] = torch.randint(-128, 128, (2, bs, dim), dtype=torch.int8)
+    args = (
+        q,
+        2.0 ** torch.randint(-3, 3, (t, h)).float(),
+        torch.randint(1, 3, (t, h)).float(),
+        k,
+        2.0 ** torch.randint(-3, 3, (nb, bs)).float(),
+        _i32([[2, 0, 1]]),
+        _i32([0, t]),
+        _i32([20]),
+    )
+    expected = reference_kernel("quant_lightning_indexer")(*args, 20)
+    assert torch.equal(quant_lightning_indexer(*args, 20), expected)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_quant_indexer_random_matches_reference(shape) -> None:
     q_lens, seq_lens, h, d, bs = shape

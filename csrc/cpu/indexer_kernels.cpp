@@ -229,7 +229,7 @@ __attribute__((target_clones("arch=x86-64-v3", "default"))) void score_block_flo
 }
 
 // Int8 path: integer dot products, then (dot * q_scale[h]) * k_scale[s], relu, times w[h]. While
-// D * 127^2 < 2^24 every product and partial sum of an int8 dot product is an integer that fp32 holds
+// D * 128^2 <= 2^24 every product and partial sum of an int8 dot product is an integer that fp32 holds
 // exactly, so the dots run on the fp32 register tiles (same result as int32 arithmetic); larger D falls
 // back to an int32 loop.
 __attribute__((target_clones("arch=x86-64-v3", "default"))) void score_block_int8(
@@ -238,7 +238,7 @@ __attribute__((target_clones("arch=x86-64-v3", "default"))) void score_block_int
     float* out) {
   logits.resize(H * n);
   float* lg = logits.data();
-  if (D * 127 * 127 < (int64_t{1} << 24)) {
+  if (D * 128 * 128 <= (int64_t{1} << 24)) {
     kbuf.resize(n * D);
     for (int64_t j = 0; j < n; ++j) {
       for (int64_t d = 0; d < D; ++d) {

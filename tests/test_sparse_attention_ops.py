@@ -268,6 +268,27 @@ def test_copy_sfa_ignores_entries_past_miss_count_and_strided_outputs() -> None:
 
 
 @pytest.mark.parametrize("kernel", ["dispatch", "reference"])
+def test_copy_sfa_hot_buffers_with_strided_rows(kernel: str) -> None:
+    """Hot buffers whose rows are not contiguous (e.g. a transposed allocation) are updated in place."""
+    name = "scatter_copy_sparse_mla_attention"
+    fn = getattr(torch.ops.kvoffload, name) if kernel == "dispatch" else reference_kernel(name)
+    c = _copy_sfa_case(2, 4, 16, 8, 12, 8, torch.bfloat16)
+    expected = _clone(c)
+    _composed(expected)
+    got = _clone(c)
+    for name_, t in (("hot_kv_c", c["hot_kv_c"]), ("hot_k_pe", c["hot_k_pe"])):
+        strided = torch.empty(t.shape[0], t.shape[2], t.shape[1], dtype=t.dtype).transpose(1, 2)
+        strided.copy_(t)
+        assert strided.stride(-1) != 1
+        got[name_] = strided
+    fn(*got.values())
+    for name_ in ("hot_kv_c", "hot_k_pe"):
+        assert torch.equal(got[name_], expected[name_]), name_
+    torch.testing.assert_close(got["out"], expected["out"], **_tol(torch.bfloat16))
+    torch.testing.assert_close(got["lse"], expected["lse"], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["dispatch", "reference"])
 def test_copy_sfa_output_sharing_memory_with_queries(kernel: str) -> None:
     """``out`` may be the query buffer itself (written in place): queries are read as before the call."""
     name = "scatter_copy_sparse_mla_attention"

@@ -525,12 +525,6 @@ void scatter_copy_sparse_mla_attention_cpu(
                          {"miss_count", &miss_count_in}, {"slots", &slots_in}, {"out", &out}, {"lse", &lse}}) {
     check_cpu(op, name, *t);
   }
-  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"hot_kv_c", &hot_kv_c}, {"hot_k_pe", &hot_k_pe}}) {
-    TORCH_CHECK_VALUE(
-        t->size(-1) <= 1 || t->stride(-1) == 1, "kvoffload::", op, ": argument '", name,
-        "' must have a contiguous last dim (rows are written in place), got strides ", sizes_str(t->strides()));
-  }
-
   // Value checks, all before the first write.
   const at::Tensor table = block_table_in.contiguous();
   const at::Tensor miss_tokens = miss_tokens_in.contiguous();
@@ -577,6 +571,9 @@ void scatter_copy_sparse_mla_attention_cpu(
   const at::Tensor host_k_pe = rows_contiguous(unaliased_source(host_k_pe_in, hot_k_pe));
   const at::Tensor q_nope = unaliased_source(unaliased_source(q_nope_in, out), lse).contiguous();
   const at::Tensor q_pe = unaliased_source(unaliased_source(q_pe_in, out), lse).contiguous();
+  // Hot buffers whose rows are not contiguous are worked on in a contiguous copy, written back at the end.
+  const at::Tensor hot_c = rows_contiguous(hot_kv_c);
+  const at::Tensor hot_p = rows_contiguous(hot_k_pe);
   const bool direct = out.is_contiguous() && lse.is_contiguous();
   at::Tensor o = direct ? out : at::empty(out.sizes(), out.options());
   at::Tensor l = direct ? lse : at::empty(lse.sizes(), lse.options());
@@ -584,18 +581,18 @@ void scatter_copy_sparse_mla_attention_cpu(
   GilRelease no_gil;
   const int64_t K = slots.size(1);
   const int32_t* sp = slots.const_data_ptr<int32_t>();
-  const int64_t Dc = hot_kv_c.size(2), Dr = hot_k_pe.size(2);
-  const int64_t esz = hot_kv_c.element_size();
+  const int64_t Dc = hot_c.size(2), Dr = hot_p.size(2);
+  const int64_t esz = hot_c.element_size();
   // Phase 1: host -> hot copies of the missed rows (parallel over decode rows: destinations are per row).
   {
     const auto* hc = static_cast<const char*>(host_kv_c.const_data_ptr());
     const auto* hp = static_cast<const char*>(host_k_pe.const_data_ptr());
-    auto* dc = static_cast<char*>(hot_kv_c.data_ptr());
-    auto* dp = static_cast<char*>(hot_k_pe.data_ptr());
+    auto* dc = static_cast<char*>(hot_c.data_ptr());
+    auto* dp = static_cast<char*>(hot_p.data_ptr());
     const int64_t hc0 = host_kv_c.stride(0) * esz, hc1 = host_kv_c.stride(1) * esz;
     const int64_t hp0 = host_k_pe.stride(0) * esz, hp1 = host_k_pe.stride(1) * esz;
-    const int64_t dc0 = hot_kv_c.stride(0) * esz, dc1 = hot_kv_c.stride(1) * esz;
-    const int64_t dp0 = hot_k_pe.stride(0) * esz, dp1 = hot_k_pe.stride(1) * esz;
+    const int64_t dc0 = hot_c.stride(0) * esz, dc1 = hot_c.stride(1) * esz;
+    const int64_t dp0 = hot_p.stride(0) * esz, dp1 = hot_p.stride(1) * esz;
     at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         for (int64_t i = 0; i < mc[r]; ++i) {
@@ -611,24 +608,30 @@ void scatter_copy_sparse_mla_attention_cpu(
   AT_DISPATCH_SWITCH(q_nope.scalar_type(), "scatter_copy_sparse_mla_attention",
     AT_DISPATCH_CASE(at::kFloat, [&] {
       using T = float;
-      const T* c = hot_kv_c.const_data_ptr<T>();
-      const T* p = hot_k_pe.const_data_ptr<T>();
-      const int64_t c0 = hot_kv_c.stride(0), c1 = hot_kv_c.stride(1);
-      const int64_t p0 = hot_k_pe.stride(0), p1 = hot_k_pe.stride(1);
+      const T* c = hot_c.const_data_ptr<T>();
+      const T* p = hot_p.const_data_ptr<T>();
+      const int64_t c0 = hot_c.stride(0), c1 = hot_c.stride(1);
+      const int64_t p0 = hot_p.stride(0), p1 = hot_p.stride(1);
       attend_all<T>(q_nope, q_pe,
                     [&](int64_t r) { return RowSource<T>{c + r * c0, c1, p + r * p0, p1, sp + r * K, K}; },
                     static_cast<float>(scale), o, l);
     })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
       using T = c10::BFloat16;
-      const T* c = hot_kv_c.const_data_ptr<T>();
-      const T* p = hot_k_pe.const_data_ptr<T>();
-      const int64_t c0 = hot_kv_c.stride(0), c1 = hot_kv_c.stride(1);
-      const int64_t p0 = hot_k_pe.stride(0), p1 = hot_k_pe.stride(1);
+      const T* c = hot_c.const_data_ptr<T>();
+      const T* p = hot_p.const_data_ptr<T>();
+      const int64_t c0 = hot_c.stride(0), c1 = hot_c.stride(1);
+      const int64_t p0 = hot_p.stride(0), p1 = hot_p.stride(1);
       attend_all<T>(q_nope, q_pe,
                     [&](int64_t r) { return RowSource<T>{c + r * c0, c1, p + r * p0, p1, sp + r * K, K}; },
                     static_cast<float>(scale), o, l);
     }));
+  if (!hot_c.is_same(hot_kv_c)) {
+    hot_kv_c.copy_(hot_c);
+  }
+  if (!hot_p.is_same(hot_k_pe)) {
+    hot_k_pe.copy_(hot_p);
+  }
   if (!direct) {
     out.copy_(o);
     lse.copy_(l);

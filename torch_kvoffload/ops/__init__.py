@@ -4,7 +4,7 @@ Importing this package defines every op (one module per op family) and then load
 whose ``TORCH_LIBRARY_IMPL`` blocks register the CPU kernels.
 """
 
-from torch_kvoffload.ops import copy, kvpp
+from torch_kvoffload.ops import copy, indexer, kvpp, sparse_attention
 from torch_kvoffload.ops._registry import (
     OpInfo,
     format_registered_ops,
@@ -14,7 +14,14 @@ from torch_kvoffload.ops._registry import (
     registered_ops,
 )
 from torch_kvoffload.ops.copy import copy_blocks, copy_rows
+from torch_kvoffload.ops.indexer import (
+    hadamard_quant_int8,
+    lightning_indexer,
+    lightning_indexer_scores,
+    quant_lightning_indexer,
+)
 from torch_kvoffload.ops.kvpp import kvpp_prefetch_layer, kvpp_wait_layer
+from torch_kvoffload.ops.sparse_attention import scatter_copy_sparse_mla_attention, sparse_mla_attention
 
 from torch_kvoffload._extension import load_extension as _load_extension  # isort: skip
 
@@ -26,11 +33,19 @@ __all__ = [
     "copy_blocks",
     "copy_rows",
     "format_registered_ops",
+    "hadamard_quant_int8",
     "has_kernel",
+    "indexer",
     "kvpp",
     "kvpp_prefetch_layer",
     "kvpp_wait_layer",
+    "lightning_indexer",
+    "lightning_indexer_scores",
+    "quant_lightning_indexer",
     "reference_kernel",
     "register_device_kernel",
     "registered_ops",
+    "scatter_copy_sparse_mla_attention",
+    "sparse_attention",
+    "sparse_mla_attention",
 ]

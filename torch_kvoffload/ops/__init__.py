@@ -4,7 +4,7 @@ Importing this package defines every op (one module per op family) and then load
 whose ``TORCH_LIBRARY_IMPL`` blocks register the CPU kernels.
 """
 
-from torch_kvoffload.ops import copy
+from torch_kvoffload.ops import copy, layer_hooks
 from torch_kvoffload.ops._registry import (
     OpInfo,
     format_registered_ops,
@@ -14,6 +14,7 @@ from torch_kvoffload.ops._registry import (
     registered_ops,
 )
 from torch_kvoffload.ops.copy import copy_blocks, copy_rows
+from torch_kvoffload.ops.layer_hooks import layer_prefetch, layer_save, layer_wait
 
 from torch_kvoffload._extension import load_extension as _load_extension  # isort: skip
 
@@ -26,6 +27,10 @@ __all__ = [
     "copy_rows",
     "format_registered_ops",
     "has_kernel",
+    "layer_hooks",
+    "layer_prefetch",
+    "layer_save",
+    "layer_wait",
     "reference_kernel",
     "register_device_kernel",
     "registered_ops",

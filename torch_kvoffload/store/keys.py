@@ -1,0 +1,122 @@
+"""Content keys for the host KV pool: chained block hashes of token ids, then per-layer keys.
+
+``block_hashes`` hashes FULL blocks only: ``h_i = BLAKE2b(h_{i-1} ‖ int64-LE(tokens of block i))`` with
+``h_{-1}`` derived from a salt, so two sequences with equal first ``k`` blocks get equal first ``k``
+hashes, and changing one token changes the hash of its block and of every later block. The hash is
+stable across processes, platforms and Python versions (no ``hash()``; fixed byte order).
+
+``layer_block_keys`` adds the model / spec id and the layer: ``kv/{model_id}/{layer}/{hash}``. Read from
+the right (the hash is fixed-width hex, the layer an integer) a key names exactly one
+``(model_id, layer, hash)``, so layers and models never collide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["DIGEST_SIZE", "block_hashes", "layer_block_keys", "parse_layer_block_key"]
+
+#: Bytes of each block digest (hex string of twice this length).
+DIGEST_SIZE = 16
+_DOMAIN = b"torch_kvoffload/block-hash/v1"
+
+
+def _tokens_int64(fn: str, token_ids: Sequence[int] | torch.Tensor) -> np.ndarray:
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dtype == torch.bool or token_ids.dtype.is_floating_point or token_ids.dtype.is_complex:
+            raise TypeError(f"{fn}: token_ids must have an integer dtype, got {token_ids.dtype}")
+        if token_ids.dim() != 1:
+            raise ValueError(f"{fn}: token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+        if token_ids.dtype == torch.uint64 and token_ids.numel() and int(token_ids.max()) > 2**63 - 1:
+            raise ValueError(f"{fn}: token ids must fit in int64")
+        return token_ids.detach().to("cpu", torch.int64).numpy().astype("<i8", copy=False)
+    if isinstance(token_ids, str | bytes):
+        raise TypeError(
+            f"{fn}: token_ids must be a sequence of int or a tensor, got {type(token_ids).__name__}"
+        )
+    values: list[int] = []
+    for i, tok in enumerate(token_ids):
+        if isinstance(tok, bool | np.bool_):
+            raise TypeError(f"{fn}: token_ids[{i}] is a bool, expected an int")
+        try:
+            v = operator.index(tok)
+        except TypeError:
+            raise TypeError(
+                f"{fn}: token_ids[{i}] must be an int, got {type(tok).__name__} {tok!r}"
+            ) from None
+        if not -(2**63) <= v < 2**63:
+            raise ValueError(f"{fn}: token_ids[{i}] = {v} does not fit in int64")
+        values.append(v)
+    return np.asarray(values, dtype="<i8")
+
+
+def block_hashes(token_ids: Sequence[int] | torch.Tensor, block_size: int, *, salt: str = "") -> list[str]:
+    """Chained content hashes of the full blocks of ``token_ids``.
+
+    Args:
+        token_ids: 1-D token ids (a sequence of ints, or an integer tensor of shape ``[T]``).
+        block_size: tokens per block (≥ 1). A trailing partial block is not hashed.
+        salt: namespaces the chain (e.g. a LoRA or cache-salt id); different salts never share keys.
+
+    Returns:
+        ``T // block_size`` lowercase hex strings of ``2 * DIGEST_SIZE`` characters.
+    """
+    fn = "block_hashes"
+    if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer):
+        raise TypeError(f"{fn}: block_size must be an int, got {type(block_size).__name__}")
+    if block_size < 1:
+        raise ValueError(f"{fn}: block_size must be >= 1, got {block_size}")
+    if not isinstance(salt, str):
+        raise TypeError(f"{fn}: salt must be a str, got {type(salt).__name__}")
+    tokens = _tokens_int64(fn, token_ids)
+    n_blocks = tokens.shape[0] // block_size
+    raw = tokens[: n_blocks * block_size].tobytes()
+    stride = block_size * 8
+    prev = hashlib.blake2b(_DOMAIN + salt.encode("utf-8"), digest_size=DIGEST_SIZE).digest()
+    out: list[str] = []
+    for i in range(n_blocks):
+        h = hashlib.blake2b(prev, digest_size=DIGEST_SIZE)
+        h.update(raw[i * stride : (i + 1) * stride])
+        prev = h.digest()
+        out.append(h.hexdigest())
+    return out
+
+
+def layer_block_keys(block_hashes: Sequence[str], layer: int, *, model_id: str = "") -> list[str]:
+    """Per-layer store keys ``kv/{model_id}/{layer}/{hash}`` for the given block hashes.
+
+    Args:
+        block_hashes: hashes from :func:`block_hashes`.
+        layer: the cache-bearing layer index (≥ 0).
+        model_id: names the model and its KV spec (dtype, layout); different ids never share keys.
+    """
+    fn = "layer_block_keys"
+    if isinstance(layer, bool) or not isinstance(layer, int | np.integer):
+        raise TypeError(f"{fn}: layer must be an int, got {type(layer).__name__}")
+    if layer < 0:
+        raise ValueError(f"{fn}: layer must be >= 0, got {layer}")
+    if not isinstance(model_id, str):
+        raise TypeError(f"{fn}: model_id must be a str, got {type(model_id).__name__}")
+    if isinstance(block_hashes, str):
+        raise TypeError(f"{fn}: block_hashes must be a sequence of str, got a single str")
+    keys = []
+    for i, h in enumerate(block_hashes):
+        if not isinstance(h, str) or not h or "/" in h:
+            raise ValueError(
+                f"{fn}: block_hashes[{i}] must be a non-empty hash string without '/', got {h!r}"
+            )
+        keys.append(f"kv/{model_id}/{int(layer)}/{h}")
+    return keys
+
+
+def parse_layer_block_key(key: str) -> tuple[str, int, str]:
+    """Inverse of :func:`layer_block_keys`: ``(model_id, layer, block_hash)``."""
+    if not key.startswith("kv/"):
+        raise ValueError(f"parse_layer_block_key: {key!r} is not a layer block key")
+    head, layer, h = key[3:].rsplit("/", 2)
+    return head, int(layer), h

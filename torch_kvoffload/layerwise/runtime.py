@@ -75,6 +75,8 @@ COUNTER_NAMES = (
     "save_failures",
     "waits",  # blocking waits in before_attention
     "wait_seconds",
+    "load_seconds",  # transfer-thread time spent loading (store reads + host->device copies)
+    "save_seconds",  # transfer-thread time spent saving (device->host copies + store writes)
 )
 
 
@@ -601,6 +603,7 @@ class LayerwiseOffloadRuntime:
 
     # ---------------------------------------------------------------------- transfer-thread work
     def _do_load(self, layer: int, slot_id: int, keys: list[str], blocks: list[int]) -> None:
+        start = time.perf_counter()
         try:
             if self._slots[slot_id].poison is not None:
                 raise SlotPoisonedError(self._poison_message(slot_id, f"load of layer {layer}"))
@@ -621,11 +624,13 @@ class LayerwiseOffloadRuntime:
             self.counters.add("load_failures")
             self._poison(slot_id, layer, exc)
             raise
+        self.counters.add("load_seconds", time.perf_counter() - start)
         self.counters.add("loads")
         self.counters.add("blocks_loaded", n)
         self.counters.add("bytes_loaded", staging.nbytes)
 
     def _do_save(self, layer: int, slot_id: int, keys: list[str], blocks: list[int]) -> None:
+        start = time.perf_counter()
         try:
             n = len(keys)
             staging = empty_host((n, self._layouts[layer].record_bytes), torch.uint8)
@@ -639,6 +644,7 @@ class LayerwiseOffloadRuntime:
             self.counters.add("save_failures")
             self._poison(slot_id, layer, exc)
             raise
+        self.counters.add("save_seconds", time.perf_counter() - start)
         self.counters.add("saves")
         self.counters.add("blocks_saved", n)
         self.counters.add("bytes_saved", staging.nbytes)

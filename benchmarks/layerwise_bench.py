@@ -1,0 +1,210 @@
+"""Layerwise prefill offload: how well transfers overlap compute, and the device KV footprint.
+
+Workload (per forward, CPU): N MLA-shaped layers (``c_kv`` + ``k_pe``, fp32), one request whose prefix of
+``--prefix-blocks`` blocks is in the host store (loaded for every layer) and ``--new-blocks`` new blocks
+that are computed and saved for every layer. Per-layer "compute" is a chain of matmuls on the main thread,
+sized so that it takes about ``--compute-ratio`` x the measured per-layer transfer time; transfers run on
+the runtime's TransferStream worker threads (the C++ copies and the store's copies release the GIL).
+
+Measured side by side in one run:
+* per-layer compute time (compute alone, no runtime),
+* per-layer transfer time (loads + saves alone, no compute: the runtime's load/save seconds),
+* wall time of the pipelined forward for B in {1, 2, 4} and prefetch depth in {1, 2, 3},
+* pipeline efficiency = max(sum compute, sum transfer) / wall (1.0 = perfect overlap),
+* main-KV device bytes vs no offload (every layer its own buffer).
+
+Writes ``benchmarks/results/layerwise_bench.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from torch_kvoffload.layerwise import (
+    LayerCacheSpec,
+    LayerwiseOffloadRuntime,
+    TensorSpec,
+    allocate_layer_buffers,
+    plan_layer_buffers,
+)
+from torch_kvoffload.store.local import LocalKVStore
+
+
+def _specs(args) -> list[LayerCacheSpec]:
+    nb = args.prefix_blocks + args.new_blocks + 1
+    main = (
+        TensorSpec((nb, args.block_size, args.kv_lora_rank), torch.float32),
+        TensorSpec((nb, args.block_size, args.rope_dim), torch.float32),
+    )
+    return [LayerCacheSpec(main) for _ in range(args.layers)]
+
+
+class Compute:
+    """A per-layer compute stand-in: ``iters`` matmuls of ``[dim, dim]`` on the main thread."""
+
+    def __init__(self, dim: int) -> None:
+        self.a = torch.randn(dim, dim)
+        self.b = torch.randn(dim, dim) / dim**0.5
+        self.iters = 1
+
+    def __call__(self) -> None:
+        x = self.a
+        for _ in range(self.iters):
+            x = x @ self.b
+        self.sink = x[0, 0]
+
+    def calibrate(self, seconds: float) -> None:
+        self.iters = 8
+        samples = []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            self()
+            samples.append((time.perf_counter() - t0) / self.iters)
+        self.iters = max(1, round(seconds / statistics.median(samples)))
+
+
+class Setup:
+    def __init__(self, args, b: int, depth: int, store: LocalKVStore) -> None:
+        self.args = args
+        self.plan = plan_layer_buffers(_specs(args), b, [0])
+        self.bufs = allocate_layer_buffers(self.plan, "cpu")
+        self.rt = LayerwiseOffloadRuntime(self.plan, self.bufs, store, prefetch_depth=depth, model_id="bench")
+        bs = args.block_size
+        self.tokens = [list(range((args.prefix_blocks + args.new_blocks) * bs + 1))]
+        self.table = [list(range(args.prefix_blocks + args.new_blocks + 1))]
+        self.cached = [args.prefix_blocks * bs]
+
+    def forward(self, compute: Compute | None) -> float:
+        rt = self.rt
+        t0 = time.perf_counter()
+        rt.begin_forward(self.tokens, self.table, self.cached)
+        for layer in range(self.plan.num_layers):
+            rt.before_attention(layer)
+            if compute is not None:
+                compute()
+            rt.after_cache_write(layer)
+        rt.end_forward()
+        return time.perf_counter() - t0
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--kv-lora-rank", type=int, default=512)
+    p.add_argument("--rope-dim", type=int, default=64)
+    p.add_argument("--prefix-blocks", type=int, default=24)
+    p.add_argument("--new-blocks", type=int, default=24)
+    p.add_argument("--compute-dim", type=int, default=192)
+    p.add_argument("--compute-ratio", type=float, default=1.0, help="per-layer compute / transfer time")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (compute and copies)")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "layerwise_bench.json"))
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    record = (args.kv_lora_rank + args.rope_dim) * args.block_size * 4
+    store = LocalKVStore(2 * args.layers * (args.prefix_blocks + args.new_blocks + 1) * record)
+    # Fill the store with the prefix (and the new blocks: their saves then overwrite in place).
+    warm = Setup(args, 1, 1, store)
+    warm.rt.begin_forward(warm.tokens, warm.table, [0])
+    for layer in range(args.layers):
+        warm.rt.before_attention(layer)
+        warm.rt.after_cache_write(layer)
+    warm.rt.end_forward()
+    warm.rt.close()
+
+    # Per-layer transfer time alone: no compute, and B = 1 so every load waits for the previous layer's
+    # save: the transfers run one at a time and their times are not inflated by each other.
+    probe = Setup(args, 1, 1, store)
+    probe.forward(None)
+    transfer = []
+    for _ in range(args.reps):
+        probe.rt.counters.reset()
+        probe.forward(None)
+        c = probe.rt.counters.snapshot()
+        transfer.append(c["load_seconds"] + c["save_seconds"])
+    probe.rt.close()
+    sum_transfer = _median(transfer)
+
+    compute = Compute(args.compute_dim)
+    compute.calibrate(args.compute_ratio * sum_transfer / args.layers)
+    times = []
+    for _ in range(args.reps):
+        t0 = time.perf_counter()
+        for _ in range(args.layers):
+            compute()
+        times.append(time.perf_counter() - t0)
+    sum_compute = _median(times)
+
+    layer_bytes = _specs(args)[0].main_nbytes
+    rows = []
+    configs = [(b, d) for b in (1, 2, 4) for d in (1, 2, 3)]
+    for b, depth in tqdm(configs, desc="layerwise pipeline"):
+        s = Setup(args, b, depth, store)
+        s.forward(compute)
+        walls = []
+        s.rt.counters.reset()
+        for _ in range(args.reps):
+            walls.append(s.forward(compute))
+        c = s.rt.counters.snapshot()
+        s.rt.close()
+        wall = _median(walls)
+        rows.append(
+            {
+                "B": b,
+                "prefetch_depth": depth,
+                "physical_buffers": s.plan.num_physical_buffers,
+                "wall_ms": wall * 1e3,
+                "efficiency": max(sum_compute, sum_transfer) / wall,
+                "waits_per_forward": c["waits"] / args.reps,
+                "wait_ms_per_forward": c["wait_seconds"] / args.reps * 1e3,
+                "device_kv_bytes": s.plan.main_bytes,
+                "footprint_vs_no_offload": s.plan.main_bytes / (args.layers * layer_bytes),
+            }
+        )
+
+    result = {
+        "args": vars(args),
+        "per_layer_compute_ms": sum_compute / args.layers * 1e3,
+        "per_layer_transfer_ms": sum_transfer / args.layers * 1e3,
+        "sum_compute_ms": sum_compute * 1e3,
+        "sum_transfer_ms": sum_transfer * 1e3,
+        "bytes_per_layer_moved": (args.prefix_blocks + args.new_blocks) * record,
+        "no_offload_device_kv_bytes": args.layers * layer_bytes,
+        "rows": rows,
+    }
+    print(
+        f"\nN={args.layers} layers, per layer: compute {result['per_layer_compute_ms']:.2f} ms, "
+        f"transfer {result['per_layer_transfer_ms']:.2f} ms "
+        f"({args.prefix_blocks} blocks loaded + {args.new_blocks} saved, {record / 2**10:.0f} KiB each)"
+    )
+    print(f"sum compute {sum_compute * 1e3:.1f} ms, sum transfer {sum_transfer * 1e3:.1f} ms")
+    print(
+        f"{'B':>2} {'depth':>5} {'phys':>4} {'wall ms':>8} {'effic.':>6} {'waits':>5} {'wait ms':>7} {'KV vs none':>10}"
+    )
+    for r in rows:
+        print(
+            f"{r['B']:>2} {r['prefetch_depth']:>5} {r['physical_buffers']:>4} {r['wall_ms']:>8.1f} "
+            f"{r['efficiency']:>6.2f} {r['waits_per_forward']:>5.1f} {r['wait_ms_per_forward']:>7.1f} "
+            f"{r['footprint_vs_no_offload']:>10.3f}"
+        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -375,3 +375,39 @@ def test_concurrent_put_get_no_torn_reads() -> None:
     assert c["evictions"] > 0 and c["hits"] > 0
     assert len(store) <= slots
     assert all(e.readers == 0 for e in store._index.values())  # every pin was released
+
+
+# ---------------------------------------------------------------------------------------- factory
+
+
+def test_create_store_local_and_config_errors() -> None:
+    from torch_kvoffload.store import StoreConfig, create_store, parse_bytes
+
+    store = create_store("local", capacity_bytes="1MiB", alignment=64)
+    assert isinstance(store, LocalKVStore) and store.capacity_bytes == 1 << 20 and store.alignment == 64
+    assert create_store().capacity_bytes == 1 << 30  # default kind and capacity
+    cfg = StoreConfig.from_json('{"kind": "local", "capacity_bytes": "2GB"}')
+    assert cfg.capacity_bytes == 2 * 10**9
+    assert [parse_bytes("x", v) for v in (5, "5", "1k", "1KB", "1.5KiB", "2g")] == [
+        5,
+        5,
+        1024,
+        1000,
+        1536,
+        2 << 30,
+    ]
+    bad = [
+        {"kind": "redis"},
+        {"kind": "local", "master_server_addr": "127.0.0.1:1"},  # an option of another kind
+        {"kind": "local", "device_id": 1},
+        {"kind": "mooncake", "capacity_bytes": 10},  # no master / metadata address
+        {"kind": "memcache", "protocol": "tcp"},
+        {"capacity_bytes": 0},
+        {"capacity_bytes": "12 parsecs"},
+        {"capacity_bytes": "0.5B"},
+        {"alignment": 3},
+        {"unknown_option": 1},
+    ]
+    for options in bad:
+        with pytest.raises(ValueError):
+            StoreConfig(**options)

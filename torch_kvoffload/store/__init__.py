@@ -1,21 +1,33 @@
 """Host KV pool backends behind one interface (:class:`KVStore`).
 
 * ``local`` — :class:`LocalKVStore`, the embedded default (in-process, capacity-bounded, LRU).
-* ``mooncake`` — :class:`~torch_kvoffload.store.mooncake.MooncakeKVStore` (Mooncake Store, optional).
-* ``memcache`` — :class:`~torch_kvoffload.store.memcache.MemcacheKVStore` (``memcache_hybrid``, Ascend).
+* ``mooncake`` — :class:`MooncakeKVStore` (Mooncake Store; optional package, imported on use).
+* ``memcache`` — :class:`MemcacheKVStore` (``memcache_hybrid``, Ascend; optional, imported on use).
 
-Keys come from :func:`block_hashes` + :func:`layer_block_keys`.
+Keys come from :func:`block_hashes` + :func:`layer_block_keys`; :func:`create_store` /
+:class:`StoreConfig` pick and build a backend.
 """
 
-from torch_kvoffload.store.base import KVStore, StoreClosedError
+from torch_kvoffload.store.base import KVStore, StoreClosedError, StoreError, StoreUnavailableError
+from torch_kvoffload.store.factory import StoreConfig, build_store, create_store, parse_bytes
 from torch_kvoffload.store.keys import block_hashes, layer_block_keys, parse_layer_block_key
 from torch_kvoffload.store.local import LocalKVStore
+from torch_kvoffload.store.memcache import MemcacheKVStore
+from torch_kvoffload.store.mooncake import MooncakeKVStore
 
 __all__ = [
     "KVStore",
     "LocalKVStore",
+    "MemcacheKVStore",
+    "MooncakeKVStore",
     "StoreClosedError",
+    "StoreConfig",
+    "StoreError",
+    "StoreUnavailableError",
     "block_hashes",
+    "build_store",
+    "create_store",
     "layer_block_keys",
+    "parse_bytes",
     "parse_layer_block_key",
 ]

@@ -231,11 +231,25 @@ def test_count_plan_has_no_bytes() -> None:
 def test_config_defaults_and_parse() -> None:
     cfg = LayerwiseConfig()
     assert cfg.num_shared_buffers == 2 and cfg.independent_layers == [0] and cfg.prefetch_depth == 2
+    assert cfg.store.kind == "local"
     cfg = LayerwiseConfig.from_json(
         '{"num_shared_buffers": 4, "independent_layers": "all", "prefetch_depth": 1, '
-        '"store_kind": "local", "store_options": {"capacity_bytes": 1024}}'
+        '"store": {"kind": "local", "capacity_bytes": "1MiB"}, "model_id": "m"}'
     )
-    assert cfg.independent_layers == "all" and cfg.store_options["capacity_bytes"] == 1024
+    assert cfg.independent_layers == "all" and cfg.store.capacity_bytes == 1 << 20
+
+
+def test_config_builds_a_runtime() -> None:
+    cfg = LayerwiseConfig(num_shared_buffers=2, independent_layers=[0, -1], store={"capacity_bytes": 1 << 20})
+    rt = cfg.build_runtime([_spec() for _ in range(6)], device="cpu")
+    try:
+        assert rt.plan.num_physical_buffers == 4 and rt.plan.independent_layers == (0, 5)
+        assert rt.store.capacity_bytes == 1 << 20 and rt.prefetch_depth == 2
+        assert rt.buffers.allocated_bytes() == rt.plan.main_bytes
+    finally:
+        rt.close()
+    with pytest.raises(ValueError, match="independent_layers"):
+        LayerwiseConfig(independent_layers=[9]).build_runtime([_spec()] * 4, device="cpu")
 
 
 @pytest.mark.parametrize(
@@ -245,12 +259,13 @@ def test_config_defaults_and_parse() -> None:
         {"num_shared_buffers": True},
         {"num_shared_buffers": "2"},
         {"prefetch_depth": 0},
+        {"prefetch_depth": 1.5},
         {"independent_layers": [1, 1]},
         {"independent_layers": "some"},
         {"independent_layers": [1.5]},
-        {"store_kind": "redis"},
-        {"store_options": {"capacity_bytes": -1}},
-        {"store_options": {"bogus": 1}},
+        {"store": {"kind": "redis"}},
+        {"store": {"capacity_bytes": -1}},
+        {"store": {"kind": "local", "device_id": 1}},
         {"unknown_key": 1},
     ],
 )

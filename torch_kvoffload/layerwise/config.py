@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field, StrictInt, field_validator, model_validator
+import torch
+from pydantic import Field, StrictInt, field_validator
 
 from torch_kvoffload.config import ConfigModel
+from torch_kvoffload.store.base import KVStore
+from torch_kvoffload.store.factory import StoreConfig
+
+if TYPE_CHECKING:
+    from torch_kvoffload.layerwise.planner import LayerCacheSpec
+    from torch_kvoffload.layerwise.runtime import LayerwiseOffloadRuntime
 
 __all__ = ["LayerwiseConfig"]
 
@@ -16,17 +24,16 @@ class LayerwiseConfig(ConfigModel):
 
     ``num_shared_buffers``: ``B >= 1`` shared device buffers the reusable layers rotate through.
     ``independent_layers``: layers with a dedicated buffer (negative indices wrap when planned) or ``"all"``.
-    ``prefetch_depth``: how many layers ahead loads are issued (``>= 1``).
-    ``store_kind``: host KV pool backend, ``"local"`` (in-process, LRU) or ``"memcache"`` (``memcache_hybrid``).
-    ``store_options``: backend options, e.g. ``{"capacity_bytes": 1 << 30}`` for ``"local"``.
-    ``model_id``: mixed into the store keys so different models never share entries.
+    ``prefetch_depth``: loads are issued up to this many layers ahead of the running layer (``>= 1``).
+    ``store``: the host KV pool (:class:`~torch_kvoffload.store.factory.StoreConfig`: ``kind`` —
+    ``"local"``, ``"memcache"``, ``"mooncake"`` — and that kind's options).
+    ``model_id``: mixed into the store keys so different models (or KV layouts) never share entries.
     """
 
     num_shared_buffers: StrictInt = Field(default=2, ge=1)
     independent_layers: list[StrictInt] | Literal["all"] = Field(default_factory=lambda: [0])
     prefetch_depth: StrictInt = Field(default=2, ge=1)
-    store_kind: Literal["local", "memcache"] = "local"
-    store_options: dict[str, Any] = Field(default_factory=dict)
+    store: StoreConfig = Field(default_factory=StoreConfig)
     model_id: str = ""
 
     @field_validator("independent_layers")
@@ -36,13 +43,25 @@ class LayerwiseConfig(ConfigModel):
             raise ValueError(f"independent_layers: layers must be distinct, got {v}")
         return v
 
-    @model_validator(mode="after")
-    def _store(self) -> LayerwiseConfig:
-        if self.store_kind == "local":
-            unknown = set(self.store_options) - {"capacity_bytes"}
-            if unknown:
-                raise ValueError(f"store_options: unknown option(s) {sorted(unknown)} for store_kind 'local'")
-            cap = self.store_options.get("capacity_bytes", 1 << 30)
-            if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
-                raise ValueError(f"store_options.capacity_bytes: expected a positive int, got {cap!r}")
-        return self
+    def build_runtime(
+        self,
+        specs: Sequence[LayerCacheSpec],
+        *,
+        device: torch.device | str | None = None,
+        store: KVStore | None = None,
+    ) -> LayerwiseOffloadRuntime:
+        """Plan, allocate and start a runtime for ``specs``; the store is built from ``self.store``
+        unless one is given."""
+        from torch_kvoffload.layerwise.allocation import allocate_layer_buffers
+        from torch_kvoffload.layerwise.planner import plan_layer_buffers
+        from torch_kvoffload.layerwise.runtime import LayerwiseOffloadRuntime
+
+        plan = plan_layer_buffers(specs, self.num_shared_buffers, self.independent_layers)
+        buffers = allocate_layer_buffers(plan, device)
+        return LayerwiseOffloadRuntime(
+            plan,
+            buffers,
+            store if store is not None else self.store.build(),
+            prefetch_depth=self.prefetch_depth,
+            model_id=self.model_id,
+        )

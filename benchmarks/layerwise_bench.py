@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -71,11 +72,18 @@ class Compute:
 
 
 class Setup:
-    def __init__(self, args, b: int, depth: int, store: LocalKVStore) -> None:
+    def __init__(self, args, b: int, depth: int, store: LocalKVStore, streams: int | None = None) -> None:
         self.args = args
         self.plan = plan_layer_buffers(_specs(args), b, [0])
         self.bufs = allocate_layer_buffers(self.plan, "cpu")
-        self.rt = LayerwiseOffloadRuntime(self.plan, self.bufs, store, prefetch_depth=depth, model_id="bench")
+        self.rt = LayerwiseOffloadRuntime(
+            self.plan,
+            self.bufs,
+            store,
+            prefetch_depth=depth,
+            model_id="bench",
+            transfer_streams=streams or args.streams,
+        )
         bs = args.block_size
         self.tokens = [list(range((args.prefix_blocks + args.new_blocks) * bs + 1))]
         self.table = [list(range(args.prefix_blocks + args.new_blocks + 1))]
@@ -113,6 +121,7 @@ def main() -> None:
     p.add_argument("--compute-dim", type=int, default=192)
     p.add_argument("--compute-ratio", type=float, default=1.0, help="per-layer compute / transfer time")
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--streams", type=int, default=1, help="transfer streams (1: one worker thread)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (compute and copies)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "layerwise_bench.json"))
     args = p.parse_args()
@@ -133,45 +142,51 @@ def main() -> None:
     # save: the transfers run one at a time and their times are not inflated by each other.
     probe = Setup(args, 1, 1, store)
     probe.forward(None)
-    transfer: list[float] = []
-    for _ in range(args.reps):
+
+    def transfer_alone() -> float:
         probe.rt.counters.reset()
         probe.forward(None)
         c = probe.rt.counters.snapshot()
-        transfer.append(c["load_seconds"] + c["save_seconds"])
-    probe.rt.close()
-    sum_transfer = _median(transfer)
+        return c["load_seconds"] + c["save_seconds"]
 
     compute = Compute(args.compute_dim)
-    compute.calibrate(args.compute_ratio * sum_transfer / args.layers)
-    times = []
-    for _ in range(args.reps):
+    compute.calibrate(args.compute_ratio * _median([transfer_alone() for _ in range(3)]) / args.layers)
+
+    def compute_alone() -> float:
         t0 = time.perf_counter()
         for _ in range(args.layers):
             compute()
-        times.append(time.perf_counter() - t0)
-    sum_compute = _median(times)
+        return time.perf_counter() - t0
 
     layer_bytes = _specs(args)[0].main_nbytes
     rows = []
     configs = [(b, d) for b in (1, 2, 4) for d in (1, 2, 3)]
+    all_c, all_t = [], []
     for b, depth in tqdm(configs, desc="layerwise pipeline"):
         s = Setup(args, b, depth, store)
         s.forward(compute)
-        walls, inside = [], []
+        walls, inside, sc, st = [], [], [], []
         s.rt.counters.reset()
         for _ in range(args.reps):
+            # the references are measured next to each pipelined forward, so drifting machine load
+            # affects both sides of the ratio alike
+            sc.append(compute_alone())
+            st.append(transfer_alone())
             w, ic = s.forward(compute)
             walls.append(w)
             inside.append(ic)
         c = s.rt.counters.snapshot()
         s.rt.close()
-        wall = _median(walls)
+        wall, sum_compute, sum_transfer = _median(walls), _median(sc), _median(st)
+        all_c += sc
+        all_t += st
         rows.append(
             {
                 "B": b,
                 "prefetch_depth": depth,
                 "physical_buffers": s.plan.num_physical_buffers,
+                "sum_compute_ms": sum_compute * 1e3,
+                "sum_transfer_ms": sum_transfer * 1e3,
                 "wall_ms": wall * 1e3,
                 "efficiency": max(sum_compute, sum_transfer) / wall,
                 # compute slowed down by the concurrent transfers (and by anything else on the machine)
@@ -182,6 +197,8 @@ def main() -> None:
                 "footprint_vs_no_offload": s.plan.main_bytes / (args.layers * layer_bytes),
             }
         )
+    probe.rt.close()
+    sum_compute, sum_transfer = _median(all_c), _median(all_t)
 
     result = {
         "args": vars(args),
@@ -191,6 +208,7 @@ def main() -> None:
         "sum_transfer_ms": sum_transfer * 1e3,
         "bytes_per_layer_moved": (args.prefix_blocks + args.new_blocks) * record,
         "no_offload_device_kv_bytes": args.layers * layer_bytes,
+        "load_average_at_end": os.getloadavg(),
         "rows": rows,
     }
     print(
@@ -200,15 +218,17 @@ def main() -> None:
     )
     print(f"sum compute {sum_compute * 1e3:.1f} ms, sum transfer {sum_transfer * 1e3:.1f} ms")
     print(
-        f"{'B':>2} {'depth':>5} {'phys':>4} {'wall ms':>8} {'effic.':>6} {'compute ms':>10} {'waits':>5} "
-        f"{'wait ms':>7} {'KV vs none':>10}"
+        f"{'B':>2} {'depth':>5} {'phys':>4} {'Σc ms':>7} {'Σt ms':>7} {'wall ms':>8} {'effic.':>6} "
+        f"{'c in pipe':>9} {'waits':>5} {'wait ms':>7} {'KV vs none':>10}"
     )
     for r in rows:
         print(
-            f"{r['B']:>2} {r['prefetch_depth']:>5} {r['physical_buffers']:>4} {r['wall_ms']:>8.1f} "
-            f"{r['efficiency']:>6.2f} {r['compute_in_pipeline_ms']:>10.1f} {r['waits_per_forward']:>5.1f} "
+            f"{r['B']:>2} {r['prefetch_depth']:>5} {r['physical_buffers']:>4} {r['sum_compute_ms']:>7.1f} "
+            f"{r['sum_transfer_ms']:>7.1f} {r['wall_ms']:>8.1f} {r['efficiency']:>6.2f} "
+            f"{r['compute_in_pipeline_ms']:>9.1f} {r['waits_per_forward']:>5.1f} "
             f"{r['wait_ms_per_forward']:>7.1f} {r['footprint_vs_no_offload']:>10.3f}"
         )
+    print(f"load average at the end (1 / 5 / 15 min): {os.getloadavg()}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -69,11 +69,13 @@ class LoggingStore(LocalKVStore):
         return {layer: t for w, layer, t in self.log if w == what}
 
 
-def _make(n=6, b=2, indexer_layers=(1, 3, 5), depth=2, store=None, independent=(0,)):
+def _make(n=6, b=2, indexer_layers=(1, 3, 5), depth=2, store=None, independent=(0,), streams=None):
     plan = plan_layer_buffers(_specs(n, indexer_layers), b, independent)
     bufs = allocate_layer_buffers(plan, "cpu")
     store = store if store is not None else LoggingStore(1 << 22)
-    rt = LayerwiseOffloadRuntime(plan, bufs, store, prefetch_depth=depth, model_id="test")
+    rt = LayerwiseOffloadRuntime(
+        plan, bufs, store, prefetch_depth=depth, model_id="test", transfer_streams=streams
+    )
     return rt, store
 
 
@@ -171,9 +173,11 @@ def test_partial_layer_presence_limits_the_prefix() -> None:
         rt.close()
 
 
-def test_reuse_gate_orders_loads_after_previous_users_save() -> None:
+@pytest.mark.parametrize("streams", [1, 2])
+def test_reuse_gate_orders_loads_after_previous_users_save(streams: int) -> None:
     store = LoggingStore(1 << 22, put_delay=0.03)
-    rt, _ = _make(n=7, b=2, indexer_layers=(), store=store, depth=3)
+    rt, _ = _make(n=7, b=2, indexer_layers=(), store=store, depth=3, streams=streams)
+    assert rt.transfer_streams == streams
     try:
         toks = [list(range(50, 75)), list(range(200, 213))]
         tables = [[0, 1, 2, 3, 4, 5, 6], [7, 8, 9, 10]]
@@ -272,9 +276,10 @@ def test_completion_provider_gates_reuse() -> None:
         rt.close()
 
 
-def test_save_failure_poisons_slot_and_next_user_never_loads() -> None:
+@pytest.mark.parametrize("streams", [1, 2])
+def test_save_failure_poisons_slot_and_next_user_never_loads(streams: int) -> None:
     store = LoggingStore(1 << 22)
-    rt, _ = _make(n=6, b=2, indexer_layers=(), store=store)
+    rt, _ = _make(n=6, b=2, indexer_layers=(), store=store, streams=streams)
     try:
         toks = [list(range(30))]
         _forward(rt, toks, [[0, 1, 2, 3, 4, 5, 6, 7]])
@@ -366,6 +371,12 @@ def test_call_order_and_argument_errors() -> None:
         LayerwiseOffloadRuntime(plan, allocate_layer_buffers(plan, "cpu"), LocalKVStore(64), prefetch_depth=0)
     with pytest.raises(ValueError, match="layer count"):
         LayerwiseOffloadRuntime(plan_layer_buffers(2, 1), None, LocalKVStore(64))
+    with pytest.raises(ValueError, match="transfer_streams"):
+        LayerwiseOffloadRuntime(
+            plan, allocate_layer_buffers(plan, "cpu"), LocalKVStore(64), transfer_streams=3
+        )
+    with pytest.raises(TypeError, match="KVStore"):
+        LayerwiseOffloadRuntime(plan, allocate_layer_buffers(plan, "cpu"), {})
 
 
 def test_registry() -> None:

@@ -35,6 +35,7 @@ from torch_kvoffload.device import (
     TransferError,
     TransferEvent,
     TransferStream,
+    default_device,
     empty_host,
     record_compute_event,
 )
@@ -136,9 +137,12 @@ class LayerwiseOffloadRuntime:
     prefetch_depth : loads are issued up to this many layers ahead of the running layer (``>= 1``).
     model_id, salt : mixed into the store keys (``layer_block_keys(..., model_id=)``,
         ``block_hashes(..., salt=)``).
+    transfer_streams : 2 = loads and saves on separate :class:`TransferStream` s (both copy directions
+        at once: the default on accelerators); 1 = one stream in submission order (the default on CPU,
+        where each stream is a worker thread competing with compute for cores).
 
     Every layer must use the same ``[num_blocks, block_size]`` paging (one block table per request for all
-    layers). Transfers run on two :class:`TransferStream` s (load, save); waits happen in
+    layers). Transfers run on :class:`TransferStream` s (see ``transfer_streams``); waits happen in
     :meth:`before_attention` and :meth:`end_forward` only.
     """
 
@@ -151,6 +155,7 @@ class LayerwiseOffloadRuntime:
         prefetch_depth: int = 2,
         model_id: str = "",
         salt: str = "",
+        transfer_streams: int | None = None,
     ) -> None:
         if plan.specs is None:
             raise ValueError(
@@ -180,8 +185,15 @@ class LayerwiseOffloadRuntime:
         self.num_blocks, self.block_size = lead
         self.counters = Counters(COUNTER_NAMES)
         self._layouts = [self._layout(layer) for layer in range(plan.num_layers)]
-        self._load_stream = TransferStream("layerwise-load")
-        self._save_stream = TransferStream("layerwise-save")
+        if transfer_streams is None:
+            transfer_streams = 1 if default_device().type == "cpu" else 2
+        if transfer_streams not in (1, 2):
+            raise ValueError(
+                f"LayerwiseOffloadRuntime: 'transfer_streams' must be 1 or 2 (or None), got {transfer_streams!r}"
+            )
+        self.transfer_streams = transfer_streams
+        self._load_stream = TransferStream("layerwise-load" if transfer_streams == 2 else "layerwise")
+        self._save_stream = TransferStream("layerwise-save") if transfer_streams == 2 else self._load_stream
         self._lock = threading.Lock()
         self._slots = [_Slot() for _ in plan.slots]
         self._providers: list[CompletionProvider] = []
@@ -279,6 +291,9 @@ class LayerwiseOffloadRuntime:
             raise RuntimeError(
                 "LayerwiseOffloadRuntime.begin_forward: a forward is running; call end_forward()"
             )
+        for s, slot in enumerate(self._slots):
+            if slot.poison is not None:
+                raise SlotPoisonedError(self._poison_message(s, "begin_forward"))
         if isinstance(block_tables, torch.Tensor):
             if block_tables.dim() != 2 or block_tables.dtype.is_floating_point:
                 raise ValueError(
@@ -332,9 +347,6 @@ class LayerwiseOffloadRuntime:
             self.counters.add("store_hits", cached)
             self.counters.add("store_misses", len(hashes) - cached)
             requests.append(_Request(hashes, ids, cached))
-        for s, slot in enumerate(self._slots):
-            if slot.poison is not None:
-                raise SlotPoisonedError(self._poison_message(s, "begin_forward"))
         self._requests = requests
         self._in_forward = True
         self._current = -1
@@ -461,7 +473,8 @@ class LayerwiseOffloadRuntime:
             return
         self._closed = True
         self._load_stream.close()
-        self._save_stream.close()
+        if self._save_stream is not self._load_stream:
+            self._save_stream.close()
 
     # ---------------------------------------------------------------------------------- internals
     def _check_caches(self, fn: str, layer: int, caches: Sequence[torch.Tensor] | None) -> None:

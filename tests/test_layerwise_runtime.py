@@ -227,6 +227,37 @@ def test_prefetch_runs_ahead_of_compute(depth: int) -> None:
         rt.close()
 
 
+def test_aborted_forward_does_not_let_a_later_layer_load_early() -> None:
+    """After a forward stopped at layer 1, the next forward must not prefetch layer 3 (same buffer,
+    previous user 1) before layer 1 of the new forward ran: layer 1 would read layer 3's prefix."""
+    rt, _ = _make(n=4, b=2, indexer_layers=(), depth=3)
+    try:
+        assert rt.plan.slots == [[0], [1, 3], [2]]
+        toks = [list(range(300, 313))]
+        _, first = _forward(rt, toks, [[0, 1, 2, 3]])
+        rt.begin_forward(toks, [[4, 5, 6, 7]])
+        rt.before_attention(0)
+        rt.after_cache_write(0)
+        rt.before_attention(1)
+        rt.end_forward()  # aborted after layer 1: buffer 1's occupant is layer 1
+        cached = rt.begin_forward(toks, [[8, 9, 10, 11]])
+        assert cached == [12]
+        rt.before_attention(0)
+        rt.after_cache_write(0)
+        rt.before_attention(1)
+        rt._load_stream.synchronize()  # let any load issued for a later layer land before we look
+        got = rt.layer_caches(1)[0][[8, 9, 10]]
+        assert torch.equal(got, first[1][0][:3])
+        rt.after_cache_write(1)
+        for layer in (2, 3):
+            rt.before_attention(layer)
+            assert torch.equal(rt.layer_caches(layer)[0][[8, 9, 10]], first[layer][0][:3])
+            rt.after_cache_write(layer)
+        rt.end_forward()
+    finally:
+        rt.close()
+
+
 def test_completion_provider_gates_reuse() -> None:
     rt, _store = _make(n=4, b=1, indexer_layers=())
     releases: dict[int, TransferEvent] = {}

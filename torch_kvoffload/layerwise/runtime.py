@@ -202,6 +202,7 @@ class LayerwiseOffloadRuntime:
         self._current = -1
         self._loads: dict[int, TransferEvent] = {}
         self._pending: list[TransferEvent] = []
+        self._entered: set[int] = set()
         self._closed = False
 
     # ------------------------------------------------------------------------------------ layout
@@ -352,6 +353,7 @@ class LayerwiseOffloadRuntime:
         self._current = -1
         self._loads = {}
         self._pending = []
+        self._entered = set()
         self._issue_window(0)
         return [q.num_cached_blocks * self.block_size for q in requests]
 
@@ -395,6 +397,7 @@ class LayerwiseOffloadRuntime:
             events.append(self._loads[layer])
         self._wait_events(slot_id, layer, events)
         slot.occupant, slot.release, slot.compute_done, slot.handed_to = layer, [], False, None
+        self._entered.add(layer)
         self._sync_caches(layer, caches, into_buffers=False)
 
     def after_cache_write(self, layer: int, caches: Sequence[torch.Tensor] | None = None) -> None:
@@ -544,7 +547,11 @@ class LayerwiseOffloadRuntime:
                 continue
             if layer != self._current:
                 prev = self.plan.previous_user[layer]
-                ready = slot.compute_done and (prev is None or slot.occupant == prev)
+                # the previous user must have run in *this* forward (an aborted forward may have left
+                # it as the occupant) and finished computing
+                ready = slot.compute_done and (
+                    prev is None or (slot.occupant == prev and prev in self._entered)
+                )
                 if not ready:
                     continue
             keys, blocks = self._load_list(layer)

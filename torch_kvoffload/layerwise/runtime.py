@@ -203,6 +203,8 @@ class LayerwiseOffloadRuntime:
         self._loads: dict[int, TransferEvent] = {}
         self._pending: list[TransferEvent] = []
         self._entered: set[int] = set()
+        self._reuse_staging = all(t.device.type == "cpu" for t in buffers.layer_caches(0))
+        self._staging_buffers: dict[str, torch.Tensor] = {}
         self._closed = False
 
     # ------------------------------------------------------------------------------------ layout
@@ -622,13 +624,30 @@ class LayerwiseOffloadRuntime:
         )
 
     # ---------------------------------------------------------------------- transfer-thread work
+    def _staging(self, kind: str, n: int, record_bytes: int) -> torch.Tensor:
+        """A ``uint8 [n, record_bytes]`` host staging tensor.
+
+        On CPU one buffer per direction is reused (each direction runs on one stream, one transfer at a
+        time; copies are synchronous and the store keeps copies of what it is given): a fresh multi-MiB
+        allocation per layer would page-fault on every transfer. On an accelerator a fresh pinned tensor
+        is taken each time, so an asynchronous copy still reading the last one is never overwritten.
+        """
+        if not self._reuse_staging:
+            return empty_host((n, record_bytes), torch.uint8)
+        need = n * record_bytes
+        buf = self._staging_buffers.get(kind)
+        if buf is None or buf.numel() < need:
+            buf = empty_host((need,), torch.uint8)
+            self._staging_buffers[kind] = buf
+        return buf[:need].view(n, record_bytes)
+
     def _do_load(self, layer: int, slot_id: int, keys: list[str], blocks: list[int]) -> None:
         start = time.perf_counter()
         try:
             if self._slots[slot_id].poison is not None:
                 raise SlotPoisonedError(self._poison_message(slot_id, f"load of layer {layer}"))
             n = len(keys)
-            staging = empty_host((n, self._layouts[layer].record_bytes), torch.uint8)
+            staging = self._staging("load", n, self._layouts[layer].record_bytes)
             found = self.store.batch_get(keys, list(staging.unbind(0)))
             missing = found.count(False)
             if missing:
@@ -653,7 +672,7 @@ class LayerwiseOffloadRuntime:
         start = time.perf_counter()
         try:
             n = len(keys)
-            staging = empty_host((n, self._layouts[layer].record_bytes), torch.uint8)
+            staging = self._staging("save", n, self._layouts[layer].record_bytes)
             mapping = torch.stack([torch.tensor(blocks, dtype=torch.int64), torch.arange(n)], dim=1)
             for comp, view in zip(
                 self._layouts[layer].components, self._staging_views(layer, staging), strict=True

@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -91,7 +92,7 @@ class Setup:
             transfer_streams=streams or args.streams,
         )
         bs = args.block_size
-        self.tokens = [list(range((args.prefix_blocks + args.new_blocks) * bs + 1))]
+        self.tokens = [torch.arange((args.prefix_blocks + args.new_blocks) * bs + 1)]
         self.table = [list(range(args.prefix_blocks + args.new_blocks + 1))]
         self.cached = [args.prefix_blocks * bs]
 
@@ -119,19 +120,31 @@ def _median(xs: list[float]) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--kv-lora-rank", type=int, default=512)
     p.add_argument("--rope-dim", type=int, default=64)
-    p.add_argument("--prefix-blocks", type=int, default=24)
-    p.add_argument("--new-blocks", type=int, default=24)
+    p.add_argument("--prefix-blocks", type=int, default=12)
+    p.add_argument("--new-blocks", type=int, default=12)
     p.add_argument("--compute-dim", type=int, default=512)
-    p.add_argument("--compute-ratio", type=float, default=1.0, help="per-layer compute / transfer time")
+    p.add_argument(
+        "--compute-ratio",
+        type=float,
+        default=1.5,
+        help="per-layer compute / transfer time (prefill: compute dominates, transfers still matter)",
+    )
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--streams", type=int, default=1, help="transfer streams (1: one worker thread)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (compute and copies)")
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        default=sys.getswitchinterval(),
+        help="sys.setswitchinterval: how long a thread may hold the GIL while another waits for it",
+    )
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "layerwise_bench.json"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    sys.setswitchinterval(args.switch_interval)
 
     record = (args.kv_lora_rank + args.rope_dim) * args.block_size * 4
     store = LocalKVStore(2 * args.layers * (args.prefix_blocks + args.new_blocks + 1) * record)
@@ -163,6 +176,16 @@ def main() -> None:
         for _ in range(args.layers):
             compute()
         return time.perf_counter() - t0
+
+    # refine the size on whole passes (a GEMM's time is not exactly linear in its rows)
+    for _ in range(2):
+        target = args.compute_ratio * _median([transfer_alone() for _ in range(3)])
+        got = _median([compute_alone() for _ in range(3)])
+        compute.rows = max(1, round(compute.rows * target / got))
+        print(
+            f"compute calibration: target {target * 1e3:.1f} ms, got {got * 1e3:.1f} ms -> {compute.rows} rows"
+        )
+        compute.a = torch.randn(compute.rows, compute.dim)
 
     # The machine's own overlap ceiling, without the runtime: the same compute on this thread while a
     # second thread runs plain C++ copies (GIL released) of the same total duration. On a machine whose

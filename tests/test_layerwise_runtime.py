@@ -519,3 +519,26 @@ def test_hook_ops_compile_in_order(hooked) -> None:
         ("layer_prefetch", 2),
     ]
     assert rt.counters.get("saves") == 2
+
+
+def test_hook_ops_with_copies_of_the_caches(hooked) -> None:
+    """A functionalizing backend may hand the ops clones: wait fills them, save writes them back."""
+    rt, _ = hooked
+    toks = [list(range(10))]
+    _forward(rt, toks, [[0, 1, 2]])
+    rt.begin_forward(toks, [[3, 4, 5]])
+    try:
+        clones = [torch.zeros_like(t) for t in rt.layer_caches(0)]
+        layer_wait("hook-test", 0, clones)
+        for c, t in zip(clones, rt.layer_caches(0), strict=True):
+            assert torch.equal(c, t) and c.data_ptr() != t.data_ptr()
+        assert clones[0][[3, 4]].abs().sum() > 0  # the loaded prefix
+        clones[0][5] = 7.0  # the "cache write" happened on the copy
+        layer_save("hook-test", 0, clones)
+        assert torch.equal(rt.layer_caches(0)[0][5], clones[0][5])
+        with pytest.raises(ValueError, match="must hold 2 tensors"):
+            layer_prefetch("hook-test", 0, clones[:1])
+        with pytest.raises(ValueError, match=r"must be \[16, 4, 12\]"):
+            layer_wait("hook-test", 0, [torch.zeros(3, 4, 12), clones[1]])
+    finally:
+        rt.end_forward()

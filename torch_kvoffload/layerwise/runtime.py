@@ -359,10 +359,14 @@ class LayerwiseOffloadRuntime:
         self._issue_window(0)
         return [q.num_cached_blocks * self.block_size for q in requests]
 
-    def prefetch(self, layer: int) -> None:
-        """Issue the loads of ``layer .. layer + prefetch_depth`` whose buffers may be overwritten now."""
+    def prefetch(self, layer: int, caches: Sequence[torch.Tensor] | None = None) -> None:
+        """Issue the loads of ``layer .. layer + prefetch_depth`` whose buffers may be overwritten now.
+
+        ``caches`` (optional): ``layer``'s cache tensors, checked against :meth:`layer_caches`.
+        """
         self._check_layer("prefetch", layer)
         self._need_forward("prefetch")
+        self._check_caches("prefetch", layer, caches)
         self._issue_window(layer)
 
     def before_attention(self, layer: int, caches: Sequence[torch.Tensor] | None = None) -> None:

@@ -40,9 +40,7 @@ def _wait_kernel(runtime: str, layer: int, caches: list[torch.Tensor]) -> None:
 
 
 def _prefetch_kernel(runtime: str, layer: int, caches: list[torch.Tensor]) -> None:
-    rt = _runtime(runtime)
-    rt._check_caches("prefetch", layer, caches)
-    rt.prefetch(layer)
+    _runtime(runtime).prefetch(layer, caches)
 
 
 def _save_kernel(runtime: str, layer: int, caches: list[torch.Tensor]) -> None:

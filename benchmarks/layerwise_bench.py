@@ -249,6 +249,8 @@ def main() -> None:
                 "machine_overlap_ceiling": _median(ceil),
                 # compute slowed down by the concurrent transfers (and by anything else on the machine)
                 "compute_in_pipeline_ms": _median(inside) * 1e3,
+                # transfer-thread time inside the pipelined forwards (mean per forward)
+                "transfer_in_pipeline_ms": (c["load_seconds"] + c["save_seconds"]) / args.reps * 1e3,
                 "waits_per_forward": c["waits"] / args.reps,
                 "wait_ms_per_forward": c["wait_seconds"] / args.reps * 1e3,
                 "device_kv_bytes": s.plan.main_bytes,
@@ -277,14 +279,14 @@ def main() -> None:
     print(f"sum compute {sum_compute * 1e3:.1f} ms, sum transfer {sum_transfer * 1e3:.1f} ms")
     print(
         f"{'B':>2} {'depth':>5} {'phys':>4} {'Σc ms':>7} {'Σt ms':>7} {'wall ms':>8} {'effic.':>6} {'ceil.':>5} "
-        f"{'c in pipe':>9} {'waits':>5} {'wait ms':>7} {'KV vs none':>10}"
+        f"{'c in pipe':>9} {'t in pipe':>9} {'waits':>5} {'wait ms':>7} {'KV vs none':>10}"
     )
     for r in rows:
         print(
             f"{r['B']:>2} {r['prefetch_depth']:>5} {r['physical_buffers']:>4} {r['sum_compute_ms']:>7.1f} "
             f"{r['sum_transfer_ms']:>7.1f} {r['wall_ms']:>8.1f} {r['efficiency']:>6.2f} "
             f"{r['machine_overlap_ceiling']:>5.2f} "
-            f"{r['compute_in_pipeline_ms']:>9.1f} {r['waits_per_forward']:>5.1f} "
+            f"{r['compute_in_pipeline_ms']:>9.1f} {r['transfer_in_pipeline_ms']:>9.1f} {r['waits_per_forward']:>5.1f} "
             f"{r['wait_ms_per_forward']:>7.1f} {r['footprint_vs_no_offload']:>10.3f}"
         )
     print(f"load average at the end (1 / 5 / 15 min): {os.getloadavg()}")

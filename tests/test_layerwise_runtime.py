@@ -542,3 +542,29 @@ def test_hook_ops_with_copies_of_the_caches(hooked) -> None:
             layer_wait("hook-test", 0, [torch.zeros(3, 4, 12), clones[1]])
     finally:
         rt.end_forward()
+
+
+def test_hook_ops_under_a_functionalizing_backend(hooked) -> None:
+    """Under aot_eager (AOT autograd, functionalization of the mutating hooks) the graph reads the loaded
+    prefix and its cache write reaches the buffer, as in eager execution."""
+    rt, _ = hooked
+    toks = [list(range(10))]
+    _, first = _forward(rt, toks, [[0, 1, 2]])
+
+    def step(c0a, c0b, x):
+        layer_wait("hook-test", 0, [c0a, c0b])
+        seen = c0a[3:5].sum()  # reads the loaded prefix (blocks 3, 4)
+        c0a[5] = x
+        layer_save("hook-test", 0, [c0a, c0b])
+        return seen
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    rt.begin_forward(toks, [[3, 4, 5]])
+    try:
+        got = compiled(*rt.layer_caches(0), torch.full((4, 12), 3.0))
+    finally:
+        rt.end_forward()
+    assert torch.equal(got, first[0][0][:2].sum())
+    assert torch.equal(rt.layer_caches(0)[0][5], torch.full((4, 12), 3.0))
+    # layers 0 and 1 were loaded (layer 2 shares layer 1's buffer and never ran); no new full block
+    assert rt.counters.get("loads") == 2 and rt.counters.get("saves") == 4

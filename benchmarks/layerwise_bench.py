@@ -190,17 +190,21 @@ def main() -> None:
     # The machine's own overlap ceiling, without the runtime: the same compute on this thread while a
     # second thread runs plain C++ copies (GIL released) of the same total duration. On a machine whose
     # cores are shared (or oversubscribed) the two slow each other down and no pipeline can beat this.
-    copy_src = torch.empty(args.prefix_blocks * record, dtype=torch.uint8)
-    copy_dst = torch.empty_like(copy_src)
+    # The copies walk a working set as large as the forward's transfers (one chunk per layer and
+    # direction), so they stress the caches and memory like the real transfers do.
+    chunk = args.prefix_blocks * record
+    copy_src = torch.ones(2 * args.layers, chunk, dtype=torch.uint8)
+    copy_dst = torch.zeros_like(copy_src)
     t0 = time.perf_counter()
-    for _ in range(5):
-        copy_dst.copy_(copy_src)
-    per_copy = (time.perf_counter() - t0) / 5
+    for i in range(2 * args.layers):
+        copy_dst[i].copy_(copy_src[i])
+    per_copy = (time.perf_counter() - t0) / (2 * args.layers)
     copy_iters = max(1, round(transfer_alone() / per_copy))
 
     def copies() -> None:
-        for _ in range(copy_iters):
-            copy_dst.copy_(copy_src)
+        for i in range(copy_iters):
+            j = i % (2 * args.layers)
+            copy_dst[j].copy_(copy_src[j])
 
     def overlap_ceiling() -> float:
         t0 = time.perf_counter()

@@ -2,9 +2,9 @@
 
 Workload (per forward, CPU): N MLA-shaped layers (``c_kv`` + ``k_pe``, fp32), one request whose prefix of
 ``--prefix-blocks`` blocks is in the host store (loaded for every layer) and ``--new-blocks`` new blocks
-that are computed and saved for every layer. Per-layer "compute" is a chain of matmuls on the main thread,
-a GEMM sized so that it takes about ``--compute-ratio`` x the measured per-layer transfer time; transfers run on
-the runtime's TransferStream worker threads (the C++ copies and the store's copies release the GIL).
+that are computed and saved for every layer. Per-layer "compute" is one GEMM on the main thread, sized
+so that it takes about ``--compute-ratio`` x the measured per-layer transfer time; transfers run on the
+runtime's TransferStream worker thread (the C++ copies and the store's copies release the GIL).
 
 Measured side by side in one run:
 * per-layer compute time (compute alone, no runtime),
@@ -12,7 +12,9 @@ Measured side by side in one run:
 * wall time of the pipelined forward for B in {1, 2, 4} and prefetch depth in {1, 2, 3},
 * pipeline efficiency = max(sum compute, sum transfer) / wall (1.0 = perfect overlap),
 * the machine's overlap ceiling: the same compute next to a thread of plain C++ copies of the same
-  duration, max(alone times) / wall, without the runtime (shared or oversubscribed cores cap it),
+  duration over a working set as large as the transfers', max(alone times) / wall, without the runtime
+  (shared cores, caches and memory bandwidth cap it),
+* compute and transfer time inside the pipelined forwards (how much they slowed each other down),
 * main-KV device bytes vs no offload (every layer its own buffer).
 
 Writes ``benchmarks/results/layerwise_bench.json``.

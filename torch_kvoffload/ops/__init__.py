@@ -4,7 +4,7 @@ Importing this package defines every op (one module per op family) and then load
 whose ``TORCH_LIBRARY_IMPL`` blocks register the CPU kernels.
 """
 
-from torch_kvoffload.ops import copy, indexer, kvpp, sparse_attention
+from torch_kvoffload.ops import copy, indexer, kvpp, layer_hooks, sparse_attention
 from torch_kvoffload.ops._registry import (
     OpInfo,
     format_registered_ops,
@@ -21,6 +21,7 @@ from torch_kvoffload.ops.indexer import (
     quant_lightning_indexer,
 )
 from torch_kvoffload.ops.kvpp import kvpp_prefetch_layer, kvpp_wait_layer
+from torch_kvoffload.ops.layer_hooks import layer_prefetch, layer_save, layer_wait
 from torch_kvoffload.ops.sparse_attention import scatter_copy_sparse_mla_attention, sparse_mla_attention
 
 from torch_kvoffload._extension import load_extension as _load_extension  # isort: skip
@@ -39,6 +40,10 @@ __all__ = [
     "kvpp",
     "kvpp_prefetch_layer",
     "kvpp_wait_layer",
+    "layer_hooks",
+    "layer_prefetch",
+    "layer_save",
+    "layer_wait",
     "lightning_indexer",
     "lightning_indexer_scores",
     "quant_lightning_indexer",

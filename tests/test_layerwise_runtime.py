@@ -1,0 +1,570 @@
+"""LayerwiseOffloadRuntime: store round trip, reuse gate, prefetch, failures, registry, hook ops."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from torch_kvoffload.device import TransferError, TransferEvent
+from torch_kvoffload.layerwise import (
+    LayerCacheSpec,
+    LayerwiseOffloadRuntime,
+    SlotPoisonedError,
+    StoreMissError,
+    TensorSpec,
+    allocate_layer_buffers,
+    get_runtime,
+    plan_layer_buffers,
+    register_runtime,
+    unregister_runtime,
+)
+from torch_kvoffload.ops import layer_prefetch, layer_save, layer_wait
+from torch_kvoffload.store.keys import block_hashes, layer_block_keys, parse_layer_block_key
+from torch_kvoffload.store.local import LocalKVStore
+
+NB, BS = 16, 4
+
+
+def _specs(n: int, indexer_layers=()) -> list[LayerCacheSpec]:
+    main = (TensorSpec((NB, BS, 12), torch.float32), TensorSpec((NB, BS, 4), torch.bfloat16))
+    idx = (TensorSpec((NB, BS, 6), torch.int8), TensorSpec((NB, BS, 1), torch.float32))
+    return [LayerCacheSpec(main, idx if i in indexer_layers else None) for i in range(n)]
+
+
+class LoggingStore(LocalKVStore):
+    """LocalKVStore that logs put/get per layer with times, optionally slow or failing."""
+
+    def __init__(self, *args, put_delay: float = 0.0, fail_put_layers=(), **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.put_delay = put_delay
+        self.fail_put_layers = set(fail_put_layers)
+        self.log: list[tuple[str, int, float]] = []
+        self._log_lock = threading.Lock()
+
+    def _note(self, what: str, layer: int) -> None:
+        with self._log_lock:
+            self.log.append((what, layer, time.perf_counter()))
+
+    def batch_put(self, keys, values) -> None:
+        layer = parse_layer_block_key(keys[0])[1]
+        self._note("put_start", layer)
+        time.sleep(self.put_delay)
+        if layer in self.fail_put_layers:
+            self._note("put_failed", layer)
+            raise OSError(f"injected put failure for layer {layer}")
+        super().batch_put(keys, values)
+        self._note("put_end", layer)
+
+    def batch_get(self, keys, outs):
+        layer = parse_layer_block_key(keys[0])[1]
+        self._note("get_start", layer)
+        out = super().batch_get(keys, outs)
+        self._note("get_end", layer)
+        return out
+
+    def times(self, what: str) -> dict[int, float]:
+        return {layer: t for w, layer, t in self.log if w == what}
+
+
+def _make(n=6, b=2, indexer_layers=(1, 3, 5), depth=2, store=None, independent=(0,), streams=None):
+    plan = plan_layer_buffers(_specs(n, indexer_layers), b, independent)
+    bufs = allocate_layer_buffers(plan, "cpu")
+    store = store if store is not None else LoggingStore(1 << 22)
+    rt = LayerwiseOffloadRuntime(
+        plan, bufs, store, prefetch_depth=depth, model_id="test", transfer_streams=streams
+    )
+    return rt, store
+
+
+def _fill(t: torch.Tensor, blocks: list[int]) -> None:
+    for b in blocks:
+        if t.dtype.is_floating_point:
+            t[b] = torch.randn(t.shape[1:]).to(t.dtype)
+        else:
+            t[b] = torch.randint(-100, 100, t.shape[1:], dtype=t.dtype)
+
+
+def _forward(rt, tokens, tables, *, write=True, on_layer=None, on_enter=None):
+    """Run one forward: each layer 'computes' by filling its non-cached blocks with random data."""
+    cached = rt.begin_forward(tokens, tables)
+    snapshots = {}
+    try:
+        for layer in range(rt.plan.num_layers):
+            if on_enter is not None:
+                on_enter(layer)
+            rt.before_attention(layer)
+            if on_layer is not None:
+                on_layer(layer)
+            for toks, table, c in zip(tokens, tables, cached, strict=True):
+                new = table[c // BS : -(-len(toks) // BS)]
+                if write:
+                    for t in rt.layer_caches(layer):
+                        _fill(t, new)
+            used = sorted(
+                b for toks, table in zip(tokens, tables, strict=True) for b in table[: -(-len(toks) // BS)]
+            )
+            snapshots[layer] = [t[used].clone() for t in rt.layer_caches(layer)]
+            rt.after_cache_write(layer)
+    finally:
+        rt.end_forward()
+    return cached, snapshots
+
+
+def test_roundtrip_prefix_is_loaded_for_every_layer() -> None:
+    rt, _store = _make()
+    try:
+        toks = [list(range(100, 118))]  # 18 tokens: 4 full blocks + 2
+        cached, first = _forward(rt, toks, [[3, 5, 7, 9, 11]])
+        assert cached == [0]
+        snap = rt.counters.snapshot()
+        assert snap["saves"] == 6 and snap["blocks_saved"] == 6 * 4 and snap["loads"] == 0
+        assert snap["store_misses"] == 4
+        # same prefix, other blocks and one extra block: 4 full blocks are cached
+        toks2 = [[*toks[0][:16], 7, 7, 7, 7, 7]]
+        assert rt.lookup(toks2[0]) == 16
+        seen = {}
+
+        def check(layer):
+            # right after before_attention: the prefix blocks hold exactly what forward 1 computed
+            seen[layer] = [t[[0, 2, 4, 6]].clone() for t in rt.layer_caches(layer)]
+
+        cached, _ = _forward(rt, toks2, [[0, 2, 4, 6, 8, 10]], on_layer=check)
+        assert cached == [16]
+        used1 = [3, 5, 7, 9, 11]
+        for layer in range(6):
+            for got, ref in zip(seen[layer], first[layer], strict=True):
+                expect = ref[[used1.index(b) for b in (3, 5, 7, 9)]]
+                assert torch.equal(got, expect), layer
+        snap = rt.counters.snapshot()
+        assert snap["loads"] == 6 and snap["blocks_loaded"] == 24 and snap["store_hits"] == 4
+        rec = sum(rt.record_bytes(i) for i in range(6))
+        assert snap["bytes_loaded"] == 4 * rec
+        # layer with an indexer records more bytes than one without (16-byte aligned components)
+        assert rt.record_bytes(1) == 192 + 32 + 32 + 16 and rt.record_bytes(2) == 192 + 32
+    finally:
+        rt.close()
+
+
+def test_fully_cached_prompt_still_computes_a_token() -> None:
+    rt, _ = _make(n=3, b=1, indexer_layers=())
+    try:
+        toks = [list(range(16))]
+        _forward(rt, toks, [[0, 1, 2, 3]])
+        assert rt.lookup(toks[0]) == 12  # not 16: the last block is recomputed
+        cached, _ = _forward(rt, toks, [[4, 5, 6, 7]])
+        assert cached == [12]
+    finally:
+        rt.close()
+
+
+def test_partial_layer_presence_limits_the_prefix() -> None:
+    rt, store = _make(n=4, b=1, indexer_layers=())
+    try:
+        toks = list(range(40, 61))
+        _forward(rt, [toks], [[0, 1, 2, 3, 4, 5]])
+        h = block_hashes(toks, BS)
+        store.remove(layer_block_keys(h, 2, model_id="test")[3])  # layer 2, block 3 evicted
+        assert rt.lookup(toks) == 12
+        assert rt.counters.get("store_hits") == 0
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_reuse_gate_orders_loads_after_previous_users_save(streams: int) -> None:
+    store = LoggingStore(1 << 22, put_delay=0.03)
+    rt, _ = _make(n=7, b=2, indexer_layers=(), store=store, depth=3, streams=streams)
+    assert rt.transfer_streams == streams
+    try:
+        toks = [list(range(50, 75)), list(range(200, 213))]
+        tables = [[0, 1, 2, 3, 4, 5, 6], [7, 8, 9, 10]]
+        _forward(rt, toks, tables)
+        store.log.clear()
+        toks2 = [[*t[:12], 1, 2, 3, 4, 5] for t in toks]
+        calls: dict[int, float] = {}
+        _forward(
+            rt,
+            toks2,
+            [[11, 12, 13, 14, 15], [0, 1, 2, 3, 4]],
+            on_layer=lambda L: calls.setdefault(L, time.perf_counter()),
+        )
+        put_end, get_start = store.times("put_end"), store.times("get_start")
+        assert sorted(get_start) == list(range(7))
+        for layer in range(7):
+            prev = rt.plan.previous_user[layer]
+            if prev is not None:
+                assert get_start[layer] >= put_end[prev], (layer, prev)
+        assert rt.counters.get("waits") >= 1 and rt.counters.get("wait_seconds") > 0
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_prefetch_runs_ahead_of_compute(depth: int) -> None:
+    store = LoggingStore(1 << 22)
+    rt, _ = _make(n=7, b=3, indexer_layers=(), store=store, depth=depth)
+    try:
+        toks = [list(range(50, 75))]
+        _forward(rt, toks, [[0, 1, 2, 3, 4, 5, 6]])
+        store.log.clear()
+        entered: dict[int, float] = {}
+        _forward(
+            rt,
+            [[*toks[0][:20], 9, 9]],
+            [[8, 9, 10, 11, 12, 13]],
+            on_enter=lambda L: entered.setdefault(L, time.perf_counter()),
+            on_layer=lambda L: time.sleep(0.03),  # 'compute'
+        )
+        get_start = store.times("get_start")
+        ahead = [layer for layer in range(1, 7) if get_start[layer] < entered[layer]]
+        # with B=3 every layer's buffer is free one layer ahead: its load starts while the layer before computes
+        assert ahead == list(range(1, 7))
+        assert rt.counters.get("loads") == 7
+    finally:
+        rt.close()
+
+
+def test_aborted_forward_does_not_let_a_later_layer_load_early() -> None:
+    """After a forward stopped at layer 1, the next forward must not prefetch layer 3 (same buffer,
+    previous user 1) before layer 1 of the new forward ran: layer 1 would read layer 3's prefix."""
+    rt, _ = _make(n=4, b=2, indexer_layers=(), depth=3)
+    try:
+        assert rt.plan.slots == [[0], [1, 3], [2]]
+        toks = [list(range(300, 313))]
+        _, first = _forward(rt, toks, [[0, 1, 2, 3]])
+        rt.begin_forward(toks, [[4, 5, 6, 7]])
+        rt.before_attention(0)
+        rt.after_cache_write(0)
+        rt.before_attention(1)
+        rt.end_forward()  # aborted after layer 1: buffer 1's occupant is layer 1
+        cached = rt.begin_forward(toks, [[8, 9, 10, 11]])
+        assert cached == [12]
+        rt.before_attention(0)
+        rt.after_cache_write(0)
+        rt.before_attention(1)
+        rt._load_stream.synchronize()  # let any load issued for a later layer land before we look
+        got = rt.layer_caches(1)[0][[8, 9, 10]]
+        assert torch.equal(got, first[1][0][:3])
+        rt.after_cache_write(1)
+        for layer in (2, 3):
+            rt.before_attention(layer)
+            assert torch.equal(rt.layer_caches(layer)[0][[8, 9, 10]], first[layer][0][:3])
+            rt.after_cache_write(layer)
+        rt.end_forward()
+    finally:
+        rt.close()
+
+
+def test_completion_provider_gates_reuse() -> None:
+    rt, _store = _make(n=4, b=1, indexer_layers=())
+    releases: dict[int, TransferEvent] = {}
+    calls = []
+
+    def provider(slot, layer):
+        calls.append((slot, layer))
+        ev = TransferEvent()
+        releases[layer] = ev
+        return ev
+
+    rt.register_completion_provider(provider)
+    try:
+        rt.begin_forward([list(range(9))], [[0, 1, 2]])
+        rt.before_attention(0)
+        rt.after_cache_write(0)
+        rt.before_attention(1)
+        rt.after_cache_write(1)
+        assert calls == [(0, 0), (1, 1)]
+        entered = threading.Event()
+
+        def enter2():
+            rt.before_attention(2)  # slot 1 previously used by layer 1: waits for its provider event
+            entered.set()
+
+        th = threading.Thread(target=enter2)
+        th.start()
+        time.sleep(0.1)
+        assert not entered.is_set()
+        releases[1]._set_done()
+        th.join(5)
+        assert entered.is_set()
+        rt.after_cache_write(2)
+        releases[2]._set_error(ConnectionError("remote read failed"))
+        with pytest.raises(TransferError, match="remote read failed"):
+            rt.before_attention(3)
+        assert rt.poisoned_slots() == [1]
+        rt.end_forward()
+        with pytest.raises(SlotPoisonedError):
+            rt.begin_forward([list(range(9))], [[0, 1, 2]])
+        rt.reset()
+        assert rt.poisoned_slots() == []
+    finally:
+        for ev in releases.values():
+            if not ev.query():
+                ev._set_done()
+        rt.close()
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_save_failure_poisons_slot_and_next_user_never_loads(streams: int) -> None:
+    store = LoggingStore(1 << 22)
+    rt, _ = _make(n=6, b=2, indexer_layers=(), store=store, streams=streams)
+    try:
+        toks = [list(range(30))]
+        _forward(rt, toks, [[0, 1, 2, 3, 4, 5, 6, 7]])
+        store.fail_put_layers = {2}
+        store.log.clear()
+        toks2 = [[*toks[0][:20], *range(500, 520)]]
+        entered = []
+        with pytest.raises(TransferError, match="injected put failure for layer 2"):
+            _forward(rt, toks2, [[*list(range(8, 16)), 0, 1]], on_layer=entered.append)
+        assert entered == [0, 1, 2, 3]  # layer 4 (next user of layer 2's buffer) never ran
+        assert 4 not in store.times("get_start")  # and its load never touched the buffer
+        assert rt.poisoned_slots() == [rt.plan.slot_of[2]]
+        assert rt.counters.get("save_failures") == 1
+        with pytest.raises(SlotPoisonedError):
+            rt.begin_forward(toks2, [[*list(range(8, 16)), 0, 1]])
+        rt.reset()
+        store.fail_put_layers = set()
+        _forward(rt, toks2, [[*list(range(8, 16)), 0, 1]])
+    finally:
+        rt.close()
+
+
+def test_evicted_block_fails_the_load() -> None:
+    store = LoggingStore(1 << 22)
+    rt, _ = _make(n=3, b=1, indexer_layers=(), store=store)
+    try:
+        toks = list(range(13))
+        _forward(rt, [toks], [[0, 1, 2, 3]])
+        cached = rt.begin_forward([toks], [[4, 5, 6, 7]])
+        assert cached == [12]
+        rt.end_forward()  # loads issued for layers 0..2 complete; now evict and retry
+        store.remove(layer_block_keys(block_hashes(toks, BS), 2, model_id="test")[0])
+        rt.begin_forward([toks], [[4, 5, 6, 7]], num_cached_tokens=[12])
+        rt.before_attention(0)
+        rt.after_cache_write(0)
+        rt.before_attention(1)
+        rt.after_cache_write(1)
+        with pytest.raises(StoreMissError):
+            rt.before_attention(2)
+        with pytest.raises(StoreMissError):
+            rt.end_forward()
+        assert rt.counters.get("load_failures") == 1
+    finally:
+        rt.close()
+
+
+def test_call_order_and_argument_errors() -> None:
+    rt, _ = _make(n=3, b=1, indexer_layers=())
+    try:
+        with pytest.raises(RuntimeError, match="no forward is running"):
+            rt.before_attention(0)
+        with pytest.raises(ValueError, match="block table only 1"):
+            rt.begin_forward([list(range(9))], [[0]])
+        with pytest.raises(IndexError, match=r"block_tables\[0\]\[1\] is 99"):
+            rt.begin_forward([list(range(9))], [[0, 99, 2]])
+        with pytest.raises(ValueError, match="used by requests 0 and 1"):
+            rt.begin_forward([list(range(4)), list(range(4))], [[0], [0]])
+        with pytest.raises(ValueError, match="multiple of 4"):
+            rt.begin_forward([list(range(9))], [[0, 1, 2]], num_cached_tokens=[3])
+        with pytest.raises(ValueError, match="leaves no token"):
+            rt.begin_forward([list(range(8))], [[0, 1]], num_cached_tokens=[8])
+        with pytest.raises(ValueError, match="no tokens"):
+            rt.begin_forward([[]], [[0]])
+        rt.begin_forward([list(range(9))], torch.tensor([[0, 1, 2, -1]]))
+        with pytest.raises(RuntimeError, match="forward is running"):
+            rt.begin_forward([list(range(9))], [[0, 1, 2]])
+        with pytest.raises(RuntimeError, match="call before_attention"):
+            rt.after_cache_write(0)
+        with pytest.raises(ValueError, match=r"'layer' must be an int in \[0, 3\)"):
+            rt.before_attention(3)
+        rt.before_attention(1)
+        rt.before_attention(1)  # re-entering the running layer is a no-op wait
+        with pytest.raises(RuntimeError, match="increasing order"):
+            rt.before_attention(0)
+        with pytest.raises(ValueError, match="must hold 2 tensors"):
+            rt.after_cache_write(1, [rt.layer_caches(1)[0]])
+        with pytest.raises(TypeError, match="dtype"):
+            rt.after_cache_write(1, [rt.layer_caches(1)[0], rt.layer_caches(1)[0]])
+        rt.after_cache_write(1)
+        rt.end_forward()
+    finally:
+        rt.close()
+    plan = plan_layer_buffers(_specs(2), 1)
+    with pytest.raises(ValueError, match="different plan"):
+        LayerwiseOffloadRuntime(
+            plan, allocate_layer_buffers(plan_layer_buffers(_specs(2), 1), "cpu"), LocalKVStore(64)
+        )
+    with pytest.raises(ValueError, match="prefetch_depth"):
+        LayerwiseOffloadRuntime(plan, allocate_layer_buffers(plan, "cpu"), LocalKVStore(64), prefetch_depth=0)
+    with pytest.raises(ValueError, match="layer count"):
+        LayerwiseOffloadRuntime(plan_layer_buffers(2, 1), None, LocalKVStore(64))
+    with pytest.raises(ValueError, match="transfer_streams"):
+        LayerwiseOffloadRuntime(
+            plan, allocate_layer_buffers(plan, "cpu"), LocalKVStore(64), transfer_streams=3
+        )
+    with pytest.raises(TypeError, match="KVStore"):
+        LayerwiseOffloadRuntime(plan, allocate_layer_buffers(plan, "cpu"), {})
+
+
+def test_registry() -> None:
+    rt, _ = _make(n=2, b=1)
+    try:
+        register_runtime("reg-test", rt)
+        assert get_runtime("reg-test") is rt
+        with pytest.raises(ValueError, match="already registered"):
+            register_runtime("reg-test", rt)
+        register_runtime("reg-test", rt, replace=True)
+        unregister_runtime("reg-test")
+        with pytest.raises(KeyError, match="no layerwise runtime named 'reg-test'"):
+            get_runtime("reg-test")
+        with pytest.raises(TypeError):
+            register_runtime("x", object())
+    finally:
+        rt.close()
+
+
+# ---------------------------------------------------------------------------------------- hook ops
+
+
+@pytest.fixture
+def hooked():
+    rt, store = _make(n=4, b=1, indexer_layers=(1,))
+    register_runtime("hook-test", rt, replace=True)
+    yield rt, store
+    unregister_runtime("hook-test")
+    rt.close()
+
+
+def test_hook_ops_run_the_runtime(hooked) -> None:
+    rt, _store = hooked
+    toks = [list(range(10))]
+    for rnd in range(2):
+        cached = rt.begin_forward(toks, [[rnd * 3, rnd * 3 + 1, rnd * 3 + 2]])
+        for layer in range(4):
+            caches = list(rt.layer_caches(layer))
+            layer_wait("hook-test", layer, caches)
+            layer_save("hook-test", layer, caches)
+            layer_prefetch("hook-test", layer, caches)
+        rt.end_forward()
+        assert cached == [8 * rnd]
+    assert rt.counters.get("loads") == 4 and rt.counters.get("saves") == 4
+    with pytest.raises(KeyError, match="no layerwise runtime"):
+        layer_wait("nope", 0, list(rt.layer_caches(0)))
+
+
+def test_hook_ops_opcheck(hooked) -> None:
+    """opcheck: test_schema (declared mutation vs what the kernel does), test_faketensor (fake vs real),
+    test_aot_dispatch_dynamic (functionalized tracing gives eager results). test_autograd_registration
+    does not apply: cache buffers never require grad and the ops have no autograd formula."""
+    rt, _ = hooked
+    rt.begin_forward([list(range(10))], [[0, 1, 2]])
+    utils = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    try:
+        for layer in (1,):  # the layer with main + indexer components
+            caches = list(rt.layer_caches(layer))
+            torch.library.opcheck(
+                torch.ops.kvoffload.layer_wait.default, ("hook-test", layer, caches), test_utils=utils
+            )
+            torch.library.opcheck(
+                torch.ops.kvoffload.layer_save.default, ("hook-test", layer, caches), test_utils=utils
+            )
+            torch.library.opcheck(
+                torch.ops.kvoffload.layer_prefetch.default, ("hook-test", layer, caches), test_utils=utils
+            )
+    finally:
+        rt.end_forward()
+
+
+def test_hook_ops_compile_in_order(hooked) -> None:
+    rt, _ = hooked
+    graphs = []
+
+    def recording_backend(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def step(c0a, c0b, c1a, c1b, i1a, i1b, x):
+        outs = []
+        for layer, caches in ((0, [c0a, c0b]), (1, [c1a, c1b, i1a, i1b])):
+            layer_wait("hook-test", layer, caches)
+            caches[0][0, 0] = x  # the cache write
+            layer_save("hook-test", layer, caches)
+            layer_prefetch("hook-test", layer + 1, list(rt.layer_caches(layer + 1)))
+            outs.append(caches[0].sum())
+        return outs[0] + outs[1]
+
+    compiled = torch.compile(step, fullgraph=True, backend=recording_backend)
+    args = [*rt.layer_caches(0), *rt.layer_caches(1), torch.ones(12)]
+    rt.begin_forward([list(range(10))], [[0, 1, 2]])
+    got = compiled(*args)
+    rt.end_forward()
+    assert torch.equal(got, rt.layer_caches(0)[0].sum() + rt.layer_caches(1)[0].sum())
+    nodes = [
+        (n.target._name.split("::")[1], n.args[1])
+        for n in graphs[0].graph.nodes
+        if n.op == "call_function"
+        and isinstance(n.target, torch._ops.OpOverload)
+        and n.target.namespace == "kvoffload"
+    ]
+    assert nodes == [
+        ("layer_wait", 0),
+        ("layer_save", 0),
+        ("layer_prefetch", 1),
+        ("layer_wait", 1),
+        ("layer_save", 1),
+        ("layer_prefetch", 2),
+    ]
+    assert rt.counters.get("saves") == 2
+
+
+def test_hook_ops_with_copies_of_the_caches(hooked) -> None:
+    """A functionalizing backend may hand the ops clones: wait fills them, save writes them back."""
+    rt, _ = hooked
+    toks = [list(range(10))]
+    _forward(rt, toks, [[0, 1, 2]])
+    rt.begin_forward(toks, [[3, 4, 5]])
+    try:
+        clones = [torch.zeros_like(t) for t in rt.layer_caches(0)]
+        layer_wait("hook-test", 0, clones)
+        for c, t in zip(clones, rt.layer_caches(0), strict=True):
+            assert torch.equal(c, t) and c.data_ptr() != t.data_ptr()
+        assert clones[0][[3, 4]].abs().sum() > 0  # the loaded prefix
+        clones[0][5] = 7.0  # the "cache write" happened on the copy
+        layer_save("hook-test", 0, clones)
+        assert torch.equal(rt.layer_caches(0)[0][5], clones[0][5])
+        with pytest.raises(ValueError, match="must hold 2 tensors"):
+            layer_prefetch("hook-test", 0, clones[:1])
+        with pytest.raises(ValueError, match=r"must be \[16, 4, 12\]"):
+            layer_wait("hook-test", 0, [torch.zeros(3, 4, 12), clones[1]])
+    finally:
+        rt.end_forward()
+
+
+def test_hook_ops_under_a_functionalizing_backend(hooked) -> None:
+    """Under aot_eager (AOT autograd, functionalization of the mutating hooks) the graph reads the loaded
+    prefix and its cache write reaches the buffer, as in eager execution."""
+    rt, _ = hooked
+    toks = [list(range(10))]
+    _, first = _forward(rt, toks, [[0, 1, 2]])
+
+    def step(c0a, c0b, x):
+        layer_wait("hook-test", 0, [c0a, c0b])
+        seen = c0a[3:5].sum()  # reads the loaded prefix (blocks 3, 4)
+        c0a[5] = x
+        layer_save("hook-test", 0, [c0a, c0b])
+        return seen
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    rt.begin_forward(toks, [[3, 4, 5]])
+    try:
+        got = compiled(*rt.layer_caches(0), torch.full((4, 12), 3.0))
+    finally:
+        rt.end_forward()
+    assert torch.equal(got, first[0][0][:2].sum())
+    assert torch.equal(rt.layer_caches(0)[0][5], torch.full((4, 12), 3.0))
+    # layers 0 and 1 were loaded (layer 2 shares layer 1's buffer and never ran); no new full block
+    assert rt.counters.get("loads") == 2 and rt.counters.get("saves") == 4

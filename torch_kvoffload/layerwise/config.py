@@ -1,0 +1,67 @@
+"""Configuration of layerwise prefill offload."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from pydantic import Field, StrictInt, field_validator
+
+from torch_kvoffload.config import ConfigModel
+from torch_kvoffload.store.base import KVStore
+from torch_kvoffload.store.factory import StoreConfig
+
+if TYPE_CHECKING:
+    from torch_kvoffload.layerwise.planner import LayerCacheSpec
+    from torch_kvoffload.layerwise.runtime import LayerwiseOffloadRuntime
+
+__all__ = ["LayerwiseConfig"]
+
+
+class LayerwiseConfig(ConfigModel):
+    """Layerwise prefill offload settings.
+
+    ``num_shared_buffers``: ``B >= 1`` shared device buffers the reusable layers rotate through.
+    ``independent_layers``: layers with a dedicated buffer (negative indices wrap when planned) or ``"all"``.
+    ``prefetch_depth``: loads are issued up to this many layers ahead of the running layer (``>= 1``).
+    ``store``: the host KV pool (:class:`~torch_kvoffload.store.factory.StoreConfig`: ``kind`` —
+    ``"local"``, ``"memcache"``, ``"mooncake"`` — and that kind's options).
+    ``model_id``: mixed into the store keys so different models (or KV layouts) never share entries.
+    """
+
+    num_shared_buffers: StrictInt = Field(default=2, ge=1)
+    independent_layers: list[StrictInt] | Literal["all"] = Field(default_factory=lambda: [0])
+    prefetch_depth: StrictInt = Field(default=2, ge=1)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    model_id: str = ""
+
+    @field_validator("independent_layers")
+    @classmethod
+    def _unique(cls, v: list[int] | str) -> list[int] | str:
+        if isinstance(v, list) and len(set(v)) != len(v):
+            raise ValueError(f"independent_layers: layers must be distinct, got {v}")
+        return v
+
+    def build_runtime(
+        self,
+        specs: Sequence[LayerCacheSpec],
+        *,
+        device: torch.device | str | None = None,
+        store: KVStore | None = None,
+    ) -> LayerwiseOffloadRuntime:
+        """Plan, allocate and start a runtime for ``specs``; the store is built from ``self.store``
+        unless one is given."""
+        from torch_kvoffload.layerwise.allocation import allocate_layer_buffers
+        from torch_kvoffload.layerwise.planner import plan_layer_buffers
+        from torch_kvoffload.layerwise.runtime import LayerwiseOffloadRuntime
+
+        plan = plan_layer_buffers(specs, self.num_shared_buffers, self.independent_layers)
+        buffers = allocate_layer_buffers(plan, device)
+        return LayerwiseOffloadRuntime(
+            plan,
+            buffers,
+            store if store is not None else self.store.build(),
+            prefetch_depth=self.prefetch_depth,
+            model_id=self.model_id,
+        )

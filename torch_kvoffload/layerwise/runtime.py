@@ -1,0 +1,727 @@
+"""The layerwise prefill offload runtime: load / wait / save / prefetch per layer, overlapped with compute.
+
+A model (or an FX graph through the ``kvoffload::layer_*`` hook ops) calls, per forward::
+
+    rt.begin_forward(token_ids, block_tables)        # looks the prefixes up in the store, starts prefetch
+    for layer in range(N):
+        rt.before_attention(layer)   # waits for the buffer's previous user + this layer's load
+        ...write the new tokens' KV into rt.layer_caches(layer), run attention...
+        rt.after_cache_write(layer)  # starts the save of the new blocks
+    rt.end_forward()                 # waits for every transfer, raises the first failure
+
+Reuse invariant: layer ``L`` never loads into / writes its physical buffer before the previous user of
+that buffer finished computing, its save completed and every registered external consumer (P/D remote
+read) reported completion. Completion is tracked per physical slot. A failed save or load poisons the
+slot: every waiter of the slot raises a :class:`~torch_kvoffload.device.TransferError` and the slot is
+not handed out again until :meth:`LayerwiseOffloadRuntime.reset`.
+
+Store records: one key per (layer, full block) from ``torch_kvoffload.store.keys``; the value is the
+block's bundle — every cache component of the layer (main, then indexer) for that block, each at a
+16-byte aligned offset inside one ``uint8`` record.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from torch_kvoffload.counters import Counters
+from torch_kvoffload.device import (
+    TransferError,
+    TransferEvent,
+    TransferStream,
+    default_device,
+    empty_host,
+    record_compute_event,
+)
+from torch_kvoffload.layerwise.allocation import LayerBuffers
+from torch_kvoffload.layerwise.planner import LayerBufferPlan
+from torch_kvoffload.ops.copy import copy_blocks
+from torch_kvoffload.store.base import KVStore
+from torch_kvoffload.store.keys import block_hashes, layer_block_keys
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "COUNTER_NAMES",
+    "CompletionProvider",
+    "LayerwiseOffloadRuntime",
+    "SlotPoisonedError",
+    "StoreMissError",
+    "get_runtime",
+    "register_runtime",
+    "unregister_runtime",
+]
+
+_ALIGN = 16
+
+#: ``fn(slot, layer) -> TransferEvent``: completes when an external reader is done with the slot's data.
+CompletionProvider = Callable[[int, int], TransferEvent]
+
+COUNTER_NAMES = (
+    "bytes_loaded",  # host pool -> device buffers
+    "bytes_saved",  # device buffers -> host pool
+    "loads",  # per-layer load batches
+    "saves",  # per-layer save batches
+    "blocks_loaded",
+    "blocks_saved",
+    "store_hits",  # request blocks found in the store for every layer at begin_forward
+    "store_misses",  # full request blocks not found (computed instead)
+    "load_failures",
+    "save_failures",
+    "waits",  # blocking waits in before_attention
+    "wait_seconds",
+    "load_seconds",  # transfer-thread time spent loading (store reads + host->device copies)
+    "save_seconds",  # transfer-thread time spent saving (device->host copies + store writes)
+)
+
+
+class StoreMissError(TransferError):
+    """A block found at lookup was gone when its layer was loaded (evicted in between)."""
+
+
+class SlotPoisonedError(TransferError):
+    """A physical buffer's last save or load failed; it is not handed out until ``reset()``."""
+
+
+@dataclass
+class _Slot:
+    occupant: int | None = None  # layer currently owning the buffer
+    release: list[TransferEvent] = field(default_factory=list)  # gate for the next user
+    compute_done: bool = True
+    handed_to: int | None = None  # a later layer whose load into this buffer was issued
+    poison: BaseException | None = None
+    poison_layer: int | None = None
+
+
+@dataclass
+class _Request:
+    hashes: list[str]
+    block_ids: list[int]
+    num_cached_blocks: int
+
+
+@dataclass
+class _Layout:
+    components: tuple[torch.Tensor, ...]
+    offsets: tuple[int, ...]
+    record_bytes: int
+
+
+def _failure(exc: TransferError, context: str) -> TransferError:
+    """A waiter's error: the class of the transfer's own failure when it is a TransferError (e.g.
+    StoreMissError), else SlotPoisonedError; the message names the context and the cause."""
+    cause = exc.__cause__
+    cls = type(cause) if isinstance(cause, TransferError) else SlotPoisonedError
+    err = cls(f"{context}: {cause if cause is not None else exc}")
+    err.__cause__ = cause if cause is not None else exc
+    return err
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class LayerwiseOffloadRuntime:
+    """Runs layerwise load / save of a :class:`LayerBufferPlan` against a :class:`KVStore`.
+
+    Parameters
+    ----------
+    plan, buffers : the plan (made from cache specs) and its allocation.
+    store : the host KV pool.
+    prefetch_depth : loads are issued up to this many layers ahead of the running layer (``>= 1``).
+    model_id, salt : mixed into the store keys (``layer_block_keys(..., model_id=)``,
+        ``block_hashes(..., salt=)``).
+    transfer_streams : 2 = loads and saves on separate :class:`TransferStream` s (both copy directions
+        at once: the default on accelerators); 1 = one stream in submission order (the default on CPU,
+        where each stream is a worker thread competing with compute for cores).
+
+    Every layer must use the same ``[num_blocks, block_size]`` paging (one block table per request for all
+    layers). Transfers run on :class:`TransferStream` s (see ``transfer_streams``); waits happen in
+    :meth:`before_attention` and :meth:`end_forward` only.
+    """
+
+    def __init__(
+        self,
+        plan: LayerBufferPlan,
+        buffers: LayerBuffers,
+        store: KVStore,
+        *,
+        prefetch_depth: int = 2,
+        model_id: str = "",
+        salt: str = "",
+        transfer_streams: int | None = None,
+    ) -> None:
+        if plan.specs is None:
+            raise ValueError(
+                "LayerwiseOffloadRuntime: 'plan' must be made from cache specs, not a layer count"
+            )
+        if buffers.plan is not plan:
+            raise ValueError("LayerwiseOffloadRuntime: 'buffers' were allocated for a different plan")
+        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 1:
+            raise ValueError(
+                f"LayerwiseOffloadRuntime: 'prefetch_depth' must be an int >= 1, got {prefetch_depth!r}"
+            )
+        if not isinstance(store, KVStore):
+            raise TypeError(f"LayerwiseOffloadRuntime: 'store' must be a KVStore, got {type(store).__name__}")
+        lead = plan.specs[0].main[0].shape[:2]
+        for layer, spec in enumerate(plan.specs):
+            if spec.main[0].shape[:2] != lead:
+                raise ValueError(
+                    f"LayerwiseOffloadRuntime: layer {layer} pages its cache as [num_blocks, block_size] = "
+                    f"{list(spec.main[0].shape[:2])}, layer 0 as {list(lead)}; all layers share one block table"
+                )
+        self.plan = plan
+        self.buffers = buffers
+        self.store = store
+        self.prefetch_depth = prefetch_depth
+        self.model_id = model_id
+        self.salt = salt
+        self.num_blocks, self.block_size = lead
+        self.counters = Counters(COUNTER_NAMES)
+        self._layouts = [self._layout(layer) for layer in range(plan.num_layers)]
+        if transfer_streams is None:
+            transfer_streams = 1 if default_device().type == "cpu" else 2
+        if transfer_streams not in (1, 2):
+            raise ValueError(
+                f"LayerwiseOffloadRuntime: 'transfer_streams' must be 1 or 2 (or None), got {transfer_streams!r}"
+            )
+        self.transfer_streams = transfer_streams
+        self._load_stream = TransferStream("layerwise-load" if transfer_streams == 2 else "layerwise")
+        self._save_stream = TransferStream("layerwise-save") if transfer_streams == 2 else self._load_stream
+        self._lock = threading.Lock()
+        self._slots = [_Slot() for _ in plan.slots]
+        self._providers: list[CompletionProvider] = []
+        self._in_forward = False
+        self._requests: list[_Request] = []
+        self._current = -1
+        self._loads: dict[int, TransferEvent] = {}
+        self._pending: list[TransferEvent] = []
+        self._entered: set[int] = set()
+        self._reuse_staging = all(t.device.type == "cpu" for t in buffers.layer_caches(0))
+        self._staging_buffers: dict[str, torch.Tensor] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------ layout
+    def _layout(self, layer: int) -> _Layout:
+        comps = self.buffers.layer_caches(layer)
+        offsets, off = [], 0
+        for c in comps:
+            offsets.append(off)
+            off = _aligned(off + c[0].nbytes)
+        return _Layout(comps, tuple(offsets), off)
+
+    def _staging_views(self, layer: int, staging: torch.Tensor) -> list[torch.Tensor]:
+        lay = self._layouts[layer]
+        n = staging.shape[0]
+        views = []
+        for comp, off in zip(lay.components, lay.offsets, strict=True):
+            nb = comp[0].nbytes
+            views.append(staging[:, off : off + nb].view(comp.dtype).view(n, *comp.shape[1:]))
+        return views
+
+    def record_bytes(self, layer: int) -> int:
+        """Bytes of one store record (one block of every cache component of ``layer``)."""
+        return self._layouts[layer].record_bytes
+
+    def layer_caches(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The cache tensors of ``layer``: main components, then indexer components if it has any."""
+        return self.buffers.layer_caches(self._check_layer("layer_caches", layer))
+
+    # ----------------------------------------------------------------------------- registration
+    def register_completion_provider(self, fn: CompletionProvider) -> None:
+        """Add an external consumer: ``fn(slot, layer)`` is called when ``layer``'s KV is written (before
+        the store save starts) and returns the event of its read; the slot's next user waits for it."""
+        if not callable(fn):
+            raise TypeError(f"register_completion_provider: expected a callable, got {type(fn).__name__}")
+        self._providers.append(fn)
+
+    # -------------------------------------------------------------------------------- lookups
+    def _check_layer(self, fn: str, layer: object) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.plan.num_layers:
+            raise ValueError(
+                f"LayerwiseOffloadRuntime.{fn}: 'layer' must be an int in [0, {self.plan.num_layers}), got {layer!r}"
+            )
+        return layer
+
+    def _max_cacheable_blocks(self, num_tokens: int) -> int:
+        # At least one token is always computed, so a fully cached prompt still yields its last logits.
+        return (num_tokens - 1) // self.block_size
+
+    def lookup(self, token_ids: Sequence[int] | torch.Tensor) -> int:
+        """Tokens of ``token_ids`` whose KV every layer has in the store (a multiple of ``block_size``,
+        leaving at least one token to compute)."""
+        hashes = block_hashes(token_ids, self.block_size, salt=self.salt)
+        return self._cached_blocks(hashes, len(token_ids)) * self.block_size
+
+    def _cached_blocks(self, hashes: list[str], num_tokens: int) -> int:
+        cap = min(len(hashes), self._max_cacheable_blocks(num_tokens))
+        if cap == 0:
+            return 0
+        keys: list[str] = []
+        for layer in range(self.plan.num_layers):
+            keys += layer_block_keys(hashes[:cap], layer, model_id=self.model_id)
+        found = self.store.batch_exists(keys)
+        cached = cap
+        for layer in range(self.plan.num_layers):
+            row = found[layer * cap : (layer + 1) * cap]
+            cached = min(cached, row.index(False) if False in row else cap)
+        return cached
+
+    # -------------------------------------------------------------------------------- forward
+    def begin_forward(
+        self,
+        token_ids: Sequence[Sequence[int] | torch.Tensor],
+        block_tables: Sequence[Sequence[int]] | torch.Tensor,
+        num_cached_tokens: Sequence[int] | None = None,
+    ) -> list[int]:
+        """Start a prefill forward of a batch; return the cached tokens of each request.
+
+        ``token_ids[r]``: all tokens of request ``r`` (prefix included). ``block_tables``: ``[R, max_blocks]``
+        device block ids (``-1`` padding allowed past the blocks a request needs), or a list of lists.
+        ``num_cached_tokens``: per request, tokens to load instead of compute (multiples of ``block_size``);
+        default: :meth:`lookup`. The model computes tokens ``[cached, len)`` of each request and attends to
+        all ``[0, len)``. Loads of the first layers start here.
+        """
+        if self._closed:
+            raise RuntimeError("LayerwiseOffloadRuntime.begin_forward: the runtime is closed")
+        if self._in_forward:
+            raise RuntimeError(
+                "LayerwiseOffloadRuntime.begin_forward: a forward is running; call end_forward()"
+            )
+        for s, slot in enumerate(self._slots):
+            if slot.poison is not None:
+                raise SlotPoisonedError(self._poison_message(s, "begin_forward"))
+        if isinstance(block_tables, torch.Tensor):
+            if block_tables.dim() != 2 or block_tables.dtype.is_floating_point:
+                raise ValueError(
+                    f"begin_forward: 'block_tables' must be an int tensor [R, max_blocks], got "
+                    f"{block_tables.dtype} {list(block_tables.shape)}"
+                )
+            block_tables = block_tables.tolist()
+        if len(block_tables) != len(token_ids):
+            raise ValueError(
+                f"begin_forward: 'block_tables' has {len(block_tables)} rows, 'token_ids' {len(token_ids)} requests"
+            )
+        if num_cached_tokens is not None and len(num_cached_tokens) != len(token_ids):
+            raise ValueError(
+                f"begin_forward: 'num_cached_tokens' has {len(num_cached_tokens)} entries, expected {len(token_ids)}"
+            )
+        requests: list[_Request] = []
+        used: dict[int, int] = {}
+        for r, (toks, table) in enumerate(zip(token_ids, block_tables, strict=True)):
+            n = len(toks)
+            if n == 0:
+                raise ValueError(f"begin_forward: request {r} has no tokens")
+            need = -(-n // self.block_size)
+            if len(table) < need:
+                raise ValueError(
+                    f"begin_forward: request {r} has {n} tokens = {need} blocks, its block table only {len(table)}"
+                )
+            ids = [int(b) for b in table[:need]]
+            for j, b in enumerate(ids):
+                if not 0 <= b < self.num_blocks:
+                    raise IndexError(
+                        f"begin_forward: block_tables[{r}][{j}] is {b}, expected a block in [0, {self.num_blocks})"
+                    )
+                if b in used:
+                    raise ValueError(f"begin_forward: block {b} is used by requests {used[b]} and {r}")
+                used[b] = r
+            hashes = block_hashes(toks, self.block_size, salt=self.salt)
+            if num_cached_tokens is None:
+                cached = self._cached_blocks(hashes, n)
+            else:
+                c = num_cached_tokens[r]
+                if isinstance(c, bool) or not isinstance(c, int) or c < 0 or c % self.block_size:
+                    raise ValueError(
+                        f"begin_forward: num_cached_tokens[{r}] must be a non-negative multiple of "
+                        f"{self.block_size}, got {c!r}"
+                    )
+                cached = c // self.block_size
+                if cached > self._max_cacheable_blocks(n):
+                    raise ValueError(
+                        f"begin_forward: num_cached_tokens[{r}] = {c} leaves no token of {n} to compute"
+                    )
+            self.counters.add("store_hits", cached)
+            self.counters.add("store_misses", len(hashes) - cached)
+            requests.append(_Request(hashes, ids, cached))
+        self._requests = requests
+        self._in_forward = True
+        self._current = -1
+        self._loads = {}
+        self._pending = []
+        self._entered = set()
+        self._issue_window(0)
+        return [q.num_cached_blocks * self.block_size for q in requests]
+
+    def prefetch(self, layer: int, caches: Sequence[torch.Tensor] | None = None) -> None:
+        """Issue the loads of ``layer .. layer + prefetch_depth`` whose buffers may be overwritten now.
+
+        ``caches`` (optional): ``layer``'s cache tensors, checked against :meth:`layer_caches`.
+        """
+        self._check_layer("prefetch", layer)
+        self._need_forward("prefetch")
+        self._check_caches("prefetch", layer, caches)
+        self._issue_window(layer)
+
+    def before_attention(self, layer: int, caches: Sequence[torch.Tensor] | None = None) -> None:
+        """Block until ``layer`` may use its buffer and its cached prefix is loaded.
+
+        ``caches`` (optional): the tensors the caller will read, checked against :meth:`layer_caches`;
+        a tensor that is a copy of the buffer (a functionalized graph's clone) receives the loaded data.
+
+        Raises :class:`TransferError` (or a subclass) if the slot's previous save, an external consumer
+        or this layer's load failed; the slot is then poisoned. Calling it again for the layer that is
+        running is a no-op wait; going back to an earlier layer raises ``RuntimeError``.
+        """
+        self._check_layer("before_attention", layer)
+        self._need_forward("before_attention")
+        self._check_caches("before_attention", layer, caches)
+        slot_id = self.plan.slot_of[layer]
+        slot = self._slots[slot_id]
+        if layer == self._current and slot.occupant == layer:
+            self._wait_events(slot_id, layer, [self._loads[layer]] if layer in self._loads else [])
+            self._sync_caches(layer, caches, into_buffers=False)
+            return
+        if layer <= self._current:
+            raise RuntimeError(
+                f"LayerwiseOffloadRuntime.before_attention: layer {layer} after layer {self._current}; "
+                "layers run in increasing order"
+            )
+        self._finish_compute_before(layer)
+        self._current = layer
+        self._issue_window(layer)
+        if slot.poison is not None:
+            raise SlotPoisonedError(self._poison_message(slot_id, f"before_attention({layer})"))
+        events = list(slot.release)
+        if layer in self._loads:
+            events.append(self._loads[layer])
+        self._wait_events(slot_id, layer, events)
+        slot.occupant, slot.release, slot.compute_done, slot.handed_to = layer, [], False, None
+        self._entered.add(layer)
+        self._sync_caches(layer, caches, into_buffers=False)
+
+    def after_cache_write(self, layer: int, caches: Sequence[torch.Tensor] | None = None) -> None:
+        """Start the save of ``layer``'s newly computed full blocks (asynchronous).
+
+        External completion providers are called first; the slot's next user waits for all of them and
+        for the save. ``caches`` (optional): the tensors the caller wrote, checked against
+        :meth:`layer_caches`; a tensor that is a copy of the buffer is copied into it before the save.
+        """
+        self._check_layer("after_cache_write", layer)
+        self._need_forward("after_cache_write")
+        self._check_caches("after_cache_write", layer, caches)
+        slot_id = self.plan.slot_of[layer]
+        slot = self._slots[slot_id]
+        if slot.occupant != layer or layer != self._current:
+            raise RuntimeError(
+                f"LayerwiseOffloadRuntime.after_cache_write: layer {layer} is not the running layer "
+                f"(running: {self._current}); call before_attention({layer}) first"
+            )
+        if slot.handed_to is not None:
+            raise RuntimeError(
+                f"LayerwiseOffloadRuntime.after_cache_write: buffer {slot_id} of layer {layer} was already "
+                f"handed to layer {slot.handed_to}"
+            )
+        if slot.poison is not None:
+            raise SlotPoisonedError(self._poison_message(slot_id, f"after_cache_write({layer})"))
+        self._sync_caches(layer, caches, into_buffers=True)
+        external = [fn(slot_id, layer) for fn in self._providers]
+        keys, blocks = self._save_list(layer)
+        events = list(external)
+        if keys:
+            ev = self._save_stream.submit(
+                self._do_save, layer, slot_id, keys, blocks, after=[record_compute_event()]
+            )
+            events.append(ev)
+            self._pending.append(ev)
+        slot.release.extend(events)
+
+    def end_forward(self) -> None:
+        """Wait for every load and save of the forward; raise the first failure (slots stay poisoned).
+
+        External consumers are not waited for here: they gate the next use of their slot.
+        """
+        self._need_forward("end_forward")
+        first: BaseException | None = None
+        try:
+            for ev in [*self._loads.values(), *self._pending]:
+                try:
+                    ev.wait()
+                except TransferError as exc:
+                    first = first or _failure(exc, "layerwise end_forward: a transfer of this forward failed")
+            self._finish_compute_before(self.plan.num_layers)
+        finally:
+            self._in_forward = False
+            self._requests, self._loads, self._pending = [], {}, []
+            self._current = -1
+        if first is not None:
+            raise first
+
+    def reset(self) -> None:
+        """Clear poisoned slots (their contents are garbage until a layer rewrites them)."""
+        if self._in_forward:
+            raise RuntimeError("LayerwiseOffloadRuntime.reset: a forward is running; call end_forward()")
+        with self._lock:
+            for slot in self._slots:
+                slot.poison, slot.poison_layer = None, None
+                slot.release = [ev for ev in slot.release if ev.error is None]
+
+    def poisoned_slots(self) -> list[int]:
+        with self._lock:
+            return [s for s, slot in enumerate(self._slots) if slot.poison is not None]
+
+    def close(self) -> None:
+        """Finish queued transfers and stop the transfer threads."""
+        if self._closed:
+            return
+        self._closed = True
+        self._load_stream.close()
+        if self._save_stream is not self._load_stream:
+            self._save_stream.close()
+
+    # ---------------------------------------------------------------------------------- internals
+    def _check_caches(self, fn: str, layer: int, caches: Sequence[torch.Tensor] | None) -> None:
+        if caches is None:
+            return
+        own = self.buffers.layer_caches(layer)
+        if len(caches) != len(own):
+            raise ValueError(
+                f"LayerwiseOffloadRuntime.{fn}: 'caches' of layer {layer} must hold {len(own)} tensors "
+                f"(main components, then indexer), got {len(caches)}"
+            )
+        for i, (t, b) in enumerate(zip(caches, own, strict=True)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(
+                    f"LayerwiseOffloadRuntime.{fn}: 'caches[{i}]' must be a tensor, got {type(t).__name__}"
+                )
+            if t.dtype != b.dtype:
+                raise TypeError(
+                    f"LayerwiseOffloadRuntime.{fn}: 'caches[{i}]' of layer {layer} must have dtype {b.dtype}, got {t.dtype}"
+                )
+            if t.shape != b.shape or t.device != b.device:
+                raise ValueError(
+                    f"LayerwiseOffloadRuntime.{fn}: 'caches[{i}]' of layer {layer} must be {list(b.shape)} on "
+                    f"{b.device}, got {list(t.shape)} on {t.device}"
+                )
+
+    def _sync_caches(self, layer: int, caches: Sequence[torch.Tensor] | None, *, into_buffers: bool) -> None:
+        if caches is None:
+            return
+        for t, b in zip(caches, self.buffers.layer_caches(layer), strict=True):
+            if t.data_ptr() == b.data_ptr() and t.stride() == b.stride():
+                continue
+            if into_buffers:
+                b.copy_(t)
+            else:
+                t.copy_(b)
+
+    def _need_forward(self, fn: str) -> None:
+        if not self._in_forward:
+            raise RuntimeError(f"LayerwiseOffloadRuntime.{fn}: no forward is running; call begin_forward()")
+
+    def _finish_compute_before(self, layer: int) -> None:
+        """Layers below ``layer`` finished computing: their buffers' next users may overwrite them once
+        the transfers done; on an accelerator that is ordered by a compute event."""
+        ev = None
+        for slot in self._slots:
+            if slot.occupant is not None and slot.occupant < layer and not slot.compute_done:
+                ev = ev or record_compute_event()
+                slot.release.append(ev)
+                slot.compute_done = True
+
+    def _issue_window(self, start: int) -> None:
+        """Issue loads for the running layer and up to ``prefetch_depth`` layers after it.
+
+        A later layer's load is issued only once its buffer's previous user finished computing; the load
+        itself runs after the slot's release events (that user's save, external readers).
+        """
+        if not self._load_list_nonempty():
+            return
+        first = max(start, self._current, 0)
+        for layer in range(first, min(self.plan.num_layers, max(self._current, 0) + self.prefetch_depth + 1)):
+            if layer in self._loads:
+                continue
+            slot_id = self.plan.slot_of[layer]
+            slot = self._slots[slot_id]
+            if slot.poison is not None:
+                continue
+            if layer != self._current:
+                prev = self.plan.previous_user[layer]
+                # the previous user must have run in *this* forward (an aborted forward may have left
+                # it as the occupant) and finished computing
+                ready = slot.compute_done and (
+                    prev is None or (slot.occupant == prev and prev in self._entered)
+                )
+                if not ready:
+                    continue
+            keys, blocks = self._load_list(layer)
+            self._loads[layer] = self._load_stream.submit(
+                self._do_load, layer, slot_id, keys, blocks, after=list(slot.release)
+            )
+            if layer != self._current:
+                slot.handed_to = layer
+
+    def _load_list_nonempty(self) -> bool:
+        return any(q.num_cached_blocks for q in self._requests)
+
+    def _load_list(self, layer: int) -> tuple[list[str], list[int]]:
+        keys: list[str] = []
+        blocks: list[int] = []
+        for q in self._requests:
+            n = q.num_cached_blocks
+            if n:
+                keys += layer_block_keys(q.hashes[:n], layer, model_id=self.model_id)
+                blocks += q.block_ids[:n]
+        return keys, blocks
+
+    def _save_list(self, layer: int) -> tuple[list[str], list[int]]:
+        keys: list[str] = []
+        blocks: list[int] = []
+        seen: set[str] = set()
+        for q in self._requests:
+            lo, hi = q.num_cached_blocks, len(q.hashes)
+            if hi <= lo:
+                continue
+            for key, b in zip(
+                layer_block_keys(q.hashes[lo:hi], layer, model_id=self.model_id),
+                q.block_ids[lo:hi],
+                strict=True,
+            ):
+                if key not in seen:  # requests of one batch may share a prefix
+                    seen.add(key)
+                    keys.append(key)
+                    blocks.append(b)
+        return keys, blocks
+
+    def _wait_events(self, slot_id: int, layer: int, events: list[TransferEvent]) -> None:
+        pending = [ev for ev in events if not ev.query()]
+        start = time.perf_counter()
+        try:
+            for ev in events:
+                ev.wait_on_compute()
+        except TransferError as exc:
+            self._poison(slot_id, layer, exc)
+            raise _failure(exc, f"layerwise: layer {layer} cannot use physical buffer {slot_id}") from exc
+        finally:
+            if pending:
+                self.counters.add("waits")
+                self.counters.add("wait_seconds", time.perf_counter() - start)
+
+    def _poison(self, slot_id: int, layer: int, exc: BaseException) -> None:
+        with self._lock:
+            slot = self._slots[slot_id]
+            if slot.poison is None:
+                slot.poison, slot.poison_layer = exc, layer
+        logger.error("layerwise: physical buffer %d poisoned by layer %d: %s", slot_id, layer, exc)
+
+    def _poison_message(self, slot_id: int, where: str) -> str:
+        slot = self._slots[slot_id]
+        return (
+            f"layerwise {where}: physical buffer {slot_id} is poisoned by a failed transfer of layer "
+            f"{slot.poison_layer} ({slot.poison}); call reset() after handling the failure"
+        )
+
+    # ---------------------------------------------------------------------- transfer-thread work
+    def _staging(self, kind: str, n: int, record_bytes: int) -> torch.Tensor:
+        """A ``uint8 [n, record_bytes]`` host staging tensor.
+
+        On CPU one buffer per direction is reused (each direction runs on one stream, one transfer at a
+        time; copies are synchronous and the store keeps copies of what it is given): a fresh multi-MiB
+        allocation per layer would page-fault on every transfer. On an accelerator a fresh pinned tensor
+        is taken each time, so an asynchronous copy still reading the last one is never overwritten.
+        """
+        if not self._reuse_staging:
+            return empty_host((n, record_bytes), torch.uint8)
+        need = n * record_bytes
+        buf = self._staging_buffers.get(kind)
+        if buf is None or buf.numel() < need:
+            buf = empty_host((need,), torch.uint8)
+            self._staging_buffers[kind] = buf
+        return buf[:need].view(n, record_bytes)
+
+    def _do_load(self, layer: int, slot_id: int, keys: list[str], blocks: list[int]) -> None:
+        start = time.perf_counter()
+        try:
+            if self._slots[slot_id].poison is not None:
+                raise SlotPoisonedError(self._poison_message(slot_id, f"load of layer {layer}"))
+            n = len(keys)
+            staging = self._staging("load", n, self._layouts[layer].record_bytes)
+            found = self.store.batch_get(keys, list(staging.unbind(0)))
+            missing = found.count(False)
+            if missing:
+                raise StoreMissError(
+                    f"layerwise: {missing} of {n} cached blocks of layer {layer} are no longer in the store"
+                )
+            mapping = torch.stack([torch.arange(n), torch.tensor(blocks, dtype=torch.int64)], dim=1)
+            for comp, view in zip(
+                self._layouts[layer].components, self._staging_views(layer, staging), strict=True
+            ):
+                copy_blocks(view, comp, mapping)
+        except BaseException as exc:
+            self.counters.add("load_failures")
+            self._poison(slot_id, layer, exc)
+            raise
+        self.counters.add("load_seconds", time.perf_counter() - start)
+        self.counters.add("loads")
+        self.counters.add("blocks_loaded", n)
+        self.counters.add("bytes_loaded", staging.nbytes)
+
+    def _do_save(self, layer: int, slot_id: int, keys: list[str], blocks: list[int]) -> None:
+        start = time.perf_counter()
+        try:
+            n = len(keys)
+            staging = self._staging("save", n, self._layouts[layer].record_bytes)
+            mapping = torch.stack([torch.tensor(blocks, dtype=torch.int64), torch.arange(n)], dim=1)
+            for comp, view in zip(
+                self._layouts[layer].components, self._staging_views(layer, staging), strict=True
+            ):
+                copy_blocks(comp, view, mapping)
+            self.store.batch_put(keys, list(staging.unbind(0)))
+        except BaseException as exc:
+            self.counters.add("save_failures")
+            self._poison(slot_id, layer, exc)
+            raise
+        self.counters.add("save_seconds", time.perf_counter() - start)
+        self.counters.add("saves")
+        self.counters.add("blocks_saved", n)
+        self.counters.add("bytes_saved", staging.nbytes)
+
+
+# ------------------------------------------------------------------------------------------ registry
+
+_registry: dict[str, LayerwiseOffloadRuntime] = {}
+_registry_lock = threading.Lock()
+
+
+def register_runtime(name: str, runtime: LayerwiseOffloadRuntime, *, replace: bool = False) -> None:
+    """Make ``runtime`` reachable by ``name`` (the hook ops look runtimes up by name)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_runtime: 'name' must be a non-empty str, got {name!r}")
+    if not isinstance(runtime, LayerwiseOffloadRuntime):
+        raise TypeError(f"register_runtime: expected a LayerwiseOffloadRuntime, got {type(runtime).__name__}")
+    with _registry_lock:
+        if name in _registry and not replace:
+            raise ValueError(f"register_runtime: a runtime named {name!r} is already registered")
+        _registry[name] = runtime
+
+
+def get_runtime(name: str) -> LayerwiseOffloadRuntime:
+    """The runtime registered as ``name``; ``KeyError`` naming the registered ones otherwise."""
+    with _registry_lock:
+        try:
+            return _registry[name]
+        except KeyError:
+            raise KeyError(
+                f"no layerwise runtime named {name!r}; registered: {sorted(_registry) or 'none'}"
+            ) from None
+
+
+def unregister_runtime(name: str) -> None:
+    with _registry_lock:
+        _registry.pop(name, None)

@@ -48,7 +48,7 @@ def test_op_errors(scheduler, kernel: str) -> None:
     _, alloc, _ = scheduler
     get = (lambda n: getattr(torch.ops.kvoffload, n)) if kernel == "dispatch" else reference_kernel
     views = list(alloc.views(0).values())
-    with pytest.raises(KeyError, match="no KVPP scheduler registered as 'nope'"):
+    with pytest.raises(KeyError, match="no KVPP scheduler named 'nope'"):
         get("kvpp_wait_layer")("nope", 0, views)
     with pytest.raises(ValueError, match="kvpp_wait_layer: argument 'layer'"):
         get("kvpp_wait_layer")("ops-test", -1, views)

@@ -41,6 +41,7 @@ from torch_kvoffload.device import (
 )
 from torch_kvoffload.layerwise.allocation import LayerBuffers
 from torch_kvoffload.layerwise.planner import LayerBufferPlan
+from torch_kvoffload.ops import layer_hooks
 from torch_kvoffload.ops.copy import copy_blocks
 from torch_kvoffload.store.base import KVStore
 from torch_kvoffload.store.keys import block_hashes, layer_block_keys
@@ -695,33 +696,18 @@ class LayerwiseOffloadRuntime:
 
 # ------------------------------------------------------------------------------------------ registry
 
-_registry: dict[str, LayerwiseOffloadRuntime] = {}
-_registry_lock = threading.Lock()
-
 
 def register_runtime(name: str, runtime: LayerwiseOffloadRuntime, *, replace: bool = False) -> None:
     """Make ``runtime`` reachable by ``name`` (the hook ops look runtimes up by name)."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"register_runtime: 'name' must be a non-empty str, got {name!r}")
     if not isinstance(runtime, LayerwiseOffloadRuntime):
         raise TypeError(f"register_runtime: expected a LayerwiseOffloadRuntime, got {type(runtime).__name__}")
-    with _registry_lock:
-        if name in _registry and not replace:
-            raise ValueError(f"register_runtime: a runtime named {name!r} is already registered")
-        _registry[name] = runtime
+    layer_hooks.runtimes.register(name, runtime, replace=replace)
 
 
 def get_runtime(name: str) -> LayerwiseOffloadRuntime:
     """The runtime registered as ``name``; ``KeyError`` naming the registered ones otherwise."""
-    with _registry_lock:
-        try:
-            return _registry[name]
-        except KeyError:
-            raise KeyError(
-                f"no layerwise runtime named {name!r}; registered: {sorted(_registry) or 'none'}"
-            ) from None
+    return layer_hooks.runtimes.get(name)  # type: ignore[return-value]
 
 
 def unregister_runtime(name: str) -> None:
-    with _registry_lock:
-        _registry.pop(name, None)
+    layer_hooks.runtimes.unregister(name)

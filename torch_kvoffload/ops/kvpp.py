@@ -15,12 +15,12 @@ The registry lives here, not in the runtime, so that ``ops`` never imports ``tor
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from torch_kvoffload.ops import _checks
+from torch_kvoffload.ops._hook_registry import HookRegistry
 from torch_kvoffload.ops._registry import define_op
 
 __all__ = [
@@ -42,38 +42,24 @@ class KVPPLayerHooks(Protocol):
     def prefetch_layer(self, layer: int, bundle: list[torch.Tensor] | None = None) -> None: ...
 
 
-_lock = threading.Lock()
-_schedulers: dict[str, Any] = {}
+_schedulers: HookRegistry[KVPPLayerHooks] = HookRegistry("KVPP scheduler")
 
 
 def register_scheduler(name: str, scheduler: KVPPLayerHooks) -> None:
     """Make ``scheduler`` reachable from the ops as ``name``; a name is registered once at a time."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"register_scheduler: argument 'name' must be a non-empty string, got {name!r}")
-    with _lock:
-        current = _schedulers.get(name)
-        if current is not None and current is not scheduler:
-            raise ValueError(f"register_scheduler: a KVPP scheduler named {name!r} is already registered")
-        _schedulers[name] = scheduler
+    _schedulers.register(name, scheduler)
 
 
 def unregister_scheduler(name: str) -> None:
-    with _lock:
-        _schedulers.pop(name, None)
+    _schedulers.unregister(name)
 
 
 def get_scheduler(name: str) -> KVPPLayerHooks:
-    with _lock:
-        scheduler = _schedulers.get(name)
-        known = sorted(_schedulers)
-    if scheduler is None:
-        raise KeyError(f"kvoffload::kvpp: no KVPP scheduler registered as {name!r} (registered: {known})")
-    return scheduler
+    return _schedulers.get(name)
 
 
 def registered_schedulers() -> list[str]:
-    with _lock:
-        return sorted(_schedulers)
+    return _schedulers.names()
 
 
 def _structure(op: str, scheduler: str, layer: int, bundle: list[torch.Tensor]) -> None:

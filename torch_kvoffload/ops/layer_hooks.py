@@ -1,7 +1,8 @@
 """Layer runtime hooks: ``kvoffload::layer_wait`` / ``layer_prefetch`` / ``layer_save``.
 
 Each op calls the :class:`~torch_kvoffload.layerwise.runtime.LayerwiseOffloadRuntime` registered under
-``runtime`` (``register_runtime``) for one layer. They take the layer's cache tensors as declared mutated
+``runtime`` (``torch_kvoffload.layerwise.register_runtime``) for one layer. The registry lives here so
+that ``ops`` never imports ``torch_kvoffload.layerwise``. They take the layer's cache tensors as declared mutated
 arguments (``Tensor(a!)[]``): a graph then orders them against every read and write of those caches, and
 dead-code elimination cannot drop them although they return nothing.
 
@@ -16,19 +17,33 @@ so the graph sees the same data as eager execution.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
+from torch_kvoffload.ops._hook_registry import HookRegistry
 from torch_kvoffload.ops._registry import define_op
 
-__all__ = ["layer_prefetch", "layer_save", "layer_wait"]
+__all__ = ["LayerHooks", "layer_prefetch", "layer_save", "layer_wait", "runtimes"]
 
 _SCHEMA = "(str runtime, int layer, Tensor(a!)[] caches) -> ()"
 
 
-def _runtime(name: str):
-    from torch_kvoffload.layerwise.runtime import get_runtime  # ops/ must not import layerwise/ at load
+class LayerHooks(Protocol):
+    """What the ops call: a layerwise runtime (see ``torch_kvoffload.layerwise.LayerwiseOffloadRuntime``)."""
 
-    return get_runtime(name)
+    def before_attention(self, layer: int, caches: list[torch.Tensor] | None = None) -> None: ...
+
+    def prefetch(self, layer: int, caches: list[torch.Tensor] | None = None) -> None: ...
+
+    def after_cache_write(self, layer: int, caches: list[torch.Tensor] | None = None) -> None: ...
+
+
+runtimes: HookRegistry[LayerHooks] = HookRegistry("layerwise runtime")
+
+
+def _runtime(name: str) -> LayerHooks:
+    return runtimes.get(name)
 
 
 def _fake(runtime: str, layer: int, caches: list[torch.Tensor]) -> None:

@@ -1,0 +1,51 @@
+"""Name → runtime registries for the hook ops.
+
+Hook ops (``layer_wait``, ``kvpp_wait_layer``, ...) take a runtime's *name* — a string survives graph
+capture where a Python object would not — and look the runtime up here. The registries live in ``ops`` so
+that ``ops`` never imports the runtime packages; runtimes register themselves.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class HookRegistry(Generic[T]):
+    """A thread-safe map from names to runtime objects of one kind (``what`` names the kind in errors)."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._lock = threading.Lock()
+        self._items: dict[str, T] = {}
+
+    def register(self, name: str, obj: T, *, replace: bool = False) -> None:
+        """Register ``obj`` as ``name``; an existing name is an error unless ``replace``."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"register {self._what}: 'name' must be a non-empty str, got {name!r}")
+        with self._lock:
+            if name in self._items and not replace:
+                raise ValueError(
+                    f"register {self._what}: a {self._what} named {name!r} is already registered"
+                )
+            self._items[name] = obj
+
+    def unregister(self, name: str) -> None:
+        """Forget ``name``; unknown names are ignored."""
+        with self._lock:
+            self._items.pop(name, None)
+
+    def get(self, name: str) -> T:
+        """The object registered as ``name``; ``KeyError`` naming the registered ones otherwise."""
+        with self._lock:
+            obj = self._items.get(name)
+            known = sorted(self._items)
+        if obj is None:
+            raise KeyError(f"no {self._what} named {name!r}; registered: {known or 'none'}")
+        return obj
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._items)

@@ -10,7 +10,7 @@ INSTALLED := $(VENV)/.installed
 BUILT := $(VENV)/.built
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' 2>/dev/null)
 
-.PHONY: setup build demo test test-fast lint format bench clean
+.PHONY: setup build demo test lint format bench clean
 
 setup: $(BUILT)
 
@@ -40,11 +40,18 @@ format: $(INSTALLED)
 test: lint $(BUILT)
 	$(PY) -m pytest -q tests
 
+DEMOS := examples/ops_demo.py examples/layerwise_prefill_demo.py examples/sparse_decode_demo.py examples/kvpp_demo.py
+BENCHES := copy_bench store_bench layerwise_bench sparse_ops_bench sparse_decode_bench kvpp_bench
+
 demo: $(BUILT)
-	$(PY) examples/ops_demo.py
+	@for demo in $(DEMOS); do \
+		if [ -f $$demo ]; then echo "== $$demo"; $(PY) $$demo || exit 1; fi; \
+	done
 
 bench: $(BUILT)
-	$(PY) benchmarks/copy_bench.py
+	@for bench in $(BENCHES); do \
+		echo "== benchmarks/$$bench.py"; $(PY) benchmarks/$$bench.py || exit 1; \
+	done
 
 clean:
 	rm -rf build torch_kvoffload/*.so $(BUILT)

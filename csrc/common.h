@@ -9,6 +9,14 @@
 
 #include <string>
 
+// Compiles a hot function twice on x86-64 — for AVX2/FMA machines (x86-64-v3) and a baseline — and
+// picks the version at load time; elsewhere (e.g. aarch64 hosts of Ascend NPUs) it expands to nothing.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KVO_TARGET_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define KVO_TARGET_CLONES
+#endif
+
 namespace kvoffload {
 
 // Releases the GIL for the guard's lifetime when the calling thread holds it (a kernel may also be

@@ -191,7 +191,7 @@ void fill_layout_values(
 // Float path: scores of token t against keys [s0, s0 + n) (one block). q_t [H, D] / w_t [H] already in
 // fp32; keys [n, D] at `keys` with row stride ks (elements).
 template <typename T>
-__attribute__((target_clones("arch=x86-64-v3", "default"))) void score_block_float(
+KVO_TARGET_CLONES void score_block_float(
     const float* qf, const float* wf, int64_t H, int64_t D, const T* keys, int64_t ks, int64_t n,
     std::vector<float>& kbuf, std::vector<float>& logits, float* out) {
   kbuf.resize(n * D);
@@ -232,7 +232,7 @@ __attribute__((target_clones("arch=x86-64-v3", "default"))) void score_block_flo
 // D * 128^2 <= 2^24 every product and partial sum of an int8 dot product is an integer that fp32 holds
 // exactly, so the dots run on the fp32 register tiles (same result as int32 arithmetic); larger D falls
 // back to an int32 loop.
-__attribute__((target_clones("arch=x86-64-v3", "default"))) void score_block_int8(
+KVO_TARGET_CLONES void score_block_int8(
     const int8_t* q, const float* qs, const float* wf, int64_t H, int64_t D, const int8_t* keys, int64_t ks,
     const float* kscale, int64_t n, const float* qf, std::vector<float>& kbuf, std::vector<float>& logits,
     float* out) {

@@ -222,7 +222,7 @@ struct Scratch {
 // Attention of heads [h0, h1) of one token. q_nope / q_pe point at the token's [H, Dc] / [H, Dr] rows
 // (contiguous), out at its [H, Dc] output row (contiguous), lse at its [H] row.
 template <typename T>
-__attribute__((target_clones("arch=x86-64-v3", "default"))) void attend_heads(
+KVO_TARGET_CLONES void attend_heads(
     const T* q_nope, const T* q_pe, RowSource<T> src, int64_t Dc, int64_t Dr, int64_t h0, int64_t h1,
     float scale, T* out, float* lse, Scratch& sc) {
   const int64_t G = h1 - h0;

@@ -4,7 +4,7 @@ Importing this package defines every op (one module per op family) and then load
 whose ``TORCH_LIBRARY_IMPL`` blocks register the CPU kernels.
 """
 
-from torch_kvoffload.ops import copy
+from torch_kvoffload.ops import copy, residency
 from torch_kvoffload.ops._registry import (
     OpInfo,
     format_registered_ops,
@@ -14,6 +14,13 @@ from torch_kvoffload.ops._registry import (
     registered_ops,
 )
 from torch_kvoffload.ops.copy import copy_blocks, copy_rows
+from torch_kvoffload.ops.residency import (
+    ResidencyOutputs,
+    lightning_indexer_manage,
+    new_residency_outputs,
+    new_residency_state,
+    residency_update,
+)
 
 from torch_kvoffload._extension import load_extension as _load_extension  # isort: skip
 
@@ -21,12 +28,18 @@ _load_extension()
 
 __all__ = [
     "OpInfo",
+    "ResidencyOutputs",
     "copy",
     "copy_blocks",
     "copy_rows",
     "format_registered_ops",
     "has_kernel",
+    "lightning_indexer_manage",
+    "new_residency_outputs",
+    "new_residency_state",
     "reference_kernel",
     "register_device_kernel",
     "registered_ops",
+    "residency",
+    "residency_update",
 ]

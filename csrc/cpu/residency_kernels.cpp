@@ -228,18 +228,28 @@ RowError plan_row(const Views& v, int64_t r, TopkHash& hash, std::vector<uint8_t
   const bool reset = v.row_request[r] != v.request_ids[r];
   const int32_t* stt = v.stt + r * C;
   if (!reset) {
+    // one branch-light pass over both state rows; the details of a failure are found afterwards
     const int32_t* order = v.lru + r * C;
     std::fill(seen.begin(), seen.begin() + C, 0);
+    bool bad_order = false, bad_token = false;
     for (int64_t i = 0; i < C; ++i) {
-      const int32_t s = order[i];
-      if (s < 0 || s >= C || seen[s]) {
-        return {ErrorCode::kLruNotPermutation, 0, 0};
+      const auto s = static_cast<uint32_t>(order[i]);
+      if (s >= static_cast<uint64_t>(C)) {
+        bad_order = true;
+        break;
       }
+      bad_order |= seen[s] != 0;
       seen[s] = 1;
+      bad_token |= stt[i] < -1;
     }
-    for (int64_t s = 0; s < C; ++s) {
-      if (stt[s] < -1) {
-        return {ErrorCode::kBadSlotToken, s, stt[s]};
+    if (bad_order) {
+      return {ErrorCode::kLruNotPermutation, 0, 0};
+    }
+    if (bad_token) {
+      for (int64_t s = 0; s < C; ++s) {
+        if (stt[s] < -1) {
+          return {ErrorCode::kBadSlotToken, s, stt[s]};
+        }
       }
     }
   }
@@ -329,19 +339,13 @@ void apply_row(const Views& v, int64_t r, RowScratch& w) {
   int32_t* slots = v.slots + r * K;
   int32_t* mt = v.miss_tokens + r * K;
   int32_t* ms = v.miss_slots + r * K;
-  if (v.row_request[r] != v.request_ids[r]) {
+  const bool reset = v.row_request[r] != v.request_ids[r];
+  if (reset) {
     std::fill(stt, stt + C, -1);
     for (int64_t i = 0; i < C; ++i) {
       order[i] = static_cast<int32_t>(i);
     }
     v.row_request[r] = v.request_ids[r];
-  } else {
-    const int64_t stable = v.stable_len[r];
-    for (int64_t s = 0; s < C; ++s) {
-      if (stt[s] >= stable) {
-        stt[s] = -1;
-      }
-    }
   }
   std::fill(w.is_hit.begin(), w.is_hit.begin() + C, 0);
   int64_t n_miss = 0;
@@ -355,14 +359,20 @@ void apply_row(const Views& v, int64_t r, RowScratch& w) {
       n_miss += (h == kMiss);
     }
   }
+  // partition the order into non-hit and hit slots (branch-free), dropping stale tokens on the way
+  const int64_t stable = v.stable_len[r];
   int64_t n_nonhit = 0, n_hit = 0;
+  int32_t* nonhit = w.nonhit.data();
+  int32_t* hits = w.hits.data();
   for (int64_t i = 0; i < C; ++i) {
     const int32_t s = order[i];
-    if (w.is_hit[s]) {
-      w.hits[n_hit++] = s;
-    } else {
-      w.nonhit[n_nonhit++] = s;
-    }
+    const int32_t t = stt[s];
+    stt[s] = t >= stable ? -1 : t;
+    const int64_t h = w.is_hit[s];
+    hits[n_hit] = s;
+    nonhit[n_nonhit] = s;
+    n_hit += h;
+    n_nonhit += 1 - h;
   }
   // victims (LRU order) and the non-hit slots left unused (old order)
   const int32_t* victims = w.nonhit.data();

@@ -28,6 +28,8 @@ namespace {
 
 enum class Policy { kLru, kScore };
 
+constexpr int64_t kSlotsPerTask = 1 << 15;
+
 // Scratch marks in the per-row hit array of pass 1.
 constexpr int32_t kPadding = -2;
 constexpr int32_t kMiss = -1;
@@ -463,9 +465,11 @@ void run_residency(const char* op, Views& v) {
   at::Tensor hit_buf = at::empty({v.R, std::max<int64_t>(v.K, 1)}, at::kInt);
   v.hit = hit_buf.data_ptr<int32_t>();
   std::vector<RowError> errors(static_cast<size_t>(v.R));
+  // rows per task: enough slot work that a task outweighs waking a thread
+  const int64_t grain = std::max<int64_t>(1, kSlotsPerTask / std::max<int64_t>(1, v.C + v.K));
   {
     GilRelease no_gil;
-    at::parallel_for(0, v.R, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, v.R, grain, [&](int64_t begin, int64_t end) {
       TopkHash hash;
       std::vector<uint8_t> seen(static_cast<size_t>(v.C));
       for (int64_t r = begin; r < end; ++r) {
@@ -479,7 +483,7 @@ void run_residency(const char* op, Views& v) {
     }
   }
   GilRelease no_gil;
-  at::parallel_for(0, v.R, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, v.R, grain, [&](int64_t begin, int64_t end) {
     RowScratch w;
     const auto C = static_cast<size_t>(v.C);
     w.is_hit.resize(C);

@@ -4,7 +4,7 @@ Importing this package defines every op (one module per op family) and then load
 whose ``TORCH_LIBRARY_IMPL`` blocks register the CPU kernels.
 """
 
-from torch_kvoffload.ops import copy, residency
+from torch_kvoffload.ops import copy, indexer, residency, sparse_attention
 from torch_kvoffload.ops._registry import (
     OpInfo,
     format_registered_ops,
@@ -14,6 +14,12 @@ from torch_kvoffload.ops._registry import (
     registered_ops,
 )
 from torch_kvoffload.ops.copy import copy_blocks, copy_rows
+from torch_kvoffload.ops.indexer import (
+    hadamard_quant_int8,
+    lightning_indexer,
+    lightning_indexer_scores,
+    quant_lightning_indexer,
+)
 from torch_kvoffload.ops.residency import (
     ResidencyOutputs,
     lightning_indexer_manage,
@@ -21,6 +27,7 @@ from torch_kvoffload.ops.residency import (
     new_residency_state,
     residency_update,
 )
+from torch_kvoffload.ops.sparse_attention import scatter_copy_sparse_mla_attention, sparse_mla_attention
 
 from torch_kvoffload._extension import load_extension as _load_extension  # isort: skip
 
@@ -33,13 +40,21 @@ __all__ = [
     "copy_blocks",
     "copy_rows",
     "format_registered_ops",
+    "hadamard_quant_int8",
     "has_kernel",
+    "indexer",
+    "lightning_indexer",
     "lightning_indexer_manage",
+    "lightning_indexer_scores",
     "new_residency_outputs",
     "new_residency_state",
+    "quant_lightning_indexer",
     "reference_kernel",
     "register_device_kernel",
     "registered_ops",
     "residency",
     "residency_update",
+    "scatter_copy_sparse_mla_attention",
+    "sparse_attention",
+    "sparse_mla_attention",
 ]

@@ -1,0 +1,578 @@
+// CPU kernels of the lightning indexer family: kvoffload::lightning_indexer_scores,
+// kvoffload::lightning_indexer, kvoffload::hadamard_quant_int8 and kvoffload::quant_lightning_indexer.
+//
+// Scores are computed per (query token, key block) work item: the block's keys are read once (converted
+// to fp32 for bf16), all heads of the token are scored against them with a register-tiled kernel
+// (4 heads x 2 keys per tile), and relu / head weights are applied in fp32. Top-k runs per token with
+// nth_element + sort under the total order (score descending, NaN first, ties by lower position). The hot
+// loops are compiled twice (AVX2+FMA and baseline x86-64) and picked at load time.
+
+#include "common.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+// The vector helpers are always inlined, so the ABI note about AVX vector arguments does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace kvoffload {
+
+namespace {
+
+typedef float f8 __attribute__((vector_size(32)));
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Score rows buffered for top-k at once: bounds the scratch to 64 MiB whatever T and the context are.
+constexpr int64_t kScoreBufferFloats = int64_t{1} << 24;
+
+inline __attribute__((always_inline)) f8 load8(const float* p) {
+  f8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline __attribute__((always_inline)) float hsum(f8 v) {
+  const float a = (v[0] + v[4]) + (v[1] + v[5]);
+  const float b = (v[2] + v[6]) + (v[3] + v[7]);
+  return a + b;
+}
+
+template <typename T>
+inline __attribute__((always_inline)) void to_float(const T* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    const auto* s = reinterpret_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(s[i]) << 16;
+      std::memcpy(dst + i, &bits, sizeof(float));
+    }
+  }
+}
+
+// out[g * os + j] = q[g] . k[j] over [0, D) for GH heads and NK keys.
+template <int GH, int NK>
+inline __attribute__((always_inline)) void dot_tile(
+    const float* q, int64_t qs, const float* k, int64_t ks, int64_t D, float* out, int64_t os) {
+  f8 acc[GH][NK] = {};
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    f8 kv[NK];
+    for (int j = 0; j < NK; ++j) {
+      kv[j] = load8(k + j * ks + d);
+    }
+    for (int g = 0; g < GH; ++g) {
+      const f8 qv = load8(q + g * qs + d);
+      for (int j = 0; j < NK; ++j) {
+        acc[g][j] += qv * kv[j];
+      }
+    }
+  }
+  for (int g = 0; g < GH; ++g) {
+    for (int j = 0; j < NK; ++j) {
+      float s = hsum(acc[g][j]);
+      for (int64_t e = d; e < D; ++e) {
+        s += q[g * qs + e] * k[j * ks + e];
+      }
+      out[g * os + j] = s;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------- request layout
+
+// Validated description of the requests: per query token its request and visible key count.
+struct Layout {
+  int64_t T = 0, B = 0, max_blocks = 0, block_size = 0;
+  std::vector<int32_t> token_req;   // [T]
+  std::vector<int64_t> visible;     // [T]
+  const int32_t* table = nullptr;   // [B, max_blocks]
+};
+
+void check_dim(const char* op, const char* arg, const at::Tensor& t, int64_t dim) {
+  TORCH_CHECK_VALUE(
+      t.dim() == dim, "kvoffload::", op, ": argument '", arg, "' must have exactly ", dim,
+      " dimensions, got shape ", shape_str(t));
+}
+
+void check_dtype(const char* op, const char* arg, const at::Tensor& t, at::ScalarType dtype) {
+  TORCH_CHECK_TYPE(
+      t.scalar_type() == dtype, "kvoffload::", op, ": argument '", arg, "' must have dtype ", dtype_str(dtype),
+      ", got ", dtype_str(t.scalar_type()));
+}
+
+void check_cpu(const char* op, const char* arg, const at::Tensor& t, const char* first) {
+  TORCH_CHECK_VALUE(
+      t.device().is_cpu(), "kvoffload::", op, ": argument '", arg, "' must be on cpu (as '", first, "'), got ",
+      t.device());
+}
+
+// Structure and values of block_table / cu_seqlens_q / seq_lens_k. `table` must outlive the layout.
+Layout make_layout(
+    const char* op, int64_t T, int64_t num_blocks, int64_t block_size, const at::Tensor& table,
+    const at::Tensor& cu_in, const at::Tensor& lens_in) {
+  check_dtype(op, "block_table", table, at::kInt);
+  check_dim(op, "block_table", table, 2);
+  check_dtype(op, "cu_seqlens_q", cu_in, at::kInt);
+  check_dim(op, "cu_seqlens_q", cu_in, 1);
+  check_dtype(op, "seq_lens_k", lens_in, at::kInt);
+  check_dim(op, "seq_lens_k", lens_in, 1);
+  const int64_t B = table.size(0);
+  TORCH_CHECK_VALUE(
+      cu_in.size(0) == B + 1, "kvoffload::", op, ": argument 'cu_seqlens_q' must have shape [", B + 1,
+      "] (batch + 1 from 'block_table'), got ", shape_str(cu_in));
+  TORCH_CHECK_VALUE(
+      lens_in.size(0) == B, "kvoffload::", op, ": argument 'seq_lens_k' must have shape [", B,
+      "] (batch from 'block_table'), got ", shape_str(lens_in));
+  return Layout{T, B, table.size(1), block_size, {}, {}, nullptr};
+}
+
+void fill_layout_values(
+    const char* op, Layout& L, int64_t num_blocks, const at::Tensor& table, const at::Tensor& cu_t,
+    const at::Tensor& lens_t) {
+  const int32_t* cu = cu_t.const_data_ptr<int32_t>();
+  const int32_t* lens = lens_t.const_data_ptr<int32_t>();
+  const int32_t* tb = table.const_data_ptr<int32_t>();
+  const int64_t B = L.B, bs = L.block_size, mb = L.max_blocks;
+  TORCH_CHECK_VALUE(cu[0] == 0, "kvoffload::", op, ": argument 'cu_seqlens_q' entry 0 must be 0, got ", cu[0]);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(
+        cu[b + 1] >= cu[b], "kvoffload::", op, ": argument 'cu_seqlens_q' must be non-decreasing, got entry ",
+        b + 1, " = ", cu[b + 1], " < entry ", b, " = ", cu[b]);
+  }
+  TORCH_CHECK_VALUE(
+      cu[B] == L.T, "kvoffload::", op,
+      ": argument 'cu_seqlens_q' last entry must equal the number of query tokens ", L.T, ", got ", cu[B]);
+  const int64_t capacity = mb * bs;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t s = lens[b];
+    TORCH_CHECK_VALUE(
+        s >= 0 && s <= capacity, "kvoffload::", op, ": argument 'seq_lens_k' entry ", b, " is ", s,
+        ", expected a value in [0, ", capacity, "] (max_blocks ", mb, " x block_size ", bs, ")");
+    const int64_t q = cu[b + 1] - cu[b];
+    TORCH_CHECK_VALUE(
+        q == 0 || s - (q - 1) >= 0, "kvoffload::", op, ": argument 'seq_lens_k' entry ", b, " is ", s,
+        ", but request ", b, " has ", q, " query tokens: the first query would see ", s - (q - 1),
+        " keys (need seq_len_k >= num_queries - 1)");
+    for (int64_t j = 0; j < (s + bs - 1) / bs; ++j) {
+      const int64_t blk = tb[b * mb + j];
+      TORCH_CHECK_INDEX(
+          blk >= 0 && blk < num_blocks, "kvoffload::", op, ": argument 'block_table' entry [", b, ", ", j,
+          "] is ", blk, ", expected a value in [0, ", num_blocks, ")");
+    }
+  }
+  L.table = tb;
+  L.token_req.resize(L.T);
+  L.visible.resize(L.T);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t q = cu[b + 1] - cu[b];
+    for (int64_t j = 0; j < q; ++j) {
+      L.token_req[cu[b] + j] = static_cast<int32_t>(b);
+      L.visible[cu[b] + j] = lens[b] - (q - 1 - j);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------ score kernels
+
+// Float path: scores of token t against keys [s0, s0 + n) (one block). q_t [H, D] / w_t [H] already in
+// fp32; keys [n, D] at `keys` with row stride ks (elements).
+template <typename T>
+__attribute__((target_clones("arch=haswell", "default"))) void score_block_float(
+    const float* qf, const float* wf, int64_t H, int64_t D, const T* keys, int64_t ks, int64_t n,
+    std::vector<float>& kbuf, std::vector<float>& logits, float* out) {
+  kbuf.resize(n * D);
+  logits.resize(H * n);
+  for (int64_t j = 0; j < n; ++j) {
+    to_float(keys + j * ks, kbuf.data() + j * D, D);
+  }
+  const float* k = kbuf.data();
+  float* lg = logits.data();
+  int64_t h = 0;
+  for (; h + 4 <= H; h += 4) {
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+      dot_tile<4, 2>(qf + h * D, D, k + j * D, D, D, lg + h * n + j, n);
+    }
+    for (; j < n; ++j) {
+      dot_tile<4, 1>(qf + h * D, D, k + j * D, D, D, lg + h * n + j, n);
+    }
+  }
+  for (; h < H; ++h) {
+    for (int64_t j = 0; j < n; ++j) {
+      dot_tile<1, 1>(qf + h * D, D, k + j * D, D, D, lg + h * n + j, n);
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    out[j] = 0.0f;
+  }
+  for (int64_t hh = 0; hh < H; ++hh) {
+    const float w = wf[hh];
+    const float* row = lg + hh * n;
+    for (int64_t j = 0; j < n; ++j) {
+      out[j] += w * std::max(row[j], 0.0f);
+    }
+  }
+}
+
+// Int8 path: integer dot products, then (dot * q_scale[h]) * k_scale[s], relu, times w[h].
+__attribute__((target_clones("arch=haswell", "default"))) void score_block_int8(
+    const int8_t* q, const float* qs, const float* wf, int64_t H, int64_t D, const int8_t* keys, int64_t ks,
+    const float* kscale, int64_t n, float* out) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int8_t* k = keys + j * ks;
+    const float sk = kscale[j];
+    float acc = 0.0f;
+    for (int64_t h = 0; h < H; ++h) {
+      const int8_t* qh = q + h * D;
+      int32_t dot = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        dot += static_cast<int32_t>(qh[d]) * static_cast<int32_t>(k[d]);
+      }
+      const float logit = static_cast<float>(dot) * qs[h] * sk;
+      acc += wf[h] * std::max(logit, 0.0f);
+    }
+    out[j] = acc;
+  }
+}
+
+// Calls block_fn(t, block, s0, n, out) for every (token in [t0, t1), visible key block), in parallel;
+// out points at the scores of keys s0 .. s0+n-1 of token t (row `t - t0` of `buf`, width `width`).
+template <typename BlockFn>
+void for_each_block(const Layout& L, int64_t t0, int64_t t1, float* buf, int64_t width, BlockFn block_fn) {
+  const int64_t bs = L.block_size;
+  std::vector<int64_t> first(t1 - t0 + 1, 0);
+  for (int64_t t = t0; t < t1; ++t) {
+    first[t - t0 + 1] = first[t - t0] + (L.visible[t] + bs - 1) / bs;
+  }
+  at::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
+    int64_t t = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1 + t0;
+    for (int64_t item = begin; item < end; ++item) {
+      while (item >= first[t - t0 + 1]) {
+        ++t;
+      }
+      const int64_t j = item - first[t - t0];
+      const int64_t s0 = j * bs;
+      const int64_t n = std::min(bs, L.visible[t] - s0);
+      block_fn(t, j, s0, n, buf + (t - t0) * width + s0);
+    }
+  });
+}
+
+// Ordering of top-k: higher score first (NaN above everything, like torch.sort), then lower position.
+inline bool ranks_before(float sa, int32_t a, float sb, int32_t b) {
+  const bool na = std::isnan(sa), nb = std::isnan(sb);
+  if (na || nb) {
+    return na && nb ? a < b : na;
+  }
+  if (sa != sb) {
+    return sa > sb;
+  }
+  return a < b;
+}
+
+void topk_row(const float* s, int64_t visible, int64_t k, int32_t* out, std::vector<int32_t>& pos) {
+  const int64_t take = std::min(k, visible);
+  pos.resize(visible);
+  std::iota(pos.begin(), pos.end(), 0);
+  auto cmp = [s](int32_t a, int32_t b) { return ranks_before(s[a], a, s[b], b); };
+  if (take < visible) {
+    std::nth_element(pos.begin(), pos.begin() + take, pos.end(), cmp);
+  }
+  std::sort(pos.begin(), pos.begin() + take, cmp);
+  std::copy(pos.begin(), pos.begin() + take, out);
+  std::fill(out + take, out + k, -1);
+}
+
+// Scores all tokens with score_fn(t, block, s0, n, out) and writes the top-k of each into `result`.
+template <typename BlockFn>
+void topk_all(const Layout& L, int64_t top_k, at::Tensor& result, BlockFn block_fn) {
+  int32_t* res = result.data_ptr<int32_t>();
+  int64_t t0 = 0;
+  std::vector<float> buf;
+  while (t0 < L.T) {
+    // As many tokens as fit the score buffer (at least one).
+    int64_t width = 0, t1 = t0;
+    while (t1 < L.T) {
+      const int64_t w = std::max(width, L.visible[t1]);
+      if (t1 > t0 && w * (t1 - t0 + 1) > kScoreBufferFloats) {
+        break;
+      }
+      width = w;
+      ++t1;
+    }
+    buf.resize(std::max<int64_t>(1, width * (t1 - t0)));
+    for_each_block(L, t0, t1, buf.data(), width, block_fn);
+    at::parallel_for(t0, t1, 1, [&](int64_t begin, int64_t end) {
+      std::vector<int32_t> pos;
+      for (int64_t t = begin; t < end; ++t) {
+        topk_row(buf.data() + (t - t0) * width, L.visible[t], top_k, res + t * top_k, pos);
+      }
+    });
+    t0 = t1;
+  }
+}
+
+// ------------------------------------------------------------------------------------ float indexer
+
+struct FloatArgs {
+  at::Tensor q, w, k;
+  Layout layout;
+  at::Tensor table, cu, lens;  // contiguous copies kept alive
+};
+
+FloatArgs check_float_indexer(
+    const char* op, const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache,
+    const at::Tensor& block_table, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens_k) {
+  TORCH_CHECK_TYPE(
+      q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "kvoffload::", op,
+      ": argument 'q' must have dtype torch.float32 or torch.bfloat16, got ", dtype_str(q.scalar_type()));
+  check_dim(op, "q", q, 3);
+  check_dim(op, "weights", weights, 2);
+  check_dim(op, "k_cache", k_cache, 3);
+  TORCH_CHECK_TYPE(
+      weights.scalar_type() == q.scalar_type() || weights.scalar_type() == at::kFloat, "kvoffload::", op,
+      ": argument 'weights' must have dtype ", dtype_str(q.scalar_type()), " (as 'q') or torch.float32, got ",
+      dtype_str(weights.scalar_type()));
+  TORCH_CHECK_TYPE(
+      k_cache.scalar_type() == q.scalar_type(), "kvoffload::", op,
+      ": 'q' and 'k_cache' must have the same dtype, got ", dtype_str(q.scalar_type()), " and ",
+      dtype_str(k_cache.scalar_type()));
+  TORCH_CHECK_VALUE(
+      weights.size(0) == q.size(0) && weights.size(1) == q.size(1), "kvoffload::", op,
+      ": argument 'weights' must have shape [", q.size(0), ", ", q.size(1), "] ([T, H] of 'q'), got ",
+      shape_str(weights));
+  TORCH_CHECK_VALUE(
+      k_cache.size(2) == q.size(2), "kvoffload::", op, ": argument 'k_cache' must have head dim ", q.size(2),
+      " (as 'q'), got shape ", shape_str(k_cache));
+  Layout L = make_layout(op, q.size(0), k_cache.size(0), k_cache.size(1), block_table, cu_seqlens_q, seq_lens_k);
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"q", &q}, {"weights", &weights},
+                         {"k_cache", &k_cache}, {"block_table", &block_table}, {"cu_seqlens_q", &cu_seqlens_q},
+                         {"seq_lens_k", &seq_lens_k}}) {
+    check_cpu(op, name, *t, "q");
+  }
+  FloatArgs a{q.contiguous(), weights.to(at::kFloat).contiguous(),
+              (k_cache.size(2) <= 1 || k_cache.stride(2) == 1) ? k_cache : k_cache.contiguous(),
+              std::move(L), block_table.contiguous(), cu_seqlens_q.contiguous(), seq_lens_k.contiguous()};
+  fill_layout_values(op, a.layout, k_cache.size(0), a.table, a.cu, a.lens);
+  return a;
+}
+
+// Runs the float score kernel for the given token range / blocks (dispatching on the dtype).
+template <typename Consumer>
+void with_float_block_fn(const FloatArgs& a, Consumer consume) {
+  const int64_t H = a.q.size(1), D = a.q.size(2);
+  const Layout& L = a.layout;
+  const int64_t k0 = a.k.stride(0), k1 = a.k.stride(1);
+  const float* w = a.w.const_data_ptr<float>();
+  AT_DISPATCH_SWITCH(a.q.scalar_type(), "lightning_indexer",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      using T = float;
+      const T* q = a.q.const_data_ptr<T>();
+      const T* k = a.k.const_data_ptr<T>();
+      consume([&](int64_t t, int64_t j, int64_t, int64_t n, float* out) {
+        thread_local std::vector<float> kbuf, logits;
+        const T* keys = k + L.table[L.token_req[t] * L.max_blocks + j] * k0;
+        score_block_float<T>(q + t * H * D, w + t * H, H, D, keys, k1, n, kbuf, logits, out);
+      });
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      using T = c10::BFloat16;
+      const T* q = a.q.const_data_ptr<T>();
+      const T* k = a.k.const_data_ptr<T>();
+      consume([&](int64_t t, int64_t j, int64_t, int64_t n, float* out) {
+        thread_local std::vector<float> qbuf, kbuf, logits;
+        qbuf.resize(H * D);
+        to_float(q + t * H * D, qbuf.data(), H * D);
+        const T* keys = k + L.table[L.token_req[t] * L.max_blocks + j] * k0;
+        score_block_float<T>(qbuf.data(), w + t * H, H, D, keys, k1, n, kbuf, logits, out);
+      });
+    }));
+}
+
+at::Tensor lightning_indexer_scores_cpu(
+    const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache, const at::Tensor& block_table,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens_k) {
+  constexpr const char* op = "lightning_indexer_scores";
+  const FloatArgs a = check_float_indexer(op, q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k);
+  const Layout& L = a.layout;
+  const int64_t width = L.max_blocks * L.block_size;
+  at::Tensor scores = at::full({L.T, width}, kNegInf, q.options().dtype(at::kFloat));
+  GilRelease no_gil;
+  with_float_block_fn(a, [&](auto block_fn) {
+    for_each_block(L, 0, L.T, scores.data_ptr<float>(), width, block_fn);
+  });
+  return scores;
+}
+
+at::Tensor lightning_indexer_cpu(
+    const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache, const at::Tensor& block_table,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens_k, int64_t top_k) {
+  constexpr const char* op = "lightning_indexer";
+  TORCH_CHECK_VALUE(top_k >= 0, "kvoffload::", op, ": argument 'top_k' must be >= 0, got ", top_k);
+  const FloatArgs a = check_float_indexer(op, q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k);
+  at::Tensor result = at::empty({a.layout.T, top_k}, q.options().dtype(at::kInt));
+  GilRelease no_gil;
+  with_float_block_fn(a, [&](auto block_fn) { topk_all(a.layout, top_k, result, block_fn); });
+  return result;
+}
+
+// ------------------------------------------------------------------------------ hadamard_quant_int8
+
+// In-place unnormalised fast Walsh-Hadamard transform (Sylvester order); stage order and pairing match
+// the reference kernel so both round identically.
+void fwht(float* y, int64_t d) {
+  for (int64_t h = 1; h < d; h *= 2) {
+    for (int64_t i = 0; i < d; i += 2 * h) {
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = y[j], b = y[j + h];
+        y[j] = a + b;
+        y[j + h] = a - b;
+      }
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> hadamard_quant_int8_cpu(const at::Tensor& x_in) {
+  constexpr const char* op = "hadamard_quant_int8";
+  TORCH_CHECK_TYPE(
+      x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16, "kvoffload::", op,
+      ": argument 'x' must have dtype torch.float32 or torch.bfloat16, got ", dtype_str(x_in.scalar_type()));
+  TORCH_CHECK_VALUE(
+      x_in.dim() >= 1, "kvoffload::", op, ": argument 'x' must have at least 1 dimensions, got shape ",
+      shape_str(x_in));
+  const int64_t d = x_in.size(-1);
+  TORCH_CHECK_VALUE(
+      d >= 1 && (d & (d - 1)) == 0, "kvoffload::", op, ": argument 'x' must have a power-of-two last dim, got shape ",
+      shape_str(x_in));
+  check_cpu(op, "x", x_in, "x");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.numel() / d;
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kChar));
+  at::Tensor scale = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
+  // fp32 normalisation 1/sqrt(d), rounded from double exactly as the reference does.
+  const float norm = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.const_data_ptr<T>();
+    bool finite = true;
+    {
+      GilRelease no_gil;
+      for (int64_t i = 0; i < rows * d && finite; ++i) {
+        finite = std::isfinite(static_cast<float>(xp[i]));
+      }
+    }
+    TORCH_CHECK_VALUE(finite, "kvoffload::", op, ": argument 'x' must be finite, got NaN or infinity");
+    int8_t* qp = q.data_ptr<int8_t>();
+    float* sp = scale.data_ptr<float>();
+    GilRelease no_gil;
+    at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / d), [&](int64_t begin, int64_t end) {
+      std::vector<float> y(d);
+      for (int64_t r = begin; r < end; ++r) {
+        to_float(xp + r * d, y.data(), d);
+        fwht(y.data(), d);
+        float amax = 0.0f;
+        for (int64_t i = 0; i < d; ++i) {
+          y[i] = y[i] * norm;
+          amax = std::max(amax, std::fabs(y[i]));
+        }
+        const float s = amax / 127.0f;
+        sp[r] = s;
+        const float div = s > 0.0f ? s : 1.0f;  // zero row: q = 0 and scale = 0
+        for (int64_t i = 0; i < d; ++i) {
+          const float v = std::nearbyint(y[i] / div);
+          qp[r * d + i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
+        }
+      }
+    });
+  };
+  if (x.scalar_type() == at::kFloat) {
+    run(float{});
+  } else {
+    run(c10::BFloat16{});
+  }
+  return {q, scale};
+}
+
+// -------------------------------------------------------------------------- quant_lightning_indexer
+
+at::Tensor quant_lightning_indexer_cpu(
+    const at::Tensor& q_int8, const at::Tensor& q_scale, const at::Tensor& weights, const at::Tensor& k_int8,
+    const at::Tensor& k_scale, const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& seq_lens_k, int64_t top_k) {
+  constexpr const char* op = "quant_lightning_indexer";
+  check_dtype(op, "q_int8", q_int8, at::kChar);
+  check_dim(op, "q_int8", q_int8, 3);
+  check_dtype(op, "q_scale", q_scale, at::kFloat);
+  TORCH_CHECK_TYPE(
+      weights.scalar_type() == at::kFloat || weights.scalar_type() == at::kBFloat16, "kvoffload::", op,
+      ": argument 'weights' must have dtype torch.float32 or torch.bfloat16, got ", dtype_str(weights.scalar_type()));
+  check_dtype(op, "k_int8_cache", k_int8, at::kChar);
+  check_dim(op, "k_int8_cache", k_int8, 3);
+  check_dtype(op, "k_scale_cache", k_scale, at::kFloat);
+  check_dim(op, "k_scale_cache", k_scale, 2);
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"q_scale", &q_scale}, {"weights", &weights}}) {
+    TORCH_CHECK_VALUE(
+        t->dim() == 2 && t->size(0) == q_int8.size(0) && t->size(1) == q_int8.size(1), "kvoffload::", op,
+        ": argument '", name, "' must have shape [", q_int8.size(0), ", ", q_int8.size(1),
+        "] ([T, H] of 'q_int8'), got ", shape_str(*t));
+  }
+  TORCH_CHECK_VALUE(
+      k_int8.size(2) == q_int8.size(2), "kvoffload::", op, ": argument 'k_int8_cache' must have head dim ",
+      q_int8.size(2), " (as 'q_int8'), got shape ", shape_str(k_int8));
+  TORCH_CHECK_VALUE(
+      k_scale.size(0) == k_int8.size(0) && k_scale.size(1) == k_int8.size(1), "kvoffload::", op,
+      ": argument 'k_scale_cache' must have shape [", k_int8.size(0), ", ", k_int8.size(1),
+      "] ([num_blocks, block_size] of 'k_int8_cache'), got ", shape_str(k_scale));
+  Layout L = make_layout(op, q_int8.size(0), k_int8.size(0), k_int8.size(1), block_table, cu_seqlens_q, seq_lens_k);
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"q_int8", &q_int8}, {"q_scale", &q_scale},
+                         {"weights", &weights}, {"k_int8_cache", &k_int8}, {"k_scale_cache", &k_scale},
+                         {"block_table", &block_table}, {"cu_seqlens_q", &cu_seqlens_q},
+                         {"seq_lens_k", &seq_lens_k}}) {
+    check_cpu(op, name, *t, "q_int8");
+  }
+  TORCH_CHECK_VALUE(top_k >= 0, "kvoffload::", op, ": argument 'top_k' must be >= 0, got ", top_k);
+  const at::Tensor table = block_table.contiguous(), cu = cu_seqlens_q.contiguous(), lens = seq_lens_k.contiguous();
+  fill_layout_values(op, L, k_int8.size(0), table, cu, lens);
+  const at::Tensor q = q_int8.contiguous(), qs = q_scale.contiguous(), w = weights.to(at::kFloat).contiguous();
+  const at::Tensor k = (k_int8.size(2) <= 1 || k_int8.stride(2) == 1) ? k_int8 : k_int8.contiguous();
+  const at::Tensor ks = (k_scale.size(1) <= 1 || k_scale.stride(1) == 1) ? k_scale : k_scale.contiguous();
+  at::Tensor result = at::empty({L.T, top_k}, q_int8.options().dtype(at::kInt));
+  const int64_t H = q.size(1), D = q.size(2);
+  const int8_t* qp = q.const_data_ptr<int8_t>();
+  const float* qsp = qs.const_data_ptr<float>();
+  const float* wp = w.const_data_ptr<float>();
+  const int8_t* kp = k.const_data_ptr<int8_t>();
+  const float* ksp = ks.const_data_ptr<float>();
+  const int64_t k0 = k.stride(0), k1 = k.stride(1), ks0 = ks.stride(0);
+  GilRelease no_gil;
+  topk_all(L, top_k, result, [&](int64_t t, int64_t j, int64_t, int64_t n, float* out) {
+    const int64_t blk = L.table[L.token_req[t] * L.max_blocks + j];
+    score_block_int8(qp + t * H * D, qsp + t * H, wp + t * H, H, D, kp + blk * k0, k1, ksp + blk * ks0, n, out);
+  });
+  return result;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvoffload, CPU, m) {
+  m.impl("lightning_indexer_scores", &lightning_indexer_scores_cpu);
+  m.impl("lightning_indexer", &lightning_indexer_cpu);
+  m.impl("hadamard_quant_int8", &hadamard_quant_int8_cpu);
+  m.impl("quant_lightning_indexer", &quant_lightning_indexer_cpu);
+}
+
+}  // namespace kvoffload

@@ -1,0 +1,427 @@
+"""kvoffload::sparse_mla_attention and kvoffload::scatter_copy_sparse_mla_attention (Copy-SFA)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import requires_cpp
+
+from torch_kvoffload.ops import (
+    copy_rows,
+    reference_kernel,
+    scatter_copy_sparse_mla_attention,
+    sparse_mla_attention,
+)
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _i32(x) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.int32)
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    return {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1.6e-2}
+
+
+def _sparse_case(t, h, dc, dr, n, k, dtype, *, pad: float = 0.2, dup: bool = True):
+    q_nope = torch.randn(t, h, dc).to(dtype)
+    q_pe = torch.randn(t, h, dr).to(dtype)
+    kv_c = torch.randn(n, dc).to(dtype)
+    k_pe = torch.randn(n, dr).to(dtype)
+    idx = (
+        torch.randint(0, max(n, 1), (t, k)) if dup else torch.stack([torch.randperm(n)[:k] for _ in range(t)])
+    )
+    idx = torch.where(torch.rand(t, k) < pad, -1, idx).to(torch.int32) if n else torch.full((t, k), -1)
+    return q_nope, q_pe, kv_c, k_pe, idx.to(torch.int32)
+
+
+def _dense_formula(q_nope, q_pe, kv_c, k_pe, idx, scale):
+    """Independent formula: a dense softmax over all N rows, each weighted by how often ``idx`` lists it
+    (log-count bias; a row listed twice counts twice, −1 counts nothing), in float64."""
+    t, n = idx.shape[0], kv_c.shape[0]
+    counts = torch.zeros(t, n, dtype=torch.float64)
+    valid = idx >= 0
+    counts.scatter_add_(1, idx.clamp(min=0).long(), valid.double())
+    s = (q_nope.double() @ kv_c.double().T + q_pe.double() @ k_pe.double().T) * scale  # [T, H, N]
+    s = s + counts.log()[:, None, :]
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.where(torch.isfinite(lse)[..., None], torch.exp(s - lse[..., None]), 0)
+    p = torch.nan_to_num(p)
+    return p @ kv_c.double(), lse
+
+
+SHAPES = [
+    # (T, H, Dc, Dr, N, K)
+    (1, 16, 512, 64, 300, 64),
+    (3, 4, 64, 16, 50, 20),
+    (5, 6, 40, 8, 33, 7),  # Dc not a multiple of 16, H not a multiple of 4
+    (2, 1, 16, 0, 10, 5),  # no rope part
+    (4, 3, 24, 5, 17, 1),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_reference_and_formula(dtype, shape) -> None:
+    args = _sparse_case(*shape, dtype)
+    scale = 1 / math.sqrt(shape[2] + shape[3])
+    out, lse = sparse_mla_attention(*args, scale)
+    ref_out, ref_lse = reference_kernel("sparse_mla_attention")(*args, scale)
+    assert out.dtype == dtype and out.shape == args[0].shape
+    assert lse.dtype == torch.float32 and lse.shape == args[0].shape[:2]
+    torch.testing.assert_close(out, ref_out, **_tol(dtype))
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+    f_out, f_lse = _dense_formula(*args, scale)
+    torch.testing.assert_close(ref_out, f_out.to(dtype), **_tol(dtype))
+    torch.testing.assert_close(ref_lse.double(), f_lse, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_production_shape(dtype) -> None:
+    """DeepSeek shape: 16 heads, Dc 512, Dr 64, 2048 selected rows."""
+    args = _sparse_case(2, 16, 512, 64, 4096, 2048, dtype, pad=0.05, dup=False)
+    scale = 576**-0.5
+    out, lse = sparse_mla_attention(*args, scale)
+    ref_out, ref_lse = reference_kernel("sparse_mla_attention")(*args, scale)
+    torch.testing.assert_close(out, ref_out, **_tol(dtype))
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+
+
+def test_duplicates_attend_twice_and_padding_is_skipped() -> None:
+    q_nope, q_pe, kv_c, k_pe, _ = _sparse_case(1, 2, 8, 4, 5, 1, torch.float32)
+    twice = _i32([[1, 1, 3, -1]])
+    gathered = _i32([[1, 3, -1, -1]])
+    for fn in (sparse_mla_attention, reference_kernel("sparse_mla_attention")):
+        o2, l2 = fn(q_nope, q_pe, kv_c, k_pe, twice, 0.3)
+        # Row 1 listed twice == a dense gather of [1, 1, 3]; the −1 changes nothing.
+        o3, l3 = fn(q_nope, q_pe, kv_c, k_pe, _i32([[1, 1, 3]]), 0.3)
+        torch.testing.assert_close(o2, o3)
+        torch.testing.assert_close(l2, l3)
+        o1, _ = fn(q_nope, q_pe, kv_c, k_pe, gathered, 0.3)
+        assert not torch.allclose(o1, o2)
+        # log(2 e^{s1} + e^{s3}) = lse over {1, 3} shifted by the extra e^{s1}
+        s = (q_nope[0] @ kv_c.T + q_pe[0] @ k_pe.T) * 0.3
+        torch.testing.assert_close(l2[0], torch.logsumexp(torch.stack([s[:, 1], s[:, 1], s[:, 3]]), 0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_without_valid_index(dtype) -> None:
+    q_nope, q_pe, kv_c, k_pe, idx = _sparse_case(3, 4, 16, 8, 10, 6, dtype)
+    idx[1] = -1
+    for fn in (sparse_mla_attention, reference_kernel("sparse_mla_attention")):
+        out, lse = fn(q_nope, q_pe, kv_c, k_pe, idx, 0.2)
+        assert bool((out[1] == 0).all()) and bool((lse[1] == -math.inf).all())
+        assert bool(torch.isfinite(lse[0]).all()) and bool(torch.isfinite(out).all())
+    # K = 0 and N = 0
+    for kv, pe, ix in [
+        (kv_c, k_pe, idx[:, :0]),
+        (kv_c[:0], k_pe[:0], torch.full((3, 2), -1, dtype=torch.int32)),
+    ]:
+        out, lse = sparse_mla_attention(q_nope, q_pe, kv, pe, ix, 0.2)
+        assert bool((out == 0).all()) and bool((lse == -math.inf).all())
+
+
+def test_empty_tokens_and_strided_rows() -> None:
+    q_nope, q_pe, kv_c, k_pe, idx = _sparse_case(0, 4, 16, 8, 10, 6, torch.float32)
+    out, lse = sparse_mla_attention(q_nope, q_pe, kv_c, k_pe, idx, 0.2)
+    assert out.shape == (0, 4, 16) and lse.shape == (0, 4)
+    # kv_c / k_pe as views of one [N, Dc + Dr] latent cache, as MLA stores them.
+    q_nope, q_pe, _, _, idx = _sparse_case(3, 4, 16, 8, 10, 6, torch.float32)
+    cache = torch.randn(10, 24)
+    kv_c, k_pe = cache[:, :16], cache[:, 16:]
+    out, lse = sparse_mla_attention(q_nope, q_pe, kv_c, k_pe, idx, 0.2)
+    ref = reference_kernel("sparse_mla_attention")(
+        q_nope, q_pe, kv_c.contiguous(), k_pe.contiguous(), idx, 0.2
+    )
+    torch.testing.assert_close(out, ref[0])
+    torch.testing.assert_close(lse, ref[1])
+
+
+# ---------------------------------------------------------------------------------------- Copy-SFA
+
+
+def _copy_sfa_case(r, h, dc, dr, cap, k, dtype, *, block_size=8, blocks_per_row=6, miss_frac=0.3):
+    num_blocks = r * blocks_per_row + 2
+    host_c = torch.randn(num_blocks, block_size, dc).to(dtype)
+    host_pe = torch.randn(num_blocks, block_size, dr).to(dtype)
+    table = torch.randperm(num_blocks)[: r * blocks_per_row].view(r, blocks_per_row).to(torch.int32)
+    hot_c = torch.randn(r, cap, dc).to(dtype)
+    hot_pe = torch.randn(r, cap, dr).to(dtype)
+    m = max(1, int(k * miss_frac))
+    miss_tokens = torch.full((r, m), -1, dtype=torch.int32)
+    miss_slots = torch.full((r, m), -1, dtype=torch.int32)
+    counts = torch.randint(0, m + 1, (r,), dtype=torch.int32)
+    slots = torch.full((r, k), -1, dtype=torch.int32)
+    for i in range(r):
+        n = int(counts[i])
+        miss_tokens[i, :n] = torch.randperm(blocks_per_row * block_size)[:n].to(torch.int32)
+        perm = torch.randperm(cap)
+        miss_slots[i, :n] = perm[:n].to(torch.int32)
+        # attend the freshly loaded slots plus some resident ones, with −1 padding at the end
+        attend = torch.cat([perm[:n], perm[n : n + (k - n) // 2]])
+        slots[i, : attend.numel()] = attend[torch.randperm(attend.numel())].to(torch.int32)
+    q_nope = torch.randn(r, h, dc).to(dtype)
+    q_pe = torch.randn(r, h, dr).to(dtype)
+    out = torch.full((r, h, dc), 7.0).to(dtype)
+    lse = torch.full((r, h), 7.0)
+    return {
+        "q_nope": q_nope,
+        "q_pe": q_pe,
+        "host_kv_c": host_c,
+        "host_k_pe": host_pe,
+        "block_table": table,
+        "hot_kv_c": hot_c,
+        "hot_k_pe": hot_pe,
+        "miss_tokens": miss_tokens,
+        "miss_slots": miss_slots,
+        "miss_count": counts,
+        "slots": slots,
+        "scale": 1 / math.sqrt(dc + dr),
+        "out": out,
+        "lse": lse,
+    }
+
+
+def _clone(c: dict) -> dict:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in c.items()}
+
+
+def _composed(c: dict) -> None:
+    """copy_rows of the valid misses + sparse_mla_attention over the hot buffers: Copy-SFA's definition."""
+    bs, cap = c["host_kv_c"].shape[1], c["hot_kv_c"].shape[1]
+    src, dst = [], []
+    for r, n in enumerate(c["miss_count"].tolist()):
+        for i in range(n):
+            tok, slot = int(c["miss_tokens"][r, i]), int(c["miss_slots"][r, i])
+            src.append(int(c["block_table"][r, tok // bs]) * bs + tok % bs)
+            dst.append(r * cap + slot)
+    src_t, dst_t = torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64)
+    copy_rows(c["host_kv_c"], c["hot_kv_c"], src_t, dst_t)
+    copy_rows(c["host_k_pe"], c["hot_k_pe"], src_t, dst_t)
+    rows = c["slots"].shape[0]
+    flat = torch.where(c["slots"] >= 0, c["slots"] + torch.arange(rows, dtype=torch.int32)[:, None] * cap, -1)
+    out, lse = sparse_mla_attention(
+        c["q_nope"],
+        c["q_pe"],
+        c["hot_kv_c"].reshape(rows * cap, -1),
+        c["hot_k_pe"].reshape(rows * cap, -1),
+        flat.to(torch.int32),
+        c["scale"],
+    )
+    c["out"].copy_(out)
+    c["lse"].copy_(lse)
+
+
+COPY_SHAPES = [
+    # (R, H, Dc, Dr, C, K)
+    (2, 16, 512, 64, 64, 32),
+    (3, 4, 32, 8, 16, 12),
+    (1, 5, 24, 4, 10, 10),
+    (4, 2, 16, 0, 8, 3),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", COPY_SHAPES)
+def test_copy_sfa_equals_copy_rows_then_sparse_attention(dtype, shape) -> None:
+    c = _copy_sfa_case(*shape, dtype)
+    expected = _clone(c)
+    _composed(expected)
+    got = _clone(c)
+    scatter_copy_sparse_mla_attention(**got)
+    for name in ("hot_kv_c", "hot_k_pe", "out", "lse"):
+        assert torch.equal(got[name], expected[name]), name
+    # The reference kernel agrees (its attention is plain PyTorch, so within rounding).
+    ref = _clone(c)
+    reference_kernel("scatter_copy_sparse_mla_attention")(**ref)
+    for name in ("hot_kv_c", "hot_k_pe"):
+        assert torch.equal(ref[name], expected[name]), name
+    torch.testing.assert_close(ref["out"], expected["out"], **_tol(dtype))
+    torch.testing.assert_close(ref["lse"], expected["lse"], atol=1e-4, rtol=1e-5)
+
+
+def test_copy_sfa_production_shape_bf16() -> None:
+    c = _copy_sfa_case(
+        2, 16, 512, 64, 4096, 2048, torch.bfloat16, block_size=128, blocks_per_row=64, miss_frac=0.1
+    )
+    expected = _clone(c)
+    _composed(expected)
+    scatter_copy_sparse_mla_attention(**c)
+    for name in ("hot_kv_c", "hot_k_pe", "out", "lse"):
+        assert torch.equal(c[name], expected[name]), name
+
+
+def test_copy_sfa_ignores_entries_past_miss_count_and_strided_outputs() -> None:
+    c = _copy_sfa_case(3, 4, 32, 8, 16, 12, torch.float32)
+    c["miss_tokens"][:, -1] = 10**6  # past every count: never read
+    c["miss_count"].clamp_(max=c["miss_tokens"].shape[1] - 1)
+    expected = _clone(c)
+    _composed(expected)
+    got = _clone(c)
+    big = torch.zeros(3, 4, 64)
+    got["out"] = big[:, :, ::2]  # non-contiguous output
+    scatter_copy_sparse_mla_attention(**got)
+    assert torch.equal(got["out"], expected["out"]) and torch.equal(got["hot_kv_c"], expected["hot_kv_c"])
+
+
+# ------------------------------------------------------------------------------------ opcheck / compile
+
+
+def _opcheck_cases():
+    for dtype in DTYPES:
+        yield (
+            torch.ops.kvoffload.sparse_mla_attention.default,
+            (*_sparse_case(3, 4, 32, 8, 20, 6, dtype), 0.1),
+        )
+        c = _copy_sfa_case(2, 4, 32, 8, 16, 8, dtype)
+        yield torch.ops.kvoffload.scatter_copy_sparse_mla_attention.default, tuple(c.values())
+
+
+@pytest.mark.parametrize("case", list(_opcheck_cases()), ids=lambda c: str(c[0]))
+def test_opcheck(case) -> None:
+    op, args = case
+    torch.library.opcheck(op, args)
+
+
+def test_compile_fullgraph() -> None:
+    def step(c: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        scatter_copy_sparse_mla_attention(**c)
+        out2, lse2 = sparse_mla_attention(
+            c["q_nope"], c["q_pe"], c["hot_kv_c"][0], c["hot_k_pe"][0], c["slots"], c["scale"]
+        )
+        return c["out"] * 2 + out2, c["lse"] + lse2.clamp(min=-1e30)
+
+    c = _copy_sfa_case(2, 4, 32, 8, 16, 8, torch.float32)
+    c["slots"][:, 0] = 0  # every row attends something
+    eager = _clone(c)
+    expected = step(eager)
+    compiled = _clone(c)
+    got = torch.compile(step, fullgraph=True, backend="inductor")(compiled)
+    torch.testing.assert_close(got, expected)
+    for name in ("hot_kv_c", "hot_k_pe", "out", "lse"):
+        assert torch.equal(compiled[name], eager[name]), name
+
+
+# --------------------------------------------------------------------------------------------- errors
+
+
+def _sparse_error_cases():
+    q_nope, q_pe, kv_c, k_pe, idx = _sparse_case(2, 4, 16, 8, 10, 5, torch.float32)
+    oob = idx.clone()
+    oob[1, 2] = 10
+    neg = idx.clone()
+    neg[0, 4] = -2
+    base = (q_nope, q_pe, kv_c, k_pe, idx, 0.1)
+
+    def w(i, v):
+        a = list(base)
+        a[i] = v
+        return tuple(a)
+
+    return [
+        (w(4, oob), IndexError, "'indices' entry \\[1, 2\\] is 10, expected -1 or a value in \\[0, 10\\)"),
+        (w(4, neg), IndexError, "'indices' entry \\[0, 4\\] is -2"),
+        (w(4, idx.long()), TypeError, "'indices' must have dtype torch.int32"),
+        (w(4, idx[:1]), ValueError, "'indices' must have 2 rows"),
+        (w(0, q_nope.double()), TypeError, "'q_nope' must have dtype"),
+        (w(1, q_pe.bfloat16()), TypeError, "'q_nope' and 'q_pe' must have the same dtype"),
+        (w(1, q_pe[:, :2]), ValueError, "'q_pe' must have shape"),
+        (w(2, kv_c[:, :8]), ValueError, "'kv_c' must have last dim 16"),
+        (w(3, k_pe[:5]), ValueError, "'kv_c' and 'k_pe' must have the same leading shape"),
+        (w(2, kv_c.bfloat16()), TypeError, "'q_nope' and 'kv_c' must have the same dtype"),
+        (w(3, k_pe[None]), ValueError, "'k_pe' must have exactly 2 dimensions"),
+    ]
+
+
+@pytest.mark.parametrize("kernel", ["dispatch", "reference"])
+@pytest.mark.parametrize("case", _sparse_error_cases(), ids=lambda c: c[2][:40])
+def test_sparse_bad_input_raises(case, kernel: str) -> None:
+    args, exc, fragment = case
+    fn = (
+        torch.ops.kvoffload.sparse_mla_attention
+        if kernel == "dispatch"
+        else reference_kernel("sparse_mla_attention")
+    )
+    with pytest.raises(exc, match=f"kvoffload::sparse_mla_attention: .*{fragment}"):
+        fn(*args)
+
+
+def _copy_error_cases():
+    c = _copy_sfa_case(3, 4, 16, 8, 12, 6, torch.float32, block_size=4, blocks_per_row=3, miss_frac=0.5)
+    c["miss_count"] = _i32([2, 1, 0])
+    c["miss_tokens"][:, :2] = _i32([[0, 11], [5, -1], [-1, -1]])
+    c["miss_slots"][:, :2] = _i32([[3, 4], [0, -1], [-1, -1]])
+    nb = c["host_kv_c"].shape[0]
+
+    def w(**changes):
+        d = _clone(c)
+        for k, v in changes.items():
+            if callable(v):
+                v(d)
+            else:
+                d[k] = v
+        return d
+
+    def setitem(name, index, value):
+        def f(d):
+            d[name][index] = value
+
+        return f
+
+    return [
+        (w(a=setitem("miss_tokens", (0, 1), 12)), IndexError, "'miss_tokens' entry \\[0, 1\\] is 12"),
+        (w(a=setitem("miss_tokens", (1, 0), -1)), IndexError, "'miss_tokens' entry \\[1, 0\\] is -1"),
+        (
+            w(a=setitem("block_table", (0, 2), nb)),
+            IndexError,
+            "'block_table' entry \\[0, 2\\] \\(block of miss",
+        ),
+        (w(a=setitem("miss_slots", (0, 1), 12)), IndexError, "'miss_slots' entry \\[0, 1\\] is 12"),
+        (
+            w(a=setitem("miss_slots", (0, 1), 3)),
+            ValueError,
+            "'miss_slots' row 0 holds destination 3 more than once",
+        ),
+        (w(a=setitem("miss_count", 2, 4)), ValueError, "'miss_count' entry 2 is 4"),
+        (w(a=setitem("miss_count", 2, -1)), ValueError, "'miss_count' entry 2 is -1"),
+        (w(a=setitem("slots", (2, 0), 12)), IndexError, "'slots' entry \\[2, 0\\] is 12"),
+        (w(a=setitem("slots", (1, 1), -3)), IndexError, "'slots' entry \\[1, 1\\] is -3"),
+        (w(slots=c["slots"].long()), TypeError, "'slots' must have dtype torch.int32"),
+        (
+            w(miss_slots=c["miss_slots"][:, :1]),
+            ValueError,
+            "'miss_slots' must have the shape of 'miss_tokens'",
+        ),
+        (w(block_table=c["block_table"][:2]), ValueError, "'block_table' must have 3 rows"),
+        (w(hot_kv_c=c["hot_kv_c"][:2]), ValueError, "'hot_kv_c' and 'hot_k_pe' must have the same leading"),
+        (w(hot_kv_c=c["hot_kv_c"].bfloat16()), TypeError, "'q_nope' and 'hot_kv_c' must have the same dtype"),
+        (w(host_k_pe=c["host_k_pe"][..., :3]), ValueError, "'host_k_pe' must have last dim 8"),
+        (w(out=c["out"].bfloat16()), TypeError, "'q_nope' and 'out' must have the same dtype"),
+        (w(out=c["out"][:, :2]), ValueError, "'out' must have shape"),
+        (w(lse=c["lse"].double()), TypeError, "'lse' must have dtype torch.float32"),
+        (w(lse=c["lse"][:2]), ValueError, "'lse' must have shape"),
+    ]
+
+
+@pytest.mark.parametrize("kernel", ["dispatch", "reference"])
+@pytest.mark.parametrize("case", _copy_error_cases(), ids=lambda c: c[2][:40])
+def test_copy_sfa_bad_input_raises_and_leaves_state_untouched(case, kernel: str) -> None:
+    c, exc, fragment = case
+    before = _clone(c)
+    name = "scatter_copy_sparse_mla_attention"
+    fn = getattr(torch.ops.kvoffload, name) if kernel == "dispatch" else reference_kernel(name)
+    with pytest.raises(exc, match=f"kvoffload::{name}: .*{fragment}"):
+        fn(*c.values())
+    for k in ("hot_kv_c", "hot_k_pe", "out", "lse"):
+        assert torch.equal(c[k], before[k]), f"{k} modified by a rejected call"
+
+
+@requires_cpp
+def test_cpp_kernels_registered() -> None:
+    from torch_kvoffload.ops import has_kernel
+
+    for name in ("sparse_mla_attention", "scatter_copy_sparse_mla_attention"):
+        assert has_kernel(name, "CPU") and has_kernel(name, "Meta")

@@ -101,7 +101,7 @@ def bench_policies(steps: int, top_k: int, reuses: list[float], factors: list[fl
     traces = {r: make_reuse_trace(steps, top_k, r, seed=1) for r in tqdm(reuses, desc="traces")}
     for reuse, factor in tqdm(cases, desc="policies"):
         trace = traces[reuse]
-        capacity = int(round(factor * top_k))
+        capacity = round(factor * top_k)
         lru = simulate_policy(trace, capacity, "lru")
         score = simulate_policy(trace, capacity, "score")
         opt = belady_misses(trace, capacity)

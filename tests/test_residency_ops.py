@@ -374,3 +374,84 @@ def test_public_wrapper_returns_outputs() -> None:
         stt, lru, req, topk, torch.tensor([10, 11]), torch.tensor([10, 8]), None, "lru", out
     )
     assert res is out and res.miss_count.tolist() == [3, 4]
+
+
+# ------------------------------------------------------------------------- lightning_indexer_manage
+
+
+def _lim_args(policy: str, T: int = 4, K: int = 6, C: int = 10):
+    g = torch.Generator().manual_seed(2)
+    nb, bs, D = 12, 4, 16
+    stt, lru, req = new_residency_state(T, C)
+    topk = torch.empty(T, K, dtype=torch.int32)
+    out = new_residency_outputs(T, K)
+    return dict(
+        q=torch.randn(T, 2, D, generator=g), weights=torch.randn(T, 2, generator=g),
+        k_cache=torch.randn(nb, bs, D, generator=g),
+        block_table=torch.randperm(nb, generator=g)[: T * 3].view(T, 3).to(torch.int32),
+        cu_seqlens_q=torch.arange(T + 1, dtype=torch.int32), seq_lens_k=torch.tensor([2, 5, 9, 12][:T], dtype=torch.int32),
+        slot_to_token=stt, lru_order=lru, row_request=req, request_ids=torch.arange(T),
+        stable_len=torch.tensor([2, 5, 9, 12][:T]), policy=policy, topk=topk, slots=out.slots,
+        miss_tokens=out.miss_tokens, miss_slots=out.miss_slots, miss_count=out.miss_count, evictions=out.evictions,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", ["lru", "score"])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_lim_equals_indexer_then_update(policy: str, kernel: str) -> None:
+    a = _lim_args(policy)
+    fn = torch.ops.kvoffload.lightning_indexer_manage if kernel == "dispatch" else reference_kernel("lightning_indexer_manage")
+    fn(**a)
+    idx = (a["q"], a["weights"], a["k_cache"], a["block_table"], a["cu_seqlens_q"], a["seq_lens_k"])
+    want = torch.ops.kvoffload.lightning_indexer(*idx, a["topk"].shape[1])
+    assert torch.equal(a["topk"], want) and bool((want == -1).any())  # short rows are padded
+    scores = torch.ops.kvoffload.lightning_indexer_scores(*idx)
+    state = new_residency_state(*a["slot_to_token"].shape)
+    out = _run("reference", state, want, a["request_ids"], a["stable_len"], scores, policy)
+    assert torch.equal(a["slots"], out.slots) and torch.equal(a["miss_tokens"], out.miss_tokens)
+    assert torch.equal(a["slot_to_token"], state[0]) and torch.equal(a["lru_order"], state[1])
+
+
+@pytest.mark.parametrize("policy", ["lru", "score"])
+def test_lim_opcheck(policy: str) -> None:
+    torch.library.opcheck(torch.ops.kvoffload.lightning_indexer_manage.default, (), _lim_args(policy))
+
+
+def test_lim_compile_fullgraph() -> None:
+    def step(a):
+        torch.ops.kvoffload.lightning_indexer_manage(**a)
+        return a["miss_count"].sum() + a["topk"].sum()
+
+    eager, compiled = _lim_args("score"), _lim_args("score")
+    expected = step(eager)
+    got = torch.compile(step, fullgraph=True, backend="inductor")(compiled)
+    assert torch.equal(got, expected)
+    for k, v in eager.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(compiled[k], v), k
+
+
+LIM_ERRORS = [
+    (dict(policy="mru"), ValueError, "'policy' must be one of"),
+    (dict(topk=torch.empty(4, 12, dtype=torch.int32)), ValueError, "K = 12 .* capacity C = 10"),
+    (dict(request_ids=torch.arange(3)), ValueError, "'request_ids' must have shape"),
+    (dict(lru_order=torch.zeros(4, 10, dtype=torch.int32), row_request=torch.arange(4)), ValueError,
+     "'lru_order' row 0 is not a permutation"),
+    (dict(seq_lens_k=torch.tensor([2, 5, 9, 13], dtype=torch.int32)), Exception, "seq_lens_k"),  # indexer rejects
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("case", LIM_ERRORS, ids=lambda c: c[2][:30])
+def test_lim_bad_input_leaves_state_untouched(case, kernel: str) -> None:
+    change, exc, fragment = case
+    a = _lim_args("lru")
+    a.update(change)
+    for t in (a["topk"], a["slots"], a["miss_tokens"], a["miss_slots"], a["miss_count"], a["evictions"]):
+        t.fill_(-7)
+    before = {k: v.clone() for k, v in a.items() if isinstance(v, torch.Tensor)}
+    fn = torch.ops.kvoffload.lightning_indexer_manage if kernel == "dispatch" else reference_kernel("lightning_indexer_manage")
+    with pytest.raises(exc, match=fragment):
+        fn(**a)
+    for k, v in before.items():
+        assert torch.equal(a[k], v), f"{k} modified by a rejected call"

@@ -319,9 +319,55 @@ RowError plan_row(const Views& v, int64_t r, TopkHash& hash, std::vector<uint8_t
 
 // Order-preserving map of a float to uint32 (NaN handled by the caller).
 inline uint32_t sortable(float f) {
+  f += 0.0f;  // -0.0 -> +0.0: the two compare equal and must tie
   uint32_t u;
   std::memcpy(&u, &f, sizeof(u));
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Top-k of indexer scores, in the order of kvoffload::lightning_indexer: score descending (NaN first),
+// ties by lower position; positions at or past the token's visible length become -1; -1 padded.
+at::Tensor topk_from_scores(
+    const at::Tensor& scores, const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens_k, int64_t K) {
+  const int64_t T = scores.size(0), W = scores.size(1);
+  at::Tensor out = at::empty({T, K}, at::kInt);
+  const at::Tensor cu = cu_seqlens_q.to(at::kLong).contiguous();
+  const at::Tensor lens = seq_lens_k.to(at::kLong).contiguous();
+  const int64_t B = lens.numel();
+  const int64_t* cu_p = cu.const_data_ptr<int64_t>();
+  const int64_t* len_p = lens.const_data_ptr<int64_t>();
+  std::vector<int64_t> visible(static_cast<size_t>(T), 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t q_len = cu_p[b + 1] - cu_p[b];
+    for (int64_t j = 0; j < q_len; ++j) {
+      visible[cu_p[b] + j] = len_p[b] - (q_len - 1 - j);
+    }
+  }
+  const float* sc = scores.const_data_ptr<float>();
+  int32_t* o = out.data_ptr<int32_t>();
+  const int64_t k = std::min(K, W);
+  GilRelease no_gil;
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint64_t> keys(static_cast<size_t>(W));
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = sc + t * W;
+      for (int64_t p = 0; p < W; ++p) {
+        const uint32_t u = std::isnan(row[p]) ? 0xffffffffu : sortable(row[p]);
+        keys[p] = (static_cast<uint64_t>(~u) << 32) | static_cast<uint64_t>(p);
+      }
+      if (k > 0 && k < W) {
+        std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end());
+      }
+      std::sort(keys.begin(), keys.begin() + k);
+      int32_t* dst = o + t * K;
+      for (int64_t i = 0; i < k; ++i) {
+        const int64_t p = static_cast<int64_t>(keys[i] & 0xffffffffu);
+        dst[i] = p < visible[t] ? static_cast<int32_t>(p) : -1;
+      }
+      std::fill(dst + k, dst + K, -1);
+    }
+  });
+  return out;
 }
 
 struct RowScratch {
@@ -589,21 +635,26 @@ void lightning_indexer_manage_cpu(
       ": argument 'slot_to_token' must have one row per query token (T = ", q.size(0), "), got shape ",
       shape_str(stt));
   const int64_t K = topk_out.size(1);
-  // Indexer through the dispatcher (it validates its own arguments and writes nothing of ours).
-  static auto indexer = c10::Dispatcher::singleton()
-                            .findSchemaOrThrow("kvoffload::lightning_indexer", "")
-                            .typed<at::Tensor(
-                                const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
-  const at::Tensor topk = indexer.call(q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k, K);
+  // Indexer through the dispatcher (it validates its own arguments and writes nothing of ours). With
+  // "lru" the indexer op selects the top-k itself; with "score" the scores are computed once and the top-k
+  // is selected here from them (same order: score descending, ties by lower position, invisible -> -1).
+  at::Tensor topk;
   std::optional<at::Tensor> scores;
-  if (policy == Policy::kScore) {
+  if (policy == Policy::kLru) {
+    static auto indexer = c10::Dispatcher::singleton()
+                              .findSchemaOrThrow("kvoffload::lightning_indexer", "")
+                              .typed<at::Tensor(
+                                  const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
+    topk = indexer.call(q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k, K);
+  } else {
     static auto scorer = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("kvoffload::lightning_indexer_scores", "")
                              .typed<at::Tensor(
                                  const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                  const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
     scores = scorer.call(q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k).contiguous();
+    topk = topk_from_scores(*scores, cu_seqlens_q, seq_lens_k, K);
   }
   TORCH_INTERNAL_ASSERT(topk.sizes() == topk_out.sizes() && topk.scalar_type() == at::kInt);
   std::initializer_list<const at::Tensor*> outs{

@@ -31,7 +31,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ROW_BYTES = (512 + 64) * 2  # one token row of one layer: latent + rope, bf16
 
 
-def _reuse_topk(steps: int, rows: int, top_k: int, length: int, reuse: float, seed: int) -> list[torch.Tensor]:
+def _reuse_topk(
+    steps: int, rows: int, top_k: int, length: int, reuse: float, seed: int
+) -> list[torch.Tensor]:
     """Per-row top-k sequences over ``length`` positions keeping ``reuse`` of the previous selection."""
     g = torch.Generator().manual_seed(seed)
     keep = round(reuse * top_k)
@@ -59,7 +61,10 @@ def bench_update_cost(rows: int, top_k: int, capacity: int, steps: int, ref_step
     scores = torch.randn(rows, length)
     results = []
     prev_threads = torch.get_num_threads()
-    kernels = [("cpp", torch.ops.kvoffload.residency_update, steps), ("reference", reference_kernel("residency_update"), ref_steps)]
+    kernels = [
+        ("cpp", torch.ops.kvoffload.residency_update, steps),
+        ("reference", reference_kernel("residency_update"), ref_steps),
+    ]
     cases = [(t, p, k) for t in (1, 2) for p in ("lru", "score") for k in kernels]
     for threads, policy, (name, fn, n_steps) in tqdm(cases, desc="residency_update cost"):
         torch.set_num_threads(threads)
@@ -156,7 +161,9 @@ def main() -> None:
         pol = bench_policies(256, args.policy_top_k, [0.5, 0.7, 0.9], [1.0, 1.5, 2.0, 3.0])
 
     print("\nresidency_update cost (median step; goal <= 3 ns per (row, slot) per thread)")
-    print(f"{'kernel':<10}{'policy':<8}{'threads':>8}{'ms/step':>10}{'ns/(row,slot)':>15}{'x threads':>11}{'copy ns/int32':>15}")
+    print(
+        f"{'kernel':<10}{'policy':<8}{'threads':>8}{'ms/step':>10}{'ns/(row,slot)':>15}{'x threads':>11}{'copy ns/int32':>15}"
+    )
     for r in cost:
         print(f"{r['kernel']:<10}{r['policy']:<8}{r['threads']:>8}{r['ms_per_step']:>10.2f}{r['ns_per_row_slot']:>15.2f}"
               f"{r['ns_per_row_slot_thread']:>11.2f}{r['calibration_copy_ns_per_int32']:>15.3f}")  # fmt: skip
@@ -164,10 +171,14 @@ def main() -> None:
     for r in cost:
         if r["kernel"] == "reference":
             r["cpp_speedup"] = r["ms_per_step"] / cpp[(r["policy"], r["threads"])]["ms_per_step"]
-            print(f"C++ speedup over the reference ({r['policy']}, {r['threads']} thr): {r['cpp_speedup']:.0f}x")
+            print(
+                f"C++ speedup over the reference ({r['policy']}, {r['threads']} thr): {r['cpp_speedup']:.0f}x"
+            )
 
     print("\nhit rate (steady state, step 0 excluded) and H2D bytes per step and layer")
-    print(f"{'reuse':>6}{'cap/K':>7}{'LRU':>8}{'score':>8}{'Belady':>8}{'LRU MB':>9}{'full MB':>9}{'ratio':>8}")
+    print(
+        f"{'reuse':>6}{'cap/K':>7}{'LRU':>8}{'score':>8}{'Belady':>8}{'LRU MB':>9}{'full MB':>9}{'ratio':>8}"
+    )
     for r in pol:
         ratio = r["full_reload_bytes_per_step"] / max(r["lru_h2d_bytes_per_step"], 1.0)
         r["full_reload_over_lru"] = ratio

@@ -400,7 +400,11 @@ def _lim_args(policy: str, T: int = 4, K: int = 6, C: int = 10):
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_lim_equals_indexer_then_update(policy: str, kernel: str) -> None:
     a = _lim_args(policy)
-    fn = torch.ops.kvoffload.lightning_indexer_manage if kernel == "dispatch" else reference_kernel("lightning_indexer_manage")
+    fn = (
+        torch.ops.kvoffload.lightning_indexer_manage
+        if kernel == "dispatch"
+        else reference_kernel("lightning_indexer_manage")
+    )
     fn(**a)
     idx = (a["q"], a["weights"], a["k_cache"], a["block_table"], a["cu_seqlens_q"], a["seq_lens_k"])
     want = torch.ops.kvoffload.lightning_indexer(*idx, a["topk"].shape[1])
@@ -450,7 +454,11 @@ def test_lim_bad_input_leaves_state_untouched(case, kernel: str) -> None:
     for t in (a["topk"], a["slots"], a["miss_tokens"], a["miss_slots"], a["miss_count"], a["evictions"]):
         t.fill_(-7)
     before = {k: v.clone() for k, v in a.items() if isinstance(v, torch.Tensor)}
-    fn = torch.ops.kvoffload.lightning_indexer_manage if kernel == "dispatch" else reference_kernel("lightning_indexer_manage")
+    fn = (
+        torch.ops.kvoffload.lightning_indexer_manage
+        if kernel == "dispatch"
+        else reference_kernel("lightning_indexer_manage")
+    )
     with pytest.raises(exc, match=fragment):
         fn(**a)
     for k, v in before.items():

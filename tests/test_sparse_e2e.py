@@ -171,7 +171,9 @@ def _run_loop(cfg: SparseDecodeConfig, steps: int, seed: int, reader: SparseDeco
                             t = int(tk[k])
                             if t in before:
                                 assert int(sl[k]) == before[t], "a hit moved"
-                    want = _dense_attention(q_nope[r], q_pe[r], world.kv[req.rid, layer], world.pe[req.rid, layer], pos)
+                    want = _dense_attention(
+                        q_nope[r], q_pe[r], world.kv[req.rid, layer], world.pe[req.rid, layer], pos
+                    )
                     err = (res.out[r].double() - want).norm() / want.norm()
                     assert err <= 1e-5, f"row {r} relative error {err}"
                 if reader is not None:  # a TP rank attached to the same pool computes the same output
@@ -203,7 +205,9 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
 def test_offloaded_decode_equals_dense(case: dict) -> None:
-    cfg = SparseDecodeConfig(top_k=TOP_K, capacity=CAP, host_pool_blocks=64, block_size=BS, kv_dtype="fp32", **case)
+    cfg = SparseDecodeConfig(
+        top_k=TOP_K, capacity=CAP, host_pool_blocks=64, block_size=BS, kv_dtype="fp32", **case
+    )
     stats = _run_loop(cfg, steps=24, seed=7)
     # the loop really exercised what it claims to
     assert stats["resets"] >= 2 and stats["rewrites"] >= 5
@@ -213,7 +217,9 @@ def test_offloaded_decode_equals_dense(case: dict) -> None:
 
 def test_fused_and_unfused_paths_agree_step_by_step() -> None:
     """Same seed: fused (LIM + Copy-SFA) and unfused runs see identical residency decisions."""
-    base = dict(top_k=TOP_K, capacity=CAP, host_pool_blocks=64, block_size=BS, kv_dtype="fp32", policy="score")
+    base = dict(
+        top_k=TOP_K, capacity=CAP, host_pool_blocks=64, block_size=BS, kv_dtype="fp32", policy="score"
+    )
     a = _run_loop(SparseDecodeConfig(fused=True, **base), steps=10, seed=3)
     b = _run_loop(SparseDecodeConfig(fused=False, **base), steps=10, seed=3)
     assert a == b
@@ -257,7 +263,9 @@ def test_lightning_indexer_manage_equals_sequence() -> None:
             want_topk = torch.ops.kvoffload.lightning_indexer(q, w, k_cache, bt, cu, lens, K)
             scores = torch.ops.kvoffload.lightning_indexer_scores(q, w, k_cache, bt, cu, lens)
             out_s = new_residency_outputs(T, K)
-            torch.ops.kvoffload.residency_update(*seq, want_topk, ids, stable, scores, policy, *out_s.as_tuple())
+            torch.ops.kvoffload.residency_update(
+                *seq, want_topk, ids, stable, scores, policy, *out_s.as_tuple()
+            )
             assert torch.equal(topk, want_topk)
             for x, y in zip(fused + list(out_f.as_tuple()), seq + list(out_s.as_tuple()), strict=True):
                 assert torch.equal(x, y)

@@ -220,6 +220,70 @@ struct Views {
   Policy policy;
 };
 
+// Positions below this bound use a direct-address table (per thread, 4 bytes per position) instead of
+// the hash; larger positions fall back to the hash.
+constexpr int32_t kDirectLimit = 1 << 21;
+
+// Per-thread position -> top-k index table; every entry is -1 between uses (a row restores what it set).
+std::vector<int32_t>& direct_table(int64_t size) {
+  thread_local std::vector<int32_t> table;
+  if (static_cast<int64_t>(table.size()) < size) {
+    table.resize(static_cast<size_t>(size), -1);
+  }
+  return table;
+}
+
+// Pass-1 matching through the direct-address table: O(K + C), no hashing, no sort.
+RowError match_direct(
+    const Views& v, int64_t r, bool reset, int64_t stable, int32_t max_t, const int32_t* tk, int32_t* hit) {
+  const int64_t C = v.C, K = v.K;
+  const int32_t* stt = v.stt + r * C;
+  // one spare entry past max_t, always -1, absorbs the lookups of ineligible residents branch-free
+  std::vector<int32_t>& table = direct_table(static_cast<int64_t>(max_t) + 2);
+  int32_t* tab = table.data();
+  const int32_t spare = max_t + 1;
+  auto restore = [&](int64_t upto) {
+    for (int64_t k = 0; k < upto; ++k) {
+      if (tk[k] >= 0) {
+        tab[tk[k]] = -1;
+      }
+    }
+  };
+  int64_t n_valid = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    const int32_t t = tk[k];
+    if (t < 0) {
+      hit[k] = kPadding;
+      continue;
+    }
+    if (tab[t] != -1) {
+      restore(k);
+      return {ErrorCode::kDuplicateTopk, t, 0};
+    }
+    tab[t] = static_cast<int32_t>(k);
+    hit[k] = kMiss;
+    ++n_valid;
+  }
+  RowError err;
+  if (!reset && n_valid > 0) {
+    const int64_t limit = std::min<int64_t>(stable, static_cast<int64_t>(max_t) + 1);
+    for (int64_t s = 0; s < C; ++s) {
+      const int32_t t = stt[s];
+      const bool eligible = t >= 0 && t < limit;
+      const int32_t k = tab[eligible ? t : spare];
+      if (k >= 0) {
+        if (hit[k] >= 0) {
+          err = {ErrorCode::kDuplicateResident, t, 0};
+          break;
+        }
+        hit[k] = static_cast<int32_t>(s);
+      }
+    }
+  }
+  restore(K);
+  return err;
+}
+
 // Pass 1 for one row: validate, find hits (scratch only).
 RowError plan_row(const Views& v, int64_t r, TopkHash& hash, std::vector<uint8_t>& seen) {
   const int64_t C = v.C, K = v.K;
@@ -257,6 +321,13 @@ RowError plan_row(const Views& v, int64_t r, TopkHash& hash, std::vector<uint8_t
   }
   const int32_t* tk = v.topk + r * K;
   int32_t* hit = v.hit + r * K;
+  int32_t max_t = -1;
+  for (int64_t k = 0; k < K; ++k) {
+    max_t = std::max(max_t, tk[k]);
+  }
+  if (max_t < kDirectLimit) {
+    return match_direct(v, r, reset, stable, max_t, tk, hit);
+  }
   hash.reset(K);
   int64_t n_valid = 0;
   for (int64_t k = 0; k < K; ++k) {

@@ -484,6 +484,7 @@ def test_rejected_rows_leave_no_trace_in_later_calls() -> None:
                 _op("dispatch")(**bad(_base()))
             good_a, good_b = _base(), _base()
             good_a["topk"] = good_b["topk"] = torch.tensor([[3, 5, 0], [7, 4, 8]], dtype=torch.int32)
+            good_b["scores"] = good_a["scores"]
             _op("dispatch")(**good_a)
             _op("reference")(**good_b)
             for k, v in good_a.items():

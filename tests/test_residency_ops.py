@@ -477,8 +477,11 @@ def test_rejected_rows_leave_no_trace_in_later_calls() -> None:
     try:
         for bad in (
             _set(topk=lambda a: torch.tensor([[5, 3, 5], [4, 7, 8]], dtype=torch.int32)),
-            _set(slot_to_token=lambda a: torch.tensor([[0, 1, 2, -1, -1, -1], [4, 4, -1, -1, -1, -1]],
-                                                      dtype=torch.int32)),  # fmt: skip
+            _set(
+                slot_to_token=lambda a: torch.tensor(
+                    [[0, 1, 2, -1, -1, -1], [4, 4, -1, -1, -1, -1]], dtype=torch.int32
+                )
+            ),
         ):
             with pytest.raises(ValueError):
                 _op("dispatch")(**bad(_base()))

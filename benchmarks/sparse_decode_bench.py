@@ -79,8 +79,10 @@ def bench_update_cost(rows: int, top_k: int, capacity: int, steps: int, ref_step
             times.append(time.perf_counter() - t0)
         sec = sorted(times)[len(times) // 2]
         ns = sec * 1e9 / (rows * capacity)
+        best = min(times) * 1e9 / (rows * capacity)
         results.append(dict(kernel=name, threads=threads, policy=policy, ms_per_step=sec * 1e3,
                             ns_per_row_slot=ns, ns_per_row_slot_thread=ns * threads,
+                            best_ns_per_row_slot=best, best_ns_per_row_slot_thread=best * threads,
                             misses_per_row=float(out.miss_count.float().mean())))  # fmt: skip
     # calibration: copy of the R x C int32 state, same threads
     calib = {}

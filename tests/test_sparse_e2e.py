@@ -277,3 +277,27 @@ def test_memory_figures() -> None:
     with SparseDecodeOffload(cfg, num_layers=LAYERS, max_rows=ROWS, kv_lora_rank=DC, rope_dim=DR) as rt:
         assert rt.device_bytes() == LAYERS * ROWS * CAP * (DC + DR) * 4
         assert rt.dense_device_bytes(1000) == LAYERS * 1000 * (DC + DR) * 4
+
+
+def test_released_request_id_reused_in_same_row_reloads() -> None:
+    """release() detaches the request from its rows: a later request with the same id starts cold."""
+    cfg = SparseDecodeConfig(top_k=4, capacity=8, host_pool_blocks=8, block_size=4, kv_dtype="fp32")
+    with SparseDecodeOffload(cfg, num_layers=1, max_rows=1, kv_lora_rank=DC, rope_dim=DR) as rt:
+        k_cache = torch.randn(8, 4, DI)
+        outs = []
+        for _life in range(2):
+            rt.reserve(0, 6)
+            kv = torch.randn(6, DC)
+            rt.append(0, [0] * 6, torch.arange(6), kv, torch.randn(6, DR))
+            bt = rt.pool.block_table([0], max_blocks=2)
+            idx = IndexerInputs(q=torch.randn(1, HI, DI), weights=torch.ones(1, HI), block_table=bt,
+                                cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+                                seq_lens_k=torch.tensor([6], dtype=torch.int32), k_cache=k_cache)  # fmt: skip
+            res = rt.attend(0, torch.randn(1, H, DC), torch.randn(1, H, DR), SCALE, idx,
+                            DecodeRows(torch.tensor([0]), torch.tensor([6]), bt))  # fmt: skip
+            valid = res.topk[0] >= 0
+            hot = rt.hot_kv_c[0][0, res.residency.slots[0][valid].long()]
+            assert torch.equal(hot, kv[res.topk[0][valid].long()])
+            outs.append(int(res.residency.miss_count[0]))
+            rt.release(0)
+        assert outs == [4, 4]  # the second life misses everything again

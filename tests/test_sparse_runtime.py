@@ -52,6 +52,7 @@ def test_config_defaults_and_port() -> None:
         (dict(pipeline_parallel_size=2), "does not support pipeline parallelism"),
         (dict(hybrid_kv_layout="true"), "does not support hybrid KV cache layouts"),
         (dict(policy="fifo"), "policy"),
+        (dict(policy="score", indexer_dtype="int8"), "int8 indexer path"),
         (dict(indexer_dtype="fp8"), "indexer_dtype"),
         (dict(unknown=1), "unknown"),
     ],

@@ -32,7 +32,8 @@ class SparseDecodeConfig(ConfigModel):
     indexer cache's own floating dtype, bf16 in production) or the Hadamard + int8 (``"int8"``) indexer
     path; ``fused`` uses the fused manage op and Copy-SFA (default) instead of separate ops.
 
-    Rejected at construction, each with its own ``ValueError``: ``capacity < top_k``; a main KV dtype that
+    Rejected at construction, each with its own ``ValueError``: ``capacity < top_k``; ``policy="score"``
+    with ``indexer_dtype="int8"`` (the int8 indexer returns no scores); a main KV dtype that
     is not a plain floating type (packed / quantised main caches such as int8, fp8, C8, TQ4);
     ``context_parallel_size > 1``; ``pipeline_parallel_size > 1``; ``hybrid_kv_layout``.
     """
@@ -77,6 +78,11 @@ class SparseDecodeConfig(ConfigModel):
             raise ValueError(
                 f"sparse decode offload: hot-buffer capacity {self.capacity} is smaller than top_k "
                 f"{self.top_k}; every selected row must fit (capacity >= top_k, default 2 * top_k)"
+            )
+        if self.policy == "score" and self.indexer_dtype == "int8":
+            raise ValueError(
+                "sparse decode offload: policy 'score' evicts by the indexer's scores, which the int8 indexer "
+                "path (quant_lightning_indexer) does not return; use policy 'lru' with indexer_dtype 'int8'"
             )
         if self.context_parallel_size > 1:
             raise ValueError(

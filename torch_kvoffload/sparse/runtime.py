@@ -179,9 +179,14 @@ class SparseDecodeOffload:
         self.pool.allocate(request_id, num_tokens)
 
     def release(self, request_id: int) -> None:
-        """Free a finished request's host blocks (its rows reset when another request takes them)."""
+        """Free a finished request's host blocks and detach it from its rows in every layer.
+
+        The rows are reset at their next update even if a later request reuses the id.
+        """
         self.sync()
         self.pool.free(request_id)
+        for _, _, row_request in self.state:
+            row_request.masked_fill_(row_request == request_id, -1)
 
     # ----------------------------------------------------------------------------------- append
     def append(

@@ -208,11 +208,11 @@ def test_offloaded_decode_equals_dense(case: dict) -> None:
     cfg = SparseDecodeConfig(
         top_k=TOP_K, capacity=CAP, host_pool_blocks=64, block_size=BS, kv_dtype="fp32", **case
     )
-    stats = _run_loop(cfg, steps=24, seed=7)
+    stats = _run_loop(cfg, steps=20, seed=7)
     # the loop really exercised what it claims to
     assert stats["resets"] >= 2 and stats["rewrites"] >= 5
     assert stats["hits"] > 0 and stats["misses"] > 0 and stats["evictions"] > 0
-    assert stats["bytes_d2h"] == 24 * LAYERS * ROWS * (DC + DR) * 4
+    assert stats["bytes_d2h"] == 20 * LAYERS * ROWS * (DC + DR) * 4
 
 
 def test_fused_and_unfused_paths_agree_step_by_step() -> None:

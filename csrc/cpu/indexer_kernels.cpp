@@ -5,7 +5,7 @@
 // to fp32 for bf16), all heads of the token are scored against them with a register-tiled kernel
 // (4 heads x 2 keys per tile), and relu / head weights are applied in fp32. Top-k runs per token with
 // nth_element + sort under the total order (score descending, NaN first, ties by lower position). The hot
-// loops are compiled twice (AVX2+FMA and baseline x86-64) and picked at load time.
+// loops are compiled twice (x86-64-v3 (AVX2, FMA) and baseline x86-64) and picked at load time.
 
 #include "common.h"
 
@@ -191,7 +191,7 @@ void fill_layout_values(
 // Float path: scores of token t against keys [s0, s0 + n) (one block). q_t [H, D] / w_t [H] already in
 // fp32; keys [n, D] at `keys` with row stride ks (elements).
 template <typename T>
-__attribute__((target_clones("arch=haswell", "default"))) void score_block_float(
+__attribute__((target_clones("arch=x86-64-v3", "default"))) void score_block_float(
     const float* qf, const float* wf, int64_t H, int64_t D, const T* keys, int64_t ks, int64_t n,
     std::vector<float>& kbuf, std::vector<float>& logits, float* out) {
   kbuf.resize(n * D);
@@ -228,24 +228,62 @@ __attribute__((target_clones("arch=haswell", "default"))) void score_block_float
   }
 }
 
-// Int8 path: integer dot products, then (dot * q_scale[h]) * k_scale[s], relu, times w[h].
-__attribute__((target_clones("arch=haswell", "default"))) void score_block_int8(
+// Int8 path: integer dot products, then (dot * q_scale[h]) * k_scale[s], relu, times w[h]. While
+// D * 127^2 < 2^24 every product and partial sum of an int8 dot product is an integer that fp32 holds
+// exactly, so the dots run on the fp32 register tiles (same result as int32 arithmetic); larger D falls
+// back to an int32 loop.
+__attribute__((target_clones("arch=x86-64-v3", "default"))) void score_block_int8(
     const int8_t* q, const float* qs, const float* wf, int64_t H, int64_t D, const int8_t* keys, int64_t ks,
-    const float* kscale, int64_t n, float* out) {
-  for (int64_t j = 0; j < n; ++j) {
-    const int8_t* k = keys + j * ks;
-    const float sk = kscale[j];
-    float acc = 0.0f;
-    for (int64_t h = 0; h < H; ++h) {
-      const int8_t* qh = q + h * D;
-      int32_t dot = 0;
+    const float* kscale, int64_t n, const float* qf, std::vector<float>& kbuf, std::vector<float>& logits,
+    float* out) {
+  logits.resize(H * n);
+  float* lg = logits.data();
+  if (D * 127 * 127 < (int64_t{1} << 24)) {
+    kbuf.resize(n * D);
+    for (int64_t j = 0; j < n; ++j) {
       for (int64_t d = 0; d < D; ++d) {
-        dot += static_cast<int32_t>(qh[d]) * static_cast<int32_t>(k[d]);
+        kbuf[j * D + d] = static_cast<float>(keys[j * ks + d]);
       }
-      const float logit = static_cast<float>(dot) * qs[h] * sk;
-      acc += wf[h] * std::max(logit, 0.0f);
     }
-    out[j] = acc;
+    const float* k = kbuf.data();
+    int64_t h = 0;
+    for (; h + 4 <= H; h += 4) {
+      int64_t j = 0;
+      for (; j + 2 <= n; j += 2) {
+        dot_tile<4, 2>(qf + h * D, D, k + j * D, D, D, lg + h * n + j, n);
+      }
+      for (; j < n; ++j) {
+        dot_tile<4, 1>(qf + h * D, D, k + j * D, D, D, lg + h * n + j, n);
+      }
+    }
+    for (; h < H; ++h) {
+      for (int64_t j = 0; j < n; ++j) {
+        dot_tile<1, 1>(qf + h * D, D, k + j * D, D, D, lg + h * n + j, n);
+      }
+    }
+  } else {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t j = 0; j < n; ++j) {
+        const int8_t* qh = q + h * D;
+        const int8_t* k = keys + j * ks;
+        int32_t dot = 0;
+        for (int64_t d = 0; d < D; ++d) {
+          dot += static_cast<int32_t>(qh[d]) * static_cast<int32_t>(k[d]);
+        }
+        lg[h * n + j] = static_cast<float>(dot);
+      }
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    out[j] = 0.0f;
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    const float w = wf[h], sq = qs[h];
+    const float* row = lg + h * n;
+    for (int64_t j = 0; j < n; ++j) {
+      const float logit = row[j] * sq * kscale[j];
+      out[j] += w * std::max(logit, 0.0f);
+    }
   }
 }
 
@@ -391,14 +429,14 @@ void with_float_block_fn(const FloatArgs& a, Consumer consume) {
     })
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
       using T = c10::BFloat16;
-      const T* q = a.q.const_data_ptr<T>();
       const T* k = a.k.const_data_ptr<T>();
+      // Queries converted once (every key block of a token reuses them).
+      const at::Tensor qf_t = a.q.to(at::kFloat);
+      const float* qf = qf_t.const_data_ptr<float>();
       consume([&](int64_t t, int64_t j, int64_t, int64_t n, float* out) {
-        thread_local std::vector<float> qbuf, kbuf, logits;
-        qbuf.resize(H * D);
-        to_float(q + t * H * D, qbuf.data(), H * D);
+        thread_local std::vector<float> kbuf, logits;
         const T* keys = k + L.table[L.token_req[t] * L.max_blocks + j] * k0;
-        score_block_float<T>(qbuf.data(), w + t * H, H, D, keys, k1, n, kbuf, logits, out);
+        score_block_float<T>(qf + t * H * D, w + t * H, H, D, keys, k1, n, kbuf, logits, out);
       });
     }));
 }
@@ -559,9 +597,15 @@ at::Tensor quant_lightning_indexer_cpu(
   const float* ksp = ks.const_data_ptr<float>();
   const int64_t k0 = k.stride(0), k1 = k.stride(1), ks0 = ks.stride(0);
   GilRelease no_gil;
+  // fp32 copies of the int8 queries (exact) for the fp32 tiles, converted once.
+  const at::Tensor qf_t = q.to(at::kFloat);
+  const float* qf = qf_t.const_data_ptr<float>();
   topk_all(L, top_k, result, [&](int64_t t, int64_t j, int64_t, int64_t n, float* out) {
     const int64_t blk = L.table[L.token_req[t] * L.max_blocks + j];
-    score_block_int8(qp + t * H * D, qsp + t * H, wp + t * H, H, D, kp + blk * k0, k1, ksp + blk * ks0, n, out);
+    thread_local std::vector<float> kbuf, logits;
+    score_block_int8(
+        qp + t * H * D, qsp + t * H, wp + t * H, H, D, kp + blk * k0, k1, ksp + blk * ks0, n, qf + t * H * D, kbuf,
+        logits, out);
   });
   return result;
 }

@@ -1,11 +1,11 @@
 // CPU kernels of the sparse MLA attention family: kvoffload::sparse_mla_attention and
 // kvoffload::scatter_copy_sparse_mla_attention (Copy-SFA).
 //
-// Per (query token, group of heads) work item: the selected latent rows are converted to fp32 in chunks
-// that stay in cache, scores for all heads of the group are computed with a register-tiled kernel
-// (4 heads x 2 rows per tile, the row loads shared by the heads), a vectorised exp gives the softmax, and
-// a second pass over the chunks accumulates p . kv_c (4 heads x 16 columns per tile). Everything
-// accumulates in fp32. The hot loops are compiled twice (AVX2+FMA and baseline x86-64) and picked at
+// Per (query token, group of heads) work item: the selected latent rows are gathered and converted to
+// fp32 in chunks that stay in cache; each chunk is used once for the scores of all heads of the group
+// (register tiles of 4 heads x 2 rows, the row loads shared by the heads) and once for p . kv_c (tiles of
+// 4 heads x 16 columns), with an online softmax (running maximum and sum, vectorised exp) in between. Everything
+// accumulates in fp32. The hot loops are compiled twice (x86-64-v3 (AVX2, FMA) and baseline x86-64) and picked at
 // load time.
 
 #include "common.h"
@@ -37,7 +37,7 @@ namespace {
 typedef float f8 __attribute__((vector_size(32)));
 typedef int32_t i8v __attribute__((vector_size(32)));
 
-// Rows converted to fp32 per chunk: 32 x 576 floats = 72 KiB stays in L2 between the two uses.
+// Rows converted to fp32 per chunk: 32 x 576 floats = 72 KiB stays in L2 between the two products.
 constexpr int64_t kChunk = 32;
 
 inline __attribute__((always_inline)) f8 load8(const float* p) {
@@ -222,7 +222,7 @@ struct Scratch {
 // Attention of heads [h0, h1) of one token. q_nope / q_pe point at the token's [H, Dc] / [H, Dr] rows
 // (contiguous), out at its [H, Dc] output row (contiguous), lse at its [H] row.
 template <typename T>
-__attribute__((target_clones("arch=haswell", "default"))) void attend_heads(
+__attribute__((target_clones("arch=x86-64-v3", "default"))) void attend_heads(
     const T* q_nope, const T* q_pe, RowSource<T> src, int64_t Dc, int64_t Dr, int64_t h0, int64_t h1,
     float scale, T* out, float* lse, Scratch& sc) {
   const int64_t G = h1 - h0;
@@ -240,7 +240,6 @@ __attribute__((target_clones("arch=haswell", "default"))) void attend_heads(
     return;
   }
   sc.q.resize(G * D);
-  sc.scores.resize(G * n);
   sc.chunk.resize(kChunk * D);
   sc.acc.assign(G * Dc, 0.0f);
   float* qf = sc.q.data();
@@ -248,11 +247,13 @@ __attribute__((target_clones("arch=haswell", "default"))) void attend_heads(
     to_float(q_nope + (h0 + g) * Dc, qf + g * D, Dc);
     to_float(q_pe + (h0 + g) * Dr, qf + g * D + Dc, Dr);
   }
+  sc.scores.resize(G * kChunk);
   float* s = sc.scores.data();
   float* chunk = sc.chunk.data();
+  float* acc = sc.acc.data();
   const int32_t* rows = sc.valid.data();
-
-  // Pass 1: raw scores q . [kv_c, k_pe] for all heads.
+  std::vector<float> mx(G, -std::numeric_limits<float>::infinity()), sum(G, 0.0f), inv_sum(G);
+  // One pass, online softmax: each chunk of rows is converted once and used for both products.
   for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
     const int64_t m = std::min(kChunk, n - c0);
     for (int64_t j = 0; j < m; ++j) {
@@ -260,44 +261,46 @@ __attribute__((target_clones("arch=haswell", "default"))) void attend_heads(
       to_float(src.kv_c + r * src.kv_c_stride, chunk + j * D, Dc);
       to_float(src.k_pe + r * src.k_pe_stride, chunk + j * D + Dc, Dr);
     }
-    dot_block(qf, G, chunk, m, D, s + c0, n);
+    dot_block(qf, G, chunk, m, D, s, kChunk);
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = s + g * kChunk;
+      float cmax = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < m; ++j) {
+        sg[j] *= scale;
+        cmax = std::max(cmax, sg[j]);
+      }
+      if (cmax > mx[g]) {
+        // Rescale what was accumulated under the old maximum (nothing on the first chunk).
+        const float f = mx[g] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(mx[g] - cmax);
+        if (f != 1.0f) {
+          float* ag = acc + g * Dc;
+          for (int64_t d = 0; d < Dc; ++d) {
+            ag[d] *= f;
+          }
+          sum[g] *= f;
+        }
+        mx[g] = cmax;
+      }
+      const f8 vmx = splat(mx[g]);
+      f8 vsum = {};
+      int64_t j = 0;
+      for (; j + 8 <= m; j += 8) {
+        const f8 e = exp8(load8(sg + j) - vmx);
+        store8(sg + j, e);
+        vsum += e;
+      }
+      float part = hsum(vsum);
+      for (; j < m; ++j) {
+        sg[j] = exp8(splat(sg[j] - mx[g]))[0];
+        part += sg[j];
+      }
+      sum[g] += part;
+    }
+    pv_block(s, kChunk, G, chunk, m, D, Dc, acc);
   }
-
-  // Softmax per head: p = exp(scale * raw - max), stored over the scores.
-  std::vector<float> inv_sum(G);
   for (int64_t g = 0; g < G; ++g) {
-    float* sg = s + g * n;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < n; ++j) {
-      sg[j] *= scale;
-      mx = std::max(mx, sg[j]);
-    }
-    f8 vsum = {};
-    int64_t j = 0;
-    const f8 vmx = splat(mx);
-    for (; j + 8 <= n; j += 8) {
-      const f8 e = exp8(load8(sg + j) - vmx);
-      store8(sg + j, e);
-      vsum += e;
-    }
-    float sum = hsum(vsum);
-    for (; j < n; ++j) {
-      f8 x = splat(sg[j] - mx);
-      sg[j] = exp8(x)[0];
-      sum += sg[j];
-    }
-    lse[h0 + g] = mx + std::log(sum);
-    inv_sum[g] = 1.0f / sum;
-  }
-
-  // Pass 2: acc = p . kv_c.
-  float* acc = sc.acc.data();
-  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
-    const int64_t m = std::min(kChunk, n - c0);
-    for (int64_t j = 0; j < m; ++j) {
-      to_float(src.kv_c + rows[c0 + j] * src.kv_c_stride, chunk + j * D, Dc);
-    }
-    pv_block(s + c0, n, G, chunk, m, D, Dc, acc);
+    lse[h0 + g] = mx[g] + std::log(sum[g]);
+    inv_sum[g] = 1.0f / sum[g];
   }
   for (int64_t g = 0; g < G; ++g) {
     T* o = out + (h0 + g) * Dc;

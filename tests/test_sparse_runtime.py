@@ -165,7 +165,8 @@ def test_host_pool_allocation_and_slots() -> None:
 
 def _read_in_child(name: str, queue) -> None:
     pool = HostKVPool.attach(name)
-    queue.put((pool.kv_c(1).clone(), pool.k_pe(0).clone(), pool.dtype, pool.owner))
+    # plain Python data: tensors would travel as shared-memory handles tied to this short-lived process
+    queue.put((pool.kv_c(1).float().tolist(), pool.k_pe(0).float().tolist(), str(pool.dtype), pool.owner))
     pool.close()
 
 
@@ -184,8 +185,9 @@ def test_shared_pool_attach_from_spawned_process() -> None:
         kv, pe, dtype, owner = queue.get(timeout=120)
         proc.join(timeout=60)
         assert proc.exitcode == 0
-        assert torch.equal(kv, pool.kv_c(1)) and torch.equal(pe, pool.k_pe(0))
-        assert dtype == torch.bfloat16 and owner is False
+        assert torch.equal(torch.tensor(kv), pool.kv_c(1).float())
+        assert torch.equal(torch.tensor(pe), pool.k_pe(0).float())
+        assert dtype == "torch.bfloat16" and owner is False
         assert os.path.exists(path), "an attached reader must not remove the owner's pool"
         # the mapping is shared both ways: a second attach in-process sees later writes
         other = HostKVPool.attach(pool.name)

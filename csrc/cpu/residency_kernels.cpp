@@ -220,16 +220,30 @@ struct Views {
   Policy policy;
 };
 
-// Positions below this bound use a direct-address table (per thread, 4 bytes per position) instead of
+// Positions below this bound use a direct-address table (per thread, ~4 bytes per position) instead of
 // the hash; larger positions fall back to the hash.
 constexpr int32_t kDirectLimit = 1 << 21;
 
-// Per-thread position -> top-k index table; every entry is -1 between uses (a row restores what it set).
-std::vector<int32_t>& direct_table(int64_t size) {
-  thread_local std::vector<int32_t> table;
-  if (static_cast<int64_t>(table.size()) < size) {
-    table.resize(static_cast<size_t>(size), -1);
+// Per-thread direct-address lookup over positions: a bitmap of the row's top-k positions (8 KiB per 64k
+// positions, cache resident) in front of a position -> top-k index table that is read only where a bit is
+// set, so the table never needs clearing; a row clears exactly the bits it set.
+struct DirectTable {
+  std::vector<uint64_t> bits;  // all zero between rows
+  std::vector<int32_t> index;
+  void reserve(int64_t positions) {
+    const auto words = static_cast<size_t>((positions + 63) / 64);
+    if (bits.size() < words) {
+      bits.resize(words, 0);
+    }
+    if (index.size() < static_cast<size_t>(positions)) {
+      index.resize(static_cast<size_t>(positions));
+    }
   }
+};
+
+DirectTable& direct_table(int64_t positions) {
+  thread_local DirectTable table;
+  table.reserve(positions);
   return table;
 }
 
@@ -238,14 +252,14 @@ RowError match_direct(
     const Views& v, int64_t r, bool reset, int64_t stable, int32_t max_t, const int32_t* tk, int32_t* hit) {
   const int64_t C = v.C, K = v.K;
   const int32_t* stt = v.stt + r * C;
-  // one spare entry past max_t, always -1, absorbs the lookups of ineligible residents branch-free
-  std::vector<int32_t>& table = direct_table(static_cast<int64_t>(max_t) + 2);
-  int32_t* tab = table.data();
-  const int32_t spare = max_t + 1;
-  auto restore = [&](int64_t upto) {
+  DirectTable& table = direct_table(static_cast<int64_t>(max_t) + 1);
+  uint64_t* bits = table.bits.data();
+  int32_t* index = table.index.data();
+  auto clear = [&](int64_t upto) {
     for (int64_t k = 0; k < upto; ++k) {
-      if (tk[k] >= 0) {
-        tab[tk[k]] = -1;
+      const int32_t t = tk[k];
+      if (t >= 0) {
+        bits[t >> 6] &= ~(uint64_t{1} << (t & 63));
       }
     }
   };
@@ -256,22 +270,42 @@ RowError match_direct(
       hit[k] = kPadding;
       continue;
     }
-    if (tab[t] != -1) {
-      restore(k);
+    const uint64_t bit = uint64_t{1} << (t & 63);
+    if (bits[t >> 6] & bit) {
+      clear(k);
       return {ErrorCode::kDuplicateTopk, t, 0};
     }
-    tab[t] = static_cast<int32_t>(k);
+    bits[t >> 6] |= bit;
+    index[t] = static_cast<int32_t>(k);
     hit[k] = kMiss;
     ++n_valid;
   }
   RowError err;
   if (!reset && n_valid > 0) {
+    // branch-free: whether a resident is selected is data-dependent and unpredictable; non-selected
+    // residents write their slot into the sink entry hit[K]
     const int64_t limit = std::min<int64_t>(stable, static_cast<int64_t>(max_t) + 1);
+    const auto K32 = static_cast<int32_t>(K);
+    bool dup = false;
     for (int64_t s = 0; s < C; ++s) {
       const int32_t t = stt[s];
-      const bool eligible = t >= 0 && t < limit;
-      const int32_t k = tab[eligible ? t : spare];
-      if (k >= 0) {
+      const bool in = t >= 0 && t < limit;
+      const int32_t tt = in ? t : 0;
+      const bool selected = in && ((bits[tt >> 6] >> (tt & 63)) & 1);
+      const int32_t k = selected ? index[tt] : K32;
+      dup |= selected && hit[k] >= 0;
+      hit[k] = static_cast<int32_t>(s);
+    }
+    if (dup) {  // rare: find the first position held twice for the message
+      for (int64_t k = 0; k < K; ++k) {
+        hit[k] = tk[k] < 0 ? kPadding : kMiss;
+      }
+      for (int64_t s = 0; s < C; ++s) {
+        const int32_t t = stt[s];
+        if (t < 0 || t >= limit || !((bits[t >> 6] >> (t & 63)) & 1)) {
+          continue;
+        }
+        const int32_t k = index[t];
         if (hit[k] >= 0) {
           err = {ErrorCode::kDuplicateResident, t, 0};
           break;
@@ -280,7 +314,7 @@ RowError match_direct(
       }
     }
   }
-  restore(K);
+  clear(K);
   return err;
 }
 
@@ -320,7 +354,7 @@ RowError plan_row(const Views& v, int64_t r, TopkHash& hash, std::vector<uint8_t
     }
   }
   const int32_t* tk = v.topk + r * K;
-  int32_t* hit = v.hit + r * K;
+  int32_t* hit = v.hit + r * (K + 1);  // entry K: a sink for branch-free writes
   int32_t max_t = -1;
   for (int64_t k = 0; k < K; ++k) {
     max_t = std::max(max_t, tk[k]);
@@ -454,7 +488,7 @@ void apply_row(const Views& v, int64_t r, RowScratch& w) {
   int32_t* stt = v.stt + r * C;
   int32_t* order = v.lru + r * C;
   const int32_t* tk = v.topk + r * K;
-  const int32_t* hit = v.hit + r * K;
+  const int32_t* hit = v.hit + r * (K + 1);
   int32_t* slots = v.slots + r * K;
   int32_t* mt = v.miss_tokens + r * K;
   int32_t* ms = v.miss_slots + r * K;
@@ -579,7 +613,7 @@ void run_residency(const char* op, Views& v) {
   if (v.R == 0) {
     return;
   }
-  at::Tensor hit_buf = at::empty({v.R, std::max<int64_t>(v.K, 1)}, at::kInt);
+  at::Tensor hit_buf = at::empty({v.R, v.K + 1}, at::kInt);
   v.hit = hit_buf.data_ptr<int32_t>();
   std::vector<RowError> errors(static_cast<size_t>(v.R));
   // rows per task: enough slot work that a task outweighs waking a thread

@@ -506,9 +506,12 @@ def lightning_indexer_manage(
     out : ResidencyOutputs
         residency outputs (mutated).
 
-    The C++ CPU kernel computes the indexer scores once (through the dispatcher), selects the top-k and
-    runs the residency routine directly on them, without materialising an intermediate op call or a
-    second validation pass over the top-k; every argument is validated before anything is written.
+    What is fused (C++ CPU kernel): with ``"lru"`` it calls ``kvoffload::lightning_indexer`` through the
+    dispatcher and runs the residency routine directly on its output; with ``"score"`` it calls
+    ``kvoffload::lightning_indexer_scores`` once, selects the top-k from those scores itself (same order as
+    the indexer: score descending, ties by lower position, invisible positions ``-1``) and evicts by the
+    same scores — one indexer pass instead of two, no intermediate op dispatch. Every argument is
+    validated before anything is written; on error the state and outputs are untouched.
     """
     _lim_op(
         q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k, slot_to_token, lru_order, row_request,

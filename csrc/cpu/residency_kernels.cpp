@@ -282,8 +282,9 @@ RowError match_direct(
   }
   RowError err;
   if (!reset && n_valid > 0) {
-    // branch-free: whether a resident is selected is data-dependent and unpredictable; non-selected
-    // residents write their slot into the sink entry hit[K]
+    // the bitmap test filters residents before the (cache-missing) position-table load; every resident
+    // writes its slot, the unselected ones into the sink entry hit[K], and duplicates are only flagged
+    // here and located by the slow pass below
     const int64_t limit = std::min<int64_t>(stable, static_cast<int64_t>(max_t) + 1);
     const auto K32 = static_cast<int32_t>(K);
     bool dup = false;

@@ -4,7 +4,7 @@ Importing this package defines every op (one module per op family) and then load
 whose ``TORCH_LIBRARY_IMPL`` blocks register the CPU kernels.
 """
 
-from torch_kvoffload.ops import copy, indexer, kvpp, layer_hooks, sparse_attention
+from torch_kvoffload.ops import copy, indexer, kvpp, layer_hooks, residency, sparse_attention
 from torch_kvoffload.ops._registry import (
     OpInfo,
     format_registered_ops,
@@ -22,6 +22,13 @@ from torch_kvoffload.ops.indexer import (
 )
 from torch_kvoffload.ops.kvpp import kvpp_prefetch_layer, kvpp_wait_layer
 from torch_kvoffload.ops.layer_hooks import layer_prefetch, layer_save, layer_wait
+from torch_kvoffload.ops.residency import (
+    ResidencyOutputs,
+    lightning_indexer_manage,
+    new_residency_outputs,
+    new_residency_state,
+    residency_update,
+)
 from torch_kvoffload.ops.sparse_attention import scatter_copy_sparse_mla_attention, sparse_mla_attention
 
 from torch_kvoffload._extension import load_extension as _load_extension  # isort: skip
@@ -30,6 +37,7 @@ _load_extension()
 
 __all__ = [
     "OpInfo",
+    "ResidencyOutputs",
     "copy",
     "copy_blocks",
     "copy_rows",
@@ -45,11 +53,16 @@ __all__ = [
     "layer_save",
     "layer_wait",
     "lightning_indexer",
+    "lightning_indexer_manage",
     "lightning_indexer_scores",
+    "new_residency_outputs",
+    "new_residency_state",
     "quant_lightning_indexer",
     "reference_kernel",
     "register_device_kernel",
     "registered_ops",
+    "residency",
+    "residency_update",
     "scatter_copy_sparse_mla_attention",
     "sparse_attention",
     "sparse_mla_attention",

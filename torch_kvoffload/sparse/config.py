@@ -1,0 +1,127 @@
+"""Configuration of sparse decode offload (DESIGN §7) and its control-plane port rule."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from torch_kvoffload.config import ConfigModel, parse_lax_bool
+
+__all__ = ["MAIN_KV_DTYPES", "SparseDecodeConfig", "control_plane_port"]
+
+# Plain floating main-KV dtypes accepted (aliases -> canonical name); anything else is rejected.
+MAIN_KV_DTYPES = {
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+}
+
+
+class SparseDecodeConfig(ConfigModel):
+    """Sparse decode offload: full main KV in a host pool, per-layer hot buffers on the device.
+
+    ``capacity`` is the hot-buffer rows per decode row and layer (default ``2 * top_k``); ``host_pool_blocks``
+    the number of ``block_size``-token blocks of the host pool (per layer); ``policy`` the residency
+    eviction policy (``"lru"`` or ``"score"``); ``indexer_dtype`` selects the floating (``"bf16"``: the
+    indexer cache's own floating dtype, bf16 in production) or the Hadamard + int8 (``"int8"``) indexer
+    path; ``fused`` uses the fused manage op and Copy-SFA (default) instead of separate ops.
+
+    Rejected at construction, each with its own ``ValueError``: ``capacity < top_k``; ``policy="score"``
+    with ``indexer_dtype="int8"`` (the int8 indexer returns no scores); a main KV dtype that
+    is not a plain floating type (packed / quantised main caches such as int8, fp8, C8, TQ4);
+    ``context_parallel_size > 1``; ``pipeline_parallel_size > 1``; ``hybrid_kv_layout``.
+    """
+
+    top_k: int = Field(gt=0)
+    capacity: int | None = Field(default=None, gt=0)
+    host_pool_blocks: int = Field(gt=0)
+    block_size: int = Field(default=128, gt=0)
+    policy: Literal["lru", "score"] = "lru"
+    indexer_dtype: Literal["bf16", "int8"] = "bf16"
+    kv_dtype: str = "bf16"
+    fused: bool = True
+    tensor_parallel_size: int = Field(default=1, gt=0)
+    data_parallel_size: int = Field(default=1, gt=0)
+    context_parallel_size: int = Field(default=1, gt=0)
+    pipeline_parallel_size: int = Field(default=1, gt=0)
+    hybrid_kv_layout: bool = False
+
+    @field_validator("fused", "hybrid_kv_layout", mode="before")
+    @classmethod
+    def _lax_bool(cls, value: Any, info: Any) -> bool:
+        return parse_lax_bool(info.field_name, value)
+
+    @field_validator("kv_dtype", mode="before")
+    @classmethod
+    def _main_kv_dtype(cls, value: Any) -> str:
+        name = str(value).lower().removeprefix("torch.")
+        if name not in MAIN_KV_DTYPES:
+            raise ValueError(
+                f"sparse decode offload: main KV dtype {value!r} is not supported; the main (latent) KV "
+                f"must be a plain floating dtype ({', '.join(sorted(set(MAIN_KV_DTYPES.values())))}); "
+                "packed / quantised main caches (int8, fp8, C8, TQ4, ...) are rejected"
+            )
+        return MAIN_KV_DTYPES[name]
+
+    @model_validator(mode="after")
+    def _check(self) -> SparseDecodeConfig:
+        if self.capacity is None:
+            object.__setattr__(self, "capacity", 2 * self.top_k)
+        assert self.capacity is not None
+        if self.capacity < self.top_k:
+            raise ValueError(
+                f"sparse decode offload: hot-buffer capacity {self.capacity} is smaller than top_k "
+                f"{self.top_k}; every selected row must fit (capacity >= top_k, default 2 * top_k)"
+            )
+        if self.policy == "score" and self.indexer_dtype == "int8":
+            raise ValueError(
+                "sparse decode offload: policy 'score' evicts by the indexer's scores, which the int8 indexer "
+                "path (quant_lightning_indexer) does not return; use policy 'lru' with indexer_dtype 'int8'"
+            )
+        if self.context_parallel_size > 1:
+            raise ValueError(
+                f"sparse decode offload does not support context parallelism "
+                f"(context_parallel_size={self.context_parallel_size}); use 1"
+            )
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"sparse decode offload does not support pipeline parallelism "
+                f"(pipeline_parallel_size={self.pipeline_parallel_size}); use 1"
+            )
+        if self.hybrid_kv_layout:
+            raise ValueError(
+                "sparse decode offload does not support hybrid KV cache layouts (hybrid_kv_layout=True)"
+            )
+        return self
+
+    @property
+    def hot_capacity(self) -> int:
+        """``capacity`` with its default applied."""
+        assert self.capacity is not None
+        return self.capacity
+
+    def port(self, kv_port: int, dp_rank: int, tp_rank: int) -> int:
+        """This rank's control-plane endpoint port (see :func:`control_plane_port`)."""
+        if not 0 <= dp_rank < self.data_parallel_size:
+            raise ValueError(f"dp_rank {dp_rank} out of range [0, {self.data_parallel_size})")
+        return control_plane_port(kv_port, dp_rank, self.tensor_parallel_size, tp_rank)
+
+
+def control_plane_port(kv_port: int, dp_rank: int, d_tp_size: int, tp_rank: int) -> int:
+    """``kv_port + dp_rank * d_tp_size + tp_rank``: DP and TP endpoints of the decode side never overlap."""
+    if d_tp_size <= 0:
+        raise ValueError(f"control_plane_port: d_tp_size must be positive, got {d_tp_size}")
+    if not 0 <= tp_rank < d_tp_size:
+        raise ValueError(f"control_plane_port: tp_rank {tp_rank} out of range [0, {d_tp_size})")
+    if dp_rank < 0:
+        raise ValueError(f"control_plane_port: dp_rank must be >= 0, got {dp_rank}")
+    port = kv_port + dp_rank * d_tp_size + tp_rank
+    if not 0 < port < 65536:
+        raise ValueError(f"control_plane_port: port {port} out of range (1..65535)")
+    return port

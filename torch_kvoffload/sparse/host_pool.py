@@ -1,0 +1,292 @@
+"""``HostKVPool``: the complete main (MLA latent) KV of every request, paged, in host memory.
+
+Per layer two paged tensors: ``kv_c [num_blocks, block_size, kv_lora_rank]`` and ``k_pe [num_blocks,
+block_size, rope_dim]``. A request's logical position ``p`` lives at row ``slot = block_table[p //
+block_size] * block_size + p % block_size`` of every layer.
+
+Sharing across the TP ranks of one host (DESIGN §7): TP rank 0 creates the pool with ``shared=True`` —
+its memory is a file under ``/dev/shm`` mapped ``MAP_SHARED`` — and is the only writer; the other ranks
+:meth:`HostKVPool.attach` by name and read the same bytes. Block allocation is deterministic (the lowest
+free block first), so ranks replaying the same ``allocate`` / ``free`` sequence (the same scheduler output)
+hold identical block tables without exchanging them. With an accelerator, private pools are pinned
+(``device.empty_host``) and shared ones are page-locked with ``cudaHostRegister`` on CUDA when possible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import json
+import logging
+import math
+import os
+import uuid
+from collections.abc import Sequence
+
+import torch
+
+from torch_kvoffload import device as kv_device
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HostKVPool"]
+
+_HEADER_BYTES = 4096
+_ALIGN = 4096
+_SHM_DIR = "/dev/shm"
+_MAGIC = "torch_kvoffload.HostKVPool.v1"
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"HostKVPool: unknown dtype {name!r} in the shared pool header")
+    return dtype
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class HostKVPool:
+    """Paged host storage of the latent ``kv_c`` and rotary ``k_pe`` rows of ``num_layers`` layers.
+
+    Use :meth:`create` (the owner, TP rank 0) or :meth:`attach` (the other ranks of the host).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_lora_rank: int,
+        rope_dim: int,
+        dtype: torch.dtype,
+        storage: torch.Tensor,
+        name: str | None,
+        owner: bool,
+    ) -> None:
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.kv_lora_rank, self.rope_dim, self.dtype = kv_lora_rank, rope_dim, dtype
+        self.name, self.owner = name, owner
+        self._storage = storage  # uint8, keeps the mapping alive
+        esz = torch.empty((), dtype=dtype).element_size()
+        off = _HEADER_BYTES if name is not None else 0
+        kv_bytes = num_layers * num_blocks * block_size * kv_lora_rank * esz
+        pe_bytes = num_layers * num_blocks * block_size * rope_dim * esz
+        self._kv_c = (
+            storage[off : off + kv_bytes].view(dtype).view(num_layers, num_blocks, block_size, kv_lora_rank)
+        )
+        off = off + _align(kv_bytes)
+        self._k_pe = (
+            storage[off : off + pe_bytes].view(dtype).view(num_layers, num_blocks, block_size, rope_dim)
+        )
+        self._free: list[int] = list(range(num_blocks))
+        heapq.heapify(self._free)
+        self._tables: dict[int, list[int]] = {}
+        self._registered_ptr: int | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------ creation
+    @staticmethod
+    def nbytes_for(num_layers: int, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int,
+                   dtype: torch.dtype) -> int:  # fmt: skip
+        """Bytes of row storage (both components, all layers)."""
+        esz = torch.empty((), dtype=dtype).element_size()
+        return num_layers * num_blocks * block_size * (kv_lora_rank + rope_dim) * esz
+
+    @classmethod
+    def create(
+        cls,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_lora_rank: int,
+        rope_dim: int,
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        shared: bool = False,
+        name: str | None = None,
+    ) -> HostKVPool:
+        """Allocate a pool; ``shared=True`` backs it by ``/dev/shm/<name>`` for :meth:`attach`."""
+        for arg, v in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
+                       ("kv_lora_rank", kv_lora_rank), ("rope_dim", rope_dim)):  # fmt: skip
+            if v <= 0:
+                raise ValueError(f"HostKVPool.create: {arg} must be positive, got {v}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"HostKVPool.create: the main KV must be a floating dtype, got {dtype}")
+        esz = torch.empty((), dtype=dtype).element_size()
+        kv_bytes = num_layers * num_blocks * block_size * kv_lora_rank * esz
+        pe_bytes = num_layers * num_blocks * block_size * rope_dim * esz
+        if not shared:
+            storage = kv_device.empty_host((_align(kv_bytes) + pe_bytes,), torch.uint8)
+            return cls(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
+                       kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, dtype=dtype, storage=storage,
+                       name=None, owner=True)  # fmt: skip
+        name = name or f"kvoffload-pool-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        if "/" in name:
+            raise ValueError(f"HostKVPool.create: name must not contain '/', got {name!r}")
+        path = os.path.join(_SHM_DIR, name)
+        total = _HEADER_BYTES + _align(kv_bytes) + pe_bytes
+        header = json.dumps(
+            {"magic": _MAGIC, "num_layers": num_layers, "num_blocks": num_blocks, "block_size": block_size,
+             "kv_lora_rank": kv_lora_rank, "rope_dim": rope_dim, "dtype": str(dtype), "total": total}
+        ).encode()  # fmt: skip
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, total)
+            os.pwrite(fd, header.ljust(_HEADER_BYTES, b"\0"), 0)
+        finally:
+            os.close(fd)
+        try:
+            storage = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+        except BaseException:
+            os.unlink(path)
+            raise
+        pool = cls(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
+                   kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, dtype=dtype, storage=storage, name=name,
+                   owner=True)  # fmt: skip
+        pool._register_pinned()
+        logger.info("HostKVPool %s: %.1f MiB shared host pool", name, total / 2**20)
+        return pool
+
+    @classmethod
+    def attach(cls, name: str) -> HostKVPool:
+        """Map the shared pool ``name`` created by another process of this host (read its rows)."""
+        path = os.path.join(_SHM_DIR, name)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(_HEADER_BYTES)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"HostKVPool.attach: no shared pool named {name!r} ({path})") from None
+        try:
+            meta = json.loads(raw.rstrip(b"\0").decode())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            meta = {}
+        if meta.get("magic") != _MAGIC:
+            raise ValueError(f"HostKVPool.attach: {path} is not a HostKVPool")
+        storage = torch.from_file(path, shared=True, size=meta["total"], dtype=torch.uint8)
+        pool = cls(num_layers=meta["num_layers"], num_blocks=meta["num_blocks"], block_size=meta["block_size"],
+                   kv_lora_rank=meta["kv_lora_rank"], rope_dim=meta["rope_dim"],
+                   dtype=_dtype_from_name(meta["dtype"]), storage=storage, name=name, owner=False)  # fmt: skip
+        pool._register_pinned()
+        return pool
+
+    def _register_pinned(self) -> None:
+        if kv_device.accelerator_type() != "cuda":
+            return
+        try:
+            ptr, size = self._storage.data_ptr(), self._storage.numel()
+            rc = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+            if int(rc) == 0:
+                self._registered_ptr = ptr
+            else:
+                logger.warning(
+                    "HostKVPool %s: cudaHostRegister failed (%s); transfers are not async", self.name, rc
+                )
+        except (RuntimeError, AttributeError) as exc:
+            logger.warning("HostKVPool %s: cannot page-lock the shared pool: %s", self.name, exc)
+
+    def close(self) -> None:
+        """Release the pool; the owner of a shared pool also removes its ``/dev/shm`` file. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._registered_ptr is not None:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)
+            except (RuntimeError, AttributeError) as exc:
+                logger.debug("cudaHostUnregister failed: %s", exc)
+        if self.name is not None and self.owner:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(_SHM_DIR, self.name))
+
+    def __enter__(self) -> HostKVPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    # -------------------------------------------------------------------------------------- storage
+    def kv_c(self, layer: int) -> torch.Tensor:
+        """``[num_blocks, block_size, kv_lora_rank]`` view of layer ``layer``."""
+        return self._kv_c[layer]
+
+    def k_pe(self, layer: int) -> torch.Tensor:
+        """``[num_blocks, block_size, rope_dim]`` view of layer ``layer``."""
+        return self._k_pe[layer]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token row of one layer (``kv_c`` + ``k_pe``)."""
+        return (self.kv_lora_rank + self.rope_dim) * self._kv_c.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_layers * self.num_blocks * self.block_size * self.row_bytes
+
+    # ---------------------------------------------------------------------------------- allocation
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_of(self, request_id: int) -> list[int]:
+        return list(self._tables.get(request_id, ()))
+
+    def allocate(self, request_id: int, num_tokens: int) -> list[int]:
+        """Make room for positions ``0..num_tokens-1`` of ``request_id``; return its blocks.
+
+        Raises ``RuntimeError`` (nothing allocated) when the pool has too few free blocks.
+        """
+        if request_id < 0:
+            raise ValueError(f"HostKVPool.allocate: request_id must be >= 0, got {request_id}")
+        table = self._tables.setdefault(request_id, [])
+        need = math.ceil(num_tokens / self.block_size) - len(table)
+        if need > len(self._free):
+            if not table:
+                del self._tables[request_id]
+            raise RuntimeError(
+                f"HostKVPool.allocate: request {request_id} needs {need} more blocks for {num_tokens} tokens, "
+                f"only {len(self._free)} of {self.num_blocks} are free"
+            )
+        for _ in range(max(0, need)):
+            table.append(heapq.heappop(self._free))
+        return list(table)
+
+    def free(self, request_id: int) -> None:
+        """Return every block of ``request_id`` to the pool (unknown ids are ignored)."""
+        for b in self._tables.pop(request_id, ()):
+            heapq.heappush(self._free, b)
+
+    def block_table(self, request_ids: Sequence[int], max_blocks: int | None = None) -> torch.Tensor:
+        """``int32 [len(request_ids), max_blocks]`` block tables (unused entries and ``-1`` rows: 0)."""
+        tables = [self._tables.get(r, []) if r >= 0 else [] for r in request_ids]
+        width = max_blocks if max_blocks is not None else max([len(t) for t in tables] + [1])
+        out = torch.zeros(len(tables), width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            if len(t) > width:
+                raise ValueError(
+                    f"HostKVPool.block_table: request {request_ids[i]} has {len(t)} blocks > {width}"
+                )
+            out[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        return out
+
+    def slots(self, request_id: int, positions: torch.Tensor) -> torch.Tensor:
+        """``int64`` pool rows of ``positions`` of ``request_id`` (they must be allocated)."""
+        table = self._tables.get(request_id)
+        pos = positions.to(torch.int64)
+        if pos.numel() == 0:
+            return pos
+        limit = len(table or ()) * self.block_size
+        if int(pos.min()) < 0 or int(pos.max()) >= limit:
+            raise IndexError(
+                f"HostKVPool.slots: positions of request {request_id} must lie in [0, {limit}), "
+                f"got [{int(pos.min())}, {int(pos.max())}]"
+            )
+        blocks = torch.tensor(table, dtype=torch.int64)[pos // self.block_size]
+        return blocks * self.block_size + pos % self.block_size

@@ -1,0 +1,100 @@
+"""``ResidencyTable``: one layer's hot-buffer residency state and its update (kvoffload::residency_update)."""
+
+from __future__ import annotations
+
+import torch
+
+from torch_kvoffload.counters import Counters
+from torch_kvoffload.ops.residency import (
+    POLICIES,
+    ResidencyOutputs,
+    new_residency_outputs,
+    new_residency_state,
+    residency_update,
+)
+
+__all__ = ["ResidencyTable"]
+
+
+class ResidencyTable:
+    """Residency of ``num_rows`` decode rows in hot buffers of ``capacity`` slots each (one layer).
+
+    State tensors (``int32 slot_to_token [R, C]``, ``int32 lru_order [R, C]``, ``int64 row_request [R]``)
+    live on ``device``; :meth:`update` runs ``kvoffload::residency_update`` (the C++ kernel on CPU) and
+    returns the step's :class:`~torch_kvoffload.ops.residency.ResidencyOutputs`. Counters: ``hits``,
+    ``misses``, ``evictions``, ``updates``.
+
+    >>> table = ResidencyTable(num_rows=2, capacity=8, top_k=4)
+    >>> res = table.update(torch.tensor([[0, 1, 2, -1], [5, 6, 7, 8]], dtype=torch.int32),
+    ...                    torch.tensor([1, 2]), torch.tensor([100, 100]))
+    >>> res.miss_count.tolist()
+    [3, 4]
+    """
+
+    def __init__(
+        self,
+        num_rows: int,
+        capacity: int,
+        top_k: int,
+        policy: str = "lru",
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"ResidencyTable: policy must be one of {list(POLICIES)}, got {policy!r}")
+        if num_rows < 0 or top_k < 0:
+            raise ValueError(f"ResidencyTable: num_rows and top_k must be >= 0, got {num_rows}, {top_k}")
+        if capacity < top_k:
+            raise ValueError(f"ResidencyTable: capacity {capacity} must be >= top_k {top_k}")
+        self.num_rows, self.capacity, self.top_k, self.policy = num_rows, capacity, top_k, policy
+        self.device = torch.device(device)
+        self.slot_to_token, self.lru_order, self.row_request = new_residency_state(
+            num_rows, capacity, self.device
+        )
+        self.counters = Counters(["hits", "misses", "evictions", "updates"])
+
+    @property
+    def state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.slot_to_token, self.lru_order, self.row_request
+
+    def new_outputs(self) -> ResidencyOutputs:
+        return new_residency_outputs(self.num_rows, self.top_k, self.device)
+
+    def update(
+        self,
+        topk: torch.Tensor,
+        request_ids: torch.Tensor,
+        stable_len: torch.Tensor,
+        scores: torch.Tensor | None = None,
+        out: ResidencyOutputs | None = None,
+    ) -> ResidencyOutputs:
+        """Apply one step's ``int32 topk [R, K]`` (``K == top_k``); see ``residency_update`` for semantics.
+
+        ``request_ids``, ``stable_len``: ``int64 [R]``; ``scores``: ``float32 [R, L]`` (``"score"`` policy).
+        """
+        if topk.dim() != 2 or topk.shape[1] != self.top_k:
+            raise ValueError(
+                f"ResidencyTable.update: 'topk' must have shape [R, {self.top_k}], got {list(topk.shape)}"
+            )
+        out = out if out is not None else self.new_outputs()
+        residency_update(
+            self.slot_to_token, self.lru_order, self.row_request, topk, request_ids, stable_len,
+            scores, self.policy, out,
+        )  # fmt: skip
+        self.record(topk, out)
+        return out
+
+    def record(self, topk: torch.Tensor, out: ResidencyOutputs) -> None:
+        """Add a step's hits / misses / evictions to the counters (also used after the fused op)."""
+        misses = int(out.miss_count.sum())
+        valid = int((topk >= 0).sum())
+        self.counters.add("hits", valid - misses)
+        self.counters.add("misses", misses)
+        self.counters.add("evictions", int(out.evictions.sum()))
+        self.counters.add("updates")
+
+    def reset(self) -> None:
+        """Forget every row (all slots empty, identity order, no request)."""
+        stt, lru, req = new_residency_state(self.num_rows, self.capacity, self.device)
+        self.slot_to_token.copy_(stt)
+        self.lru_order.copy_(lru)
+        self.row_request.copy_(req)

@@ -323,3 +323,17 @@ def test_registry_lists_cpp_and_reference_kernels() -> None:
         assert {"CPU", "Meta", "CompositeExplicitAutograd"} <= set(infos[name].kernels)
         assert infos[name].schema.startswith("(Tensor src, Tensor(a!) dst")
     assert "kvoffload::copy_rows" in ops.format_registered_ops()
+
+
+@pytest.mark.parametrize("offset_elems", [0, 4, 1], ids=["aligned32", "aligned16", "unaligned"])
+def test_large_copy_rows_streaming_paths(offset_elems: int) -> None:
+    """Copies over 8 MiB use streaming stores when destination rows are 32- or 16-byte aligned."""
+    src = torch.randn(256, 128, 64)  # 8 MiB of fp32 rows of 256 bytes
+    n = src.shape[0] * src.shape[1]
+    flat = torch.zeros(n * 64 + offset_elems)
+    dst = flat[offset_elems:].view(256, 128, 64)
+    s = torch.randperm(n)
+    d = torch.randperm(n)
+    copy_rows(src, dst, s, d)
+    assert torch.equal(dst.view(n, 64)[d], src.view(n, 64)[s])
+    assert not flat[:offset_elems].any()

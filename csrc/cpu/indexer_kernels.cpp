@@ -8,6 +8,7 @@
 // loops are compiled twice (x86-64-v3 (AVX2, FMA) and baseline x86-64) and picked at load time.
 
 #include "common.h"
+#include "cpu/vec.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -25,72 +26,15 @@
 #include <numeric>
 #include <vector>
 
-// The vector helpers are always inlined, so the ABI note about AVX vector arguments does not apply.
-#pragma GCC diagnostic ignored "-Wpsabi"
-
 namespace kvoffload {
 
 namespace {
 
-typedef float f8 __attribute__((vector_size(32)));
+using namespace vec;  // the kernels are written in its vocabulary
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Score rows buffered for top-k at once: bounds the scratch to 64 MiB whatever T and the context are.
 constexpr int64_t kScoreBufferFloats = int64_t{1} << 24;
-
-inline __attribute__((always_inline)) f8 load8(const float* p) {
-  f8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline __attribute__((always_inline)) float hsum(f8 v) {
-  const float a = (v[0] + v[4]) + (v[1] + v[5]);
-  const float b = (v[2] + v[6]) + (v[3] + v[7]);
-  return a + b;
-}
-
-template <typename T>
-inline __attribute__((always_inline)) void to_float(const T* src, float* dst, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(dst, src, n * sizeof(float));
-  } else {
-    const auto* s = reinterpret_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t bits = static_cast<uint32_t>(s[i]) << 16;
-      std::memcpy(dst + i, &bits, sizeof(float));
-    }
-  }
-}
-
-// out[g * os + j] = q[g] . k[j] over [0, D) for GH heads and NK keys.
-template <int GH, int NK>
-inline __attribute__((always_inline)) void dot_tile(
-    const float* q, int64_t qs, const float* k, int64_t ks, int64_t D, float* out, int64_t os) {
-  f8 acc[GH][NK] = {};
-  int64_t d = 0;
-  for (; d + 8 <= D; d += 8) {
-    f8 kv[NK];
-    for (int j = 0; j < NK; ++j) {
-      kv[j] = load8(k + j * ks + d);
-    }
-    for (int g = 0; g < GH; ++g) {
-      const f8 qv = load8(q + g * qs + d);
-      for (int j = 0; j < NK; ++j) {
-        acc[g][j] += qv * kv[j];
-      }
-    }
-  }
-  for (int g = 0; g < GH; ++g) {
-    for (int j = 0; j < NK; ++j) {
-      float s = hsum(acc[g][j]);
-      for (int64_t e = d; e < D; ++e) {
-        s += q[g * qs + e] * k[j * ks + e];
-      }
-      out[g * os + j] = s;
-    }
-  }
-}
 
 // ---------------------------------------------------------------------------------- request layout
 

@@ -9,6 +9,7 @@
 // load time.
 
 #include "common.h"
+#include "cpu/vec.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -25,40 +26,14 @@
 #include <unordered_set>
 #include <vector>
 
-// The vector helpers are always inlined, so the ABI note about AVX vector arguments does not apply.
-#pragma GCC diagnostic ignored "-Wpsabi"
-
 namespace kvoffload {
 
 namespace {
 
-// ---------------------------------------------------------------------------------------- vector helpers
-
-typedef float f8 __attribute__((vector_size(32)));
-typedef int32_t i8v __attribute__((vector_size(32)));
+using namespace vec;  // the kernels are written in its vocabulary
 
 // Rows converted to fp32 per chunk: 32 x 576 floats = 72 KiB stays in L2 between the two products.
 constexpr int64_t kChunk = 32;
-
-inline __attribute__((always_inline)) f8 load8(const float* p) {
-  f8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline __attribute__((always_inline)) void store8(float* p, f8 v) {
-  std::memcpy(p, &v, sizeof(v));
-}
-
-inline __attribute__((always_inline)) f8 splat(float x) {
-  return f8{x, x, x, x, x, x, x, x};
-}
-
-inline __attribute__((always_inline)) float hsum(f8 v) {
-  const float a = (v[0] + v[4]) + (v[1] + v[5]);
-  const float b = (v[2] + v[6]) + (v[3] + v[7]);
-  return a + b;
-}
 
 // exp(x) for x <= 0 (scores minus their maximum): range reduction x = n ln2 + r, |r| <= ln2/2, then a
 // degree-6 Taylor polynomial (relative error < 2e-7). Inputs below -87 give ~1e-38 instead of a smaller
@@ -82,48 +57,6 @@ inline __attribute__((always_inline)) f8 exp8(f8 x) {
   f8 two_n;
   std::memcpy(&two_n, &e, sizeof(e));
   return p * two_n;
-}
-
-template <typename T>
-inline __attribute__((always_inline)) void to_float(const T* src, float* dst, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(dst, src, n * sizeof(float));
-  } else {
-    const auto* s = reinterpret_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t bits = static_cast<uint32_t>(s[i]) << 16;
-      std::memcpy(dst + i, &bits, sizeof(float));
-    }
-  }
-}
-
-// out[g * os + j] = q[g] . k[j] over d in [0, D) for GH heads and NK rows.
-template <int GH, int NK>
-inline __attribute__((always_inline)) void dot_tile(
-    const float* q, int64_t qs, const float* k, int64_t ks, int64_t D, float* out, int64_t os) {
-  f8 acc[GH][NK] = {};
-  int64_t d = 0;
-  for (; d + 8 <= D; d += 8) {
-    f8 kv[NK];
-    for (int j = 0; j < NK; ++j) {
-      kv[j] = load8(k + j * ks + d);
-    }
-    for (int g = 0; g < GH; ++g) {
-      const f8 qv = load8(q + g * qs + d);
-      for (int j = 0; j < NK; ++j) {
-        acc[g][j] += qv * kv[j];
-      }
-    }
-  }
-  for (int g = 0; g < GH; ++g) {
-    for (int j = 0; j < NK; ++j) {
-      float s = hsum(acc[g][j]);
-      for (int64_t e = d; e < D; ++e) {
-        s += q[g * qs + e] * k[j * ks + e];
-      }
-      out[g * os + j] = s;
-    }
-  }
 }
 
 // s[g * ss + j] = q[g] . rows[j] for g < G, j < n (rows contiguous with stride D).

@@ -23,7 +23,7 @@ namespace {
 constexpr int64_t kBytesPerTask = 1 << 18;
 // Rows prefetched ahead of the one being copied. Random rows of a large pool miss in cache and TLB;
 // touching the next rows early keeps several memory requests in flight instead of one.
-constexpr int64_t kPrefetchRows = 8;
+constexpr int64_t kPrefetchRows = 4;
 constexpr int64_t kCacheLine = 64;
 
 inline void prefetch_range(const char* p, int64_t bytes) {

@@ -4,6 +4,7 @@
 
 #include <Python.h>
 
+#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
@@ -16,6 +17,11 @@
 #else
 #define KVO_TARGET_CLONES
 #endif
+
+// Dispatches a kernel body written in terms of scalar_t over the two main-KV dtypes, fp32 and bf16.
+#define KVO_DISPATCH_FLOAT_BF16(TYPE, NAME, ...) \
+  AT_DISPATCH_SWITCH(                            \
+      TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
 namespace kvoffload {
 

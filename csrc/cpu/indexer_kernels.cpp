@@ -145,21 +145,7 @@ KVO_TARGET_CLONES void score_block_float(
   }
   const float* k = kbuf.data();
   float* lg = logits.data();
-  int64_t h = 0;
-  for (; h + 4 <= H; h += 4) {
-    int64_t j = 0;
-    for (; j + 2 <= n; j += 2) {
-      dot_tile<4, 2>(qf + h * D, D, k + j * D, D, D, lg + h * n + j, n);
-    }
-    for (; j < n; ++j) {
-      dot_tile<4, 1>(qf + h * D, D, k + j * D, D, D, lg + h * n + j, n);
-    }
-  }
-  for (; h < H; ++h) {
-    for (int64_t j = 0; j < n; ++j) {
-      dot_tile<1, 1>(qf + h * D, D, k + j * D, D, D, lg + h * n + j, n);
-    }
-  }
+  dot_block(qf, H, k, n, D, lg, n);
   for (int64_t j = 0; j < n; ++j) {
     out[j] = 0.0f;
   }
@@ -190,21 +176,7 @@ KVO_TARGET_CLONES void score_block_int8(
       }
     }
     const float* k = kbuf.data();
-    int64_t h = 0;
-    for (; h + 4 <= H; h += 4) {
-      int64_t j = 0;
-      for (; j + 2 <= n; j += 2) {
-        dot_tile<4, 2>(qf + h * D, D, k + j * D, D, D, lg + h * n + j, n);
-      }
-      for (; j < n; ++j) {
-        dot_tile<4, 1>(qf + h * D, D, k + j * D, D, D, lg + h * n + j, n);
-      }
-    }
-    for (; h < H; ++h) {
-      for (int64_t j = 0; j < n; ++j) {
-        dot_tile<1, 1>(qf + h * D, D, k + j * D, D, D, lg + h * n + j, n);
-      }
-    }
+    dot_block(qf, H, k, n, D, lg, n);
   } else {
     for (int64_t h = 0; h < H; ++h) {
       for (int64_t j = 0; j < n; ++j) {

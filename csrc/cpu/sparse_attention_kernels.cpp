@@ -59,30 +59,6 @@ inline __attribute__((always_inline)) f8 exp8(f8 x) {
   return p * two_n;
 }
 
-// s[g * ss + j] = q[g] . rows[j] for g < G, j < n (rows contiguous with stride D).
-inline __attribute__((always_inline)) void dot_block(
-    const float* q, int64_t G, const float* rows, int64_t n, int64_t D, float* s, int64_t ss) {
-  int64_t g = 0;
-  for (; g + 4 <= G; g += 4) {
-    int64_t j = 0;
-    for (; j + 2 <= n; j += 2) {
-      dot_tile<4, 2>(q + g * D, D, rows + j * D, D, D, s + g * ss + j, ss);
-    }
-    for (; j < n; ++j) {
-      dot_tile<4, 1>(q + g * D, D, rows + j * D, D, D, s + g * ss + j, ss);
-    }
-  }
-  for (; g < G; ++g) {
-    int64_t j = 0;
-    for (; j + 2 <= n; j += 2) {
-      dot_tile<1, 2>(q + g * D, D, rows + j * D, D, D, s + g * ss + j, ss);
-    }
-    for (; j < n; ++j) {
-      dot_tile<1, 1>(q + g * D, D, rows + j * D, D, D, s + g * ss + j, ss);
-    }
-  }
-}
-
 // acc[g][d0 .. d0+16) += sum_j p[g * ps + j] * v[j * vs + d0 ..] for GH heads.
 template <int GH>
 inline __attribute__((always_inline)) void pv_tile(
@@ -392,23 +368,14 @@ std::tuple<at::Tensor, at::Tensor> sparse_mla_attention_cpu(
 
   GilRelease no_gil;
   const int32_t* ip = idx.const_data_ptr<int32_t>();
-  AT_DISPATCH_SWITCH(q_nope.scalar_type(), "sparse_mla_attention",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      using T = float;
-      const T* c = kv_c.const_data_ptr<T>();
-      const T* p = k_pe.const_data_ptr<T>();
-      const int64_t cs = kv_c.stride(0), ps = k_pe.stride(0);
-      attend_all<T>(q_nope, q_pe, [&](int64_t t) { return RowSource<T>{c, cs, p, ps, ip + t * K, K}; },
-                    static_cast<float>(scale), out, lse);
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      using T = c10::BFloat16;
-      const T* c = kv_c.const_data_ptr<T>();
-      const T* p = k_pe.const_data_ptr<T>();
-      const int64_t cs = kv_c.stride(0), ps = k_pe.stride(0);
-      attend_all<T>(q_nope, q_pe, [&](int64_t t) { return RowSource<T>{c, cs, p, ps, ip + t * K, K}; },
-                    static_cast<float>(scale), out, lse);
-    }));
+  KVO_DISPATCH_FLOAT_BF16(q_nope.scalar_type(), "sparse_mla_attention", [&] {
+    const scalar_t* c = kv_c.const_data_ptr<scalar_t>();
+    const scalar_t* p = k_pe.const_data_ptr<scalar_t>();
+    const int64_t cs = kv_c.stride(0), ps = k_pe.stride(0);
+    attend_all<scalar_t>(
+        q_nope, q_pe, [&](int64_t t) { return RowSource<scalar_t>{c, cs, p, ps, ip + t * K, K}; },
+        static_cast<float>(scale), out, lse);
+  });
   return {out, lse};
 }
 
@@ -538,27 +505,16 @@ void scatter_copy_sparse_mla_attention_cpu(
     });
   }
   // Phase 2: attention over hot[r, slots[r]].
-  AT_DISPATCH_SWITCH(q_nope.scalar_type(), "scatter_copy_sparse_mla_attention",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      using T = float;
-      const T* c = hot_c.const_data_ptr<T>();
-      const T* p = hot_p.const_data_ptr<T>();
-      const int64_t c0 = hot_c.stride(0), c1 = hot_c.stride(1);
-      const int64_t p0 = hot_p.stride(0), p1 = hot_p.stride(1);
-      attend_all<T>(q_nope, q_pe,
-                    [&](int64_t r) { return RowSource<T>{c + r * c0, c1, p + r * p0, p1, sp + r * K, K}; },
-                    static_cast<float>(scale), o, l);
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      using T = c10::BFloat16;
-      const T* c = hot_c.const_data_ptr<T>();
-      const T* p = hot_p.const_data_ptr<T>();
-      const int64_t c0 = hot_c.stride(0), c1 = hot_c.stride(1);
-      const int64_t p0 = hot_p.stride(0), p1 = hot_p.stride(1);
-      attend_all<T>(q_nope, q_pe,
-                    [&](int64_t r) { return RowSource<T>{c + r * c0, c1, p + r * p0, p1, sp + r * K, K}; },
-                    static_cast<float>(scale), o, l);
-    }));
+  KVO_DISPATCH_FLOAT_BF16(q_nope.scalar_type(), "scatter_copy_sparse_mla_attention", [&] {
+    const scalar_t* c = hot_c.const_data_ptr<scalar_t>();
+    const scalar_t* p = hot_p.const_data_ptr<scalar_t>();
+    const int64_t c0 = hot_c.stride(0), c1 = hot_c.stride(1);
+    const int64_t p0 = hot_p.stride(0), p1 = hot_p.stride(1);
+    attend_all<scalar_t>(
+        q_nope, q_pe,
+        [&](int64_t r) { return RowSource<scalar_t>{c + r * c0, c1, p + r * p0, p1, sp + r * K, K}; },
+        static_cast<float>(scale), o, l);
+  });
   if (!hot_c.is_same(hot_kv_c)) {
     hot_kv_c.copy_(hot_c);
   }

@@ -78,4 +78,28 @@ inline __attribute__((always_inline)) void dot_tile(
   }
 }
 
+// s[g * ss + j] = q[g] . rows[j] for g < G, j < n (rows contiguous with stride D).
+inline __attribute__((always_inline)) void dot_block(
+    const float* q, int64_t G, const float* rows, int64_t n, int64_t D, float* s, int64_t ss) {
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) {
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+      dot_tile<4, 2>(q + g * D, D, rows + j * D, D, D, s + g * ss + j, ss);
+    }
+    for (; j < n; ++j) {
+      dot_tile<4, 1>(q + g * D, D, rows + j * D, D, D, s + g * ss + j, ss);
+    }
+  }
+  for (; g < G; ++g) {
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+      dot_tile<1, 2>(q + g * D, D, rows + j * D, D, D, s + g * ss + j, ss);
+    }
+    for (; j < n; ++j) {
+      dot_tile<1, 1>(q + g * D, D, rows + j * D, D, D, s + g * ss + j, ss);
+    }
+  }
+}
+
 }  // namespace kvoffload::vec

@@ -1,12 +1,23 @@
 // CPU kernels of the residency family: kvoffload::residency_update and kvoffload::lightning_indexer_manage.
 //
 // Two passes over the rows, both parallel. Pass 1 validates every row and finds its hits without writing
-// any argument (hits go to a scratch [R, K] array); an error is recorded per row and the one of the
-// lowest row is raised after the pass, so the state is untouched on error and the message deterministic.
-// Pass 2 rewrites the state and outputs. The token -> slot lookup is an open-addressing hash of the
-// row's top-k positions (2K..4K entries, cleared per row), so a row costs O(K + C) with no sort.
+// any argument (hits go to scratch: the top-k entry -> slot array [R, K + 1] and a bitmap of hit slots
+// [R, C bits]); an error is recorded per row and the one of the lowest row is raised after the pass, so
+// the state is untouched on error and the message deterministic. Pass 2 rewrites the state and outputs.
+// A row costs O(K + C) with no sort and no hashing: positions are looked up in a per-thread
+// direct-address table, and the loops have no data-dependent branches (hits and misses are about equally
+// likely, so branches would mispredict). On x86-64 the row functions are also compiled for AVX2, and the
+// resident matching uses gathers there. TORCH_KVOFFLOAD_RESIDENCY_SIMD=0 selects the portable code (the
+// tests run both).
 
 #include "common.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define KVO_RESIDENCY_AVX2 1
+#else
+#define KVO_RESIDENCY_AVX2 0
+#endif
 
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -16,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -216,111 +228,243 @@ struct Views {
   int32_t* miss_slots;
   int32_t* miss_count;
   int32_t* evictions;
-  int32_t* hit;  // scratch [R, K]
+  int32_t* hit;          // scratch [R, K + 1]: top-k entry -> slot, or kMiss / kPadding; entry K a sink
+  uint8_t* hit_bits;     // scratch [R, bits_stride]: bit s of a row set when slot s is a hit
+  int64_t bits_stride;   // bytes per row, a multiple of 4 (read as 32-bit words)
+  int64_t* row_counts;   // scratch [R, 2]: hits, misses
   Policy policy;
+  bool simd;
 };
 
-// Positions below this bound use a direct-address table (per thread, ~4 bytes per position) instead of
+// Positions below this bound use a direct-address table (per thread, 2 or 4 bytes per position) instead of
 // the hash; larger positions fall back to the hash.
 constexpr int32_t kDirectLimit = 1 << 21;
 
-// Per-thread direct-address lookup over positions: a bitmap of the row's top-k positions (8 KiB per 64k
-// positions, cache resident) in front of a position -> top-k index table that is read only where a bit is
-// set, so the table never needs clearing; a row clears exactly the bits it set.
-struct DirectTable {
-  std::vector<uint64_t> bits;  // all zero between rows
-  std::vector<int32_t> index;
-  void reserve(int64_t positions) {
-    const auto words = static_cast<size_t>((positions + 63) / 64);
-    if (bits.size() < words) {
-      bits.resize(words, 0);
-    }
-    if (index.size() < static_cast<size_t>(positions)) {
-      index.resize(static_cast<size_t>(positions));
-    }
-  }
-};
+// The row functions are inlined into two callers, a baseline one and (x86-64) an AVX2 one, so that the
+// loops the compiler vectorises use 256-bit vectors where the CPU has them.
+#define KVO_ALWAYS_INLINE inline __attribute__((always_inline))
 
-DirectTable& direct_table(int64_t positions) {
-  thread_local DirectTable table;
-  table.reserve(positions);
-  return table;
+// Per-thread direct-address table position -> top-k index. Every entry holds kNone between rows (a row
+// clears the entries it set, see TableEntries), so a lookup needs no validation. 16-bit entries while K
+// fits, halving the (L2-resident) table; two entries of slack for 4-byte gathers.
+template <typename Index>
+constexpr Index kNone = std::numeric_limits<Index>::max();
+
+template <typename Index>
+Index* direct_table(int64_t positions) {
+  thread_local std::vector<Index> table;
+  if (table.size() < static_cast<size_t>(positions + 2)) {
+    table.resize(static_cast<size_t>(positions + 2), kNone<Index>);
+  }
+  return table.data();
 }
 
-// Pass-1 matching through the direct-address table: O(K + C), no hashing, no sort.
-RowError match_direct(
-    const Views& v, int64_t r, bool reset, int64_t stable, int32_t max_t, const int32_t* tk, int32_t* hit) {
+// Sets table[position] = top-k index for a row's entries (padding entries write the sink entry) and
+// restores kNone when it goes out of scope, also when the row fails.
+template <typename Index>
+class TableEntries {
+ public:
+  TableEntries(Index* table, const int32_t* tk, int64_t K, int64_t sink)
+      : table_(table), tk_(tk), K_(K), sink_(sink) {}
+  TableEntries(const TableEntries&) = delete;
+  TableEntries& operator=(const TableEntries&) = delete;
+  ~TableEntries() {
+    for (int64_t k = 0; k < K_; ++k) {
+      const int32_t t = tk_[k];
+      table_[t < 0 ? sink_ : t] = kNone<Index>;
+    }
+  }
+  // Returns whether a position occurs twice.
+  bool fill(int32_t* hit, int64_t& n_valid) {
+    uint32_t dup = 0;
+    int64_t valid = 0;
+    for (int64_t k = 0; k < K_; ++k) {
+      const int32_t t = tk_[k];
+      const bool pad = t < 0;
+      const int64_t at = pad ? sink_ : t;
+      dup |= static_cast<uint32_t>(!pad) & static_cast<uint32_t>(table_[at] != kNone<Index>);
+      table_[at] = static_cast<Index>(k);
+      hit[k] = pad ? kPadding : kMiss;
+      valid += !pad;
+    }
+    n_valid = valid;
+    return dup != 0;
+  }
+
+ private:
+  Index* table_;
+  const int32_t* tk_;
+  int64_t K_, sink_;
+};
+
+bool simd_enabled() {
+#if KVO_RESIDENCY_AVX2
+  static const bool cpu = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
+  const char* env = std::getenv("TORCH_KVOFFLOAD_RESIDENCY_SIMD");
+  return cpu && !(env != nullptr && std::strcmp(env, "0") == 0);
+#else
+  return false;
+#endif
+}
+
+// Matches a row's residents against the top-k (portable loop): a resident slot s holding a visible
+// position t < limit that is in the top-k at entry k gets hit[k] = s and bit s; every other slot writes the
+// sink hit[K]. No data-dependent branch: a selected resident is about as likely as not. Returns the number
+// of selected residents. `from` is a multiple of 8.
+template <typename Index>
+KVO_ALWAYS_INLINE int64_t match_residents(
+    const int32_t* stt, int64_t C, uint32_t limit, const Index* index, int64_t K, int32_t* hit,
+    uint8_t* bits, int64_t from = 0) {
+  const auto uK = static_cast<uint32_t>(K);
+  int64_t n_selected = 0;
+  for (int64_t base = from; base < C; base += 8) {
+    const int64_t end = std::min<int64_t>(base + 8, C);
+    uint32_t byte = 0;
+    for (int64_t s = base; s < end; ++s) {
+      const int32_t t = stt[s];
+      const uint32_t in = static_cast<uint32_t>(t) < limit;
+      const uint32_t k = index[static_cast<uint32_t>(t) & (0u - in)];
+      const uint32_t sel = in & static_cast<uint32_t>(k != kNone<Index>);
+      hit[uK ^ ((k ^ uK) & (0u - sel))] = static_cast<int32_t>(s);
+      byte |= sel << (s - base);
+      n_selected += sel;
+    }
+    bits[base >> 3] = static_cast<uint8_t>(byte);
+  }
+  return n_selected;
+}
+
+// Partitions the LRU order into hit and non-hit slots, each keeping its order (portable loop).
+KVO_ALWAYS_INLINE void partition_order(
+    const int32_t* order, int64_t C, const uint8_t* bits, int32_t* hits, int32_t* nonhit, int64_t from = 0,
+    int64_t a = 0, int64_t b = 0) {
+  for (int64_t i = from; i < C; ++i) {
+    const int32_t s = order[i];
+    const int64_t h = (bits[s >> 3] >> (s & 7)) & 1;
+    hits[b] = s;
+    nonhit[a] = s;
+    b += h;
+    a += 1 - h;
+  }
+}
+
+#if KVO_RESIDENCY_AVX2
+// AVX2 version of match_residents, 8 slots per step: one gather of table entries replaces the dependent
+// loads, and the hit bitmap is the comparison mask itself.
+template <typename Index>
+__attribute__((target("avx2,popcnt"))) int64_t match_residents_avx2(
+    const int32_t* stt, int64_t C, uint32_t limit, const Index* index, int64_t K, int32_t* hit,
+    uint8_t* bits) {
+  static_assert(sizeof(Index) == 2 || sizeof(Index) == 4);
+  const __m256i v_limit = _mm256_set1_epi32(static_cast<int32_t>(limit));
+  const __m256i v_minus1 = _mm256_set1_epi32(-1);
+  const __m256i v_sink = _mm256_set1_epi32(static_cast<int32_t>(K));
+  const __m256i v_none = _mm256_set1_epi32(static_cast<int32_t>(kNone<Index>));
+  int64_t n_selected = 0;
+  int64_t s = 0;
+  for (; s + 8 <= C; s += 8) {
+    const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(stt + s));
+    const __m256i in = _mm256_and_si256(_mm256_cmpgt_epi32(t, v_minus1), _mm256_cmpgt_epi32(v_limit, t));
+    const __m256i tt = _mm256_and_si256(t, in);
+    __m256i k;
+    if constexpr (sizeof(Index) == 2) {
+      k = _mm256_and_si256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(index), tt, 2), v_none);
+    } else {
+      k = _mm256_i32gather_epi32(reinterpret_cast<const int*>(index), tt, 4);
+    }
+    const __m256i sel = _mm256_andnot_si256(_mm256_cmpeq_epi32(k, v_none), in);
+    const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(sel));
+    bits[s >> 3] = static_cast<uint8_t>(mask);
+    n_selected += _mm_popcnt_u32(static_cast<unsigned>(mask));
+    // every lane stores: the selected ones their entry, the others the sink
+    const __m256i d = _mm256_blendv_epi8(v_sink, k, sel);
+    const __m128i lo = _mm256_castsi256_si128(d), hi = _mm256_extracti128_si256(d, 1);
+    const auto d0 = static_cast<uint64_t>(_mm_cvtsi128_si64(lo));
+    const auto d1 = static_cast<uint64_t>(_mm_extract_epi64(lo, 1));
+    const auto d2 = static_cast<uint64_t>(_mm_cvtsi128_si64(hi));
+    const auto d3 = static_cast<uint64_t>(_mm_extract_epi64(hi, 1));
+    const auto s32 = static_cast<int32_t>(s);
+    hit[static_cast<uint32_t>(d0)] = s32;
+    hit[d0 >> 32] = s32 + 1;
+    hit[static_cast<uint32_t>(d1)] = s32 + 2;
+    hit[d1 >> 32] = s32 + 3;
+    hit[static_cast<uint32_t>(d2)] = s32 + 4;
+    hit[d2 >> 32] = s32 + 5;
+    hit[static_cast<uint32_t>(d3)] = s32 + 6;
+    hit[d3 >> 32] = s32 + 7;
+  }
+  return n_selected + match_residents(stt, C, limit, index, K, hit, bits, s);
+}
+
+#endif
+
+// The first top-k entry repeating an earlier one (error path only).
+int32_t first_duplicate(const int32_t* tk, int64_t K) {
+  for (int64_t k = 0; k < K; ++k) {
+    if (tk[k] >= 0 && std::find(tk, tk + k, tk[k]) != tk + k) {
+      return tk[k];
+    }
+  }
+  TORCH_INTERNAL_ASSERT(false, "residency: duplicate top-k entry not found");
+  return -1;
+}
+
+// Pass-1 matching through the direct-address table.
+template <typename Index>
+KVO_ALWAYS_INLINE RowError match_direct(
+    const Views& v, int64_t r, bool reset, int64_t stable, int32_t max_t, const int32_t* tk, int32_t* hit,
+    uint8_t* bits) {
   const int64_t C = v.C, K = v.K;
   const int32_t* stt = v.stt + r * C;
-  DirectTable& table = direct_table(static_cast<int64_t>(max_t) + 1);
-  uint64_t* bits = table.bits.data();
-  int32_t* index = table.index.data();
-  auto clear = [&](int64_t upto) {
-    for (int64_t k = 0; k < upto; ++k) {
-      const int32_t t = tk[k];
-      if (t >= 0) {
-        bits[t >> 6] &= ~(uint64_t{1} << (t & 63));
-      }
-    }
-  };
+  // entry max_t + 1 is the sink of the padding entries
+  const int64_t sink = static_cast<int64_t>(max_t) + 1;
+  Index* index = direct_table<Index>(sink + 1);
+  TableEntries<Index> entries(index, tk, K, sink);
   int64_t n_valid = 0;
+  if (entries.fill(hit, n_valid)) {
+    return {ErrorCode::kDuplicateTopk, first_duplicate(tk, K), 0};
+  }
+  v.row_counts[2 * r] = 0;
+  v.row_counts[2 * r + 1] = n_valid;
+  if (reset || n_valid == 0) {
+    return {};
+  }
+  const auto limit = static_cast<uint32_t>(std::min<int64_t>(stable, sink));
+#if KVO_RESIDENCY_AVX2
+  const int64_t n_selected = v.simd ? match_residents_avx2(stt, C, limit, index, K, hit, bits)
+                                    : match_residents(stt, C, limit, index, K, hit, bits);
+#else
+  const int64_t n_selected = match_residents(stt, C, limit, index, K, hit, bits);
+#endif
+  // a position held by two slots leaves one of them overwritten: fewer hit entries than selections
+  int64_t n_hit = 0;
   for (int64_t k = 0; k < K; ++k) {
-    const int32_t t = tk[k];
-    if (t < 0) {
-      hit[k] = kPadding;
+    n_hit += hit[k] >= 0;
+  }
+  if (n_hit == n_selected) {
+    v.row_counts[2 * r] = n_hit;
+    v.row_counts[2 * r + 1] = n_valid - n_hit;
+    return {};
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    hit[k] = tk[k] < 0 ? kPadding : kMiss;
+  }
+  for (int64_t s = 0; s < C; ++s) {
+    const int32_t t = stt[s];
+    if (t < 0 || static_cast<uint32_t>(t) >= limit || index[t] == kNone<Index>) {
       continue;
     }
-    const uint64_t bit = uint64_t{1} << (t & 63);
-    if (bits[t >> 6] & bit) {
-      clear(k);
-      return {ErrorCode::kDuplicateTopk, t, 0};
+    if (hit[index[t]] >= 0) {
+      return {ErrorCode::kDuplicateResident, t, 0};
     }
-    bits[t >> 6] |= bit;
-    index[t] = static_cast<int32_t>(k);
-    hit[k] = kMiss;
-    ++n_valid;
+    hit[index[t]] = static_cast<int32_t>(s);
   }
-  RowError err;
-  if (!reset && n_valid > 0) {
-    // the bitmap test filters residents before the (cache-missing) position-table load; every resident
-    // writes its slot, the unselected ones into the sink entry hit[K], and duplicates are only flagged
-    // here and located by the slow pass below
-    const int64_t limit = std::min<int64_t>(stable, static_cast<int64_t>(max_t) + 1);
-    const auto K32 = static_cast<int32_t>(K);
-    bool dup = false;
-    for (int64_t s = 0; s < C; ++s) {
-      const int32_t t = stt[s];
-      const bool in = t >= 0 && t < limit;
-      const int32_t tt = in ? t : 0;
-      const bool selected = in && ((bits[tt >> 6] >> (tt & 63)) & 1);
-      const int32_t k = selected ? index[tt] : K32;
-      dup |= selected && hit[k] >= 0;
-      hit[k] = static_cast<int32_t>(s);
-    }
-    if (dup) {  // rare: find the first position held twice for the message
-      for (int64_t k = 0; k < K; ++k) {
-        hit[k] = tk[k] < 0 ? kPadding : kMiss;
-      }
-      for (int64_t s = 0; s < C; ++s) {
-        const int32_t t = stt[s];
-        if (t < 0 || t >= limit || !((bits[t >> 6] >> (t & 63)) & 1)) {
-          continue;
-        }
-        const int32_t k = index[t];
-        if (hit[k] >= 0) {
-          err = {ErrorCode::kDuplicateResident, t, 0};
-          break;
-        }
-        hit[k] = static_cast<int32_t>(s);
-      }
-    }
-  }
-  clear(K);
-  return err;
+  TORCH_INTERNAL_ASSERT(false, "residency: duplicate resident not found on the second pass");
+  return {};
 }
 
 // Pass 1 for one row: validate, find hits (scratch only).
-RowError plan_row(const Views& v, int64_t r, TopkHash& hash, std::vector<uint8_t>& seen) {
+KVO_ALWAYS_INLINE RowError plan_row(const Views& v, int64_t r, TopkHash& hash, std::vector<uint8_t>& seen) {
   const int64_t C = v.C, K = v.K;
   const int64_t stable = v.stable_len[r];
   if (stable < 0) {
@@ -328,22 +472,30 @@ RowError plan_row(const Views& v, int64_t r, TopkHash& hash, std::vector<uint8_t
   }
   const bool reset = v.row_request[r] != v.request_ids[r];
   const int32_t* stt = v.stt + r * C;
-  if (!reset) {
-    // one branch-light pass over both state rows; the details of a failure are found afterwards
+  uint8_t* bits = v.hit_bits + r * v.bits_stride;
+  std::memset(bits, 0, static_cast<size_t>(v.bits_stride));
+  if (!reset && C > 0) {
+    // reductions first (they vectorise), then coverage: C values in [0, C) are a permutation iff every
+    // slot is hit, which needs stores only
     const int32_t* order = v.lru + r * C;
-    std::fill(seen.begin(), seen.begin() + C, 0);
-    bool bad_order = false, bad_token = false;
+    const auto uC = static_cast<uint32_t>(C);
+    uint32_t out_of_range = 0, bad_token = 0;
     for (int64_t i = 0; i < C; ++i) {
-      const auto s = static_cast<uint32_t>(order[i]);
-      if (s >= static_cast<uint64_t>(C)) {
-        bad_order = true;
-        break;
-      }
-      bad_order |= seen[s] != 0;
-      seen[s] = 1;
-      bad_token |= stt[i] < -1;
+      out_of_range |= static_cast<uint32_t>(static_cast<uint32_t>(order[i]) >= uC);
+      bad_token |= static_cast<uint32_t>(stt[i] < -1);
     }
-    if (bad_order) {
+    if (out_of_range) {
+      return {ErrorCode::kLruNotPermutation, 0, 0};
+    }
+    std::memset(seen.data(), 0, static_cast<size_t>(C));
+    for (int64_t i = 0; i < C; ++i) {
+      seen[order[i]] = 1;
+    }
+    uint8_t all = 1;
+    for (int64_t s = 0; s < C; ++s) {
+      all &= seen[s];
+    }
+    if (!all) {
       return {ErrorCode::kLruNotPermutation, 0, 0};
     }
     if (bad_token) {
@@ -355,13 +507,14 @@ RowError plan_row(const Views& v, int64_t r, TopkHash& hash, std::vector<uint8_t
     }
   }
   const int32_t* tk = v.topk + r * K;
-  int32_t* hit = v.hit + r * (K + 1);  // entry K: a sink for branch-free writes
+  int32_t* hit = v.hit + r * (K + 1);
   int32_t max_t = -1;
   for (int64_t k = 0; k < K; ++k) {
     max_t = std::max(max_t, tk[k]);
   }
   if (max_t < kDirectLimit) {
-    return match_direct(v, r, reset, stable, max_t, tk, hit);
+    return K < 0xffff ? match_direct<uint16_t>(v, r, reset, stable, max_t, tk, hit, bits)
+                      : match_direct<uint32_t>(v, r, reset, stable, max_t, tk, hit, bits);
   }
   hash.reset(K);
   int64_t n_valid = 0;
@@ -377,6 +530,7 @@ RowError plan_row(const Views& v, int64_t r, TopkHash& hash, std::vector<uint8_t
     hit[k] = kMiss;
     ++n_valid;
   }
+  int64_t n_hit = 0;
   if (!reset && n_valid > 0) {
     for (int64_t s = 0; s < C; ++s) {
       const int32_t t = stt[s];
@@ -389,9 +543,13 @@ RowError plan_row(const Views& v, int64_t r, TopkHash& hash, std::vector<uint8_t
           return {ErrorCode::kDuplicateResident, t, 0};
         }
         hit[k] = static_cast<int32_t>(s);
+        bits[s >> 3] |= static_cast<uint8_t>(1u << (s & 7));
+        ++n_hit;
       }
     }
   }
+  v.row_counts[2 * r] = n_hit;
+  v.row_counts[2 * r + 1] = n_valid - n_hit;
   return {};
 }
 
@@ -477,22 +635,86 @@ at::Tensor topk_from_scores(
 }
 
 struct RowScratch {
-  std::vector<uint8_t> is_hit;
-  std::vector<int32_t> nonhit, hits, victims, rest;
+  std::vector<int32_t> nonhit, hits;  // [C + 1]: victims[j] is read one past the last miss
+  std::vector<int32_t> victims, rest;  // score policy, [C + 1]
+  std::vector<int32_t> miss_t;         // [K + 1], entry K a sink
   std::vector<uint64_t> keys;
   std::vector<uint8_t> chosen;
 };
 
-// Pass 2 for one row: apply the plan.
-void apply_row(const Views& v, int64_t r, RowScratch& w) {
+// Score policy: of the n_nonhit non-hit slots (LRU order), the victims are the empty ones first, then the
+// lowest-scoring residents (NaN and positions past the scores lowest, ties by LRU order). Returns the
+// victims in LRU order in w.victims and the unused slots in w.rest.
+void choose_score_victims(const Views& v, int64_t r, const int32_t* stt, int64_t n_nonhit, int64_t n_miss,
+                          RowScratch& w) {
+  const float* sc = v.scores + r * v.scores_stride0;
+  int64_t n_empty = 0;
+  for (int64_t i = 0; i < n_nonhit; ++i) {
+    n_empty += (stt[w.nonhit[i]] < 0);
+  }
+  std::fill(w.chosen.begin(), w.chosen.begin() + n_nonhit, 0);
+  if (n_empty >= n_miss) {
+    int64_t taken = 0;
+    for (int64_t i = 0; i < n_nonhit && taken < n_miss; ++i) {
+      if (stt[w.nonhit[i]] < 0) {
+        w.chosen[i] = 1;
+        ++taken;
+      }
+    }
+  } else {
+    // the residents' scores are random reads over the row's scores (often out of cache): prefetch ahead
+    constexpr int64_t kAhead = 32;
+    const int64_t last = std::max<int64_t>(v.scores_len - 1, 0);
+    int64_t m = 0;
+    for (int64_t i = 0; i < n_nonhit; ++i) {
+      if (i + kAhead < n_nonhit) {
+        const int64_t ahead = std::clamp<int64_t>(stt[w.nonhit[i + kAhead]], 0, last);
+        __builtin_prefetch(sc + ahead * v.scores_stride1);
+      }
+      const int32_t t = stt[w.nonhit[i]];
+      if (t < 0) {
+        w.chosen[i] = 1;
+        continue;
+      }
+      float f = -std::numeric_limits<float>::infinity();
+      if (t < v.scores_len) {
+        f = sc[t * v.scores_stride1];
+        if (std::isnan(f)) {
+          f = -std::numeric_limits<float>::infinity();
+        }
+      }
+      w.keys[m++] = (static_cast<uint64_t>(sortable(f)) << 32) | static_cast<uint64_t>(i);
+    }
+    const int64_t need = n_miss - n_empty;
+    std::nth_element(w.keys.begin(), w.keys.begin() + (need - 1), w.keys.begin() + m);
+    const uint64_t cut = w.keys[need - 1];
+    for (int64_t j = 0; j < m; ++j) {
+      if (w.keys[j] <= cut) {
+        w.chosen[w.keys[j] & 0xffffffffu] = 1;
+      }
+    }
+  }
+  int64_t nv = 0, nr = 0;
+  for (int64_t i = 0; i < n_nonhit; ++i) {
+    const int32_t s = w.nonhit[i];
+    const bool c = w.chosen[i] != 0;
+    w.victims[nv] = s;
+    w.rest[nr] = s;
+    nv += c;
+    nr += !c;
+  }
+}
+
+// Pass 2 for one row: apply the plan. Every loop is sequential over a row or branch-free.
+KVO_ALWAYS_INLINE void apply_row(const Views& v, int64_t r, RowScratch& w) {
   const int64_t C = v.C, K = v.K;
   int32_t* stt = v.stt + r * C;
   int32_t* order = v.lru + r * C;
   const int32_t* tk = v.topk + r * K;
   const int32_t* hit = v.hit + r * (K + 1);
+  const uint8_t* bits = v.hit_bits + r * v.bits_stride;
   int32_t* slots = v.slots + r * K;
-  int32_t* mt = v.miss_tokens + r * K;
-  int32_t* ms = v.miss_slots + r * K;
+  const int64_t n_hit = v.row_counts[2 * r], n_miss = v.row_counts[2 * r + 1];
   const bool reset = v.row_request[r] != v.request_ids[r];
   if (reset) {
     std::fill(stt, stt + C, -1);
@@ -500,133 +722,141 @@ void apply_row(const Views& v, int64_t r, RowScratch& w) {
       order[i] = static_cast<int32_t>(i);
     }
     v.row_request[r] = v.request_ids[r];
-  }
-  std::fill(w.is_hit.begin(), w.is_hit.begin() + C, 0);
-  int64_t n_miss = 0;
-  for (int64_t k = 0; k < K; ++k) {
-    const int32_t h = hit[k];
-    if (h >= 0) {
-      w.is_hit[h] = 1;
-      slots[k] = h;
-    } else {
-      slots[k] = -1;
-      n_miss += (h == kMiss);
+  } else {
+    // tokens at or past the stable prefix may have been rewritten: empty their slots (hits never are)
+    const auto bound =
+        static_cast<int32_t>(std::min<int64_t>(v.stable_len[r], std::numeric_limits<int32_t>::max()));
+    for (int64_t s = 0; s < C; ++s) {
+      stt[s] = stt[s] >= bound ? -1 : stt[s];
     }
   }
-  // partition the order into non-hit and hit slots (branch-free), dropping stale tokens on the way
-  const int64_t stable = v.stable_len[r];
-  int64_t n_nonhit = 0, n_hit = 0;
+  // partition the order into non-hit and hit slots, keeping their order
+  const int64_t n_nonhit = C - n_hit;
   int32_t* nonhit = w.nonhit.data();
   int32_t* hits = w.hits.data();
-  for (int64_t i = 0; i < C; ++i) {
-    const int32_t s = order[i];
-    const int32_t t = stt[s];
-    stt[s] = t >= stable ? -1 : t;
-    const int64_t h = w.is_hit[s];
-    hits[n_hit] = s;
-    nonhit[n_nonhit] = s;
-    n_hit += h;
-    n_nonhit += 1 - h;
-  }
-  // victims (LRU order) and the non-hit slots left unused (old order)
-  const int32_t* victims = w.nonhit.data();
-  const int32_t* rest = w.nonhit.data() + n_miss;
+  partition_order(order, C, bits, hits, nonhit);
+  // LRU: the victims are the least recently used non-hit slots, the rest keep their order
+  const int32_t* victims = nonhit;
+  const int32_t* rest = nonhit + n_miss;
   if (v.policy == Policy::kScore && n_miss > 0 && n_miss < n_nonhit) {
-    const float* sc = v.scores + r * v.scores_stride0;
-    int64_t n_empty = 0;
-    for (int64_t i = 0; i < n_nonhit; ++i) {
-      n_empty += (stt[w.nonhit[i]] < 0);
-    }
-    std::fill(w.chosen.begin(), w.chosen.begin() + n_nonhit, 0);
-    if (n_empty >= n_miss) {
-      int64_t taken = 0;
-      for (int64_t i = 0; i < n_nonhit && taken < n_miss; ++i) {
-        if (stt[w.nonhit[i]] < 0) {
-          w.chosen[i] = 1;
-          ++taken;
-        }
-      }
-    } else {
-      int64_t m = 0;
-      for (int64_t i = 0; i < n_nonhit; ++i) {
-        const int32_t t = stt[w.nonhit[i]];
-        if (t < 0) {
-          w.chosen[i] = 1;
-          continue;
-        }
-        float f = -std::numeric_limits<float>::infinity();
-        if (t < v.scores_len) {
-          f = sc[t * v.scores_stride1];
-          if (std::isnan(f)) {
-            f = -std::numeric_limits<float>::infinity();
-          }
-        }
-        w.keys[m++] = (static_cast<uint64_t>(sortable(f)) << 32) | static_cast<uint64_t>(i);
-      }
-      const int64_t need = n_miss - n_empty;
-      std::nth_element(w.keys.begin(), w.keys.begin() + (need - 1), w.keys.begin() + m);
-      const uint64_t cut = w.keys[need - 1];
-      for (int64_t j = 0; j < m; ++j) {
-        if (w.keys[j] <= cut) {
-          w.chosen[w.keys[j] & 0xffffffffu] = 1;
-        }
-      }
-    }
-    int64_t nv = 0, nr = 0;
-    for (int64_t i = 0; i < n_nonhit; ++i) {
-      if (w.chosen[i]) {
-        w.victims[nv++] = w.nonhit[i];
-      } else {
-        w.rest[nr++] = w.nonhit[i];
-      }
-    }
+    choose_score_victims(v, r, stt, n_nonhit, n_miss, w);
     victims = w.victims.data();
     rest = w.rest.data();
   }
-  int32_t evictions = 0;
-  int64_t j = 0;
-  for (int64_t k = 0; k < K; ++k) {
-    if (hit[k] != kMiss) {
-      continue;
+  // slots: hits keep theirs, misses in top-k order take the victims in order, padding -1 (the miss
+  // tokens are compacted branch-free into a scratch row whose entry K is a sink)
+  int32_t* mt = w.miss_t.data();
+  {
+    // masks instead of conditionals: the compiler would branch, and a miss is about as likely as not
+    int64_t j = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t h = hit[k];
+      const int32_t m = -static_cast<int32_t>(h == kMiss);
+      const int64_t m64 = m;
+      mt[(j & m64) | (K & ~m64)] = tk[k];
+      slots[k] = (victims[j] & m) | (std::max(h, -1) & ~m);
+      j -= m64;
     }
-    const int32_t s = victims[j];
-    const int32_t t = tk[k];
-    evictions += (stt[s] >= 0);
-    stt[s] = t;
-    slots[k] = s;
-    mt[j] = t;
-    ms[j] = s;
-    ++j;
   }
-  std::fill(mt + n_miss, mt + K, -1);
-  std::fill(ms + n_miss, ms + K, -1);
+  int32_t evictions = 0;
+  for (int64_t j = 0; j < n_miss; ++j) {
+    const int32_t s = victims[j];
+    evictions += stt[s] >= 0;
+    stt[s] = mt[j];
+  }
+  int32_t* out_mt = v.miss_tokens + r * K;
+  int32_t* out_ms = v.miss_slots + r * K;
+  std::memcpy(out_mt, mt, n_miss * sizeof(int32_t));
+  std::memcpy(out_ms, victims, n_miss * sizeof(int32_t));
+  std::fill(out_mt + n_miss, out_mt + K, -1);
+  std::fill(out_ms + n_miss, out_ms + K, -1);
   v.miss_count[r] = static_cast<int32_t>(n_miss);
   v.evictions[r] = evictions;
-  // new order = rest + victims + hits (victims may alias the front of nonhit: copy it first)
+  // new order = rest + victims + hits (victims and rest live in scratch)
   const int64_t n_rest = n_nonhit - n_miss;
-  std::memcpy(order + n_rest, victims, n_miss * sizeof(int32_t));
   std::memcpy(order, rest, n_rest * sizeof(int32_t));
-  std::memcpy(order + n_nonhit, w.hits.data(), n_hit * sizeof(int32_t));
+  std::memcpy(order + n_rest, victims, n_miss * sizeof(int32_t));
+  std::memcpy(order + n_nonhit, hits, n_hit * sizeof(int32_t));
 }
+
+void plan_rows(const Views& v, int64_t begin, int64_t end, RowError* errors) {
+  TopkHash hash;
+  std::vector<uint8_t> seen(static_cast<size_t>(v.C));
+  for (int64_t r = begin; r < end; ++r) {
+    errors[r] = plan_row(v, r, hash, seen);
+  }
+}
+
+RowScratch new_row_scratch(const Views& v) {
+  RowScratch w;
+  const auto C = static_cast<size_t>(v.C);
+  w.nonhit.resize(C + 1);
+  w.hits.resize(C + 1);
+  w.miss_t.resize(static_cast<size_t>(v.K) + 1);
+  if (v.policy == Policy::kScore) {
+    w.victims.resize(C + 1);
+    w.rest.resize(C + 1);
+    w.keys.resize(C);
+    w.chosen.resize(C);
+  }
+  return w;
+}
+
+void apply_rows(const Views& v, int64_t begin, int64_t end) {
+  RowScratch w = new_row_scratch(v);
+  for (int64_t r = begin; r < end; ++r) {
+    apply_row(v, r, w);
+  }
+}
+
+#if KVO_RESIDENCY_AVX2
+__attribute__((target("avx2,popcnt"))) void plan_rows_avx2(
+    const Views& v, int64_t begin, int64_t end, RowError* errors) {
+  TopkHash hash;
+  std::vector<uint8_t> seen(static_cast<size_t>(v.C));
+  for (int64_t r = begin; r < end; ++r) {
+    errors[r] = plan_row(v, r, hash, seen);
+  }
+}
+
+__attribute__((target("avx2,popcnt"))) void apply_rows_avx2(const Views& v, int64_t begin, int64_t end) {
+  RowScratch w = new_row_scratch(v);
+  for (int64_t r = begin; r < end; ++r) {
+    apply_row(v, r, w);
+  }
+}
+#endif
 
 // Runs both passes; raises (state untouched) if any row is invalid.
 void run_residency(const char* op, Views& v) {
   if (v.R == 0) {
     return;
   }
-  at::Tensor hit_buf = at::empty({v.R, v.K + 1}, at::kInt);
-  v.hit = hit_buf.data_ptr<int32_t>();
+  v.simd = simd_enabled();
+  // scratch of the calling thread, kept between calls (fresh pages every call would cost page faults)
+  thread_local std::vector<int32_t> hit_buf;
+  thread_local std::vector<uint8_t> bits_buf;
+  thread_local std::vector<int64_t> counts_buf;
+  v.bits_stride = (v.C + 31) / 32 * 4;
+  hit_buf.resize(std::max(hit_buf.size(), static_cast<size_t>(v.R * (v.K + 1))));
+  bits_buf.resize(std::max(bits_buf.size(), static_cast<size_t>(v.R * v.bits_stride)));
+  counts_buf.resize(std::max(counts_buf.size(), static_cast<size_t>(2 * v.R)));
+  v.hit = hit_buf.data();
+  v.hit_bits = bits_buf.data();
+  v.row_counts = counts_buf.data();
   std::vector<RowError> errors(static_cast<size_t>(v.R));
   // rows per task: enough slot work that a task outweighs waking a thread
   const int64_t grain = std::max<int64_t>(1, kSlotsPerTask / std::max<int64_t>(1, v.C + v.K));
   {
     GilRelease no_gil;
     at::parallel_for(0, v.R, grain, [&](int64_t begin, int64_t end) {
-      TopkHash hash;
-      std::vector<uint8_t> seen(static_cast<size_t>(v.C));
-      for (int64_t r = begin; r < end; ++r) {
-        errors[r] = plan_row(v, r, hash, seen);
+#if KVO_RESIDENCY_AVX2
+      if (v.simd) {
+        plan_rows_avx2(v, begin, end, errors.data());
+        return;
       }
+#endif
+      plan_rows(v, begin, end, errors.data());
     });
   }
   for (int64_t r = 0; r < v.R; ++r) {
@@ -636,20 +866,13 @@ void run_residency(const char* op, Views& v) {
   }
   GilRelease no_gil;
   at::parallel_for(0, v.R, grain, [&](int64_t begin, int64_t end) {
-    RowScratch w;
-    const auto C = static_cast<size_t>(v.C);
-    w.is_hit.resize(C);
-    w.nonhit.resize(C);
-    w.hits.resize(C);
-    if (v.policy == Policy::kScore) {
-      w.victims.resize(C);
-      w.rest.resize(C);
-      w.keys.resize(C);
-      w.chosen.resize(C);
+#if KVO_RESIDENCY_AVX2
+    if (v.simd) {
+      apply_rows_avx2(v, begin, end);
+      return;
     }
-    for (int64_t r = begin; r < end; ++r) {
-      apply_row(v, r, w);
-    }
+#endif
+    apply_rows(v, begin, end);
   });
 }
 

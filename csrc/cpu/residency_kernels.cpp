@@ -232,6 +232,8 @@ struct Views {
   uint8_t* hit_bits;     // scratch [R, bits_stride]: bit s of a row set when slot s is a hit
   int64_t bits_stride;   // bytes per row, a multiple of 4 (read as 32-bit words)
   int64_t* row_counts;   // scratch [R, 2]: hits, misses
+  int32_t* nonhit;       // scratch [R, C + 1]: the non-hit slots in LRU order
+  int32_t* hits;         // scratch [R, C + 1]: the hit slots in LRU order
   Policy policy;
   bool simd;
 };
@@ -314,14 +316,16 @@ bool simd_enabled() {
 template <typename Index>
 KVO_ALWAYS_INLINE int64_t match_residents(
     const int32_t* stt, int64_t C, uint32_t limit, const Index* index, int64_t K, int32_t* hit,
-    uint8_t* bits, int64_t from = 0) {
+    uint8_t* bits, uint32_t& bad_token, int64_t from = 0) {
   const auto uK = static_cast<uint32_t>(K);
   int64_t n_selected = 0;
+  uint32_t bad = 0;
   for (int64_t base = from; base < C; base += 8) {
     const int64_t end = std::min<int64_t>(base + 8, C);
     uint32_t byte = 0;
     for (int64_t s = base; s < end; ++s) {
       const int32_t t = stt[s];
+      bad |= static_cast<uint32_t>(t < -1);
       const uint32_t in = static_cast<uint32_t>(t) < limit;
       const uint32_t k = index[static_cast<uint32_t>(t) & (0u - in)];
       const uint32_t sel = in & static_cast<uint32_t>(k != kNone<Index>);
@@ -331,21 +335,36 @@ KVO_ALWAYS_INLINE int64_t match_residents(
     }
     bits[base >> 3] = static_cast<uint8_t>(byte);
   }
+  bad_token |= bad;
   return n_selected;
 }
 
-// Partitions the LRU order into hit and non-hit slots, each keeping its order (portable loop).
-KVO_ALWAYS_INLINE void partition_order(
-    const int32_t* order, int64_t C, const uint8_t* bits, int32_t* hits, int32_t* nonhit, int64_t from = 0,
-    int64_t a = 0, int64_t b = 0) {
-  for (int64_t i = from; i < C; ++i) {
+// Partitions the LRU order into hit and non-hit slots, each keeping its order, and checks that the order
+// is a permutation of 0..C-1: C values in [0, C) are one iff they cover every slot, which needs stores
+// only. Out-of-range values are redirected to the entry C of `seen` and of the bitmap (never set), so a
+// bad order writes nothing out of bounds before it is rejected.
+KVO_ALWAYS_INLINE bool partition_order(
+    const int32_t* order, int64_t C, const uint8_t* bits, uint8_t* seen, int32_t* hits, int32_t* nonhit) {
+  const auto uC = static_cast<uint32_t>(C);
+  std::memset(seen, 0, static_cast<size_t>(C));
+  uint32_t out_of_range = 0;
+  int64_t a = 0, b = 0;
+  for (int64_t i = 0; i < C; ++i) {
     const int32_t s = order[i];
-    const int64_t h = (bits[s >> 3] >> (s & 7)) & 1;
+    const uint32_t at = std::min(static_cast<uint32_t>(s), uC);
+    out_of_range |= static_cast<uint32_t>(at == uC);
+    seen[at] = 1;
+    const int64_t h = (bits[at >> 3] >> (at & 7)) & 1;
     hits[b] = s;
     nonhit[a] = s;
     b += h;
     a += 1 - h;
   }
+  uint8_t all = 1;
+  for (int64_t s = 0; s < C; ++s) {
+    all &= seen[s];
+  }
+  return !out_of_range && all;
 }
 
 #if KVO_RESIDENCY_AVX2
@@ -354,16 +373,18 @@ KVO_ALWAYS_INLINE void partition_order(
 template <typename Index>
 __attribute__((target("avx2,popcnt"))) int64_t match_residents_avx2(
     const int32_t* stt, int64_t C, uint32_t limit, const Index* index, int64_t K, int32_t* hit,
-    uint8_t* bits) {
+    uint8_t* bits, uint32_t& bad_token) {
   static_assert(sizeof(Index) == 2 || sizeof(Index) == 4);
   const __m256i v_limit = _mm256_set1_epi32(static_cast<int32_t>(limit));
   const __m256i v_minus1 = _mm256_set1_epi32(-1);
   const __m256i v_sink = _mm256_set1_epi32(static_cast<int32_t>(K));
   const __m256i v_none = _mm256_set1_epi32(static_cast<int32_t>(kNone<Index>));
   int64_t n_selected = 0;
+  __m256i bad = _mm256_setzero_si256();
   int64_t s = 0;
   for (; s + 8 <= C; s += 8) {
     const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(stt + s));
+    bad = _mm256_or_si256(bad, _mm256_cmpgt_epi32(v_minus1, t));
     const __m256i in = _mm256_and_si256(_mm256_cmpgt_epi32(t, v_minus1), _mm256_cmpgt_epi32(v_limit, t));
     const __m256i tt = _mm256_and_si256(t, in);
     __m256i k;
@@ -393,7 +414,8 @@ __attribute__((target("avx2,popcnt"))) int64_t match_residents_avx2(
     hit[static_cast<uint32_t>(d3)] = s32 + 6;
     hit[d3 >> 32] = s32 + 7;
   }
-  return n_selected + match_residents(stt, C, limit, index, K, hit, bits, s);
+  bad_token |= static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(bad)) != 0);
+  return n_selected + match_residents(stt, C, limit, index, K, hit, bits, bad_token, s);
 }
 
 #endif
@@ -409,11 +431,12 @@ int32_t first_duplicate(const int32_t* tk, int64_t K) {
   return -1;
 }
 
-// Pass-1 matching through the direct-address table.
+// Pass-1 matching through the direct-address table. Also checks the slot tokens (bad_token) when it reads
+// them (tokens_read).
 template <typename Index>
 KVO_ALWAYS_INLINE RowError match_direct(
     const Views& v, int64_t r, bool reset, int64_t stable, int32_t max_t, const int32_t* tk, int32_t* hit,
-    uint8_t* bits) {
+    uint8_t* bits, uint32_t& bad_token, bool& tokens_read) {
   const int64_t C = v.C, K = v.K;
   const int32_t* stt = v.stt + r * C;
   // entry max_t + 1 is the sink of the padding entries
@@ -430,11 +453,12 @@ KVO_ALWAYS_INLINE RowError match_direct(
     return {};
   }
   const auto limit = static_cast<uint32_t>(std::min<int64_t>(stable, sink));
+  tokens_read = true;
 #if KVO_RESIDENCY_AVX2
-  const int64_t n_selected = v.simd ? match_residents_avx2(stt, C, limit, index, K, hit, bits)
-                                    : match_residents(stt, C, limit, index, K, hit, bits);
+  const int64_t n_selected = v.simd ? match_residents_avx2(stt, C, limit, index, K, hit, bits, bad_token)
+                                    : match_residents(stt, C, limit, index, K, hit, bits, bad_token);
 #else
-  const int64_t n_selected = match_residents(stt, C, limit, index, K, hit, bits);
+  const int64_t n_selected = match_residents(stt, C, limit, index, K, hit, bits, bad_token);
 #endif
   // a position held by two slots leaves one of them overwritten: fewer hit entries than selections
   int64_t n_hit = 0;
@@ -463,59 +487,12 @@ KVO_ALWAYS_INLINE RowError match_direct(
   return {};
 }
 
-// Pass 1 for one row: validate, find hits (scratch only).
-KVO_ALWAYS_INLINE RowError plan_row(const Views& v, int64_t r, TopkHash& hash, std::vector<uint8_t>& seen) {
+// Pass-1 matching through the hash (positions past kDirectLimit; rare, so plain branches).
+RowError match_hashed(
+    const Views& v, int64_t r, bool reset, int64_t stable, const int32_t* tk, int32_t* hit, uint8_t* bits,
+    TopkHash& hash) {
   const int64_t C = v.C, K = v.K;
-  const int64_t stable = v.stable_len[r];
-  if (stable < 0) {
-    return {ErrorCode::kNegativeStable, stable, 0};
-  }
-  const bool reset = v.row_request[r] != v.request_ids[r];
   const int32_t* stt = v.stt + r * C;
-  uint8_t* bits = v.hit_bits + r * v.bits_stride;
-  std::memset(bits, 0, static_cast<size_t>(v.bits_stride));
-  if (!reset && C > 0) {
-    // reductions first (they vectorise), then coverage: C values in [0, C) are a permutation iff every
-    // slot is hit, which needs stores only
-    const int32_t* order = v.lru + r * C;
-    const auto uC = static_cast<uint32_t>(C);
-    uint32_t out_of_range = 0, bad_token = 0;
-    for (int64_t i = 0; i < C; ++i) {
-      out_of_range |= static_cast<uint32_t>(static_cast<uint32_t>(order[i]) >= uC);
-      bad_token |= static_cast<uint32_t>(stt[i] < -1);
-    }
-    if (out_of_range) {
-      return {ErrorCode::kLruNotPermutation, 0, 0};
-    }
-    std::memset(seen.data(), 0, static_cast<size_t>(C));
-    for (int64_t i = 0; i < C; ++i) {
-      seen[order[i]] = 1;
-    }
-    uint8_t all = 1;
-    for (int64_t s = 0; s < C; ++s) {
-      all &= seen[s];
-    }
-    if (!all) {
-      return {ErrorCode::kLruNotPermutation, 0, 0};
-    }
-    if (bad_token) {
-      for (int64_t s = 0; s < C; ++s) {
-        if (stt[s] < -1) {
-          return {ErrorCode::kBadSlotToken, s, stt[s]};
-        }
-      }
-    }
-  }
-  const int32_t* tk = v.topk + r * K;
-  int32_t* hit = v.hit + r * (K + 1);
-  int32_t max_t = -1;
-  for (int64_t k = 0; k < K; ++k) {
-    max_t = std::max(max_t, tk[k]);
-  }
-  if (max_t < kDirectLimit) {
-    return K < 0xffff ? match_direct<uint16_t>(v, r, reset, stable, max_t, tk, hit, bits)
-                      : match_direct<uint32_t>(v, r, reset, stable, max_t, tk, hit, bits);
-  }
   hash.reset(K);
   int64_t n_valid = 0;
   for (int64_t k = 0; k < K; ++k) {
@@ -551,6 +528,61 @@ KVO_ALWAYS_INLINE RowError plan_row(const Views& v, int64_t r, TopkHash& hash, s
   v.row_counts[2 * r] = n_hit;
   v.row_counts[2 * r + 1] = n_valid - n_hit;
   return {};
+}
+
+// Pass 1 for one row: validate, find hits, partition the LRU order (scratch only). A row with several
+// problems reports the first of: stable length, LRU order, slot tokens, top-k duplicates, resident
+// duplicates.
+KVO_ALWAYS_INLINE RowError plan_row(const Views& v, int64_t r, TopkHash& hash, std::vector<uint8_t>& seen) {
+  const int64_t C = v.C, K = v.K;
+  const int64_t stable = v.stable_len[r];
+  if (stable < 0) {
+    return {ErrorCode::kNegativeStable, stable, 0};
+  }
+  const bool reset = v.row_request[r] != v.request_ids[r];
+  const int32_t* stt = v.stt + r * C;
+  uint8_t* bits = v.hit_bits + r * v.bits_stride;
+  std::memset(bits, 0, static_cast<size_t>(v.bits_stride));
+  const int32_t* tk = v.topk + r * K;
+  int32_t* hit = v.hit + r * (K + 1);
+  int32_t max_t = -1;
+  for (int64_t k = 0; k < K; ++k) {
+    max_t = std::max(max_t, tk[k]);
+  }
+  uint32_t bad_token = 0;
+  bool tokens_read = false;
+  RowError match_error;
+  if (max_t < kDirectLimit) {
+    match_error = K < 0xffff
+        ? match_direct<uint16_t>(v, r, reset, stable, max_t, tk, hit, bits, bad_token, tokens_read)
+        : match_direct<uint32_t>(v, r, reset, stable, max_t, tk, hit, bits, bad_token, tokens_read);
+  } else {
+    match_error = match_hashed(v, r, reset, stable, tk, hit, bits, hash);
+  }
+  int32_t* nonhit = v.nonhit + r * (C + 1);
+  int32_t* hits = v.hits + r * (C + 1);
+  if (reset) {
+    for (int64_t i = 0; i < C; ++i) {
+      nonhit[i] = static_cast<int32_t>(i);
+    }
+    return match_error;
+  }
+  if (!partition_order(v.lru + r * C, C, bits, seen.data(), hits, nonhit)) {
+    return {ErrorCode::kLruNotPermutation, 0, 0};
+  }
+  if (!tokens_read) {
+    for (int64_t s = 0; s < C; ++s) {
+      bad_token |= static_cast<uint32_t>(stt[s] < -1);
+    }
+  }
+  if (bad_token) {
+    for (int64_t s = 0; s < C; ++s) {
+      if (stt[s] < -1) {
+        return {ErrorCode::kBadSlotToken, s, stt[s]};
+      }
+    }
+  }
+  return match_error;
 }
 
 [[noreturn]] void raise_row_error(const char* op, int64_t r, const RowError& e, int64_t C) {
@@ -635,8 +667,7 @@ at::Tensor topk_from_scores(
 }
 
 struct RowScratch {
-  std::vector<int32_t> nonhit, hits;  // [C + 1]: victims[j] is read one past the last miss
-  std::vector<int32_t> victims, rest;  // score policy, [C + 1]
+  std::vector<int32_t> victims, rest;  // score policy, [C + 1]: victims[j] is read one past the last miss
   std::vector<int32_t> miss_t;         // [K + 1], entry K a sink
   std::vector<uint64_t> keys;
   std::vector<uint8_t> chosen;
@@ -645,18 +676,19 @@ struct RowScratch {
 // Score policy: of the n_nonhit non-hit slots (LRU order), the victims are the empty ones first, then the
 // lowest-scoring residents (NaN and positions past the scores lowest, ties by LRU order). Returns the
 // victims in LRU order in w.victims and the unused slots in w.rest.
-void choose_score_victims(const Views& v, int64_t r, const int32_t* stt, int64_t n_nonhit, int64_t n_miss,
-                          RowScratch& w) {
+void choose_score_victims(
+    const Views& v, int64_t r, const int32_t* stt, const int32_t* nonhit, int64_t n_nonhit, int64_t n_miss,
+    RowScratch& w) {
   const float* sc = v.scores + r * v.scores_stride0;
   int64_t n_empty = 0;
   for (int64_t i = 0; i < n_nonhit; ++i) {
-    n_empty += (stt[w.nonhit[i]] < 0);
+    n_empty += (stt[nonhit[i]] < 0);
   }
   std::fill(w.chosen.begin(), w.chosen.begin() + n_nonhit, 0);
   if (n_empty >= n_miss) {
     int64_t taken = 0;
     for (int64_t i = 0; i < n_nonhit && taken < n_miss; ++i) {
-      if (stt[w.nonhit[i]] < 0) {
+      if (stt[nonhit[i]] < 0) {
         w.chosen[i] = 1;
         ++taken;
       }
@@ -668,10 +700,10 @@ void choose_score_victims(const Views& v, int64_t r, const int32_t* stt, int64_t
     int64_t m = 0;
     for (int64_t i = 0; i < n_nonhit; ++i) {
       if (i + kAhead < n_nonhit) {
-        const int64_t ahead = std::clamp<int64_t>(stt[w.nonhit[i + kAhead]], 0, last);
+        const int64_t ahead = std::clamp<int64_t>(stt[nonhit[i + kAhead]], 0, last);
         __builtin_prefetch(sc + ahead * v.scores_stride1);
       }
-      const int32_t t = stt[w.nonhit[i]];
+      const int32_t t = stt[nonhit[i]];
       if (t < 0) {
         w.chosen[i] = 1;
         continue;
@@ -696,7 +728,7 @@ void choose_score_victims(const Views& v, int64_t r, const int32_t* stt, int64_t
   }
   int64_t nv = 0, nr = 0;
   for (int64_t i = 0; i < n_nonhit; ++i) {
-    const int32_t s = w.nonhit[i];
+    const int32_t s = nonhit[i];
     const bool c = w.chosen[i] != 0;
     w.victims[nv] = s;
     w.rest[nr] = s;
@@ -712,7 +744,6 @@ KVO_ALWAYS_INLINE void apply_row(const Views& v, int64_t r, RowScratch& w) {
   int32_t* order = v.lru + r * C;
   const int32_t* tk = v.topk + r * K;
   const int32_t* hit = v.hit + r * (K + 1);
-  const uint8_t* bits = v.hit_bits + r * v.bits_stride;
   int32_t* slots = v.slots + r * K;
   const int64_t n_hit = v.row_counts[2 * r], n_miss = v.row_counts[2 * r + 1];
   const bool reset = v.row_request[r] != v.request_ids[r];
@@ -730,16 +761,15 @@ KVO_ALWAYS_INLINE void apply_row(const Views& v, int64_t r, RowScratch& w) {
       stt[s] = stt[s] >= bound ? -1 : stt[s];
     }
   }
-  // partition the order into non-hit and hit slots, keeping their order
+  // the order partitioned by pass 1
   const int64_t n_nonhit = C - n_hit;
-  int32_t* nonhit = w.nonhit.data();
-  int32_t* hits = w.hits.data();
-  partition_order(order, C, bits, hits, nonhit);
+  const int32_t* nonhit = v.nonhit + r * (C + 1);
+  const int32_t* hits = v.hits + r * (C + 1);
   // LRU: the victims are the least recently used non-hit slots, the rest keep their order
   const int32_t* victims = nonhit;
   const int32_t* rest = nonhit + n_miss;
   if (v.policy == Policy::kScore && n_miss > 0 && n_miss < n_nonhit) {
-    choose_score_victims(v, r, stt, n_nonhit, n_miss, w);
+    choose_score_victims(v, r, stt, nonhit, n_nonhit, n_miss, w);
     victims = w.victims.data();
     rest = w.rest.data();
   }
@@ -781,7 +811,7 @@ KVO_ALWAYS_INLINE void apply_row(const Views& v, int64_t r, RowScratch& w) {
 
 void plan_rows(const Views& v, int64_t begin, int64_t end, RowError* errors) {
   TopkHash hash;
-  std::vector<uint8_t> seen(static_cast<size_t>(v.C));
+  std::vector<uint8_t> seen(static_cast<size_t>(v.C) + 1);
   for (int64_t r = begin; r < end; ++r) {
     errors[r] = plan_row(v, r, hash, seen);
   }
@@ -790,8 +820,6 @@ void plan_rows(const Views& v, int64_t begin, int64_t end, RowError* errors) {
 RowScratch new_row_scratch(const Views& v) {
   RowScratch w;
   const auto C = static_cast<size_t>(v.C);
-  w.nonhit.resize(C + 1);
-  w.hits.resize(C + 1);
   w.miss_t.resize(static_cast<size_t>(v.K) + 1);
   if (v.policy == Policy::kScore) {
     w.victims.resize(C + 1);
@@ -813,7 +841,7 @@ void apply_rows(const Views& v, int64_t begin, int64_t end) {
 __attribute__((target("avx2,popcnt"))) void plan_rows_avx2(
     const Views& v, int64_t begin, int64_t end, RowError* errors) {
   TopkHash hash;
-  std::vector<uint8_t> seen(static_cast<size_t>(v.C));
+  std::vector<uint8_t> seen(static_cast<size_t>(v.C) + 1);
   for (int64_t r = begin; r < end; ++r) {
     errors[r] = plan_row(v, r, hash, seen);
   }
@@ -837,13 +865,18 @@ void run_residency(const char* op, Views& v) {
   thread_local std::vector<int32_t> hit_buf;
   thread_local std::vector<uint8_t> bits_buf;
   thread_local std::vector<int64_t> counts_buf;
-  v.bits_stride = (v.C + 31) / 32 * 4;
+  thread_local std::vector<int32_t> lists_buf;
+  // one bit more than C: the entry an out-of-range LRU value is redirected to
+  v.bits_stride = (v.C / 32 + 1) * 4;
   hit_buf.resize(std::max(hit_buf.size(), static_cast<size_t>(v.R * (v.K + 1))));
   bits_buf.resize(std::max(bits_buf.size(), static_cast<size_t>(v.R * v.bits_stride)));
   counts_buf.resize(std::max(counts_buf.size(), static_cast<size_t>(2 * v.R)));
+  lists_buf.resize(std::max(lists_buf.size(), static_cast<size_t>(2 * v.R * (v.C + 1))));
   v.hit = hit_buf.data();
   v.hit_bits = bits_buf.data();
   v.row_counts = counts_buf.data();
+  v.nonhit = lists_buf.data();
+  v.hits = lists_buf.data() + v.R * (v.C + 1);
   std::vector<RowError> errors(static_cast<size_t>(v.R));
   // rows per task: enough slot work that a task outweighs waking a thread
   const int64_t grain = std::max<int64_t>(1, kSlotsPerTask / std::max<int64_t>(1, v.C + v.K));

@@ -229,8 +229,6 @@ struct Views {
   int32_t* miss_count;
   int32_t* evictions;
   int32_t* hit;          // scratch [R, K + 1]: top-k entry -> slot, or kMiss / kPadding; entry K a sink
-  uint8_t* hit_bits;     // scratch [R, bits_stride]: bit s of a row set when slot s is a hit
-  int64_t bits_stride;   // bytes per row, a multiple of 4 (read as 32-bit words)
   int64_t* row_counts;   // scratch [R, 2]: hits, misses
   int32_t* nonhit;       // scratch [R, C + 1]: the non-hit slots in LRU order
   int32_t* hits;         // scratch [R, C + 1]: the hit slots in LRU order
@@ -316,64 +314,72 @@ bool simd_enabled() {
 template <typename Index>
 KVO_ALWAYS_INLINE int64_t match_residents(
     const int32_t* stt, int64_t C, uint32_t limit, const Index* index, int64_t K, int32_t* hit,
-    uint8_t* bits, uint32_t& bad_token, int64_t from = 0) {
+    uint8_t* flags, uint32_t& bad_token, int64_t from = 0) {
   const auto uK = static_cast<uint32_t>(K);
   int64_t n_selected = 0;
   uint32_t bad = 0;
-  for (int64_t base = from; base < C; base += 8) {
-    const int64_t end = std::min<int64_t>(base + 8, C);
-    uint32_t byte = 0;
-    for (int64_t s = base; s < end; ++s) {
-      const int32_t t = stt[s];
-      bad |= static_cast<uint32_t>(t < -1);
-      const uint32_t in = static_cast<uint32_t>(t) < limit;
-      const uint32_t k = index[static_cast<uint32_t>(t) & (0u - in)];
-      const uint32_t sel = in & static_cast<uint32_t>(k != kNone<Index>);
-      hit[uK ^ ((k ^ uK) & (0u - sel))] = static_cast<int32_t>(s);
-      byte |= sel << (s - base);
-      n_selected += sel;
-    }
-    bits[base >> 3] = static_cast<uint8_t>(byte);
+  for (int64_t s = from; s < C; ++s) {
+    const int32_t t = stt[s];
+    bad |= static_cast<uint32_t>(t < -1);
+    const uint32_t in = static_cast<uint32_t>(t) < limit;
+    const uint32_t k = index[static_cast<uint32_t>(t) & (0u - in)];
+    const uint32_t sel = in & static_cast<uint32_t>(k != kNone<Index>);
+    hit[uK ^ ((k ^ uK) & (0u - sel))] = static_cast<int32_t>(s);
+    flags[s] = static_cast<uint8_t>(sel);
+    n_selected += sel;
   }
   bad_token |= bad;
   return n_selected;
 }
 
 // Partitions the LRU order into hit and non-hit slots, each keeping its order, and checks that the order
-// is a permutation of 0..C-1: C values in [0, C) are one iff they cover every slot, which needs stores
-// only. Out-of-range values are redirected to the entry C of `seen` and of the bitmap (never set), so a
-// bad order writes nothing out of bounds before it is rejected.
+// is a permutation of 0..C-1 (C values in [0, C), none twice). flags[s] is 1 for a hit slot and 0
+// otherwise on entry; each visit sets bit 1, so a second visit of a slot finds it set.
 KVO_ALWAYS_INLINE bool partition_order(
-    const int32_t* order, int64_t C, const uint8_t* bits, uint8_t* seen, int32_t* hits, int32_t* nonhit) {
+    const int32_t* order, int64_t C, uint8_t* flags, int32_t* hits, int32_t* nonhit) {
   const auto uC = static_cast<uint32_t>(C);
-  std::memset(seen, 0, static_cast<size_t>(C));
   uint32_t out_of_range = 0;
-  int64_t a = 0, b = 0;
+  for (int64_t i = 0; i < C; ++i) {
+    out_of_range |= static_cast<uint32_t>(static_cast<uint32_t>(order[i]) >= uC);
+  }
+  if (out_of_range) {
+    return false;
+  }
+  uint32_t seen_twice = 0;
+  int64_t b = 0;
   for (int64_t i = 0; i < C; ++i) {
     const int32_t s = order[i];
-    const uint32_t at = std::min(static_cast<uint32_t>(s), uC);
-    out_of_range |= static_cast<uint32_t>(at == uC);
-    seen[at] = 1;
-    const int64_t h = (bits[at >> 3] >> (at & 7)) & 1;
+    const uint32_t f = flags[s];
+    flags[s] = static_cast<uint8_t>(f | 2);
+    seen_twice |= f;
     hits[b] = s;
-    nonhit[a] = s;
-    b += h;
-    a += 1 - h;
+    nonhit[i - b] = s;
+    b += f & 1;
   }
-  uint8_t all = 1;
-  for (int64_t s = 0; s < C; ++s) {
-    all &= seen[s];
-  }
-  return !out_of_range && all;
+  return (seen_twice & 2) == 0;
 }
 
 #if KVO_RESIDENCY_AVX2
+// kMaskBytes.bytes[m]: byte i is bit i of the 8-bit mask m.
+struct MaskBytes {
+  uint64_t bytes[256];
+  MaskBytes() {
+    for (int m = 0; m < 256; ++m) {
+      bytes[m] = 0;
+      for (int i = 0; i < 8; ++i) {
+        bytes[m] |= static_cast<uint64_t>((m >> i) & 1) << (8 * i);
+      }
+    }
+  }
+};
+const MaskBytes kMaskBytes;
+
 // AVX2 version of match_residents, 8 slots per step: one gather of table entries replaces the dependent
-// loads, and the hit bitmap is the comparison mask itself.
+// loads, and the hit flags come from the comparison mask.
 template <typename Index>
 __attribute__((target("avx2,popcnt"))) int64_t match_residents_avx2(
     const int32_t* stt, int64_t C, uint32_t limit, const Index* index, int64_t K, int32_t* hit,
-    uint8_t* bits, uint32_t& bad_token) {
+    uint8_t* flags, uint32_t& bad_token) {
   static_assert(sizeof(Index) == 2 || sizeof(Index) == 4);
   const __m256i v_limit = _mm256_set1_epi32(static_cast<int32_t>(limit));
   const __m256i v_minus1 = _mm256_set1_epi32(-1);
@@ -395,7 +401,7 @@ __attribute__((target("avx2,popcnt"))) int64_t match_residents_avx2(
     }
     const __m256i sel = _mm256_andnot_si256(_mm256_cmpeq_epi32(k, v_none), in);
     const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(sel));
-    bits[s >> 3] = static_cast<uint8_t>(mask);
+    std::memcpy(flags + s, &kMaskBytes.bytes[mask], 8);
     n_selected += _mm_popcnt_u32(static_cast<unsigned>(mask));
     // every lane stores: the selected ones their entry, the others the sink
     const __m256i d = _mm256_blendv_epi8(v_sink, k, sel);
@@ -415,7 +421,7 @@ __attribute__((target("avx2,popcnt"))) int64_t match_residents_avx2(
     hit[d3 >> 32] = s32 + 7;
   }
   bad_token |= static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(bad)) != 0);
-  return n_selected + match_residents(stt, C, limit, index, K, hit, bits, bad_token, s);
+  return n_selected + match_residents(stt, C, limit, index, K, hit, flags, bad_token, s);
 }
 
 #endif
@@ -436,7 +442,7 @@ int32_t first_duplicate(const int32_t* tk, int64_t K) {
 template <typename Index>
 KVO_ALWAYS_INLINE RowError match_direct(
     const Views& v, int64_t r, bool reset, int64_t stable, int32_t max_t, const int32_t* tk, int32_t* hit,
-    uint8_t* bits, uint32_t& bad_token, bool& tokens_read) {
+    uint8_t* flags, uint32_t& bad_token, bool& tokens_read) {
   const int64_t C = v.C, K = v.K;
   const int32_t* stt = v.stt + r * C;
   // entry max_t + 1 is the sink of the padding entries
@@ -455,10 +461,10 @@ KVO_ALWAYS_INLINE RowError match_direct(
   const auto limit = static_cast<uint32_t>(std::min<int64_t>(stable, sink));
   tokens_read = true;
 #if KVO_RESIDENCY_AVX2
-  const int64_t n_selected = v.simd ? match_residents_avx2(stt, C, limit, index, K, hit, bits, bad_token)
-                                    : match_residents(stt, C, limit, index, K, hit, bits, bad_token);
+  const int64_t n_selected = v.simd ? match_residents_avx2(stt, C, limit, index, K, hit, flags, bad_token)
+                                    : match_residents(stt, C, limit, index, K, hit, flags, bad_token);
 #else
-  const int64_t n_selected = match_residents(stt, C, limit, index, K, hit, bits, bad_token);
+  const int64_t n_selected = match_residents(stt, C, limit, index, K, hit, flags, bad_token);
 #endif
   // a position held by two slots leaves one of them overwritten: fewer hit entries than selections
   int64_t n_hit = 0;
@@ -489,10 +495,11 @@ KVO_ALWAYS_INLINE RowError match_direct(
 
 // Pass-1 matching through the hash (positions past kDirectLimit; rare, so plain branches).
 RowError match_hashed(
-    const Views& v, int64_t r, bool reset, int64_t stable, const int32_t* tk, int32_t* hit, uint8_t* bits,
+    const Views& v, int64_t r, bool reset, int64_t stable, const int32_t* tk, int32_t* hit, uint8_t* flags,
     TopkHash& hash) {
   const int64_t C = v.C, K = v.K;
   const int32_t* stt = v.stt + r * C;
+  std::memset(flags, 0, static_cast<size_t>(C));
   hash.reset(K);
   int64_t n_valid = 0;
   for (int64_t k = 0; k < K; ++k) {
@@ -520,7 +527,7 @@ RowError match_hashed(
           return {ErrorCode::kDuplicateResident, t, 0};
         }
         hit[k] = static_cast<int32_t>(s);
-        bits[s >> 3] |= static_cast<uint8_t>(1u << (s & 7));
+        flags[s] = 1;
         ++n_hit;
       }
     }
@@ -533,7 +540,7 @@ RowError match_hashed(
 // Pass 1 for one row: validate, find hits, partition the LRU order (scratch only). A row with several
 // problems reports the first of: stable length, LRU order, slot tokens, top-k duplicates, resident
 // duplicates.
-KVO_ALWAYS_INLINE RowError plan_row(const Views& v, int64_t r, TopkHash& hash, std::vector<uint8_t>& seen) {
+KVO_ALWAYS_INLINE RowError plan_row(const Views& v, int64_t r, TopkHash& hash, std::vector<uint8_t>& flags_buf) {
   const int64_t C = v.C, K = v.K;
   const int64_t stable = v.stable_len[r];
   if (stable < 0) {
@@ -541,8 +548,7 @@ KVO_ALWAYS_INLINE RowError plan_row(const Views& v, int64_t r, TopkHash& hash, s
   }
   const bool reset = v.row_request[r] != v.request_ids[r];
   const int32_t* stt = v.stt + r * C;
-  uint8_t* bits = v.hit_bits + r * v.bits_stride;
-  std::memset(bits, 0, static_cast<size_t>(v.bits_stride));
+  uint8_t* flags = flags_buf.data();  // per slot: 1 = hit (the matching writes it)
   const int32_t* tk = v.topk + r * K;
   int32_t* hit = v.hit + r * (K + 1);
   int32_t max_t = -1;
@@ -554,10 +560,13 @@ KVO_ALWAYS_INLINE RowError plan_row(const Views& v, int64_t r, TopkHash& hash, s
   RowError match_error;
   if (max_t < kDirectLimit) {
     match_error = K < 0xffff
-        ? match_direct<uint16_t>(v, r, reset, stable, max_t, tk, hit, bits, bad_token, tokens_read)
-        : match_direct<uint32_t>(v, r, reset, stable, max_t, tk, hit, bits, bad_token, tokens_read);
+        ? match_direct<uint16_t>(v, r, reset, stable, max_t, tk, hit, flags, bad_token, tokens_read)
+        : match_direct<uint32_t>(v, r, reset, stable, max_t, tk, hit, flags, bad_token, tokens_read);
+    if (!tokens_read) {
+      std::memset(flags, 0, static_cast<size_t>(C));
+    }
   } else {
-    match_error = match_hashed(v, r, reset, stable, tk, hit, bits, hash);
+    match_error = match_hashed(v, r, reset, stable, tk, hit, flags, hash);
   }
   int32_t* nonhit = v.nonhit + r * (C + 1);
   int32_t* hits = v.hits + r * (C + 1);
@@ -567,7 +576,7 @@ KVO_ALWAYS_INLINE RowError plan_row(const Views& v, int64_t r, TopkHash& hash, s
     }
     return match_error;
   }
-  if (!partition_order(v.lru + r * C, C, bits, seen.data(), hits, nonhit)) {
+  if (!partition_order(v.lru + r * C, C, flags, hits, nonhit)) {
     return {ErrorCode::kLruNotPermutation, 0, 0};
   }
   if (!tokens_read) {
@@ -811,9 +820,9 @@ KVO_ALWAYS_INLINE void apply_row(const Views& v, int64_t r, RowScratch& w) {
 
 void plan_rows(const Views& v, int64_t begin, int64_t end, RowError* errors) {
   TopkHash hash;
-  std::vector<uint8_t> seen(static_cast<size_t>(v.C) + 1);
+  std::vector<uint8_t> flags(static_cast<size_t>(v.C));
   for (int64_t r = begin; r < end; ++r) {
-    errors[r] = plan_row(v, r, hash, seen);
+    errors[r] = plan_row(v, r, hash, flags);
   }
 }
 
@@ -841,9 +850,9 @@ void apply_rows(const Views& v, int64_t begin, int64_t end) {
 __attribute__((target("avx2,popcnt"))) void plan_rows_avx2(
     const Views& v, int64_t begin, int64_t end, RowError* errors) {
   TopkHash hash;
-  std::vector<uint8_t> seen(static_cast<size_t>(v.C) + 1);
+  std::vector<uint8_t> flags(static_cast<size_t>(v.C));
   for (int64_t r = begin; r < end; ++r) {
-    errors[r] = plan_row(v, r, hash, seen);
+    errors[r] = plan_row(v, r, hash, flags);
   }
 }
 
@@ -863,17 +872,12 @@ void run_residency(const char* op, Views& v) {
   v.simd = simd_enabled();
   // scratch of the calling thread, kept between calls (fresh pages every call would cost page faults)
   thread_local std::vector<int32_t> hit_buf;
-  thread_local std::vector<uint8_t> bits_buf;
   thread_local std::vector<int64_t> counts_buf;
   thread_local std::vector<int32_t> lists_buf;
-  // one bit more than C: the entry an out-of-range LRU value is redirected to
-  v.bits_stride = (v.C / 32 + 1) * 4;
   hit_buf.resize(std::max(hit_buf.size(), static_cast<size_t>(v.R * (v.K + 1))));
-  bits_buf.resize(std::max(bits_buf.size(), static_cast<size_t>(v.R * v.bits_stride)));
   counts_buf.resize(std::max(counts_buf.size(), static_cast<size_t>(2 * v.R)));
   lists_buf.resize(std::max(lists_buf.size(), static_cast<size_t>(2 * v.R * (v.C + 1))));
   v.hit = hit_buf.data();
-  v.hit_bits = bits_buf.data();
   v.row_counts = counts_buf.data();
   v.nonhit = lists_buf.data();
   v.hits = lists_buf.data() + v.R * (v.C + 1);

@@ -8,6 +8,8 @@ on hypothesis-generated multi-step traces.
 from __future__ import annotations
 
 import math
+import os
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -20,13 +22,41 @@ from torch_kvoffload.ops import new_residency_outputs, new_residency_state, refe
 requires_residency_cpp = pytest.mark.skipif(
     not cpp_kernel_available("residency_update"), reason="C++ residency kernel not built"
 )
-KERNELS = ["dispatch", "reference"]
+# "dispatch": the C++ kernel as built (AVX2 loops on x86-64 CPUs that have AVX2); "portable": the same
+# kernel with TORCH_KVOFFLOAD_RESIDENCY_SIMD=0, the code every other CPU runs.
+KERNELS = ["dispatch", "portable", "reference"]
+SIMD_ENV = "TORCH_KVOFFLOAD_RESIDENCY_SIMD"
 
 
-def _op(kernel: str):
-    if kernel == "dispatch":
-        return torch.ops.kvoffload.residency_update
-    return reference_kernel("residency_update")
+@contextmanager
+def _simd(enabled: bool):
+    before = os.environ.get(SIMD_ENV)
+    os.environ[SIMD_ENV] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[SIMD_ENV]
+        else:
+            os.environ[SIMD_ENV] = before
+
+
+def _with_simd(fn, enabled: bool):
+    def call(*args, **kwargs):
+        with _simd(enabled):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def _is_cpp(kernel: str) -> bool:
+    return kernel in ("dispatch", "portable")
+
+
+def _op(kernel: str, name: str = "residency_update"):
+    if _is_cpp(kernel):
+        return _with_simd(getattr(torch.ops.kvoffload, name), kernel == "dispatch")
+    return reference_kernel(name)
 
 
 # ------------------------------------------------------------------------------ plain-Python model
@@ -198,7 +228,7 @@ def test_padding_and_empty_shapes(kernel: str) -> None:
 @st.composite
 def traces(draw):
     R = draw(st.integers(1, 3))
-    C = draw(st.integers(1, 8))
+    C = draw(st.integers(1, 20))  # the AVX2 loops take 8 slots per step, then a scalar tail
     K = draw(st.integers(0, C))
     positions = draw(st.integers(1, 3 * C + 2))
     steps = draw(st.integers(1, 6))
@@ -227,7 +257,7 @@ def traces(draw):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=traces())
 def test_matches_model_on_random_traces(kernel: str, trace) -> None:
-    if kernel == "dispatch" and not cpp_kernel_available("residency_update"):
+    if _is_cpp(kernel) and not cpp_kernel_available("residency_update"):
         pytest.skip("C++ residency kernel not built")
     R, C, K, policy, seq = trace
     rows = [ModelRow(C) for _ in range(R)]
@@ -241,15 +271,27 @@ def test_matches_model_on_random_traces(kernel: str, trace) -> None:
         _invariants(state, out, tk)
 
 
+SCALE_CASES = [
+    pytest.param(
+        kernel, policy, offset, (8, 512, 256, 1500, 20), id=f"R8-C512-K256-{kernel}-{policy}-{offset}"
+    )
+    for kernel in ("dispatch", "portable")
+    for policy in ("lru", "score")
+    for offset in (0, 1 << 29)
+] + [  # K >= 65535: 32-bit position table entries
+    pytest.param(kernel, policy, 0, (1, 65600, 65535, 140000, 2), id=f"K65535-{kernel}-{policy}")
+    for kernel, policy in (("dispatch", "lru"), ("dispatch", "score"), ("portable", "lru"))
+]
+
+
 @requires_residency_cpp
-@pytest.mark.parametrize("offset", [0, 1 << 29])
-@pytest.mark.parametrize("policy", ["lru", "score"])
-def test_cpp_matches_reference_at_scale(policy: str, offset: int) -> None:
-    """R = 8, C = 512, K = 256 over 20 steps with heavy reuse, row resets and speculative rewrites."""
-    R, C, K, L = 8, 512, 256, 1500
+@pytest.mark.parametrize(("kernel", "policy", "offset", "shape"), SCALE_CASES)
+def test_cpp_matches_reference_at_scale(kernel: str, policy: str, offset: int, shape) -> None:
+    """Heavy reuse over several steps, with row resets and speculative rewrites."""
+    R, C, K, L, steps = shape
     a, b = new_residency_state(R, C), new_residency_state(R, C)
     req = torch.arange(R, dtype=torch.int64)
-    for step in range(20):
+    for step in range(steps):
         if step % 7 == 6:
             req[step % R] += 100  # a finished request's row taken by a new one
         scores = torch.randn(R, L)
@@ -257,7 +299,7 @@ def test_cpp_matches_reference_at_scale(policy: str, offset: int) -> None:
         topk += offset
         topk[:, -5:] = -1
         stable = torch.randint(L // 2, L, (R,)) + offset
-        oa = _run("dispatch", a, topk, req, stable, scores, policy)
+        oa = _run(kernel, a, topk, req, stable, scores, policy)
         ob = _run("reference", b, topk, req, stable, scores, policy)
         for x, y in zip(a + oa.as_tuple(), b + ob.as_tuple(), strict=True):
             assert torch.equal(x, y)
@@ -370,6 +412,59 @@ def test_bad_input_raises_and_leaves_everything_untouched(case, kernel: str) -> 
         assert torch.equal(args[k], v), f"{k} modified by a rejected call"
 
 
+def _wide_base():
+    """R = 2, C = 27, K = 10: rows long enough for the 8-slot AVX2 steps plus a scalar tail."""
+    R, C, K = 2, 27, 10
+    stt = torch.full((R, C), -1, dtype=torch.int32)
+    stt[:, :20] = torch.arange(100, 120, dtype=torch.int32)
+    lru = torch.stack([torch.randperm(C, generator=torch.Generator().manual_seed(r)) for r in range(R)])
+    topk = torch.stack([torch.arange(105, 115), torch.arange(110, 120)]).to(torch.int32)
+    out = new_residency_outputs(R, K)
+    for t in out.as_tuple():
+        t.fill_(-7)
+    return dict(
+        slot_to_token=stt, lru_order=lru.to(torch.int32), row_request=torch.tensor([1, 2]), topk=topk,
+        request_ids=torch.tensor([1, 2]), stable_len=torch.tensor([200, 200]), scores=None, policy="lru",
+        slots=out.slots, miss_tokens=out.miss_tokens, miss_slots=out.miss_slots,
+        miss_count=out.miss_count, evictions=out.evictions,
+    )  # fmt: skip
+
+
+def _put(name, row, col, value):
+    def build(a):
+        a[name] = a[name].clone()
+        a[name][row, col] = value
+        return a
+
+    return build
+
+
+WIDE_ERROR_CASES = [
+    (_put("slot_to_token", 1, 17, 112), "'slot_to_token' row 1 holds top-k position 112 in two slots"),
+    (_put("slot_to_token", 0, 25, 107), "'slot_to_token' row 0 holds top-k position 107 in two slots"),
+    (_put("slot_to_token", 1, 9, -4), "'slot_to_token' row 1 slot 9 holds -4"),
+    (_put("slot_to_token", 0, 26, -2), "'slot_to_token' row 0 slot 26 holds -2"),
+    (_put("topk", 1, 9, 111), "'topk' row 1 holds position 111 more than once"),
+    (_put("lru_order", 0, 12, 27), "'lru_order' row 0 is not a permutation"),
+    (_put("lru_order", 1, 3, -1), "'lru_order' row 1 is not a permutation"),
+    (lambda a: _put("lru_order", 1, 20, int(a["lru_order"][1, 4]))(a), "'lru_order' row 1 is not a permutation"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("case", WIDE_ERROR_CASES, ids=lambda c: c[1][:48])
+def test_bad_wide_rows_raise_and_leave_everything_untouched(case, kernel: str) -> None:
+    build, fragment = case
+    good = _wide_base()
+    _op(kernel)(**good)  # the base itself is valid
+    args = build(_wide_base())
+    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match=f"kvoffload::residency_update: .*{fragment}"):
+        _op(kernel)(**args)
+    for k, v in before.items():
+        assert torch.equal(args[k], v), f"{k} modified by a rejected call"
+
+
 def test_public_wrapper_returns_outputs() -> None:
     stt, lru, req = new_residency_state(2, 8)
     out = new_residency_outputs(2, 4)
@@ -404,12 +499,7 @@ def _lim_args(policy: str, T: int = 4, K: int = 6, C: int = 10):
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_lim_equals_indexer_then_update(policy: str, kernel: str) -> None:
     a = _lim_args(policy)
-    fn = (
-        torch.ops.kvoffload.lightning_indexer_manage
-        if kernel == "dispatch"
-        else reference_kernel("lightning_indexer_manage")
-    )
-    fn(**a)
+    _op(kernel, "lightning_indexer_manage")(**a)
     idx = (a["q"], a["weights"], a["k_cache"], a["block_table"], a["cu_seqlens_q"], a["seq_lens_k"])
     want = torch.ops.kvoffload.lightning_indexer(*idx, a["topk"].shape[1])
     assert torch.equal(a["topk"], want) and bool((want == -1).any())  # short rows are padded
@@ -458,13 +548,8 @@ def test_lim_bad_input_leaves_state_untouched(case, kernel: str) -> None:
     for t in (a["topk"], a["slots"], a["miss_tokens"], a["miss_slots"], a["miss_count"], a["evictions"]):
         t.fill_(-7)
     before = {k: v.clone() for k, v in a.items() if isinstance(v, torch.Tensor)}
-    fn = (
-        torch.ops.kvoffload.lightning_indexer_manage
-        if kernel == "dispatch"
-        else reference_kernel("lightning_indexer_manage")
-    )
     with pytest.raises(exc, match=fragment):
-        fn(**a)
+        _op(kernel, "lightning_indexer_manage")(**a)
     for k, v in before.items():
         assert torch.equal(a[k], v), f"{k} modified by a rejected call"
 

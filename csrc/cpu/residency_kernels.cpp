@@ -676,11 +676,79 @@ at::Tensor topk_from_scores(
 }
 
 struct RowScratch {
-  std::vector<int32_t> victims, rest;  // score policy, [C + 1]: victims[j] is read one past the last miss
-  std::vector<int32_t> miss_t;         // [K + 1], entry K a sink
+  std::vector<int32_t> victims, rest;  // score policy, [C + 8]: victims are read up to 8 past the last miss
+  std::vector<int32_t> miss_t;         // [K + 8], entry K a sink, 8 entries of slack for vector stores
   std::vector<uint64_t> keys;
   std::vector<uint8_t> chosen;
 };
+
+// Slots of a row's top-k: hits keep theirs, misses in top-k order take the victims in order, padding -1;
+// the miss tokens are compacted into mt (scratch of K + 8 entries, entry K a sink). Portable loop: masks
+// instead of conditionals (the compiler would branch, and a miss is about as likely as not).
+KVO_ALWAYS_INLINE void assign_slots(
+    const int32_t* hit, const int32_t* tk, const int32_t* victims, int64_t K, int32_t* slots, int32_t* mt,
+    int64_t from = 0, int64_t j = 0) {
+  for (int64_t k = from; k < K; ++k) {
+    const int32_t h = hit[k];
+    const int32_t m = -static_cast<int32_t>(h == kMiss);
+    const int64_t m64 = m;
+    mt[(j & m64) | (K & ~m64)] = tk[k];
+    slots[k] = (victims[j] & m) | (std::max(h, -1) & ~m);
+    j -= m64;
+  }
+}
+
+#if KVO_RESIDENCY_AVX2
+// kLanes.pack[m]: the set lanes of the 8-bit mask m in increasing order (a vpermd control that
+// left-packs them); kLanes.expand[m]: lane l of m takes source lane popcount(m & ((1 << l) - 1)) (the
+// inverse, spreading consecutive values over the set lanes).
+struct LaneTables {
+  uint64_t pack[256];
+  uint64_t expand[256];
+  LaneTables() {
+    for (int m = 0; m < 256; ++m) {
+      pack[m] = 0;
+      expand[m] = 0;
+      int n = 0;
+      for (int lane = 0; lane < 8; ++lane) {
+        if ((m >> lane) & 1) {
+          pack[m] |= static_cast<uint64_t>(lane) << (8 * n);
+          expand[m] |= static_cast<uint64_t>(n) << (8 * lane);
+          ++n;
+        }
+      }
+    }
+  }
+};
+const LaneTables kLanes;
+
+inline __attribute__((target("avx2"))) __m256i lane_control(uint64_t bytes) {
+  return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes)));
+}
+
+// AVX2 version of assign_slots, 8 entries per step: the next victims are spread over the miss lanes and
+// the miss tokens left-packed, both with one lane permutation. Reads up to 7 victims past the last one
+// used (the scratch holding them has that slack).
+__attribute__((target("avx2,popcnt"))) void assign_slots_avx2(
+    const int32_t* hit, const int32_t* tk, const int32_t* victims, int64_t K, int32_t* slots, int32_t* mt) {
+  const __m256i v_miss = _mm256_set1_epi32(kMiss);
+  int64_t j = 0, k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hit + k));
+    const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tk + k));
+    const __m256i miss = _mm256_cmpeq_epi32(h, v_miss);
+    const int m = _mm256_movemask_ps(_mm256_castsi256_ps(miss));
+    const __m256i next = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(victims + j));
+    const __m256i spread = _mm256_permutevar8x32_epi32(next, lane_control(kLanes.expand[m]));
+    const __m256i kept = _mm256_max_epi32(h, v_miss);  // hits keep their slot, padding -> -1
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(slots + k), _mm256_blendv_epi8(kept, spread, miss));
+    _mm256_storeu_si256(
+        reinterpret_cast<__m256i*>(mt + j), _mm256_permutevar8x32_epi32(t, lane_control(kLanes.pack[m])));
+    j += _mm_popcnt_u32(static_cast<unsigned>(m));
+  }
+  assign_slots(hit, tk, victims, K, slots, mt, k, j);
+}
+#endif
 
 // Score policy: of the n_nonhit non-hit slots (LRU order), the victims are the empty ones first, then the
 // lowest-scoring residents (NaN and positions past the scores lowest, ties by LRU order). Returns the
@@ -785,18 +853,15 @@ KVO_ALWAYS_INLINE void apply_row(const Views& v, int64_t r, RowScratch& w) {
   // slots: hits keep theirs, misses in top-k order take the victims in order, padding -1 (the miss
   // tokens are compacted branch-free into a scratch row whose entry K is a sink)
   int32_t* mt = w.miss_t.data();
-  {
-    // masks instead of conditionals: the compiler would branch, and a miss is about as likely as not
-    int64_t j = 0;
-    for (int64_t k = 0; k < K; ++k) {
-      const int32_t h = hit[k];
-      const int32_t m = -static_cast<int32_t>(h == kMiss);
-      const int64_t m64 = m;
-      mt[(j & m64) | (K & ~m64)] = tk[k];
-      slots[k] = (victims[j] & m) | (std::max(h, -1) & ~m);
-      j -= m64;
-    }
+#if KVO_RESIDENCY_AVX2
+  if (v.simd) {
+    assign_slots_avx2(hit, tk, victims, K, slots, mt);
+  } else {
+    assign_slots(hit, tk, victims, K, slots, mt);
   }
+#else
+  assign_slots(hit, tk, victims, K, slots, mt);
+#endif
   int32_t evictions = 0;
   for (int64_t j = 0; j < n_miss; ++j) {
     const int32_t s = victims[j];
@@ -829,10 +894,10 @@ void plan_rows(const Views& v, int64_t begin, int64_t end, RowError* errors) {
 RowScratch new_row_scratch(const Views& v) {
   RowScratch w;
   const auto C = static_cast<size_t>(v.C);
-  w.miss_t.resize(static_cast<size_t>(v.K) + 1);
+  w.miss_t.resize(static_cast<size_t>(v.K) + 8);
   if (v.policy == Policy::kScore) {
-    w.victims.resize(C + 1);
-    w.rest.resize(C + 1);
+    w.victims.resize(C + 8);
+    w.rest.resize(C + 8);
     w.keys.resize(C);
     w.chosen.resize(C);
   }
@@ -876,7 +941,8 @@ void run_residency(const char* op, Views& v) {
   thread_local std::vector<int32_t> lists_buf;
   hit_buf.resize(std::max(hit_buf.size(), static_cast<size_t>(v.R * (v.K + 1))));
   counts_buf.resize(std::max(counts_buf.size(), static_cast<size_t>(2 * v.R)));
-  lists_buf.resize(std::max(lists_buf.size(), static_cast<size_t>(2 * v.R * (v.C + 1))));
+  // nonhit rows then hits rows; 8 entries of slack after the last: victims are read past the last miss
+  lists_buf.resize(std::max(lists_buf.size(), static_cast<size_t>(2 * v.R * (v.C + 1) + 8)));
   v.hit = hit_buf.data();
   v.row_counts = counts_buf.data();
   v.nonhit = lists_buf.data();

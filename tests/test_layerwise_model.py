@@ -47,15 +47,15 @@ class FaultyStore(LocalKVStore):
         self.got_layers: list[int] = []
         self._lk = threading.Lock()
 
-    def batch_put(self, keys, values) -> None:
+    def batch_put_blocks(self, keys, layout, blocks) -> None:
         if parse_layer_block_key(keys[0])[1] == self.fail_layer:
             raise OSError("injected save failure")
-        super().batch_put(keys, values)
+        super().batch_put_blocks(keys, layout, blocks)
 
-    def batch_get(self, keys, outs):
+    def batch_get_blocks(self, keys, layout, blocks):
         with self._lk:
             self.got_layers.append(parse_layer_block_key(keys[0])[1])
-        return super().batch_get(keys, outs)
+        return super().batch_get_blocks(keys, layout, blocks)
 
 
 @pytest.fixture(scope="module")

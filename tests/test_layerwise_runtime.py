@@ -48,20 +48,20 @@ class LoggingStore(LocalKVStore):
         with self._log_lock:
             self.log.append((what, layer, time.perf_counter()))
 
-    def batch_put(self, keys, values) -> None:
+    def batch_put_blocks(self, keys, layout, blocks) -> None:
         layer = parse_layer_block_key(keys[0])[1]
         self._note("put_start", layer)
         time.sleep(self.put_delay)
         if layer in self.fail_put_layers:
             self._note("put_failed", layer)
             raise OSError(f"injected put failure for layer {layer}")
-        super().batch_put(keys, values)
+        super().batch_put_blocks(keys, layout, blocks)
         self._note("put_end", layer)
 
-    def batch_get(self, keys, outs):
+    def batch_get_blocks(self, keys, layout, blocks):
         layer = parse_layer_block_key(keys[0])[1]
         self._note("get_start", layer)
-        out = super().batch_get(keys, outs)
+        out = super().batch_get_blocks(keys, layout, blocks)
         self._note("get_end", layer)
         return out
 

@@ -471,7 +471,7 @@ def test_lookup_leases_keep_the_prefix_under_eviction_pressure() -> None:
         assert all(store.batch_exists(prefix_keys))
         toks2 = [*toks[:12], *range(50, 63)]  # 3 cached + 3 new full blocks + 1 token
         seen = {}
-        cached, second = _forward(
+        cached, _ = _forward(
             rt,
             [toks2],
             [[4, 5, 6, 7, 8, 9, 10]],

@@ -299,7 +299,12 @@ def test_prefix_evicted_mid_forward_is_recomputed(model) -> None:
             runs.append(list(cached))
             off.attended.clear()
             return model.prefill(
-                toks, tables2, off.caches_of, cached, hooks=OpHooks(off.name), on_attention=off.attended.append
+                toks,
+                tables2,
+                off.caches_of,
+                cached,
+                hooks=OpHooks(off.name),
+                on_attention=off.attended.append,
             )
 
         got = off.rt.run_forward(toks, tables2, body)

@@ -467,7 +467,9 @@ def test_lookup_leases_keep_the_prefix_under_eviction_pressure() -> None:
     try:
         toks = list(range(13))
         _, first = _forward(rt, [toks], [[0, 1, 2, 3]])
-        prefix_keys = [k for layer in range(n) for k in layer_block_keys(block_hashes(toks, BS), layer, model_id="test")]
+        prefix_keys = [
+            k for layer in range(n) for k in layer_block_keys(block_hashes(toks, BS), layer, model_id="test")
+        ]
         assert all(store.batch_exists(prefix_keys))
         toks2 = [*toks[:12], *range(50, 63)]  # 3 cached + 3 new full blocks + 1 token
         seen = {}
@@ -475,7 +477,9 @@ def test_lookup_leases_keep_the_prefix_under_eviction_pressure() -> None:
             rt,
             [toks2],
             [[4, 5, 6, 7, 8, 9, 10]],
-            on_layer=lambda layer: seen.setdefault(layer, [t[[4, 5, 6]].clone() for t in rt.layer_caches(layer)]),
+            on_layer=lambda layer: seen.setdefault(
+                layer, [t[[4, 5, 6]].clone() for t in rt.layer_caches(layer)]
+            ),
         )
         assert cached == [12]
         for layer in range(n):

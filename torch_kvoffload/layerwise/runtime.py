@@ -257,6 +257,10 @@ class LayerwiseOffloadRuntime:
         self._reuse_staging = all(t.device.type == "cpu" for t in buffers.layer_caches(0))
         self._staging_buffers: dict[str, torch.Tensor] = {}
         self._leases: list[StoreLease] = []
+        self._load_hashes: list[str] = []
+        self._load_blocks: list[int] = []
+        self._save_hashes: list[str] = []
+        self._save_blocks: list[int] = []
         self._closed = False
 
     # ------------------------------------------------------------------------------------ layout
@@ -417,6 +421,7 @@ class LayerwiseOffloadRuntime:
             self._release_leases()
             raise
         self._requests = requests
+        self._plan_transfers(requests)
         self._in_forward = True
         self._current = -1
         self._loads = {}
@@ -552,11 +557,16 @@ class LayerwiseOffloadRuntime:
             raise SlotPoisonedError(self._poison_message(slot_id, f"after_cache_write({layer})"))
         self._sync_caches(layer, caches, into_buffers=True)
         external = [fn(slot_id, layer) for fn in self._providers]
-        keys, blocks = self._save_list(layer)
         events = list(external)
-        if keys:
+        if self._save_hashes:
+            # keys are made on the transfer thread: per-layer Python stays off the compute thread
             ev = self._save_stream.submit(
-                self._do_save, layer, slot_id, keys, blocks, after=[record_compute_event()]
+                self._do_save,
+                layer,
+                slot_id,
+                self._save_hashes,
+                self._save_blocks,
+                after=[record_compute_event()],
             )
             events.append(ev)
             self._pending.append(ev)
@@ -579,6 +589,7 @@ class LayerwiseOffloadRuntime:
         finally:
             self._in_forward = False
             self._requests, self._loads, self._pending = [], {}, []
+            self._plan_transfers([])
             self._current = -1
             self._release_leases()
         if first is not None:
@@ -727,7 +738,7 @@ class LayerwiseOffloadRuntime:
         A later layer's load is issued only once its buffer's previous user finished computing; the load
         itself runs after the slot's release events (that user's save, external readers).
         """
-        if not self._load_list_nonempty():
+        if not self._load_hashes:
             return
         first = max(start, self._current, 0)
         for layer in range(first, min(self.plan.num_layers, max(self._current, 0) + self.prefetch_depth + 1)):
@@ -746,44 +757,34 @@ class LayerwiseOffloadRuntime:
                 )
                 if not ready:
                     continue
-            keys, blocks = self._load_list(layer)
             self._loads[layer] = self._load_stream.submit(
-                self._do_load, layer, slot_id, keys, blocks, after=list(slot.release)
+                self._do_load,
+                layer,
+                slot_id,
+                self._requests,
+                self._load_hashes,
+                self._load_blocks,
+                after=list(slot.release),
             )
             if layer != self._current:
                 slot.handed_to = layer
 
-    def _load_list_nonempty(self) -> bool:
-        return any(q.num_cached_blocks for q in self._requests)
-
-    def _load_list(self, layer: int) -> tuple[list[str], list[int]]:
-        keys: list[str] = []
-        blocks: list[int] = []
-        for q in self._requests:
-            n = q.num_cached_blocks
-            if n:
-                keys += layer_block_keys(q.hashes[:n], layer, model_id=self.model_id)
-                blocks += q.block_ids[:n]
-        return keys, blocks
-
-    def _save_list(self, layer: int) -> tuple[list[str], list[int]]:
-        keys: list[str] = []
-        blocks: list[int] = []
+    def _plan_transfers(self, requests: list[_Request]) -> None:
+        """The blocks every layer loads and saves in this forward (the same for every layer): block
+        hashes and device block ids, loads in request order, saves without duplicates (requests of one
+        batch may share a prefix)."""
+        self._load_hashes, self._load_blocks = [], []
+        self._save_hashes, self._save_blocks = [], []
         seen: set[str] = set()
-        for q in self._requests:
-            lo, hi = q.num_cached_blocks, len(q.hashes)
-            if hi <= lo:
-                continue
-            for key, b in zip(
-                layer_block_keys(q.hashes[lo:hi], layer, model_id=self.model_id),
-                q.block_ids[lo:hi],
-                strict=True,
-            ):
-                if key not in seen:  # requests of one batch may share a prefix
-                    seen.add(key)
-                    keys.append(key)
-                    blocks.append(b)
-        return keys, blocks
+        for q in requests:
+            n = q.num_cached_blocks
+            self._load_hashes += q.hashes[:n]
+            self._load_blocks += q.block_ids[:n]
+            for h, b in zip(q.hashes[n:], q.block_ids[n : len(q.hashes)], strict=True):
+                if h not in seen:
+                    seen.add(h)
+                    self._save_hashes.append(h)
+                    self._save_blocks.append(b)
 
     def _wait_events(self, slot_id: int, layer: int, events: list[TransferEvent]) -> None:
         pending = [ev for ev in events if not ev.query()]
@@ -832,10 +833,12 @@ class LayerwiseOffloadRuntime:
             self._staging_buffers[kind] = buf
         return buf[:need].view(n, record_bytes)
 
-    def _evicted(self, layer: int, keys: list[str], found: list[bool]) -> PrefixEvictedError:
+    def _evicted(
+        self, layer: int, requests: list[_Request], keys: list[str], found: list[bool]
+    ) -> PrefixEvictedError:
         """The error of a load that found ``keys`` (the load list of ``layer``) partly missing."""
         usable, pos = [], 0
-        for q in self._requests:
+        for q in requests:
             n = q.num_cached_blocks
             row = found[pos : pos + n]
             usable.append((row.index(False) if False in row else n) * self.block_size)
@@ -849,23 +852,26 @@ class LayerwiseOffloadRuntime:
             missing_blocks=missing,
         )
 
-    def _do_load(self, layer: int, slot_id: int, keys: list[str], blocks: list[int]) -> None:
+    def _do_load(
+        self, layer: int, slot_id: int, requests: list[_Request], hashes: list[str], blocks: list[int]
+    ) -> None:
         start = time.perf_counter()
         lay = self._layouts[layer]
-        n = len(keys)
+        n = len(hashes)
         try:
+            keys = layer_block_keys(hashes, layer, model_id=self.model_id)
             if self._slots[slot_id].poison is not None:
                 raise SlotPoisonedError(self._poison_message(slot_id, f"load of layer {layer}"))
             if lay.records is not None:
                 # host buffers: the store writes the records straight into the layer's blocks
                 found = self.store.batch_get_blocks(keys, lay.records, blocks)
                 if False in found:
-                    raise self._evicted(layer, keys, found)
+                    raise self._evicted(layer, requests, keys, found)
             else:
                 staging = self._staging("load", n, lay.record_bytes)
                 found = self.store.batch_get(keys, list(staging.unbind(0)))
                 if False in found:
-                    raise self._evicted(layer, keys, found)
+                    raise self._evicted(layer, requests, keys, found)
                 mapping = torch.stack([torch.arange(n), torch.tensor(blocks, dtype=torch.int64)], dim=1)
                 for comp, view in zip(lay.components, self._staging_views(layer, staging), strict=True):
                     copy_blocks(view, comp, mapping)
@@ -883,11 +889,12 @@ class LayerwiseOffloadRuntime:
         self.counters.add("blocks_loaded", n)
         self.counters.add("bytes_loaded", n * lay.record_bytes)
 
-    def _do_save(self, layer: int, slot_id: int, keys: list[str], blocks: list[int]) -> None:
+    def _do_save(self, layer: int, slot_id: int, hashes: list[str], blocks: list[int]) -> None:
         start = time.perf_counter()
         lay = self._layouts[layer]
-        n = len(keys)
+        n = len(hashes)
         try:
+            keys = layer_block_keys(hashes, layer, model_id=self.model_id)
             if lay.records is not None:
                 self.store.batch_put_blocks(keys, lay.records, blocks)
             else:

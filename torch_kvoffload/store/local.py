@@ -207,13 +207,10 @@ class LocalKVStore(KVStore):
             self._release_region(entry.offset, entry.reserved)
 
     def _drop_hold(self, entry: _Entry) -> None:
-        """A reader or a lease let go of ``entry``: free a retired region, or wake waiting puts. Lock held."""
-        if entry.readers or entry.leases:
-            return
-        if entry.retired:
+        """A reader or a lease let go of ``entry``: free a retired region. Lock held; the caller wakes
+        waiting puts (the entry may be evictable again)."""
+        if not (entry.readers or entry.leases) and entry.retired:
             self._release_region(entry.offset, entry.reserved)
-        else:
-            self._cond.notify_all()  # evictable again
 
     def _evict_one(self) -> bool:
         for key, entry in self._index.items():
@@ -514,6 +511,7 @@ class LocalKVStore(KVStore):
                     if entry.leases == 0:
                         self._leased.pop(id(entry), None)
                     self._drop_hold(entry)
+                self._cond.notify_all()
 
         return StoreLease(keys, found, pinned=True, on_release=release)
 

@@ -45,6 +45,7 @@ from torch_kvoffload.device import (
     TransferError,
     TransferEvent,
     TransferStream,
+    accelerator_type,
     default_device,
     empty_host,
     record_compute_event,
@@ -255,6 +256,9 @@ class LayerwiseOffloadRuntime:
         self._pending: list[TransferEvent] = []
         self._entered: set[int] = set()
         self._reuse_staging = all(t.device.type == "cpu" for t in buffers.layer_caches(0))
+        # compute runs on this thread, so it is done when the runtime is called (record_compute_event
+        # would return an event that is already complete)
+        self._sync_compute = accelerator_type() == "cpu"
         self._staging_buffers: dict[str, torch.Tensor] = {}
         self._leases: list[StoreLease] = []
         self._load_hashes: list[str] = []
@@ -566,7 +570,7 @@ class LayerwiseOffloadRuntime:
                 slot_id,
                 self._save_hashes,
                 self._save_blocks,
-                after=[record_compute_event()],
+                after=self._compute_done(),
             )
             events.append(ev)
             self._pending.append(ev)
@@ -728,9 +732,14 @@ class LayerwiseOffloadRuntime:
         ev = None
         for slot in self._slots:
             if slot.occupant is not None and slot.occupant < layer and not slot.compute_done:
-                ev = ev or record_compute_event()
-                slot.release.append(ev)
+                if not self._sync_compute:
+                    ev = ev or record_compute_event()
+                    slot.release.append(ev)
                 slot.compute_done = True
+
+    def _compute_done(self) -> list[TransferEvent]:
+        """Events marking the compute submitted so far; none on CPU, where compute is synchronous."""
+        return [] if self._sync_compute else [record_compute_event()]
 
     def _issue_window(self, start: int) -> None:
         """Issue loads for the running layer and up to ``prefetch_depth`` layers after it.

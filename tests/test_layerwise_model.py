@@ -266,6 +266,8 @@ class DroppingStore(FaultyStore):
         super().__init__(*args, **kwargs)
         self.drop: set[str] = set()
 
+    pins_leases = False
+
     def lease(self, keys):
         return KVStore.lease(self, keys)
 

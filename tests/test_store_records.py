@@ -23,6 +23,8 @@ class DefaultPathStore(LocalKVStore):
     def batch_put_blocks(self, keys, layout, blocks):
         KVStore.batch_put_blocks(self, keys, layout, blocks)
 
+    pins_leases = False
+
     def lease(self, keys):
         return KVStore.lease(self, keys)
 
@@ -288,6 +290,7 @@ def test_lease_and_close() -> None:
 def test_default_lease_does_not_pin() -> None:
     store = DefaultPathStore(32)
     store.put("a", torch.zeros(4))
+    assert LocalKVStore.pins_leases and not KVStore.pins_leases
     with store.lease(["a", "b"]) as lease:
         assert not lease.pinned and lease.found == [True, False]
         store.put("c", torch.zeros(4))

@@ -344,8 +344,8 @@ class LayerwiseOffloadRuntime:
     def _lease_prefix(self, hashes: list[str], cap: int, *, fixed: bool) -> tuple[int, StoreLease | None]:
         """Lease blocks ``[0, cap)`` of every layer; return the prefix found (``cap`` when ``fixed``) and
         the lease covering exactly that prefix (pinning stores), or ``None`` when nothing is cached."""
-        if cap == 0:
-            return 0, None
+        if cap == 0 or (fixed and not self.store.pins_leases):
+            return cap, None  # nothing to load, or a lease that would only repeat a presence query
         lease = self.store.lease(self._prefix_keys(hashes, cap))
         cached = cap if fixed else self._prefix_of(lease.found, cap)
         if cached < cap and lease.pinned:

@@ -244,6 +244,8 @@ class KVStore(abc.ABC):
 
     capacity_bytes: int
     counters: Counters
+    #: Whether :meth:`lease` pins (keeps leased entries from eviction); ``False`` for the default.
+    pins_leases: bool = False
 
     # -------------------------------------------------------------------------------------- single
     @abc.abstractmethod

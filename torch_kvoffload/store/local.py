@@ -85,6 +85,8 @@ class LocalKVStore(KVStore):
     ``leases`` (leases taken), ``leased_keys`` (keys pinned by them).
     """
 
+    pins_leases = True
+
     def __init__(self, capacity_bytes: int, *, alignment: int = 1, pin_memory: bool | None = None) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
             raise TypeError(

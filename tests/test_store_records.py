@@ -333,3 +333,23 @@ def test_concurrent_leases_and_puts_keep_leased_values() -> None:
     assert not errors, errors[:3]
     assert store.leased_bytes == 0
     _check_invariants(store)
+
+
+def test_local_records_on_the_reference_kernel(monkeypatch) -> None:
+    """Without the C++ extension copy_blocks runs its pure-PyTorch reference: the overlapping arena
+    view must work there too (gather and scatter by byte offset)."""
+    import torch_kvoffload.store.local as local_mod
+    from torch_kvoffload.ops._registry import reference_kernel
+
+    monkeypatch.setattr(local_mod, "copy_blocks", reference_kernel("copy_blocks"))
+    g = torch.Generator().manual_seed(9)
+    src = _tensors(g)
+    lay = _layout(src, pad=1)
+    store = LocalKVStore(5 * lay.record_bytes + 3)  # odd capacity: records at unaligned offsets
+    store.put("skew", torch.zeros(3, dtype=torch.uint8))
+    store.batch_put_blocks(["a", "b", "c"], lay, [4, 1, 8])
+    dst = [torch.zeros_like(t) for t in src]
+    assert store.batch_get_blocks(["c", "a", "b"], _layout(dst, pad=1), [0, 2, 5]) == [True] * 3
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[[0, 2, 5]], s[[8, 4, 1]])
+    _check_invariants(store)

@@ -157,8 +157,8 @@ class RecordLayout:
         self.num_blocks = tensors[0].shape[0]
         self.byte_views: tuple[torch.Tensor, ...] = tuple(views)
 
-    def check_blocks(self, fn: str, blocks: Sequence[int] | torch.Tensor, n: int) -> torch.Tensor:
-        """``blocks`` as an ``int64 [n]`` CPU tensor, after checking length, range and distinctness."""
+    def check_blocks(self, fn: str, blocks: Sequence[int] | torch.Tensor, n: int) -> list[int]:
+        """``blocks`` as a list of ``n`` ints, after checking length, range and distinctness."""
         if isinstance(blocks, torch.Tensor):
             if blocks.dtype != torch.int64 or blocks.dim() != 1:
                 raise ValueError(
@@ -179,7 +179,7 @@ class RecordLayout:
                 raise IndexError(f"{fn}: 'blocks' holds {bad}, expected a block in [0, {self.num_blocks})")
             if len(set(ids)) != n:
                 raise ValueError(f"{fn}: 'blocks' must be distinct")
-        return torch.tensor(ids, dtype=torch.int64)
+        return ids
 
     def staging_parts(self, staging: torch.Tensor) -> list[torch.Tensor]:
         """Views ``uint8 [n, B_j]`` of the parts of a ``uint8 [n, record_bytes]`` record tensor."""
@@ -326,8 +326,7 @@ class KVStore(abc.ABC):
         found = self.batch_get(keys, list(staging.unbind(0)))
         hits = [i for i, f in enumerate(found) if f]
         if hits:
-            idx = torch.tensor(hits, dtype=torch.int64)
-            mapping = torch.stack([idx, b[idx]], dim=1)
+            mapping = torch.tensor([[i, b[i]] for i in hits], dtype=torch.int64)
             for part, view in zip(layout.staging_parts(staging), layout.byte_views, strict=True):
                 if part.shape[1]:
                     copy_blocks(part, view, mapping)
@@ -348,7 +347,7 @@ class KVStore(abc.ABC):
             return
         n = len(keys)
         staging = torch.zeros(n, layout.record_bytes, dtype=torch.uint8)
-        mapping = torch.stack([b, torch.arange(n)], dim=1)
+        mapping = torch.tensor([[blk, i] for i, blk in enumerate(b)], dtype=torch.int64)
         for part, view in zip(layout.staging_parts(staging), layout.byte_views, strict=True):
             if part.shape[1]:
                 copy_blocks(view, part, mapping)

@@ -199,7 +199,7 @@ class LocalKVStore(KVStore):
         self._free.insert(i, (start, end))
         self._held -= reserved
         assert self._held >= 0, "arena accounting went negative"
-        self._cond.notify_all()
+        # waiting puts are woken once per operation by the caller, not once per region
 
     def _retire(self, entry: _Entry) -> None:
         """Take a live entry out of service; free its region when no reader or lease holds it. Lock held."""
@@ -292,6 +292,7 @@ class LocalKVStore(KVStore):
                         break  # publish this round first: its regions are not evictable while written
                     if self._busy:
                         waited = True  # held bytes are being read or written right now: they free up
+                        self._cond.notify_all()  # regions this round freed may serve another put
                         self._cond.wait()
                         arena = self._check_open(fn)
                         continue
@@ -305,6 +306,7 @@ class LocalKVStore(KVStore):
                 pos += 1
             if pending:
                 self._busy += 1
+            self._cond.notify_all()  # regions freed by overwrites / evictions
         if waited:
             self.counters.add("put_waits")
         if skipped:
@@ -417,21 +419,31 @@ class LocalKVStore(KVStore):
         self,
         arena: torch.Tensor,
         layout: RecordLayout,
-        offsets: torch.Tensor,
-        blocks: torch.Tensor,
+        offsets: list[int],
+        blocks: list[int],
         *,
         out: bool,
     ) -> None:
-        """Move the records at arena ``offsets`` from / to ``blocks`` of every part (one kernel call each)."""
+        """Move the records at arena ``offsets`` from / to ``blocks`` of every part (one kernel call each).
+
+        Runs on transfer threads next to compute: the Python around the kernels is kept to one small
+        tensor per part (every interpreter step here holds the GIL the compute thread may need).
+        """
         for off, view in zip(layout.offsets, layout.byte_views, strict=True):
             part = view.shape[1]
             if part == 0:
                 continue
             records = self._records(arena, part)
             if out:
-                copy_blocks(records, view, torch.stack([offsets + off, blocks], dim=1))
+                m = torch.tensor(
+                    [[o + off, b] for o, b in zip(offsets, blocks, strict=True)], dtype=torch.int64
+                )
+                copy_blocks(records, view, m)
             else:
-                copy_blocks(view, records, torch.stack([blocks, offsets + off], dim=1))
+                m = torch.tensor(
+                    [[b, o + off] for o, b in zip(offsets, blocks, strict=True)], dtype=torch.int64
+                )
+                copy_blocks(view, records, m)
 
     def batch_get_blocks(
         self, keys: Sequence[str], layout: RecordLayout, blocks: Sequence[int] | torch.Tensor
@@ -453,9 +465,8 @@ class LocalKVStore(KVStore):
         try:
             hits = [i for i, entry in enumerate(found) if entry is not None]
             if hits and layout.record_bytes:
-                offsets = torch.tensor([found[i].offset for i in hits], dtype=torch.int64)  # type: ignore[union-attr]
-                dst = b if len(hits) == len(keys) else b[torch.tensor(hits, dtype=torch.int64)]
-                self._copy_parts(arena, layout, offsets, dst, out=True)
+                offsets = [found[i].offset for i in hits]  # type: ignore[union-attr]
+                self._copy_parts(arena, layout, offsets, [b[i] for i in hits], out=True)
                 got = len(hits) * layout.record_bytes
         finally:
             self._unpin(found)
@@ -477,9 +488,8 @@ class LocalKVStore(KVStore):
         def copy(arena: torch.Tensor, pending: list[tuple[_Entry, int]]) -> None:
             if not layout.record_bytes:
                 return
-            offsets = torch.tensor([entry.offset for entry, _ in pending], dtype=torch.int64)
-            src = b[torch.tensor([i for _, i in pending], dtype=torch.int64)]
-            self._copy_parts(arena, layout, offsets, src, out=False)
+            offsets = [entry.offset for entry, _ in pending]
+            self._copy_parts(arena, layout, offsets, [b[i] for _, i in pending], out=False)
 
         self._put_items(fn, items, copy)
 
@@ -538,6 +548,7 @@ class LocalKVStore(KVStore):
             if entry is None:
                 return False
             self._retire(entry)
+            self._cond.notify_all()
         self.counters.add("removes")
         return True
 
@@ -548,6 +559,7 @@ class LocalKVStore(KVStore):
             while self._index:
                 _, entry = self._index.popitem(last=False)
                 self._retire(entry)
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:

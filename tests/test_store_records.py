@@ -353,3 +353,20 @@ def test_local_records_on_the_reference_kernel(monkeypatch) -> None:
     for s, d in zip(src, dst, strict=True):
         assert torch.equal(d[[0, 2, 5]], s[[8, 4, 1]])
     _check_invariants(store)
+
+
+def test_same_size_overwrite_reuses_the_region_unless_held() -> None:
+    store = LocalKVStore(64)
+    store.put("a", torch.full((8,), 1.0))
+    offset = store._index["a"].offset
+    store.put("a", torch.full((8,), 2.0))  # nobody holds it: written in place
+    assert store._index["a"].offset == offset and store.used_bytes == store.stored_bytes == 32
+    # a reader in flight keeps the old bytes: the overwrite goes elsewhere
+    with store._cond:
+        _, pinned = store._pin("get", ["a"], [32], str)
+    store.put("a", torch.full((8,), 3.0))
+    assert store._index["a"].offset != offset and store.used_bytes == 64 and store.stored_bytes == 32
+    assert torch.equal(store._arena[offset : offset + 32].view(torch.float32), torch.full((8,), 2.0))
+    store._unpin(pinned)
+    assert store.used_bytes == 32 and _value(store, "a", 32) == 3.0
+    _check_invariants(store)

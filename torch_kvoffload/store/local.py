@@ -282,6 +282,14 @@ class LocalKVStore(KVStore):
             while pos < len(items):
                 key, nbytes, src = items[pos]
                 old = self._index.pop(key, None)
+                if old is not None and not (old.readers or old.leases) and old.nbytes == nbytes:
+                    # an overwrite of the same size nobody holds: write in place (hidden from readers
+                    # until published, like any new region), without freeing and reallocating
+                    old.retired = True
+                    self._stored -= nbytes
+                    pending.append((_Entry(key, old.offset, old.reserved, nbytes), src))
+                    pos += 1
+                    continue
                 if old is not None:
                     self._retire(old)
                 region = self._allocate(nbytes)

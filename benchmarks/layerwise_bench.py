@@ -3,8 +3,9 @@
 Workload (per forward, CPU): N MLA-shaped layers (``c_kv`` + ``k_pe``, fp32), one request whose prefix of
 ``--prefix-blocks`` blocks is in the host store (loaded for every layer) and ``--new-blocks`` new blocks
 that are computed and saved for every layer. Per-layer "compute" is one GEMM on the main thread, sized
-so that it takes about ``--compute-ratio`` x the measured per-layer transfer time; transfers run on the
-runtime's TransferStream worker thread (the C++ copies and the store's copies release the GIL).
+so that it takes about ``--compute-ratio`` x the measured per-layer transfer time (or exactly
+``--compute-ms``: the same compute for runtimes whose transfers differ in speed); transfers run on the
+runtime's TransferStream worker thread (the C++ copies release the GIL). ``--quick``: 3 repetitions.
 
 Measured side by side in one run:
 * per-layer compute time (compute alone, no runtime),
@@ -134,7 +135,15 @@ def main() -> None:
         default=1.5,
         help="per-layer compute / transfer time (prefill: compute dominates, transfers still matter)",
     )
+    p.add_argument(
+        "--compute-ms",
+        type=float,
+        default=None,
+        help="fix the per-layer compute time instead of calibrating it to the transfers (compares runtimes "
+        "whose transfers differ in speed against the same compute)",
+    )
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--quick", action="store_true", help="3 repetitions instead of --reps")
     p.add_argument("--streams", type=int, default=1, help="transfer streams (1: one worker thread)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (compute and copies)")
     p.add_argument(
@@ -145,6 +154,8 @@ def main() -> None:
     )
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "layerwise_bench.json"))
     args = p.parse_args()
+    if args.quick:
+        args.reps = 3
     torch.set_num_threads(args.threads)
     sys.setswitchinterval(args.switch_interval)
 
@@ -171,7 +182,16 @@ def main() -> None:
         return c["load_seconds"] + c["save_seconds"]
 
     compute = Compute(args.compute_dim)
-    compute.calibrate(args.compute_ratio * _median([transfer_alone() for _ in range(3)]) / args.layers)
+    per_layer = _median([transfer_alone() for _ in range(3)]) / args.layers
+
+    def compute_target() -> float:
+        if args.compute_ms is not None:
+            return args.compute_ms * 1e-3 * args.layers
+        return args.compute_ratio * _median([transfer_alone() for _ in range(3)])
+
+    compute.calibrate(
+        args.compute_ms * 1e-3 if args.compute_ms is not None else args.compute_ratio * per_layer
+    )
 
     def compute_alone() -> float:
         t0 = time.perf_counter()
@@ -181,7 +201,7 @@ def main() -> None:
 
     # refine the size on whole passes (a GEMM's time is not exactly linear in its rows)
     for _ in range(2):
-        target = args.compute_ratio * _median([transfer_alone() for _ in range(3)])
+        target = compute_target()
         got = _median([compute_alone() for _ in range(3)])
         compute.rows = max(1, round(compute.rows * target / got))
         print(

@@ -19,7 +19,8 @@ from torch_kvoffload.layerwise import (
     unregister_runtime,
 )
 from torch_kvoffload.ops import layer_prefetch, layer_save, layer_wait
-from torch_kvoffload.store.keys import parse_layer_block_key
+from torch_kvoffload.store.base import KVStore
+from torch_kvoffload.store.keys import block_hashes, layer_block_keys, parse_layer_block_key
 from torch_kvoffload.store.local import LocalKVStore
 
 CFG = MLAConfig()
@@ -47,15 +48,15 @@ class FaultyStore(LocalKVStore):
         self.got_layers: list[int] = []
         self._lk = threading.Lock()
 
-    def batch_put(self, keys, values) -> None:
+    def batch_put_blocks(self, keys, layout, blocks) -> None:
         if parse_layer_block_key(keys[0])[1] == self.fail_layer:
             raise OSError("injected save failure")
-        super().batch_put(keys, values)
+        super().batch_put_blocks(keys, layout, blocks)
 
-    def batch_get(self, keys, outs):
+    def batch_get_blocks(self, keys, layout, blocks):
         with self._lk:
             self.got_layers.append(parse_layer_block_key(keys[0])[1])
-        return super().batch_get(keys, outs)
+        return super().batch_get_blocks(keys, layout, blocks)
 
 
 @pytest.fixture(scope="module")
@@ -253,5 +254,71 @@ def test_injected_save_failure_stops_the_next_user(model) -> None:
         assert off.rt.poisoned_slots() == [1]
         with pytest.raises(TransferError, match="poisoned"):
             off.rt.begin_forward(toks2, _tables([23], start=20))
+    finally:
+        off.close()
+
+
+class DroppingStore(FaultyStore):
+    """A store that cannot pin what the lookup found (like a remote pool) and loses ``drop`` keys
+    between the lookup and the load that reads them."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.drop: set[str] = set()
+
+    pins_leases = False
+
+    def lease(self, keys):
+        return KVStore.lease(self, keys)
+
+    def batch_get_blocks(self, keys, layout, blocks):
+        for key in keys:
+            if key in self.drop:
+                self.drop.discard(key)
+                self.remove(key)
+        return super().batch_get_blocks(keys, layout, blocks)
+
+
+def test_prefix_evicted_mid_forward_is_recomputed(model) -> None:
+    """Blocks found at lookup vanish before their layers load; run_forward recomputes and the outputs
+    equal a run without offload."""
+    lens = [22, 15]
+    toks, tables = _prompts(lens, seed=21), _tables(lens)
+    expected, _ = _baseline(model, toks, tables)
+    store = DroppingStore(1 << 24)
+    off = Offload(model, store=store)
+    try:
+        off.run(toks, tables)  # fill the store with every full block of both requests
+        hashes = [block_hashes(t, CFG.block_size) for t in toks]
+        store.drop = {
+            layer_block_keys(hashes[0], 5, model_id="")[2],  # request 0 keeps blocks 0, 1 at layer 5
+            layer_block_keys(hashes[1], 3, model_id="")[0],  # request 1 loses its whole prefix at layer 3
+        }
+        tables2 = _tables(lens, start=12)
+        runs = []
+
+        def body(cached):
+            runs.append(list(cached))
+            off.attended.clear()
+            return model.prefill(
+                toks,
+                tables2,
+                off.caches_of,
+                cached,
+                hooks=OpHooks(off.name),
+                on_attention=off.attended.append,
+            )
+
+        got = off.rt.run_forward(toks, tables2, body)
+        assert runs[0] == [20, 12] and runs[-1] == [8, 0]
+        assert off.attended == list(range(CFG.num_layers))
+        assert off.rt.counters.get("forward_retries") == len(runs) - 1 >= 1
+        assert off.rt.counters.get("prefix_evictions") >= 1 and off.rt.poisoned_slots() == []
+        torch.testing.assert_close(got[0], expected[0][8:], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[1], expected[1])  # fully recomputed: same kernels, same bits
+        # the runtime is reusable: the next forward of the same prompts loads what was saved again
+        cached = off.rt.begin_forward(toks, tables)
+        off.rt.end_forward()
+        assert cached == [20, 12]
     finally:
         off.close()

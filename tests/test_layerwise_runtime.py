@@ -12,6 +12,7 @@ from torch_kvoffload.device import TransferError, TransferEvent
 from torch_kvoffload.layerwise import (
     LayerCacheSpec,
     LayerwiseOffloadRuntime,
+    PrefixEvictedError,
     SlotPoisonedError,
     StoreMissError,
     TensorSpec,
@@ -22,6 +23,7 @@ from torch_kvoffload.layerwise import (
     unregister_runtime,
 )
 from torch_kvoffload.ops import layer_prefetch, layer_save, layer_wait
+from torch_kvoffload.store.base import KVStore
 from torch_kvoffload.store.keys import block_hashes, layer_block_keys, parse_layer_block_key
 from torch_kvoffload.store.local import LocalKVStore
 
@@ -48,20 +50,20 @@ class LoggingStore(LocalKVStore):
         with self._log_lock:
             self.log.append((what, layer, time.perf_counter()))
 
-    def batch_put(self, keys, values) -> None:
+    def batch_put_blocks(self, keys, layout, blocks) -> None:
         layer = parse_layer_block_key(keys[0])[1]
         self._note("put_start", layer)
         time.sleep(self.put_delay)
         if layer in self.fail_put_layers:
             self._note("put_failed", layer)
             raise OSError(f"injected put failure for layer {layer}")
-        super().batch_put(keys, values)
+        super().batch_put_blocks(keys, layout, blocks)
         self._note("put_end", layer)
 
-    def batch_get(self, keys, outs):
+    def batch_get_blocks(self, keys, layout, blocks):
         layer = parse_layer_block_key(keys[0])[1]
         self._note("get_start", layer)
-        out = super().batch_get(keys, outs)
+        out = super().batch_get_blocks(keys, layout, blocks)
         self._note("get_end", layer)
         return out
 
@@ -342,17 +344,205 @@ def test_evicted_block_fails_the_load() -> None:
         cached = rt.begin_forward([toks], [[4, 5, 6, 7]])
         assert cached == [12]
         rt.end_forward()  # loads issued for layers 0..2 complete; now evict and retry
-        store.remove(layer_block_keys(block_hashes(toks, BS), 2, model_id="test")[0])
+        store.remove(layer_block_keys(block_hashes(toks, BS), 2, model_id="test")[1])
         rt.begin_forward([toks], [[4, 5, 6, 7]], num_cached_tokens=[12])
         rt.before_attention(0)
         rt.after_cache_write(0)
         rt.before_attention(1)
         rt.after_cache_write(1)
-        with pytest.raises(StoreMissError):
+        with pytest.raises(PrefixEvictedError) as info:
             rt.before_attention(2)
-        with pytest.raises(StoreMissError):
+        assert isinstance(info.value, StoreMissError)
+        assert (info.value.layer, info.value.usable_tokens, info.value.missing_blocks) == (2, [4], 1)
+        with pytest.raises(PrefixEvictedError):
             rt.end_forward()
-        assert rt.counters.get("load_failures") == 1
+        assert rt.counters.get("load_failures") == 1 and rt.counters.get("prefix_evictions") == 1
+        assert rt.poisoned_slots() == []  # nothing half-written is ever read: the runtime stays usable
+        assert store.leased_bytes == 0
+        cached, _ = _forward(rt, [toks], [[4, 5, 6, 7]])
+        assert cached == [4]
+    finally:
+        rt.close()
+
+
+class DroppingStore(LoggingStore):
+    """Like a remote pool: cannot pin what the lookup found, and drops ``drop`` keys right before the
+    load that reads them."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.drop: set[str] = set()
+
+    pins_leases = False
+
+    def lease(self, keys):
+        return KVStore.lease(self, keys)
+
+    def batch_get_blocks(self, keys, layout, blocks):
+        for key in keys:
+            if key in self.drop:
+                self.drop.discard(key)
+                self.remove(key)
+        return super().batch_get_blocks(keys, layout, blocks)
+
+
+def _two_requests():
+    return [list(range(13)), list(range(100, 109))]  # 3 and 2 full blocks
+
+
+def test_block_dropped_after_lookup_raises_prefix_evicted_and_runtime_stays_usable() -> None:
+    store = DroppingStore(1 << 22)
+    rt, _ = _make(n=4, b=2, indexer_layers=(1,), store=store)
+    try:
+        toks = _two_requests()
+        _, first = _forward(rt, toks, [[0, 1, 2, 3], [4, 5, 6]])
+        store.drop = {layer_block_keys(block_hashes(toks[0], BS), 2, model_id="test")[1]}
+        cached = rt.begin_forward(toks, [[7, 8, 9, 10], [11, 12, 13]])
+        assert cached == [12, 8]
+        for layer in range(2):
+            rt.before_attention(layer)
+            rt.after_cache_write(layer)
+        with pytest.raises(PrefixEvictedError, match="usable cached tokens per request: \\[4, 8\\]") as info:
+            rt.before_attention(2)
+        err = info.value
+        assert (err.layer, err.usable_tokens, err.missing_blocks) == (2, [4, 8], 1)
+        with pytest.raises(PrefixEvictedError) as info2:
+            rt.end_forward()
+        assert info2.value.usable_tokens == [4, 8]
+        assert rt.poisoned_slots() == [] and rt.counters.get("prefix_evictions") == 1
+        # the recovery: cap the prefix at what is usable; the model recomputes the rest
+        seen = {}
+
+        def check(layer):
+            seen[layer] = [t[[7, 11]].clone() for t in rt.layer_caches(layer)]
+
+        cached = rt.begin_forward(toks, [[7, 8, 9, 10], [11, 12, 13]], max_cached_tokens=[4, 4])
+        assert cached == [4, 4]
+        for layer in range(4):
+            rt.before_attention(layer)
+            check(layer)
+            rt.after_cache_write(layer)
+        rt.end_forward()
+        for layer in range(4):  # forward 1's blocks 0 (request 0) and 4 (request 1) were loaded
+            for got, ref in zip(seen[layer], first[layer], strict=True):
+                assert torch.equal(got, ref[[0, 4]]), layer
+    finally:
+        rt.close()
+
+
+def test_run_forward_recomputes_instead_of_failing() -> None:
+    store = DroppingStore(1 << 22)
+    rt, _ = _make(n=4, b=2, indexer_layers=(1,), store=store, depth=1)
+    try:
+        toks = _two_requests()
+        _forward(rt, toks, [[0, 1, 2, 3], [4, 5, 6]])
+        keys1 = layer_block_keys(block_hashes(toks[1], BS), 3, model_id="test")
+        store.drop = {keys1[0]}
+        runs = []
+
+        def body(cached):
+            runs.append(list(cached))
+            for layer in range(4):
+                rt.before_attention(layer)
+                rt.after_cache_write(layer)
+            return "done"
+
+        assert rt.run_forward(toks, [[7, 8, 9, 10], [11, 12, 13]], body) == "done"
+        assert runs == [[12, 8], [12, 0]]
+        assert rt.counters.get("forward_retries") == 1 and rt.poisoned_slots() == []
+        # an error that is not an eviction closes the forward and propagates
+        with pytest.raises(ZeroDivisionError):
+            rt.run_forward(toks, [[7, 8, 9, 10], [11, 12, 13]], lambda cached: 1 / 0)
+        assert rt.run_forward(toks, [[7, 8, 9, 10], [11, 12, 13]], body) == "done"
+    finally:
+        rt.close()
+
+
+def test_lookup_leases_keep_the_prefix_under_eviction_pressure() -> None:
+    """The forward's own saves need room; the leased prefix is never what gets evicted."""
+    n = 3
+    rt, _ = _make(n=n, b=1, indexer_layers=(1,), depth=1, store=LoggingStore(1))
+    rt.close()
+    rec = [rt.record_bytes(layer) for layer in range(n)]
+    store = LoggingStore(3 * sum(rec) + 3 * max(rec))  # the prefix, and new blocks of one layer
+    rt, _ = _make(n=n, b=1, indexer_layers=(1,), depth=1, store=store)
+    try:
+        toks = list(range(13))
+        _, first = _forward(rt, [toks], [[0, 1, 2, 3]])
+        prefix_keys = [
+            k for layer in range(n) for k in layer_block_keys(block_hashes(toks, BS), layer, model_id="test")
+        ]
+        assert all(store.batch_exists(prefix_keys))
+        toks2 = [*toks[:12], *range(50, 63)]  # 3 cached + 3 new full blocks + 1 token
+        seen = {}
+        cached, _ = _forward(
+            rt,
+            [toks2],
+            [[4, 5, 6, 7, 8, 9, 10]],
+            on_layer=lambda layer: seen.setdefault(
+                layer, [t[[4, 5, 6]].clone() for t in rt.layer_caches(layer)]
+            ),
+        )
+        assert cached == [12]
+        for layer in range(n):
+            for got, ref in zip(seen[layer], first[layer], strict=True):
+                assert torch.equal(got, ref[:3]), layer
+        assert rt.counters.get("leased_blocks") == 3 * n
+        assert all(store.batch_exists(prefix_keys))  # never evicted under the forward's saves
+        assert store.counters.get("evictions") > 0  # the new blocks evicted each other instead
+        assert store.used_bytes <= store.capacity_bytes and store.leased_bytes == 0
+        with store._cond:
+            assert store._stored == sum(e.nbytes for e in store._index.values()) == store._held
+    finally:
+        rt.close()
+
+
+def test_leases_are_released_on_every_path() -> None:
+    store = LoggingStore(1 << 22)
+    rt, _ = _make(n=3, b=1, indexer_layers=(), store=store)
+    try:
+        toks = list(range(13))
+        _forward(rt, [toks], [[0, 1, 2, 3]])
+        # a save fails: end_forward raises, the leases are gone
+        store.fail_put_layers = {1}
+        with pytest.raises(TransferError):
+            _forward(rt, [[*toks[:12], 9, 9, 9, 9, 9]], [[4, 5, 6, 7, 8]])
+        assert store.leased_bytes == 0
+        rt.reset()
+        store.fail_put_layers = set()
+        # begin_forward fails validating request 1 after leasing request 0's prefix
+        with pytest.raises(IndexError):
+            rt.begin_forward([toks, list(range(5))], [[4, 5, 6, 7], [99, 100]])
+        assert store.leased_bytes == 0
+        # an aborted forward, closed with end_forward
+        rt.begin_forward([toks], [[4, 5, 6, 7]])
+        assert store.leased_bytes > 0
+        rt.before_attention(0)
+        rt.end_forward()
+        assert store.leased_bytes == 0
+        # close() in the middle of a forward
+        rt.begin_forward([toks], [[4, 5, 6, 7]])
+        assert store.leased_bytes > 0
+    finally:
+        rt.close()
+    assert store.leased_bytes == 0
+
+
+def test_max_cached_tokens_arguments() -> None:
+    rt, _ = _make(n=2, b=1, indexer_layers=())
+    try:
+        toks = list(range(13))
+        _forward(rt, [toks], [[0, 1, 2, 3]])
+        assert rt.begin_forward([toks], [[4, 5, 6, 7]], max_cached_tokens=[7]) == [4]  # whole blocks
+        rt.end_forward()
+        assert rt.begin_forward([toks], [[4, 5, 6, 7]], max_cached_tokens=[100]) == [12]
+        rt.end_forward()
+        with pytest.raises(ValueError, match="not both"):
+            rt.begin_forward([toks], [[4, 5, 6, 7]], [4], max_cached_tokens=[4])
+        with pytest.raises(ValueError, match="'max_cached_tokens' has 2 entries"):
+            rt.begin_forward([toks], [[4, 5, 6, 7]], max_cached_tokens=[4, 4])
+        with pytest.raises(ValueError, match=r"max_cached_tokens\[0\] must be an int >= 0"):
+            rt.begin_forward([toks], [[4, 5, 6, 7]], max_cached_tokens=[-4])
     finally:
         rt.close()
 

@@ -330,7 +330,7 @@ def test_put_waits_for_reader_then_evicts() -> None:
     store.put("a", torch.full((8,), 7.0))  # fills the store
     out = torch.empty(8)
     with store._cond:
-        _, pinned = store._pin("get", ["a"], [out])
+        _, pinned = store._pin("get", ["a"], [out.nbytes], str)
     done = threading.Event()
     t = threading.Thread(target=lambda: (store.put("b", torch.full((8,), 9.0)), done.set()))
     t.start()
@@ -348,7 +348,7 @@ def test_remove_while_reading_defers_free() -> None:
     store = LocalKVStore(32)
     store.put("a", torch.full((8,), 7.0))
     with store._cond:
-        _, pinned = store._pin("get", ["a"], [torch.empty(8)])
+        _, pinned = store._pin("get", ["a"], [32], str)
     assert store.remove("a")
     assert not store.exists("a") and store.used_bytes == 32  # still held by the reader
     store._unpin(pinned)

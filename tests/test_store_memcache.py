@@ -268,3 +268,28 @@ def test_factory_builds_memcache(fake, tmp_path) -> None:
     store = create_store("memcache", capacity_bytes="1KiB", device_id=2)
     assert isinstance(store, MemcacheKVStore) and store.capacity_bytes == 1024
     assert fake.instances[-1].calls[0] == ("init", 2, True)
+
+
+def test_records_and_leases_through_the_default_path(fake) -> None:
+    """batch_put_blocks / batch_get_blocks go through staging and the pool's batch calls; lease does
+    not pin (the pool evicts on its own)."""
+    from torch_kvoffload.store.base import RecordLayout
+
+    store = _store()
+    client = fake.instances[-1]
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(6, 4, 8, generator=g), torch.randint(-9, 9, (6, 4, 3), dtype=torch.int8, generator=g)
+    lay = RecordLayout([a, b], [0, 128], 144)
+    store.batch_put_blocks(["r0", "r1"], lay, [5, 2])
+    assert client.data["r0"][:128] == a[5].reshape(-1).view(torch.uint8).numpy().tobytes()
+    assert client.data["r1"][128:140] == b[2].reshape(-1).view(torch.uint8).numpy().tobytes()
+    da, db = torch.zeros_like(a), torch.zeros_like(b)
+    assert store.batch_get_blocks(["r1", "rx", "r0"], RecordLayout([da, db], [0, 128], 144), [0, 1, 3]) == [
+        True,
+        False,
+        True,
+    ]
+    for src, dst in ((a, da), (b, db)):
+        assert torch.equal(dst[[0, 3]], src[[2, 5]]) and not dst[[1, 2, 4, 5]].any()
+    lease = store.lease(["r0", "rx"])
+    assert not lease.pinned and lease.found == [True, False]

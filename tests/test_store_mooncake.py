@@ -258,3 +258,22 @@ def test_factory_builds_mooncake(master) -> None:
         assert store.get("factory/a", out) and torch.equal(out, torch.arange(10))
     finally:
         store.close()
+
+
+def test_records_and_leases_through_the_default_path(client) -> None:
+    """batch_put_blocks / batch_get_blocks (staging + the pool's batch calls) and lease (no pinning)."""
+    from torch_kvoffload.store.base import RecordLayout
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(6, 4, 8, generator=g), torch.randint(-9, 9, (6, 4, 3), dtype=torch.int8, generator=g)
+    lay = RecordLayout([a, b], [0, 128], 144)
+    keys = ["rec/0", "rec/1", "rec/2"]
+    client.batch_put_blocks(keys, lay, [5, 0, 3])
+    da, db = torch.zeros_like(a), torch.zeros_like(b)
+    hits = client.batch_get_blocks([*keys, "rec/none"], RecordLayout([da, db], [0, 128], 144), [1, 2, 4, 0])
+    assert hits == [True, True, True, False]
+    for src, dst in ((a, da), (b, db)):
+        assert torch.equal(dst[[1, 2, 4]], src[[5, 0, 3]]) and not dst[[0, 3, 5]].any()
+    lease = client.lease([*keys, "rec/none"])
+    assert not lease.pinned and lease.found == [True, True, True, False]
+    lease.release()

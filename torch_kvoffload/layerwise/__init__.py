@@ -6,6 +6,7 @@ from torch_kvoffload.layerwise.planner import LayerBufferPlan, LayerCacheSpec, T
 from torch_kvoffload.layerwise.runtime import (
     CompletionProvider,
     LayerwiseOffloadRuntime,
+    PrefixEvictedError,
     SlotPoisonedError,
     StoreMissError,
     get_runtime,
@@ -20,6 +21,7 @@ __all__ = [
     "LayerCacheSpec",
     "LayerwiseConfig",
     "LayerwiseOffloadRuntime",
+    "PrefixEvictedError",
     "SlotPoisonedError",
     "StoreMissError",
     "TensorSpec",

@@ -17,7 +17,16 @@ not handed out again until :meth:`LayerwiseOffloadRuntime.reset`.
 
 Store records: one key per (layer, full block) from ``torch_kvoffload.store.keys``; the value is the
 block's bundle — every cache component of the layer (main, then indexer) for that block, each at a
-16-byte aligned offset inside one ``uint8`` record.
+16-byte aligned offset inside one ``uint8`` record. With host (CPU) buffers a layer's blocks move between
+the store and the buffers in one store call per layer (:meth:`KVStore.batch_get_blocks` /
+``batch_put_blocks``); the embedded store does that with one ``copy_blocks`` kernel per component, no
+staging copy. With device buffers the records go through a pinned host staging tensor.
+
+Evicted prefixes: ``begin_forward`` leases the blocks it found (:meth:`KVStore.lease`); a store that can
+pin (the embedded one) then keeps them until ``end_forward``. A store that cannot pin may drop a block
+before its layer loads it: the load raises :class:`PrefixEvictedError` (which layer, how many prefix
+tokens per request are still usable), the runtime stays usable, and :meth:`LayerwiseOffloadRuntime.run_forward`
+reruns the forward with the prefix cut there so the model recomputes instead of failing.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -35,6 +45,7 @@ from torch_kvoffload.device import (
     TransferError,
     TransferEvent,
     TransferStream,
+    accelerator_type,
     default_device,
     empty_host,
     record_compute_event,
@@ -43,7 +54,7 @@ from torch_kvoffload.layerwise.allocation import LayerBuffers
 from torch_kvoffload.layerwise.planner import LayerBufferPlan
 from torch_kvoffload.ops import layer_hooks
 from torch_kvoffload.ops.copy import copy_blocks
-from torch_kvoffload.store.base import KVStore
+from torch_kvoffload.store.base import KVStore, RecordLayout, StoreLease
 from torch_kvoffload.store.keys import block_hashes, layer_block_keys
 
 logger = logging.getLogger(__name__)
@@ -52,6 +63,7 @@ __all__ = [
     "COUNTER_NAMES",
     "CompletionProvider",
     "LayerwiseOffloadRuntime",
+    "PrefixEvictedError",
     "SlotPoisonedError",
     "StoreMissError",
     "get_runtime",
@@ -79,11 +91,39 @@ COUNTER_NAMES = (
     "wait_seconds",
     "load_seconds",  # transfer-thread time spent loading (store reads + host->device copies)
     "save_seconds",  # transfer-thread time spent saving (device->host copies + store writes)
+    "leased_blocks",  # store records pinned by begin_forward's leases (pinning stores only)
+    "prefix_evictions",  # loads that found blocks of the looked-up prefix gone
+    "forward_retries",  # forwards rerun by run_forward with a shorter prefix
 )
+
+T = TypeVar("T")
 
 
 class StoreMissError(TransferError):
     """A block found at lookup was gone when its layer was loaded (evicted in between)."""
+
+
+class PrefixEvictedError(StoreMissError):
+    """Blocks of the cached prefix were gone from the store when layer ``layer`` loaded them.
+
+    Happens only with stores that cannot pin what ``begin_forward`` found (``StoreLease.pinned`` false:
+    remote pools evict on their own). The forward cannot continue — the layer's cached tokens are
+    missing — but nothing is poisoned: close it with ``end_forward()`` (which raises this error again)
+    and run it again with ``begin_forward(..., max_cached_tokens=err.usable_tokens)``, or let
+    :meth:`LayerwiseOffloadRuntime.run_forward` do both.
+
+    Attributes:
+        layer: the layer whose load found blocks missing.
+        usable_tokens: per request, the cached tokens still usable: its prefix up to the first missing
+            block of ``layer`` (never more than the request's cached tokens of this forward).
+        missing_blocks: blocks of ``layer`` that were missing.
+    """
+
+    def __init__(self, message: str, *, layer: int, usable_tokens: list[int], missing_blocks: int) -> None:
+        super().__init__(message)
+        self.layer = layer
+        self.usable_tokens = list(usable_tokens)
+        self.missing_blocks = missing_blocks
 
 
 class SlotPoisonedError(TransferError):
@@ -112,12 +152,23 @@ class _Layout:
     components: tuple[torch.Tensor, ...]
     offsets: tuple[int, ...]
     record_bytes: int
+    records: RecordLayout | None  # the components as store records; None for device buffers
 
 
 def _failure(exc: TransferError, context: str) -> TransferError:
     """A waiter's error: the class of the transfer's own failure when it is a TransferError (e.g.
-    StoreMissError), else SlotPoisonedError; the message names the context and the cause."""
+    PrefixEvictedError, with its attributes), else SlotPoisonedError; the message names the context and
+    the cause."""
     cause = exc.__cause__
+    if isinstance(cause, PrefixEvictedError):
+        err: TransferError = PrefixEvictedError(
+            f"{context}: {cause}",
+            layer=cause.layer,
+            usable_tokens=cause.usable_tokens,
+            missing_blocks=cause.missing_blocks,
+        )
+        err.__cause__ = cause
+        return err
     cls = type(cause) if isinstance(cause, TransferError) else SlotPoisonedError
     err = cls(f"{context}: {cause if cause is not None else exc}")
     err.__cause__ = cause if cause is not None else exc
@@ -205,7 +256,15 @@ class LayerwiseOffloadRuntime:
         self._pending: list[TransferEvent] = []
         self._entered: set[int] = set()
         self._reuse_staging = all(t.device.type == "cpu" for t in buffers.layer_caches(0))
+        # compute runs on this thread, so it is done when the runtime is called (record_compute_event
+        # would return an event that is already complete)
+        self._sync_compute = accelerator_type() == "cpu"
         self._staging_buffers: dict[str, torch.Tensor] = {}
+        self._leases: list[StoreLease] = []
+        self._load_hashes: list[str] = []
+        self._load_blocks: list[int] = []
+        self._save_hashes: list[str] = []
+        self._save_blocks: list[int] = []
         self._closed = False
 
     # ------------------------------------------------------------------------------------ layout
@@ -215,7 +274,8 @@ class LayerwiseOffloadRuntime:
         for c in comps:
             offsets.append(off)
             off = _aligned(off + c[0].nbytes)
-        return _Layout(comps, tuple(offsets), off)
+        direct = all(c.device.type == "cpu" and c.is_contiguous() for c in comps)
+        return _Layout(comps, tuple(offsets), off, RecordLayout(comps, offsets, off) if direct else None)
 
     def _staging_views(self, layer: int, staging: torch.Tensor) -> list[torch.Tensor]:
         lay = self._layouts[layer]
@@ -264,15 +324,46 @@ class LayerwiseOffloadRuntime:
         cap = min(len(hashes), self._max_cacheable_blocks(num_tokens))
         if cap == 0:
             return 0
+        return self._prefix_of(self.store.batch_exists(self._prefix_keys(hashes, cap)), cap)
+
+    def _prefix_keys(self, hashes: list[str], n: int) -> list[str]:
+        """Keys of blocks ``[0, n)`` of every layer, layer-major."""
         keys: list[str] = []
         for layer in range(self.plan.num_layers):
-            keys += layer_block_keys(hashes[:cap], layer, model_id=self.model_id)
-        found = self.store.batch_exists(keys)
+            keys += layer_block_keys(hashes[:n], layer, model_id=self.model_id)
+        return keys
+
+    def _prefix_of(self, found: list[bool], cap: int) -> int:
+        """Longest prefix (in blocks, ``<= cap``) present for every layer in a layer-major ``found``."""
         cached = cap
         for layer in range(self.plan.num_layers):
             row = found[layer * cap : (layer + 1) * cap]
             cached = min(cached, row.index(False) if False in row else cap)
         return cached
+
+    def _lease_prefix(self, hashes: list[str], cap: int, *, fixed: bool) -> tuple[int, StoreLease | None]:
+        """Lease blocks ``[0, cap)`` of every layer; return the prefix found (``cap`` when ``fixed``) and
+        the lease covering exactly that prefix (pinning stores), or ``None`` when nothing is cached."""
+        if cap == 0 or (fixed and not self.store.pins_leases):
+            return cap, None  # nothing to load, or a lease that would only repeat a presence query
+        lease = self.store.lease(self._prefix_keys(hashes, cap))
+        cached = cap if fixed else self._prefix_of(lease.found, cap)
+        if cached < cap and lease.pinned:
+            # keep only what the forward loads; blocks past the prefix must stay evictable
+            narrowed = self.store.lease(self._prefix_keys(hashes, cached)) if cached else None
+            lease.release()
+            lease = narrowed
+        elif cached == 0:
+            lease.release()
+            lease = None
+        if lease is not None and lease.pinned:
+            self.counters.add("leased_blocks", sum(lease.found))
+        return cached, lease
+
+    def _release_leases(self) -> None:
+        leases, self._leases = self._leases, []
+        for lease in leases:
+            lease.release()
 
     # -------------------------------------------------------------------------------- forward
     def begin_forward(
@@ -280,14 +371,19 @@ class LayerwiseOffloadRuntime:
         token_ids: Sequence[Sequence[int] | torch.Tensor],
         block_tables: Sequence[Sequence[int]] | torch.Tensor,
         num_cached_tokens: Sequence[int] | None = None,
+        *,
+        max_cached_tokens: Sequence[int] | None = None,
     ) -> list[int]:
         """Start a prefill forward of a batch; return the cached tokens of each request.
 
         ``token_ids[r]``: all tokens of request ``r`` (prefix included). ``block_tables``: ``[R, max_blocks]``
         device block ids (``-1`` padding allowed past the blocks a request needs), or a list of lists.
         ``num_cached_tokens``: per request, tokens to load instead of compute (multiples of ``block_size``);
-        default: :meth:`lookup`. The model computes tokens ``[cached, len)`` of each request and attends to
-        all ``[0, len)``. Loads of the first layers start here.
+        default: :meth:`lookup`. ``max_cached_tokens``: per request, an upper bound on the looked-up
+        prefix (``>= 0``; rounded down to whole blocks) — e.g. ``PrefixEvictedError.usable_tokens``. The
+        model computes tokens ``[cached, len)`` of each request and attends to all ``[0, len)``. The blocks
+        to load are leased in the store until :meth:`end_forward` (pinned where the store can pin). Loads
+        of the first layers start here.
         """
         if self._closed:
             raise RuntimeError("LayerwiseOffloadRuntime.begin_forward: the runtime is closed")
@@ -313,6 +409,39 @@ class LayerwiseOffloadRuntime:
             raise ValueError(
                 f"begin_forward: 'num_cached_tokens' has {len(num_cached_tokens)} entries, expected {len(token_ids)}"
             )
+        if max_cached_tokens is not None:
+            if num_cached_tokens is not None:
+                raise ValueError("begin_forward: pass 'num_cached_tokens' or 'max_cached_tokens', not both")
+            if len(max_cached_tokens) != len(token_ids):
+                raise ValueError(
+                    f"begin_forward: 'max_cached_tokens' has {len(max_cached_tokens)} entries, expected {len(token_ids)}"
+                )
+            for r, m in enumerate(max_cached_tokens):
+                if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+                    raise ValueError(f"begin_forward: max_cached_tokens[{r}] must be an int >= 0, got {m!r}")
+        try:
+            requests = self._plan_requests(token_ids, block_tables, num_cached_tokens, max_cached_tokens)
+        except BaseException:
+            self._release_leases()
+            raise
+        self._requests = requests
+        self._plan_transfers(requests)
+        self._in_forward = True
+        self._current = -1
+        self._loads = {}
+        self._pending = []
+        self._entered = set()
+        self._issue_window(0)
+        return [q.num_cached_blocks * self.block_size for q in requests]
+
+    def _plan_requests(
+        self,
+        token_ids: Sequence[Sequence[int] | torch.Tensor],
+        block_tables: Sequence[Sequence[int]],
+        num_cached_tokens: Sequence[int] | None,
+        max_cached_tokens: Sequence[int] | None,
+    ) -> list[_Request]:
+        """Validate the batch, look its prefixes up and lease them (``self._leases``)."""
         requests: list[_Request] = []
         used: dict[int, int] = {}
         for r, (toks, table) in enumerate(zip(token_ids, block_tables, strict=True)):
@@ -335,7 +464,10 @@ class LayerwiseOffloadRuntime:
                 used[b] = r
             hashes = block_hashes(toks, self.block_size, salt=self.salt)
             if num_cached_tokens is None:
-                cached = self._cached_blocks(hashes, n)
+                cap = min(len(hashes), self._max_cacheable_blocks(n))
+                if max_cached_tokens is not None:
+                    cap = min(cap, max_cached_tokens[r] // self.block_size)
+                cached, lease = self._lease_prefix(hashes, cap, fixed=False)
             else:
                 c = num_cached_tokens[r]
                 if isinstance(c, bool) or not isinstance(c, int) or c < 0 or c % self.block_size:
@@ -348,17 +480,13 @@ class LayerwiseOffloadRuntime:
                     raise ValueError(
                         f"begin_forward: num_cached_tokens[{r}] = {c} leaves no token of {n} to compute"
                     )
+                _, lease = self._lease_prefix(hashes, cached, fixed=True)
+            if lease is not None:
+                self._leases.append(lease)
             self.counters.add("store_hits", cached)
             self.counters.add("store_misses", len(hashes) - cached)
             requests.append(_Request(hashes, ids, cached))
-        self._requests = requests
-        self._in_forward = True
-        self._current = -1
-        self._loads = {}
-        self._pending = []
-        self._entered = set()
-        self._issue_window(0)
-        return [q.num_cached_blocks * self.block_size for q in requests]
+        return requests
 
     def prefetch(self, layer: int, caches: Sequence[torch.Tensor] | None = None) -> None:
         """Issue the loads of ``layer .. layer + prefetch_depth`` whose buffers may be overwritten now.
@@ -433,11 +561,16 @@ class LayerwiseOffloadRuntime:
             raise SlotPoisonedError(self._poison_message(slot_id, f"after_cache_write({layer})"))
         self._sync_caches(layer, caches, into_buffers=True)
         external = [fn(slot_id, layer) for fn in self._providers]
-        keys, blocks = self._save_list(layer)
         events = list(external)
-        if keys:
+        if self._save_hashes:
+            # keys are made on the transfer thread: per-layer Python stays off the compute thread
             ev = self._save_stream.submit(
-                self._do_save, layer, slot_id, keys, blocks, after=[record_compute_event()]
+                self._do_save,
+                layer,
+                slot_id,
+                self._save_hashes,
+                self._save_blocks,
+                after=self._compute_done(),
             )
             events.append(ev)
             self._pending.append(ev)
@@ -460,14 +593,80 @@ class LayerwiseOffloadRuntime:
         finally:
             self._in_forward = False
             self._requests, self._loads, self._pending = [], {}, []
+            self._plan_transfers([])
             self._current = -1
+            self._release_leases()
         if first is not None:
             raise first
+
+    def run_forward(
+        self,
+        token_ids: Sequence[Sequence[int] | torch.Tensor],
+        block_tables: Sequence[Sequence[int]] | torch.Tensor,
+        body: Callable[[list[int]], T],
+        *,
+        num_cached_tokens: Sequence[int] | None = None,
+        max_cached_tokens: Sequence[int] | None = None,
+    ) -> T:
+        """``begin_forward``, ``body(cached)``, ``end_forward`` — recomputing instead of failing when the
+        store dropped part of the prefix.
+
+        ``body(cached)`` runs every layer of the model (``before_attention`` / ``after_cache_write`` or the
+        hook ops) for the cached token counts it is given, and returns the model's outputs. If a load finds
+        its blocks gone (:class:`PrefixEvictedError`, from ``body`` or ``end_forward``), the forward is
+        closed and run again from the first layer with each request's prefix cut to the tokens still
+        usable. Every retry caches strictly fewer blocks, so this ends — at worst with the whole prompt
+        recomputed. Any other error closes the forward and propagates.
+        """
+        if isinstance(block_tables, torch.Tensor):
+            block_tables = block_tables.tolist()
+        fixed, caps = num_cached_tokens, max_cached_tokens
+        while True:
+            cached = self.begin_forward(
+                token_ids, block_tables, fixed, **({} if fixed is not None else {"max_cached_tokens": caps})
+            )
+            try:
+                out = body(cached)
+            except PrefixEvictedError as exc:
+                evicted = exc
+                self._end_quietly()
+            except BaseException:
+                self._end_quietly()
+                raise
+            else:
+                try:
+                    self.end_forward()
+                    return out
+                except PrefixEvictedError as exc:
+                    evicted = exc
+            cut = [min(c, u) for c, u in zip(cached, evicted.usable_tokens, strict=True)]
+            assert sum(cut) < sum(cached), "a prefix eviction must shorten the prefix"
+            logger.warning(
+                "layerwise: layer %d found %d prefix block(s) evicted; recomputing with cached tokens %s "
+                "instead of %s",
+                evicted.layer,
+                evicted.missing_blocks,
+                cut,
+                cached,
+            )
+            self.counters.add("forward_retries")
+            if fixed is not None:
+                fixed = cut
+            else:
+                caps = cut
+
+    def _end_quietly(self) -> None:
+        """Close a forward that already raised; its transfer failures were (or will be) reported."""
+        try:
+            self.end_forward()
+        except TransferError as exc:
+            logger.debug("layerwise: end_forward of an aborted forward: %s", exc)
 
     def reset(self) -> None:
         """Clear poisoned slots (their contents are garbage until a layer rewrites them)."""
         if self._in_forward:
             raise RuntimeError("LayerwiseOffloadRuntime.reset: a forward is running; call end_forward()")
+        self._release_leases()
         with self._lock:
             for slot in self._slots:
                 slot.poison, slot.poison_layer = None, None
@@ -485,6 +684,7 @@ class LayerwiseOffloadRuntime:
         self._load_stream.close()
         if self._save_stream is not self._load_stream:
             self._save_stream.close()
+        self._release_leases()
 
     # ---------------------------------------------------------------------------------- internals
     def _check_caches(self, fn: str, layer: int, caches: Sequence[torch.Tensor] | None) -> None:
@@ -532,9 +732,14 @@ class LayerwiseOffloadRuntime:
         ev = None
         for slot in self._slots:
             if slot.occupant is not None and slot.occupant < layer and not slot.compute_done:
-                ev = ev or record_compute_event()
-                slot.release.append(ev)
+                if not self._sync_compute:
+                    ev = ev or record_compute_event()
+                    slot.release.append(ev)
                 slot.compute_done = True
+
+    def _compute_done(self) -> list[TransferEvent]:
+        """Events marking the compute submitted so far; none on CPU, where compute is synchronous."""
+        return [] if self._sync_compute else [record_compute_event()]
 
     def _issue_window(self, start: int) -> None:
         """Issue loads for the running layer and up to ``prefetch_depth`` layers after it.
@@ -542,7 +747,7 @@ class LayerwiseOffloadRuntime:
         A later layer's load is issued only once its buffer's previous user finished computing; the load
         itself runs after the slot's release events (that user's save, external readers).
         """
-        if not self._load_list_nonempty():
+        if not self._load_hashes:
             return
         first = max(start, self._current, 0)
         for layer in range(first, min(self.plan.num_layers, max(self._current, 0) + self.prefetch_depth + 1)):
@@ -561,44 +766,34 @@ class LayerwiseOffloadRuntime:
                 )
                 if not ready:
                     continue
-            keys, blocks = self._load_list(layer)
             self._loads[layer] = self._load_stream.submit(
-                self._do_load, layer, slot_id, keys, blocks, after=list(slot.release)
+                self._do_load,
+                layer,
+                slot_id,
+                self._requests,
+                self._load_hashes,
+                self._load_blocks,
+                after=list(slot.release),
             )
             if layer != self._current:
                 slot.handed_to = layer
 
-    def _load_list_nonempty(self) -> bool:
-        return any(q.num_cached_blocks for q in self._requests)
-
-    def _load_list(self, layer: int) -> tuple[list[str], list[int]]:
-        keys: list[str] = []
-        blocks: list[int] = []
-        for q in self._requests:
-            n = q.num_cached_blocks
-            if n:
-                keys += layer_block_keys(q.hashes[:n], layer, model_id=self.model_id)
-                blocks += q.block_ids[:n]
-        return keys, blocks
-
-    def _save_list(self, layer: int) -> tuple[list[str], list[int]]:
-        keys: list[str] = []
-        blocks: list[int] = []
+    def _plan_transfers(self, requests: list[_Request]) -> None:
+        """The blocks every layer loads and saves in this forward (the same for every layer): block
+        hashes and device block ids, loads in request order, saves without duplicates (requests of one
+        batch may share a prefix)."""
+        self._load_hashes, self._load_blocks = [], []
+        self._save_hashes, self._save_blocks = [], []
         seen: set[str] = set()
-        for q in self._requests:
-            lo, hi = q.num_cached_blocks, len(q.hashes)
-            if hi <= lo:
-                continue
-            for key, b in zip(
-                layer_block_keys(q.hashes[lo:hi], layer, model_id=self.model_id),
-                q.block_ids[lo:hi],
-                strict=True,
-            ):
-                if key not in seen:  # requests of one batch may share a prefix
-                    seen.add(key)
-                    keys.append(key)
-                    blocks.append(b)
-        return keys, blocks
+        for q in requests:
+            n = q.num_cached_blocks
+            self._load_hashes += q.hashes[:n]
+            self._load_blocks += q.block_ids[:n]
+            for h, b in zip(q.hashes[n:], q.block_ids[n : len(q.hashes)], strict=True):
+                if h not in seen:
+                    seen.add(h)
+                    self._save_hashes.append(h)
+                    self._save_blocks.append(b)
 
     def _wait_events(self, slot_id: int, layer: int, events: list[TransferEvent]) -> None:
         pending = [ev for ev in events if not ev.query()]
@@ -607,7 +802,8 @@ class LayerwiseOffloadRuntime:
             for ev in events:
                 ev.wait_on_compute()
         except TransferError as exc:
-            self._poison(slot_id, layer, exc)
+            if not isinstance(exc.__cause__, PrefixEvictedError):
+                self._poison(slot_id, layer, exc)  # an evicted prefix leaves nothing half-written to reuse
             raise _failure(exc, f"layerwise: layer {layer} cannot use physical buffer {slot_id}") from exc
         finally:
             if pending:
@@ -646,44 +842,76 @@ class LayerwiseOffloadRuntime:
             self._staging_buffers[kind] = buf
         return buf[:need].view(n, record_bytes)
 
-    def _do_load(self, layer: int, slot_id: int, keys: list[str], blocks: list[int]) -> None:
+    def _evicted(
+        self, layer: int, requests: list[_Request], keys: list[str], found: list[bool]
+    ) -> PrefixEvictedError:
+        """The error of a load that found ``keys`` (the load list of ``layer``) partly missing."""
+        usable, pos = [], 0
+        for q in requests:
+            n = q.num_cached_blocks
+            row = found[pos : pos + n]
+            usable.append((row.index(False) if False in row else n) * self.block_size)
+            pos += n
+        missing = found.count(False)
+        return PrefixEvictedError(
+            f"layerwise: {missing} of {len(keys)} cached blocks of layer {layer} are no longer in the store "
+            f"(evicted after the lookup); usable cached tokens per request: {usable}",
+            layer=layer,
+            usable_tokens=usable,
+            missing_blocks=missing,
+        )
+
+    def _do_load(
+        self, layer: int, slot_id: int, requests: list[_Request], hashes: list[str], blocks: list[int]
+    ) -> None:
         start = time.perf_counter()
+        lay = self._layouts[layer]
+        n = len(hashes)
         try:
+            keys = layer_block_keys(hashes, layer, model_id=self.model_id)
             if self._slots[slot_id].poison is not None:
                 raise SlotPoisonedError(self._poison_message(slot_id, f"load of layer {layer}"))
-            n = len(keys)
-            staging = self._staging("load", n, self._layouts[layer].record_bytes)
-            found = self.store.batch_get(keys, list(staging.unbind(0)))
-            missing = found.count(False)
-            if missing:
-                raise StoreMissError(
-                    f"layerwise: {missing} of {n} cached blocks of layer {layer} are no longer in the store"
-                )
-            mapping = torch.stack([torch.arange(n), torch.tensor(blocks, dtype=torch.int64)], dim=1)
-            for comp, view in zip(
-                self._layouts[layer].components, self._staging_views(layer, staging), strict=True
-            ):
-                copy_blocks(view, comp, mapping)
+            if lay.records is not None:
+                # host buffers: the store writes the records straight into the layer's blocks
+                found = self.store.batch_get_blocks(keys, lay.records, blocks)
+                if False in found:
+                    raise self._evicted(layer, requests, keys, found)
+            else:
+                staging = self._staging("load", n, lay.record_bytes)
+                found = self.store.batch_get(keys, list(staging.unbind(0)))
+                if False in found:
+                    raise self._evicted(layer, requests, keys, found)
+                mapping = torch.stack([torch.arange(n), torch.tensor(blocks, dtype=torch.int64)], dim=1)
+                for comp, view in zip(lay.components, self._staging_views(layer, staging), strict=True):
+                    copy_blocks(view, comp, mapping)
         except BaseException as exc:
             self.counters.add("load_failures")
-            self._poison(slot_id, layer, exc)
+            if isinstance(exc, PrefixEvictedError):
+                # the layer's waiter raises; the buffer holds nothing anyone will read, so no poison
+                self.counters.add("prefix_evictions")
+                logger.info("%s", exc)
+            else:
+                self._poison(slot_id, layer, exc)
             raise
         self.counters.add("load_seconds", time.perf_counter() - start)
         self.counters.add("loads")
         self.counters.add("blocks_loaded", n)
-        self.counters.add("bytes_loaded", staging.nbytes)
+        self.counters.add("bytes_loaded", n * lay.record_bytes)
 
-    def _do_save(self, layer: int, slot_id: int, keys: list[str], blocks: list[int]) -> None:
+    def _do_save(self, layer: int, slot_id: int, hashes: list[str], blocks: list[int]) -> None:
         start = time.perf_counter()
+        lay = self._layouts[layer]
+        n = len(hashes)
         try:
-            n = len(keys)
-            staging = self._staging("save", n, self._layouts[layer].record_bytes)
-            mapping = torch.stack([torch.tensor(blocks, dtype=torch.int64), torch.arange(n)], dim=1)
-            for comp, view in zip(
-                self._layouts[layer].components, self._staging_views(layer, staging), strict=True
-            ):
-                copy_blocks(comp, view, mapping)
-            self.store.batch_put(keys, list(staging.unbind(0)))
+            keys = layer_block_keys(hashes, layer, model_id=self.model_id)
+            if lay.records is not None:
+                self.store.batch_put_blocks(keys, lay.records, blocks)
+            else:
+                staging = self._staging("save", n, lay.record_bytes)
+                mapping = torch.stack([torch.tensor(blocks, dtype=torch.int64), torch.arange(n)], dim=1)
+                for comp, view in zip(lay.components, self._staging_views(layer, staging), strict=True):
+                    copy_blocks(comp, view, mapping)
+                self.store.batch_put(keys, list(staging.unbind(0)))
         except BaseException as exc:
             self.counters.add("save_failures")
             self._poison(slot_id, layer, exc)
@@ -691,7 +919,7 @@ class LayerwiseOffloadRuntime:
         self.counters.add("save_seconds", time.perf_counter() - start)
         self.counters.add("saves")
         self.counters.add("blocks_saved", n)
-        self.counters.add("bytes_saved", staging.nbytes)
+        self.counters.add("bytes_saved", n * lay.record_bytes)
 
 
 # ------------------------------------------------------------------------------------------ registry

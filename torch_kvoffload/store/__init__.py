@@ -8,7 +8,14 @@ Keys come from :func:`block_hashes` + :func:`layer_block_keys`; :func:`create_st
 :class:`StoreConfig` pick and build a backend.
 """
 
-from torch_kvoffload.store.base import KVStore, StoreClosedError, StoreError, StoreUnavailableError
+from torch_kvoffload.store.base import (
+    KVStore,
+    RecordLayout,
+    StoreClosedError,
+    StoreError,
+    StoreLease,
+    StoreUnavailableError,
+)
 from torch_kvoffload.store.factory import StoreConfig, build_store, create_store, parse_bytes
 from torch_kvoffload.store.keys import block_hashes, layer_block_keys, parse_layer_block_key
 from torch_kvoffload.store.local import LocalKVStore
@@ -20,9 +27,11 @@ __all__ = [
     "LocalKVStore",
     "MemcacheKVStore",
     "MooncakeKVStore",
+    "RecordLayout",
     "StoreClosedError",
     "StoreConfig",
     "StoreError",
+    "StoreLease",
     "StoreUnavailableError",
     "block_hashes",
     "build_store",

@@ -5,23 +5,34 @@ Memcache) implements :class:`KVStore`. Values are CPU tensors of any dtype and s
 their bytes (a copy) and copies them back into a caller-provided tensor of the same byte size, so the
 caller keeps ownership of every buffer and decides dtype and shape on the way out.
 
+Besides single values, a store moves *records* straight between its storage and paged block tensors
+(:meth:`KVStore.batch_get_blocks` / :meth:`KVStore.batch_put_blocks` with a :class:`RecordLayout`): a
+record is one block of several tensors side by side, so a layer's blocks move in one call per layer
+instead of one copy per block. And it can *lease* keys (:meth:`KVStore.lease`) so that eviction does
+not take them while a reader still needs them; backends that cannot pin report ``pinned=False``.
+
 Backends are thread-safe: the layerwise runtime calls them from transfer worker threads.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+import itertools
+import threading
+from collections.abc import Callable, Sequence
 
 import torch
 
 from torch_kvoffload.counters import Counters
+from torch_kvoffload.ops.copy import copy_blocks
 
 __all__ = [
     "COUNTER_NAMES",
     "KVStore",
+    "RecordLayout",
     "StoreClosedError",
     "StoreError",
+    "StoreLease",
     "StoreUnavailableError",
     "check_host_tensor",
     "check_key",
@@ -89,6 +100,134 @@ def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+class RecordLayout:
+    """How one stored record maps onto one block of each of several paged tensors.
+
+    Record ``i`` of a batch is ``record_bytes`` bytes; its bytes ``[offsets[j], offsets[j] + B_j)`` are
+    block ``blocks[i]`` of ``tensors[j]``, where ``B_j`` is the byte size of one block of ``tensors[j]``
+    (``tensors[j][0].nbytes``). Bytes of the record covered by no part (alignment padding) are
+    unspecified. Validated once at construction, so per-call work stays small.
+
+    Args:
+        tensors: CPU, contiguous, ``[num_blocks, *block_shape]`` each (any dtypes, equal ``num_blocks``).
+        offsets: byte offset of each tensor's block inside the record; parts must not overlap.
+        record_bytes: the record size (``>=`` the end of every part).
+
+    Attributes:
+        num_blocks: ``tensors[j].shape[0]``.
+        byte_views: per tensor, a ``uint8 [num_blocks, B_j]`` view of its storage (no copy).
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], offsets: Sequence[int], record_bytes: int) -> None:
+        fn = "RecordLayout"
+        tensors = tuple(tensors)
+        offsets = tuple(offsets)
+        if not tensors:
+            raise ValueError(f"{fn}: 'tensors' must hold at least one tensor")
+        if len(offsets) != len(tensors):
+            raise ValueError(f"{fn}: got {len(tensors)} tensors but {len(offsets)} offsets")
+        if isinstance(record_bytes, bool) or not isinstance(record_bytes, int) or record_bytes < 0:
+            raise ValueError(f"{fn}: 'record_bytes' must be an int >= 0, got {record_bytes!r}")
+        views, spans = [], []
+        for j, (t, off) in enumerate(zip(tensors, offsets, strict=True)):
+            check_host_tensor(fn, f"tensors[{j}]", t)
+            if t.dim() < 1:
+                raise ValueError(f"{fn}: tensors[{j}] must have a leading block dimension, got a scalar")
+            if t.shape[0] != tensors[0].shape[0]:
+                raise ValueError(
+                    f"{fn}: tensors[{j}] has {t.shape[0]} blocks, tensors[0] has {tensors[0].shape[0]}"
+                )
+            if isinstance(off, bool) or not isinstance(off, int) or off < 0:
+                raise ValueError(f"{fn}: offsets[{j}] must be an int >= 0, got {off!r}")
+            nb = t.shape[0]
+            block = t.nbytes // nb if nb else 0
+            if off + block > record_bytes:
+                raise ValueError(
+                    f"{fn}: part {j} ({block} bytes at offset {off}) ends past record_bytes={record_bytes}"
+                )
+            views.append(tensor_bytes(t).view(nb, block) if nb else torch.empty(0, 0, dtype=torch.uint8))
+            spans.append((off, off + block, j))
+        spans.sort()
+        for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+            if start < end:
+                raise ValueError(f"{fn}: parts {a} and {b} overlap inside the record")
+        self.tensors = tensors
+        self.offsets = offsets
+        self.record_bytes = record_bytes
+        self.num_blocks = tensors[0].shape[0]
+        self.byte_views: tuple[torch.Tensor, ...] = tuple(views)
+
+    def check_blocks(self, fn: str, blocks: Sequence[int] | torch.Tensor, n: int) -> list[int]:
+        """``blocks`` as a list of ``n`` ints, after checking length, range and distinctness."""
+        if isinstance(blocks, torch.Tensor):
+            if blocks.dtype != torch.int64 or blocks.dim() != 1:
+                raise ValueError(
+                    f"{fn}: 'blocks' must be an int64 [n] tensor, got {blocks.dtype} {list(blocks.shape)}"
+                )
+            ids = blocks.tolist()
+        else:
+            ids = list(blocks)
+            for i, v in enumerate(ids):
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise TypeError(f"{fn}: blocks[{i}] must be an int, got {type(v).__name__}")
+        if len(ids) != n:
+            raise ValueError(f"{fn}: got {n} keys but {len(ids)} blocks")
+        if n:
+            lo, hi = min(ids), max(ids)
+            if lo < 0 or hi >= self.num_blocks:
+                bad = lo if lo < 0 else hi
+                raise IndexError(f"{fn}: 'blocks' holds {bad}, expected a block in [0, {self.num_blocks})")
+            if len(set(ids)) != n:
+                raise ValueError(f"{fn}: 'blocks' must be distinct")
+        return ids
+
+    def staging_parts(self, staging: torch.Tensor) -> list[torch.Tensor]:
+        """Views ``uint8 [n, B_j]`` of the parts of a ``uint8 [n, record_bytes]`` record tensor."""
+        return [
+            staging[:, off : off + v.shape[1]] for off, v in zip(self.offsets, self.byte_views, strict=True)
+        ]
+
+
+class StoreLease:
+    """Keys a reader needs, pinned against eviction where the backend can pin (``pinned``).
+
+    ``found[i]``: whether ``keys[i]`` was present when the lease was taken. With ``pinned`` true the found
+    entries stay readable until :meth:`release` (eviction skips them; an explicit ``remove`` still
+    removes the key). With ``pinned`` false nothing is held: a found key may disappear before it is
+    read, and the reader must handle the miss. ``release`` is idempotent.
+    """
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        found: list[bool],
+        *,
+        pinned: bool,
+        on_release: Callable[[], None] | None = None,
+    ) -> None:
+        self.keys = list(keys)
+        self.found = found
+        self.pinned = pinned
+        self._on_release = on_release
+        self._lock = threading.Lock()
+
+    @property
+    def released(self) -> bool:
+        return self._on_release is None
+
+    def release(self) -> None:
+        with self._lock:
+            fn, self._on_release = self._on_release, None
+        if fn is not None:
+            fn()
+
+    def __enter__(self) -> StoreLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 class KVStore(abc.ABC):
     """Host KV pool: blocks of one layer keyed by content. Values are tensors of raw block bytes.
 
@@ -105,6 +244,8 @@ class KVStore(abc.ABC):
 
     capacity_bytes: int
     counters: Counters
+    #: Whether :meth:`lease` pins (keeps leased entries from eviction); ``False`` for the default.
+    pins_leases: bool = False
 
     # -------------------------------------------------------------------------------------- single
     @abc.abstractmethod
@@ -155,6 +296,62 @@ class KVStore(abc.ABC):
         """``exists`` for every key."""
         check_keys("batch_exists", keys)
         return [self.exists(key) for key in keys]
+
+    # ---------------------------------------------------------------------------------- leases
+    def lease(self, keys: Sequence[str]) -> StoreLease:
+        """Pin the present ``keys`` against eviction until the lease is released.
+
+        Default (a backend that cannot pin): presence only, ``pinned=False``.
+        """
+        check_keys(f"{type(self).__name__}.lease", keys)
+        return StoreLease(keys, self.batch_exists(keys) if keys else [], pinned=False)
+
+    # ---------------------------------------------------------------------------------- records
+    def batch_get_blocks(
+        self, keys: Sequence[str], layout: RecordLayout, blocks: Sequence[int] | torch.Tensor
+    ) -> list[bool]:
+        """Copy the record stored under ``keys[i]`` into block ``blocks[i]`` of every tensor of ``layout``.
+
+        Returns one hit flag per key; the blocks of a missing key are left untouched. A present key
+        whose size differs from ``layout.record_bytes`` raises ``ValueError`` before anything is copied.
+        ``blocks`` must be distinct. Default: ``batch_get`` into a host staging tensor, then one
+        ``copy_blocks`` per part; backends override it to move the bytes directly.
+        """
+        fn = f"{type(self).__name__}.batch_get_blocks"
+        check_keys(fn, keys)
+        b = layout.check_blocks(fn, blocks, len(keys))
+        if not keys:
+            return []
+        staging = torch.empty(len(keys), layout.record_bytes, dtype=torch.uint8)
+        found = self.batch_get(keys, list(staging.unbind(0)))
+        hits = [i for i, f in enumerate(found) if f]
+        if hits:
+            mapping = torch.tensor([[i, b[i]] for i in hits], dtype=torch.int64)
+            for part, view in zip(layout.staging_parts(staging), layout.byte_views, strict=True):
+                if part.shape[1]:
+                    copy_blocks(part, view, mapping)
+        return found
+
+    def batch_put_blocks(
+        self, keys: Sequence[str], layout: RecordLayout, blocks: Sequence[int] | torch.Tensor
+    ) -> None:
+        """Store, under ``keys[i]``, the record made of block ``blocks[i]`` of every tensor of ``layout``.
+
+        Like ``batch_put`` (a later duplicate key wins; all arguments validated first). Default: gather
+        the records into a host staging tensor with one ``copy_blocks`` per part, then ``batch_put``.
+        """
+        fn = f"{type(self).__name__}.batch_put_blocks"
+        check_keys(fn, keys)
+        b = layout.check_blocks(fn, blocks, len(keys))
+        if not keys:
+            return
+        n = len(keys)
+        staging = torch.zeros(n, layout.record_bytes, dtype=torch.uint8)
+        mapping = torch.tensor([[blk, i] for i, blk in enumerate(b)], dtype=torch.int64)
+        for part, view in zip(layout.staging_parts(staging), layout.byte_views, strict=True):
+            if part.shape[1]:
+                copy_blocks(view, part, mapping)
+        self.batch_put(keys, list(staging.unbind(0)))
 
     # ------------------------------------------------------------------------------------- helpers
     @staticmethod

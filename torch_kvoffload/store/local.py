@@ -6,11 +6,23 @@ allocated first-fit from a sorted, coalescing free list; when no region fits, th
 entries are evicted until one does. ``get`` and ``put`` make an entry the most recently used; ``exists``
 does not.
 
-Concurrency: metadata changes happen under one lock, but the byte copies themselves (``Tensor.copy_``,
-which releases the GIL) run outside it, so several transfer threads copy in parallel. A region being
-read is pinned by a reader count and is neither evicted nor reused until the readers finish; a region
-being written is invisible until the copy completes. A ``put`` that finds every byte held by in-flight
-copies waits for one of them to finish.
+Concurrency: metadata changes happen under one lock, but the byte copies themselves (``Tensor.copy_``
+and the ``copy_blocks`` kernel, both releasing the GIL) run outside it, so several transfer threads copy
+in parallel. A region being read is pinned by a reader count and is neither evicted nor reused until the
+readers finish; a region being written is invisible until the copy completes. A ``put`` that finds
+every byte held by in-flight copies waits for one of them to finish.
+
+Leases (:meth:`LocalKVStore.lease`) pin entries for longer — a layerwise forward pins the prefix it
+found at lookup until the forward ends. Eviction skips leased entries; a leased entry that is removed or
+replaced keeps its region until the lease is released. A ``put`` that cannot find room because every
+held byte is leased (nothing in flight that will finish by itself) is skipped and counted in
+``put_skipped`` — never waits for a lease, never overwrites a pinned region.
+
+Records (:meth:`LocalKVStore.batch_get_blocks` / :meth:`LocalKVStore.batch_put_blocks`) move between
+the arena and paged block tensors with one ``kvoffload::copy_blocks`` call per record part: the arena is
+viewed as overlapping ``[capacity - part_bytes + 1, part_bytes]`` rows, one starting at every byte, so
+"block ``o``" of that view is the part at byte offset ``o`` and a batch of records at arbitrary arena
+offsets is one gather / scatter by offset, with no staging copy and no per-block Python work.
 """
 
 from __future__ import annotations
@@ -19,17 +31,20 @@ import bisect
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from torch_kvoffload import device
 from torch_kvoffload.counters import Counters
+from torch_kvoffload.ops.copy import copy_blocks
 from torch_kvoffload.store.base import (
     COUNTER_NAMES,
     KVStore,
+    RecordLayout,
     StoreClosedError,
+    StoreLease,
     check_host_tensor,
     check_key,
     check_keys,
@@ -40,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["LocalKVStore"]
 
+#: ``copy(arena, [(entry, source index)])``: fills freshly allocated regions during a put.
+_Copier = Callable[[torch.Tensor, list], None]
+
 
 @dataclass(eq=False)
 class _Entry:
@@ -47,7 +65,8 @@ class _Entry:
     offset: int
     reserved: int  # arena bytes held (nbytes rounded up to the alignment)
     nbytes: int
-    readers: int = 0
+    readers: int = 0  # in-flight copies out of the region
+    leases: int = 0  # leases pinning the entry against eviction
     retired: bool = False  # replaced / removed / evicted; region freed once readers drop to 0
 
 
@@ -61,8 +80,12 @@ class LocalKVStore(KVStore):
             the capacity exact in payload bytes; 64 or 512 give cache-line / DMA-friendly offsets.
         pin_memory: pin the arena; ``None`` pins exactly when an accelerator exists.
 
-    Extra counters: ``evicted_bytes``, ``put_waits`` (puts that waited for in-flight copies).
+    Extra counters: ``evicted_bytes``, ``put_waits`` (puts that waited for in-flight copies),
+    ``put_skipped`` / ``put_skipped_bytes`` (values not stored because every held byte was leased),
+    ``leases`` (leases taken), ``leased_keys`` (keys pinned by them).
     """
+
+    pins_leases = True
 
     def __init__(self, capacity_bytes: int, *, alignment: int = 1, pin_memory: bool | None = None) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
@@ -82,12 +105,25 @@ class LocalKVStore(KVStore):
         else:
             self._arena = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pin_memory)
         self.pinned = bool(self._arena.is_pinned())
-        self.counters = Counters([*COUNTER_NAMES, "evicted_bytes", "put_waits"])
+        self.counters = Counters(
+            [
+                *COUNTER_NAMES,
+                "evicted_bytes",
+                "put_waits",
+                "put_skipped",
+                "put_skipped_bytes",
+                "leases",
+                "leased_keys",
+            ]
+        )
         self._cond = threading.Condition(threading.Lock())
         self._index: OrderedDict[str, _Entry] = OrderedDict()  # live entries, least recently used first
         self._free: list[tuple[int, int]] = [(0, capacity_bytes)]  # sorted, coalesced [start, end)
         self._held = 0  # arena bytes not on the free list
         self._stored = 0  # payload bytes of live entries
+        self._busy = 0  # copy operations in flight (reads and write rounds): they finish by themselves
+        self._leased: dict[int, _Entry] = {}  # entries held by at least one lease, by id
+        self._record_views: dict[int, torch.Tensor] = {}  # part bytes -> overlapping arena view
         self._closed = False
 
     # ---------------------------------------------------------------------------------- properties
@@ -115,6 +151,17 @@ class LocalKVStore(KVStore):
         """Stored keys, least recently used first."""
         with self._cond:
             return list(self._index)
+
+    @property
+    def leased_bytes(self) -> int:
+        """Arena bytes of entries pinned by at least one lease (live or already retired)."""
+        with self._cond:
+            return sum(e.reserved for e in self._leased.values())
+
+    def leased_keys(self) -> list[str]:
+        """Keys of the live entries pinned by a lease."""
+        with self._cond:
+            return [e.key for e in self._leased.values() if not e.retired]
 
     # ------------------------------------------------------------------------------------ allocator
     def _reserve_size(self, nbytes: int) -> int:
@@ -152,18 +199,24 @@ class LocalKVStore(KVStore):
         self._free.insert(i, (start, end))
         self._held -= reserved
         assert self._held >= 0, "arena accounting went negative"
-        self._cond.notify_all()
+        # waiting puts are woken once per operation by the caller, not once per region
 
     def _retire(self, entry: _Entry) -> None:
-        """Take a live entry out of service; free its region when no reader holds it. Lock held."""
+        """Take a live entry out of service; free its region when no reader or lease holds it. Lock held."""
         entry.retired = True
         self._stored -= entry.nbytes
-        if entry.readers == 0:
+        if entry.readers == 0 and entry.leases == 0:
+            self._release_region(entry.offset, entry.reserved)
+
+    def _drop_hold(self, entry: _Entry) -> None:
+        """A reader or a lease let go of ``entry``: free a retired region. Lock held; the caller wakes
+        waiting puts (the entry may be evictable again)."""
+        if not (entry.readers or entry.leases) and entry.retired:
             self._release_region(entry.offset, entry.reserved)
 
     def _evict_one(self) -> bool:
         for key, entry in self._index.items():
-            if entry.readers == 0:
+            if entry.readers == 0 and entry.leases == 0:
                 del self._index[key]
                 self._retire(entry)
                 self.counters.add("evictions")
@@ -181,8 +234,8 @@ class LocalKVStore(KVStore):
     def put(self, key: str, value: torch.Tensor) -> None:
         check_key("LocalKVStore.put", key)
         check_host_tensor("LocalKVStore.put", "value", value)
-        self._check_fits("put", value)
-        self._put_items("put", [(key, value)])
+        self._check_fits("put", value.nbytes)
+        self._put_items("put", [(key, value.nbytes, 0)], self._value_copier([value]))
 
     def batch_put(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> None:
         """Like ``put`` per pair (a later duplicate key wins), with one lock round trip per round.
@@ -191,33 +244,52 @@ class LocalKVStore(KVStore):
         """
         self._check_batch("LocalKVStore.batch_put", keys, values, "values")
         for value in values:
-            self._check_fits("batch_put", value)
+            self._check_fits("batch_put", value.nbytes)
         last = {key: i for i, key in enumerate(keys)}
-        self._put_items("batch_put", [(key, values[i]) for key, i in last.items()])
+        items = [(key, values[i].nbytes, i) for key, i in last.items()]
+        self._put_items("batch_put", items, self._value_copier(values))
 
-    def _check_fits(self, fn: str, value: torch.Tensor) -> None:
-        if value.nbytes > self.capacity_bytes:
+    def _check_fits(self, fn: str, nbytes: int) -> None:
+        if nbytes > self.capacity_bytes:
             raise ValueError(
-                f"LocalKVStore.{fn}: value of {value.nbytes} bytes does not fit in a store of "
+                f"LocalKVStore.{fn}: value of {nbytes} bytes does not fit in a store of "
                 f"{self.capacity_bytes} bytes"
             )
 
-    def _put_items(self, fn: str, items: list[tuple[str, torch.Tensor]]) -> None:
+    @staticmethod
+    def _value_copier(values: Sequence[torch.Tensor]) -> _Copier:
+        def copy(arena: torch.Tensor, pending: list[tuple[_Entry, int]]) -> None:
+            for entry, i in pending:
+                if entry.nbytes:
+                    arena[entry.offset : entry.offset + entry.nbytes].copy_(tensor_bytes(values[i]))
+
+        return copy
+
+    def _put_items(self, fn: str, items: list[tuple[str, int, int]], copy: _Copier) -> None:
+        """Store ``(key, nbytes, source index)`` items; ``copy`` fills the allocated regions."""
         pos = 0
         while pos < len(items):
-            pos = self._put_round(fn, items, pos)
+            pos = self._put_round(fn, items, pos, copy)
 
-    def _put_round(self, fn: str, items: list[tuple[str, torch.Tensor]], pos: int) -> int:
+    def _put_round(self, fn: str, items: list[tuple[str, int, int]], pos: int, copy: _Copier) -> int:
         """Allocate regions for ``items[pos:]`` (as many as can be had without waiting once some are
         held), copy outside the lock, publish; return the position reached."""
-        pending: list[tuple[_Entry, torch.Tensor]] = []
+        pending: list[tuple[_Entry, int]] = []
         waited = False
+        skipped = skipped_bytes = 0
         with self._cond:
             arena = self._check_open(fn)
             while pos < len(items):
-                key, value = items[pos]
-                nbytes = value.nbytes
+                key, nbytes, src = items[pos]
                 old = self._index.pop(key, None)
+                if old is not None and not (old.readers or old.leases) and old.nbytes == nbytes:
+                    # an overwrite of the same size nobody holds: write in place (hidden from readers
+                    # until published, like any new region), without freeing and reallocating
+                    old.retired = True
+                    self._stored -= nbytes
+                    pending.append((_Entry(key, old.offset, old.reserved, nbytes), src))
+                    pos += 1
+                    continue
                 if old is not None:
                     self._retire(old)
                 region = self._allocate(nbytes)
@@ -226,24 +298,41 @@ class LocalKVStore(KVStore):
                 if region is None:
                     if pending:
                         break  # publish this round first: its regions are not evictable while written
-                    waited = True  # every held byte is being read or written right now
-                    self._cond.wait()
-                    arena = self._check_open(fn)
+                    if self._busy:
+                        waited = True  # held bytes are being read or written right now: they free up
+                        self._cond.notify_all()  # regions this round freed may serve another put
+                        self._cond.wait()
+                        arena = self._check_open(fn)
+                        continue
+                    # every held byte is leased: waiting could wait for the very forward that puts
+                    skipped += 1
+                    skipped_bytes += nbytes
+                    logger.debug("put of %s (%d bytes) skipped: the rest of the store is leased", key, nbytes)
+                    pos += 1
                     continue
-                pending.append((_Entry(key, region[0], region[1], nbytes), value))
+                pending.append((_Entry(key, region[0], region[1], nbytes), src))
                 pos += 1
+            if pending:
+                self._busy += 1
+            self._cond.notify_all()  # regions freed by overwrites / evictions
         if waited:
             self.counters.add("put_waits")
+        if skipped:
+            self.counters.add("put_skipped", skipped)
+            self.counters.add("put_skipped_bytes", skipped_bytes)
+        if not pending:
+            return pos
         try:
-            for entry, value in pending:
-                if entry.nbytes:
-                    arena[entry.offset : entry.offset + entry.nbytes].copy_(tensor_bytes(value))
+            copy(arena, pending)
         except BaseException:
             with self._cond:
+                self._busy -= 1
                 for entry, _ in pending:
                     self._release_region(entry.offset, entry.reserved)
+                self._cond.notify_all()
             raise
         with self._cond:
+            self._busy -= 1
             if self._closed:
                 raise StoreClosedError(f"LocalKVStore.{fn}: the store was closed during the put")
             for entry, _ in pending:
@@ -257,37 +346,50 @@ class LocalKVStore(KVStore):
         self.counters.add("bytes_put", sum(entry.nbytes for entry, _ in pending))
         return pos
 
-    def _pin(self, fn: str, keys: Sequence[str], outs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list]:
-        """Look up, size-check, then pin and refresh every hit — all or nothing. Lock held."""
+    def _pin(
+        self, fn: str, keys: Sequence[str], sizes: Sequence[int], what: Callable[[int], str]
+    ) -> tuple[torch.Tensor, list[_Entry | None]]:
+        """Look up, size-check, then pin and refresh every hit — all or nothing. Lock held.
+
+        ``what(i)`` describes the size of destination ``i`` for the size-mismatch message.
+        """
         arena = self._check_open(fn)
         found = [self._index.get(key) for key in keys]
-        for key, entry, out in zip(keys, found, outs, strict=True):
-            if entry is not None and entry.nbytes != out.nbytes:
-                raise ValueError(
-                    f"LocalKVStore.{fn}: key {key!r} holds {entry.nbytes} bytes but out has {out.nbytes} bytes "
-                    f"(shape {tuple(out.shape)}, dtype {out.dtype})"
-                )
+        for i, (key, entry, size) in enumerate(zip(keys, found, sizes, strict=True)):
+            if entry is not None and entry.nbytes != size:
+                raise ValueError(f"LocalKVStore.{fn}: key {key!r} holds {entry.nbytes} bytes but {what(i)}")
         for key, entry in zip(keys, found, strict=True):
             if entry is not None:
                 entry.readers += 1
                 self._index.move_to_end(key)
+        self._busy += 1
         return arena, found
 
     def _unpin(self, found: Sequence[_Entry | None]) -> None:
         with self._cond:
+            self._busy -= 1
             for entry in found:
                 if entry is None:
                     continue
                 entry.readers -= 1
-                if entry.readers == 0:
-                    if entry.retired:
-                        self._release_region(entry.offset, entry.reserved)
-                    else:
-                        self._cond.notify_all()  # evictable again
+                self._drop_hold(entry)
+            self._cond.notify_all()  # a waiting put may now skip instead of waiting
+
+    def _count_gets(self, found: Sequence[_Entry | None], got: int) -> list[bool]:
+        hits = sum(entry is not None for entry in found)
+        self.counters.add("gets", len(found))
+        self.counters.add("hits", hits)
+        self.counters.add("misses", len(found) - hits)
+        self.counters.add("bytes_got", got)
+        return [entry is not None for entry in found]
 
     def _copy_out(self, fn: str, keys: Sequence[str], outs: Sequence[torch.Tensor]) -> list[bool]:
+        def what(i: int) -> str:
+            out = outs[i]
+            return f"out has {out.nbytes} bytes (shape {tuple(out.shape)}, dtype {out.dtype})"
+
         with self._cond:
-            arena, found = self._pin(fn, keys, outs)
+            arena, found = self._pin(fn, keys, [out.nbytes for out in outs], what)
         got = 0
         try:
             for entry, out in zip(found, outs, strict=True):
@@ -296,12 +398,7 @@ class LocalKVStore(KVStore):
                     got += entry.nbytes
         finally:
             self._unpin(found)
-        hits = sum(entry is not None for entry in found)
-        self.counters.add("gets", len(keys))
-        self.counters.add("hits", hits)
-        self.counters.add("misses", len(keys) - hits)
-        self.counters.add("bytes_got", got)
-        return [entry is not None for entry in found]
+        return self._count_gets(found, got)
 
     def get(self, key: str, out: torch.Tensor) -> bool:
         check_key("LocalKVStore.get", key)
@@ -312,6 +409,131 @@ class LocalKVStore(KVStore):
         """Like ``get`` per key; a size mismatch on any hit raises before anything is copied."""
         self._check_batch("LocalKVStore.batch_get", keys, outs, "outs")
         return self._copy_out("batch_get", keys, outs)
+
+    # ------------------------------------------------------------------------------------ records
+    def _records(self, arena: torch.Tensor, part_bytes: int) -> torch.Tensor:
+        """``uint8 [capacity - part_bytes + 1, part_bytes]``: row ``o`` is the arena's bytes ``[o, o + part_bytes)``.
+
+        Rows overlap (one starts at every byte); a gather or scatter by offset touches only the rows
+        it names, and the allocator keeps the regions of distinct entries disjoint.
+        """
+        view = self._record_views.get(part_bytes)
+        if view is None:
+            view = arena.as_strided((self.capacity_bytes - part_bytes + 1, part_bytes), (1, 1))
+            self._record_views[part_bytes] = view
+        return view
+
+    def _copy_parts(
+        self,
+        arena: torch.Tensor,
+        layout: RecordLayout,
+        offsets: list[int],
+        blocks: list[int],
+        *,
+        out: bool,
+    ) -> None:
+        """Move the records at arena ``offsets`` from / to ``blocks`` of every part (one kernel call each).
+
+        Runs on transfer threads next to compute: the Python around the kernels is kept to one small
+        tensor per part (every interpreter step here holds the GIL the compute thread may need).
+        """
+        for off, view in zip(layout.offsets, layout.byte_views, strict=True):
+            part = view.shape[1]
+            if part == 0:
+                continue
+            records = self._records(arena, part)
+            if out:
+                m = torch.tensor(
+                    [[o + off, b] for o, b in zip(offsets, blocks, strict=True)], dtype=torch.int64
+                )
+                copy_blocks(records, view, m)
+            else:
+                m = torch.tensor(
+                    [[b, o + off] for o, b in zip(offsets, blocks, strict=True)], dtype=torch.int64
+                )
+                copy_blocks(view, records, m)
+
+    def batch_get_blocks(
+        self, keys: Sequence[str], layout: RecordLayout, blocks: Sequence[int] | torch.Tensor
+    ) -> list[bool]:
+        """Copy each found record from the arena straight into its blocks: one ``copy_blocks`` per part."""
+        fn = "batch_get_blocks"
+        check_keys(f"LocalKVStore.{fn}", keys)
+        b = layout.check_blocks(f"LocalKVStore.{fn}", blocks, len(keys))
+        if not keys:
+            return []
+        with self._cond:
+            arena, found = self._pin(
+                fn,
+                keys,
+                [layout.record_bytes] * len(keys),
+                lambda i: f"the record layout has {layout.record_bytes} bytes",
+            )
+        got = 0
+        try:
+            hits = [i for i, entry in enumerate(found) if entry is not None]
+            if hits and layout.record_bytes:
+                offsets = [found[i].offset for i in hits]  # type: ignore[union-attr]
+                self._copy_parts(arena, layout, offsets, [b[i] for i in hits], out=True)
+                got = len(hits) * layout.record_bytes
+        finally:
+            self._unpin(found)
+        return self._count_gets(found, got)
+
+    def batch_put_blocks(
+        self, keys: Sequence[str], layout: RecordLayout, blocks: Sequence[int] | torch.Tensor
+    ) -> None:
+        """Scatter the blocks straight into freshly allocated arena regions: one ``copy_blocks`` per part."""
+        fn = "batch_put_blocks"
+        check_keys(f"LocalKVStore.{fn}", keys)
+        b = layout.check_blocks(f"LocalKVStore.{fn}", blocks, len(keys))
+        if not keys:
+            return
+        self._check_fits(fn, layout.record_bytes)
+        last = {key: i for i, key in enumerate(keys)}
+        items = [(key, layout.record_bytes, i) for key, i in last.items()]
+
+        def copy(arena: torch.Tensor, pending: list[tuple[_Entry, int]]) -> None:
+            if not layout.record_bytes:
+                return
+            offsets = [entry.offset for entry, _ in pending]
+            self._copy_parts(arena, layout, offsets, [b[i] for _, i in pending], out=False)
+
+        self._put_items(fn, items, copy)
+
+    # ------------------------------------------------------------------------------------- leases
+    def lease(self, keys: Sequence[str]) -> StoreLease:
+        """Pin the present ``keys`` against eviction (``pinned=True``) until the lease is released.
+
+        Does not refresh recency. Released leases free the regions of entries removed or replaced
+        meanwhile. A lease outliving :meth:`close` is released as a no-op.
+        """
+        check_keys("LocalKVStore.lease", keys)
+        with self._cond:
+            self._check_open("lease")
+            held: list[_Entry] = []
+            found = []
+            for key in keys:
+                entry = self._index.get(key)
+                found.append(entry is not None)
+                if entry is not None:
+                    entry.leases += 1
+                    self._leased[id(entry)] = entry
+                    held.append(entry)
+        self.counters.add("leases")
+        self.counters.add("leased_keys", len(held))
+
+        def release() -> None:
+            with self._cond:
+                for entry in held:
+                    entry.leases -= 1
+                    assert entry.leases >= 0, "lease count went negative"
+                    if entry.leases == 0:
+                        self._leased.pop(id(entry), None)
+                    self._drop_hold(entry)
+                self._cond.notify_all()
+
+        return StoreLease(keys, found, pinned=True, on_release=release)
 
     # ---------------------------------------------------------------------------------- other ops
     def exists(self, key: str) -> bool:
@@ -334,6 +556,7 @@ class LocalKVStore(KVStore):
             if entry is None:
                 return False
             self._retire(entry)
+            self._cond.notify_all()
         self.counters.add("removes")
         return True
 
@@ -344,6 +567,7 @@ class LocalKVStore(KVStore):
             while self._index:
                 _, entry = self._index.popitem(last=False)
                 self._retire(entry)
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:
@@ -351,6 +575,7 @@ class LocalKVStore(KVStore):
                 return
             self._closed = True
             self._index.clear()
+            self._record_views.clear()
             self._arena = None  # in-flight copies keep their own reference to the arena
             self._cond.notify_all()
 

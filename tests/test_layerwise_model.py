@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 from mla_stack import MLAConfig, MLAStack
+from store_helpers import DropsBeforeLoad
 
 from torch_kvoffload.device import TransferError
 from torch_kvoffload.layerwise import (
@@ -19,7 +20,6 @@ from torch_kvoffload.layerwise import (
     unregister_runtime,
 )
 from torch_kvoffload.ops import layer_prefetch, layer_save, layer_wait
-from torch_kvoffload.store.base import KVStore
 from torch_kvoffload.store.keys import block_hashes, layer_block_keys, parse_layer_block_key
 from torch_kvoffload.store.local import LocalKVStore
 
@@ -258,25 +258,8 @@ def test_injected_save_failure_stops_the_next_user(model) -> None:
         off.close()
 
 
-class DroppingStore(FaultyStore):
-    """A store that cannot pin what the lookup found (like a remote pool) and loses ``drop`` keys
-    between the lookup and the load that reads them."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.drop: set[str] = set()
-
-    pins_leases = False
-
-    def lease(self, keys):
-        return KVStore.lease(self, keys)
-
-    def batch_get_blocks(self, keys, layout, blocks):
-        for key in keys:
-            if key in self.drop:
-                self.drop.discard(key)
-                self.remove(key)
-        return super().batch_get_blocks(keys, layout, blocks)
+class DroppingStore(DropsBeforeLoad, FaultyStore):
+    """A FaultyStore that cannot pin what the lookup found and loses ``drop`` keys before their load."""
 
 
 def test_prefix_evicted_mid_forward_is_recomputed(model) -> None:

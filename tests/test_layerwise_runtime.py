@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from store_helpers import DropsBeforeLoad
 
 from torch_kvoffload.device import TransferError, TransferEvent
 from torch_kvoffload.layerwise import (
@@ -23,7 +24,6 @@ from torch_kvoffload.layerwise import (
     unregister_runtime,
 )
 from torch_kvoffload.ops import layer_prefetch, layer_save, layer_wait
-from torch_kvoffload.store.base import KVStore
 from torch_kvoffload.store.keys import block_hashes, layer_block_keys, parse_layer_block_key
 from torch_kvoffload.store.local import LocalKVStore
 
@@ -365,25 +365,8 @@ def test_evicted_block_fails_the_load() -> None:
         rt.close()
 
 
-class DroppingStore(LoggingStore):
-    """Like a remote pool: cannot pin what the lookup found, and drops ``drop`` keys right before the
-    load that reads them."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.drop: set[str] = set()
-
-    pins_leases = False
-
-    def lease(self, keys):
-        return KVStore.lease(self, keys)
-
-    def batch_get_blocks(self, keys, layout, blocks):
-        for key in keys:
-            if key in self.drop:
-                self.drop.discard(key)
-                self.remove(key)
-        return super().batch_get_blocks(keys, layout, blocks)
+class DroppingStore(DropsBeforeLoad, LoggingStore):
+    """A LoggingStore that cannot pin what the lookup found and loses ``drop`` keys before their load."""
 
 
 def _two_requests():

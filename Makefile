@@ -41,7 +41,7 @@ test: lint $(BUILT)
 	$(PY) -m pytest -q tests
 
 DEMOS := examples/ops_demo.py examples/layerwise_prefill_demo.py examples/sparse_decode_demo.py examples/kvpp_demo.py
-BENCHES := copy_bench store_bench layerwise_bench sparse_ops_bench sparse_decode_bench kvpp_bench
+BENCHES := copy_bench store_bench layerwise_bench layerwise_store_python sparse_ops_bench sparse_decode_bench kvpp_bench
 
 demo: $(BUILT)
 	@for demo in $(DEMOS); do \

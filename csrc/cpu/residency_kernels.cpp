@@ -1,9 +1,10 @@
 // CPU kernels of the residency family: kvoffload::residency_update and kvoffload::lightning_indexer_manage.
 //
-// Two passes over the rows, both parallel. Pass 1 validates every row and finds its hits without writing
-// any argument (hits go to scratch: the top-k entry -> slot array [R, K + 1] and a bitmap of hit slots
-// [R, C bits]); an error is recorded per row and the one of the lowest row is raised after the pass, so
-// the state is untouched on error and the message deterministic. Pass 2 rewrites the state and outputs.
+// Two passes over the rows, both parallel. Pass 1 validates every row, finds its hits and partitions its
+// LRU order without writing any argument (into scratch: the top-k entry -> slot array [R, K + 1], the
+// hit and non-hit slots in LRU order [R, C + 1] each, and per-row counts); an error is recorded per row
+// and the one of the lowest row is raised after the pass, so the state is untouched on error and the
+// message deterministic. Pass 2 rewrites the state and outputs from the scratch.
 // A row costs O(K + C) with no sort and no hashing: positions are looked up in a per-thread
 // direct-address table, and the loops have no data-dependent branches (hits and misses are about equally
 // likely, so branches would mispredict). On x86-64 the row functions are also compiled for AVX2, and the
@@ -308,9 +309,9 @@ bool simd_enabled() {
 }
 
 // Matches a row's residents against the top-k (portable loop): a resident slot s holding a visible
-// position t < limit that is in the top-k at entry k gets hit[k] = s and bit s; every other slot writes the
-// sink hit[K]. No data-dependent branch: a selected resident is about as likely as not. Returns the number
-// of selected residents. `from` is a multiple of 8.
+// position t < limit that is in the top-k at entry k gets hit[k] = s and flags[s] = 1; every other slot
+// writes the sink hit[K] and flags[s] = 0. No data-dependent branch: a selected resident is about as likely
+// as not. Also ORs "a token below -1" into bad_token. Returns the number of selected residents.
 template <typename Index>
 KVO_ALWAYS_INLINE int64_t match_residents(
     const int32_t* stt, int64_t C, uint32_t limit, const Index* index, int64_t K, int32_t* hit,
@@ -883,7 +884,7 @@ KVO_ALWAYS_INLINE void apply_row(const Views& v, int64_t r, RowScratch& w) {
   std::memcpy(order + n_nonhit, hits, n_hit * sizeof(int32_t));
 }
 
-void plan_rows(const Views& v, int64_t begin, int64_t end, RowError* errors) {
+KVO_ALWAYS_INLINE void plan_rows_body(const Views& v, int64_t begin, int64_t end, RowError* errors) {
   TopkHash hash;
   std::vector<uint8_t> flags(static_cast<size_t>(v.C));
   for (int64_t r = begin; r < end; ++r) {
@@ -904,28 +905,30 @@ RowScratch new_row_scratch(const Views& v) {
   return w;
 }
 
-void apply_rows(const Views& v, int64_t begin, int64_t end) {
+KVO_ALWAYS_INLINE void apply_rows_body(const Views& v, int64_t begin, int64_t end) {
   RowScratch w = new_row_scratch(v);
   for (int64_t r = begin; r < end; ++r) {
     apply_row(v, r, w);
   }
+}
+
+// The two compilations of each pass (see KVO_ALWAYS_INLINE).
+void plan_rows(const Views& v, int64_t begin, int64_t end, RowError* errors) {
+  plan_rows_body(v, begin, end, errors);
+}
+
+void apply_rows(const Views& v, int64_t begin, int64_t end) {
+  apply_rows_body(v, begin, end);
 }
 
 #if KVO_RESIDENCY_AVX2
 __attribute__((target("avx2,popcnt"))) void plan_rows_avx2(
     const Views& v, int64_t begin, int64_t end, RowError* errors) {
-  TopkHash hash;
-  std::vector<uint8_t> flags(static_cast<size_t>(v.C));
-  for (int64_t r = begin; r < end; ++r) {
-    errors[r] = plan_row(v, r, hash, flags);
-  }
+  plan_rows_body(v, begin, end, errors);
 }
 
 __attribute__((target("avx2,popcnt"))) void apply_rows_avx2(const Views& v, int64_t begin, int64_t end) {
-  RowScratch w = new_row_scratch(v);
-  for (int64_t r = begin; r < end; ++r) {
-    apply_row(v, r, w);
-  }
+  apply_rows_body(v, begin, end);
 }
 #endif
 

@@ -70,6 +70,13 @@ class Compute:
     def __call__(self) -> None:
         self.sink = (self.a @ self.b)[0, 0]
 
+    def time_layers(self, layers: int) -> float:
+        """Wall time of ``layers`` calls (compute alone, no runtime)."""
+        t0 = time.perf_counter()
+        for _ in range(layers):
+            self()
+        return time.perf_counter() - t0
+
     def calibrate(self, seconds: float) -> None:
         self.rows, self.a = 256, torch.randn(256, self.dim)
         samples = []
@@ -116,6 +123,25 @@ class Setup:
         return time.perf_counter() - t0, in_compute
 
 
+def record_bytes(args) -> int:
+    """One stored block of one layer: ``c_kv`` + ``k_pe``, fp32."""
+    return (args.kv_lora_rank + args.rope_dim) * args.block_size * 4
+
+
+def filled_store(args, store_cls=LocalKVStore) -> LocalKVStore:
+    """A store holding every block the measured forwards use: the prefix they load and the new blocks,
+    whose saves then overwrite in place (one forward without compute saves them all)."""
+    store = store_cls(2 * args.layers * (args.prefix_blocks + args.new_blocks + 1) * record_bytes(args))
+    warm = Setup(args, 1, 1, store)
+    warm.rt.begin_forward(warm.tokens, warm.table, [0])
+    for layer in range(args.layers):
+        warm.rt.before_attention(layer)
+        warm.rt.after_cache_write(layer)
+    warm.rt.end_forward()
+    warm.rt.close()
+    return store
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
@@ -159,16 +185,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     sys.setswitchinterval(args.switch_interval)
 
-    record = (args.kv_lora_rank + args.rope_dim) * args.block_size * 4
-    store = LocalKVStore(2 * args.layers * (args.prefix_blocks + args.new_blocks + 1) * record)
-    # Fill the store with the prefix (and the new blocks: their saves then overwrite in place).
-    warm = Setup(args, 1, 1, store)
-    warm.rt.begin_forward(warm.tokens, warm.table, [0])
-    for layer in range(args.layers):
-        warm.rt.before_attention(layer)
-        warm.rt.after_cache_write(layer)
-    warm.rt.end_forward()
-    warm.rt.close()
+    record = record_bytes(args)
+    store = filled_store(args)
 
     # Per-layer transfer time alone: no compute, and B = 1 so every load waits for the previous layer's
     # save: the transfers run one at a time and their times are not inflated by each other.
@@ -194,10 +212,7 @@ def main() -> None:
     )
 
     def compute_alone() -> float:
-        t0 = time.perf_counter()
-        for _ in range(args.layers):
-            compute()
-        return time.perf_counter() - t0
+        return compute.time_layers(args.layers)
 
     # refine the size on whole passes (a GEMM's time is not exactly linear in its rows)
     for _ in range(2):

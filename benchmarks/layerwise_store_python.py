@@ -23,7 +23,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from layerwise_bench import Compute, Setup
+from layerwise_bench import Compute, Setup, filled_store
 
 from torch_kvoffload.ops.copy import copy_blocks
 from torch_kvoffload.store.local import LocalKVStore
@@ -42,18 +41,15 @@ class ReplayingStore(LocalKVStore):
 
     def __init__(self, capacity_bytes: int) -> None:
         super().__init__(capacity_bytes)
-        self._recorded: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]] = {}
+        self._recorded: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         self._recording: list | None = None
 
     def _replay_or_record(self, kind: str, keys, layout, call):
         key = (kind, tuple(keys), id(layout))
-        calls = self._recorded.get(key)
-        if calls is not None:
-            for records, view, mapping, out in calls:
-                if out:
-                    copy_blocks(records, view, mapping)
-                else:
-                    copy_blocks(view, records, mapping)
+        copies = self._recorded.get(key)
+        if copies is not None:
+            for src, dst, mapping in copies:
+                copy_blocks(src, dst, mapping)
             return [True] * len(keys) if kind == "get" else None
         self._recording = []
         try:
@@ -72,19 +68,11 @@ class ReplayingStore(LocalKVStore):
             "put", keys, layout, lambda: super(ReplayingStore, self).batch_put_blocks(keys, layout, blocks)
         )
 
-    def _copy_parts(self, arena, layout, offsets, blocks, *, out):
-        for off, view in zip(layout.offsets, layout.byte_views, strict=True):
-            if view.shape[1] == 0:
-                continue
-            records = self._records(arena, view.shape[1])
-            pairs = [[o + off, b] if out else [b, o + off] for o, b in zip(offsets, blocks, strict=True)]
-            mapping = torch.tensor(pairs, dtype=torch.int64)
-            if out:
-                copy_blocks(records, view, mapping)
-            else:
-                copy_blocks(view, records, mapping)
-            if self._recording is not None:
-                self._recording.append((records, view, mapping, out))
+    def _part_copies(self, arena, layout, offsets, blocks, *, out):
+        copies = super()._part_copies(arena, layout, offsets, blocks, out=out)
+        if self._recording is not None:
+            self._recording.extend(copies)
+        return copies
 
 
 def main() -> None:
@@ -98,34 +86,19 @@ def main() -> None:
     args = argparse.Namespace(
         layers=16, block_size=128, kv_lora_rank=512, rope_dim=64, prefix_blocks=12, new_blocks=12, streams=1
     )
-    record = (args.kv_lora_rank + args.rope_dim) * args.block_size * 4
-    capacity = 2 * args.layers * (args.prefix_blocks + args.new_blocks + 1) * record
     compute = Compute(512)
     compute.calibrate(a.compute_ms * 1e-3)
-
-    def compute_alone() -> float:
-        t0 = time.perf_counter()
-        for _ in range(args.layers):
-            compute()
-        return time.perf_counter() - t0
 
     ratios: dict[str, list[float]] = {"LocalKVStore": [], "replayed copies": []}
     rounds = [(name, cls) for _ in range(a.rounds) for name, cls in
               (("LocalKVStore", LocalKVStore), ("replayed copies", ReplayingStore))]  # fmt: skip
     for name, cls in tqdm(rounds, desc="rounds"):
-        store = cls(capacity)
-        warm = Setup(args, 1, 1, store)  # fills the store with every block the measured forwards use
-        warm.rt.begin_forward(warm.tokens, warm.table, [0])
-        for layer in range(args.layers):
-            warm.rt.before_attention(layer)
-            warm.rt.after_cache_write(layer)
-        warm.rt.end_forward()
-        warm.rt.close()
+        store = filled_store(args, cls)
         s = Setup(args, 2, 2, store)
         for _ in range(2):  # the replaying store records here
             s.forward(compute)
         for _ in range(a.forwards):
-            c = compute_alone()
+            c = compute.time_layers(args.layers)
             wall, _ = s.forward(compute)
             ratios[name].append(c / wall)
         s.rt.close()

@@ -423,6 +423,28 @@ class LocalKVStore(KVStore):
             self._record_views[part_bytes] = view
         return view
 
+    def _part_copies(
+        self,
+        arena: torch.Tensor,
+        layout: RecordLayout,
+        offsets: list[int],
+        blocks: list[int],
+        *,
+        out: bool,
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The ``copy_blocks(src, dst, mapping)`` calls that move the records at arena ``offsets`` out to
+        (``out``) or in from ``blocks`` of every non-empty part of ``layout``, one per part."""
+        copies = []
+        for off, view in zip(layout.offsets, layout.byte_views, strict=True):
+            part = view.shape[1]
+            if part == 0:
+                continue
+            records = self._records(arena, part)
+            pairs = [[o + off, b] if out else [b, o + off] for o, b in zip(offsets, blocks, strict=True)]
+            mapping = torch.tensor(pairs, dtype=torch.int64)
+            copies.append((records, view, mapping) if out else (view, records, mapping))
+        return copies
+
     def _copy_parts(
         self,
         arena: torch.Tensor,
@@ -437,21 +459,8 @@ class LocalKVStore(KVStore):
         Runs on transfer threads next to compute: the Python around the kernels is kept to one small
         tensor per part (every interpreter step here holds the GIL the compute thread may need).
         """
-        for off, view in zip(layout.offsets, layout.byte_views, strict=True):
-            part = view.shape[1]
-            if part == 0:
-                continue
-            records = self._records(arena, part)
-            if out:
-                m = torch.tensor(
-                    [[o + off, b] for o, b in zip(offsets, blocks, strict=True)], dtype=torch.int64
-                )
-                copy_blocks(records, view, m)
-            else:
-                m = torch.tensor(
-                    [[b, o + off] for o, b in zip(offsets, blocks, strict=True)], dtype=torch.int64
-                )
-                copy_blocks(view, records, m)
+        for src, dst, mapping in self._part_copies(arena, layout, offsets, blocks, out=out):
+            copy_blocks(src, dst, mapping)
 
     def batch_get_blocks(
         self, keys: Sequence[str], layout: RecordLayout, blocks: Sequence[int] | torch.Tensor

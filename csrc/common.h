@@ -55,15 +55,20 @@ inline std::string dtype_str(at::ScalarType dtype) {
   return "torch." + std::string(c10::getDtypeNames(dtype).first);
 }
 
-// Checks an index tensor: CPU, the expected dtype and number of dimensions.
-inline void check_index_tensor(
-    const char* op, const char* arg, const at::Tensor& t, at::ScalarType dtype, int64_t dim) {
+// Checks that a tensor argument is on the CPU and has the expected dtype.
+inline void check_cpu_tensor(const char* op, const char* arg, const at::Tensor& t, at::ScalarType dtype) {
   TORCH_CHECK_VALUE(
       t.device().is_cpu(), "kvoffload::", op, ": argument '", arg, "' must be a CPU tensor, got ",
       t.device());
   TORCH_CHECK_TYPE(
       t.scalar_type() == dtype, "kvoffload::", op, ": argument '", arg, "' must have dtype ",
       dtype_str(dtype), ", got ", dtype_str(t.scalar_type()));
+}
+
+// Checks an index tensor: CPU, the expected dtype and number of dimensions.
+inline void check_index_tensor(
+    const char* op, const char* arg, const at::Tensor& t, at::ScalarType dtype, int64_t dim) {
+  check_cpu_tensor(op, arg, t, dtype);
   TORCH_CHECK_VALUE(
       t.dim() == dim, "kvoffload::", op, ": argument '", arg, "' must have exactly ", dim,
       " dimensions, got shape ", shape_str(t));

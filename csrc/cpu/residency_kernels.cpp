@@ -65,12 +65,7 @@ struct RowError {
 void check_tensor(
     const char* op, const char* arg, const at::Tensor& t, at::ScalarType dtype,
     std::optional<std::vector<int64_t>> shape, const char* what) {
-  TORCH_CHECK_VALUE(
-      t.device().is_cpu(), "kvoffload::", op, ": argument '", arg, "' must be a CPU tensor, got ",
-      t.device());
-  TORCH_CHECK_TYPE(
-      t.scalar_type() == dtype, "kvoffload::", op, ": argument '", arg, "' must have dtype ",
-      dtype_str(dtype), ", got ", dtype_str(t.scalar_type()));
+  check_cpu_tensor(op, arg, t, dtype);
   if (shape) {
     TORCH_CHECK_VALUE(
         t.sizes() == at::IntArrayRef(*shape), "kvoffload::", op, ": argument '", arg,

@@ -79,7 +79,10 @@ void copy_rows_memcpy(const RowGather& g, int64_t begin, int64_t end) {
 // Streaming (non-temporal) stores bypass the cache, so a destination line is never read before it is
 // overwritten (no read-for-ownership): a random-row gather then moves 2 bytes of memory traffic per byte
 // copied instead of 3, as a large contiguous memcpy does. Weakly ordered, hence the closing sfence.
-__attribute__((target("avx2"))) void copy_rows_stream32(const RowGather& g, int64_t begin, int64_t end) {
+// One body for both vector widths: Store(to, from) streams kWidth bytes.
+template <int64_t kWidth, typename Store>
+inline __attribute__((always_inline)) void copy_rows_stream(
+    const RowGather& g, int64_t begin, int64_t end, Store store) {
   const PagedRows src = g.src, dst = g.dst;
   const int64_t *si = g.si, *di = g.di;
   const int64_t bytes = g.row_bytes;
@@ -89,30 +92,24 @@ __attribute__((target("avx2"))) void copy_rows_stream32(const RowGather& g, int6
     }
     const char* from = src.row(si[i]);
     char* to = const_cast<char*>(dst.row(di[i]));
-    for (int64_t off = 0; off < bytes; off += 32) {
-      _mm256_stream_si256(
-          reinterpret_cast<__m256i*>(to + off), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + off)));
+    for (int64_t off = 0; off < bytes; off += kWidth) {
+      store(to + off, from + off);
     }
   }
   _mm_sfence();
 }
 
+__attribute__((target("avx2"))) void copy_rows_stream32(const RowGather& g, int64_t begin, int64_t end) {
+  copy_rows_stream<32>(g, begin, end, [](char* to, const char* from) __attribute__((target("avx2"))) {
+    _mm256_stream_si256(
+        reinterpret_cast<__m256i*>(to), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from)));
+  });
+}
+
 void copy_rows_stream16(const RowGather& g, int64_t begin, int64_t end) {
-  const PagedRows src = g.src, dst = g.dst;
-  const int64_t *si = g.si, *di = g.di;
-  const int64_t bytes = g.row_bytes;
-  for (int64_t i = begin; i < end; ++i) {
-    if (i + kPrefetchRows < end) {
-      prefetch_range(src.row(si[i + kPrefetchRows]), bytes);
-    }
-    const char* from = src.row(si[i]);
-    char* to = const_cast<char*>(dst.row(di[i]));
-    for (int64_t off = 0; off < bytes; off += 16) {
-      _mm_stream_si128(
-          reinterpret_cast<__m128i*>(to + off), _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + off)));
-    }
-  }
-  _mm_sfence();
+  copy_rows_stream<16>(g, begin, end, [](char* to, const char* from) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(to), _mm_loadu_si128(reinterpret_cast<const __m128i*>(from)));
+  });
 }
 #endif
 

@@ -52,6 +52,10 @@ bench: $(BUILT)
 	@for bench in $(BENCHES); do \
 		echo "== benchmarks/$$bench.py"; $(PY) benchmarks/$$bench.py || exit 1; \
 	done
+	@if [ "$$(uname -m)" = x86_64 ]; then \
+		echo "== benchmarks/residency_floor.cpp"; mkdir -p build; \
+		$${CXX:-g++} -O3 -march=native benchmarks/residency_floor.cpp -o build/residency_floor && build/residency_floor; \
+	fi
 
 clean:
 	rm -rf build torch_kvoffload/*.so $(BUILT)

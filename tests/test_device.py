@@ -172,3 +172,43 @@ def test_host_pools_are_advised_to_use_huge_pages() -> None:
     assert not device.advise_huge_pages(small)
     big.fill_(7)
     assert int(big.sum()) == 7 * big.numel()
+
+
+def test_event_releases_every_waiter_once_set() -> None:
+    ev = TransferEvent()
+    assert not ev.query() and not ev.succeeded()
+    released = []
+    waiters = [threading.Thread(target=lambda: (ev.wait(10), released.append(1))) for _ in range(4)]
+    for w in waiters:
+        w.start()
+    time.sleep(0.02)
+    assert released == []
+    ev._set_done()
+    ev._set_done()  # setting twice is harmless
+    for w in waiters:
+        w.join(10)
+    assert released == [1] * 4 and ev.query() and ev.succeeded()
+    ev.wait(0)  # and later waits return at once
+    failed = TransferEvent.failed(OSError("x"))
+    assert failed.query() and not failed.succeeded()
+
+
+@requires_cpp
+def test_transfer_threads_copy_on_one_intraop_thread() -> None:
+    """A CPU transfer stream's worker runs its kernels with one intra-op thread, whatever the process-wide
+    count; the calling thread keeps its own."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+        with TransferStream("t") as stream:
+            stream.submit(lambda: seen.append(torch.get_num_threads())).wait(10)
+        assert seen == [1]
+        assert torch.get_num_threads() == 2
+        seen.clear()
+        worker = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        worker.start()
+        worker.join(10)
+        assert seen == [2]  # other new threads still get the process-wide count
+    finally:
+        torch.set_num_threads(before)

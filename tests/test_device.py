@@ -212,3 +212,22 @@ def test_transfer_threads_copy_on_one_intraop_thread() -> None:
         assert seen == [2]  # other new threads still get the process-wide count
     finally:
         torch.set_num_threads(before)
+
+
+def test_wake_delay_holds_back_an_idle_worker_only() -> None:
+    """Work submitted with wake_delay to an idle CPU worker starts no earlier than the delay; results,
+    order and errors are those of a plain submit."""
+    delay = 0.05
+    with TransferStream("t") as stream:
+        stream.synchronize()  # idle
+        log = []
+        t0 = time.perf_counter()
+        first = stream.submit(lambda: log.append(("a", time.perf_counter())), wake_delay=delay)
+        second = stream.submit(lambda: log.append(("b", time.perf_counter())), wake_delay=delay)
+        failed = stream.submit(lambda: 1 / 0, after=[second], wake_delay=delay)
+        first.wait(10)
+        second.wait(10)
+        with pytest.raises(TransferError, match="division by zero"):
+            failed.wait(10)
+        assert [name for name, _ in log] == ["a", "b"]
+        assert log[0][1] - t0 >= delay

@@ -287,11 +287,18 @@ class TransferStream:
         # Copies on this thread run on it alone: an intra-op team per transfer thread would compete with
         # the compute threads for the cores the overlap is meant to leave them.
         set_thread_intraop_threads(1)
+        q = self._queue
         while True:
-            item = self._queue.get()
+            try:
+                item = q.get_nowait()
+            except queue.Empty:
+                item = q.get()  # idle until new work
+                if item is not None and item[3] > 0:
+                    # the submitter is starting its next op right now; let it through first
+                    time.sleep(item[3])
             if item is None:
                 return
-            fn, event, after = item
+            fn, event, after, _ = item
             self._run(fn, event, after)
 
     def _run(self, fn: Callable[[], None], event: TransferEvent, after: Sequence[TransferEvent]) -> None:
@@ -311,16 +318,27 @@ class TransferStream:
             self.counters.add("busy_seconds", time.perf_counter() - start)
 
     def submit(
-        self, fn: Callable[..., None], *args: Any, after: Sequence[TransferEvent] = (), **kwargs: Any
+        self,
+        fn: Callable[..., None],
+        *args: Any,
+        after: Sequence[TransferEvent] = (),
+        wake_delay: float = 0.0,
+        **kwargs: Any,
     ) -> TransferEvent:
-        """Enqueue ``fn(*args, **kwargs)``; return the event that completes when it has run."""
+        """Enqueue ``fn(*args, **kwargs)``; return the event that completes when it has run.
+
+        ``wake_delay`` (seconds, CPU only): when the worker was idle, it waits this long (GIL released)
+        before running ``fn``. For work submitted by a thread that goes on computing: torch ops take
+        the GIL for a moment right after they start (tensor reference counts), and a worker woken by
+        the submit would otherwise take it first and make the op wait for its Python.
+        """
         if self._closed:
             raise RuntimeError(f"transfer stream {self.name!r} is closed")
         self.counters.add("submitted")
         call = functools.partial(fn, *args, **kwargs) if kwargs else (lambda: fn(*args))
         if self._stream is None:
             event = TransferEvent()
-            self._queue.put((call, event, tuple(after)))
+            self._queue.put((call, event, tuple(after), wake_delay))
             return event
         return self._submit_device(call, tuple(after))
 

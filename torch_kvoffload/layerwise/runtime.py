@@ -72,6 +72,7 @@ __all__ = [
 ]
 
 _ALIGN = 16
+_WAKE_DELAY = 50e-6
 
 #: ``fn(slot, layer) -> TransferEvent``: completes when an external reader is done with the slot's data.
 CompletionProvider = Callable[[int, int], TransferEvent]
@@ -266,6 +267,14 @@ class LayerwiseOffloadRuntime:
         # compute runs on this thread, so it is done when the runtime is called (record_compute_event
         # would return an event that is already complete)
         self._sync_compute = accelerator_type() == "cpu"
+        # Seconds an idle transfer thread waits before starting a save / prefetch that overlaps the
+        # next compute (TransferStream.submit's wake_delay): the submitting thread starts an op right
+        # then, and torch ops take the GIL briefly inside, which the woken thread's Python would hold.
+        self.wake_delay = _WAKE_DELAY if self._sync_compute else 0.0
+        self._next_reuses = [
+            layer + 1 < plan.num_layers and plan.previous_user[layer + 1] == layer
+            for layer in range(plan.num_layers)
+        ]
         self._staging_buffers: dict[str, torch.Tensor] = {}
         self._leases: list[StoreLease] = []
         self._load_hashes: list[str] = []
@@ -590,6 +599,11 @@ class LayerwiseOffloadRuntime:
                 self._save_hashes,
                 self._save_blocks,
                 after=self._compute_done(),
+                # the next layer computes meanwhile, unless it reuses this buffer (its load waits for
+                # this save) or there is none (end_forward waits for it)
+                wake_delay=0.0
+                if layer == self.plan.num_layers - 1 or self._next_reuses[layer]
+                else self.wake_delay,
             )
             events.append(ev)
             self._pending.append(ev)
@@ -794,6 +808,8 @@ class LayerwiseOffloadRuntime:
                 self._load_blocks,
                 self._load_via_leases,
                 after=slot.release,
+                # a later layer's load overlaps compute; the running layer's is waited for at once
+                wake_delay=self.wake_delay if layer != self._current and self._current >= 0 else 0.0,
             )
             if layer != self._current:
                 slot.handed_to = layer

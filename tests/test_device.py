@@ -231,3 +231,26 @@ def test_wake_delay_holds_back_an_idle_worker_only() -> None:
             failed.wait(10)
         assert [name for name, _ in log] == ["a", "b"]
         assert log[0][1] - t0 >= delay
+
+
+def test_event_finishes_once_and_short_timeouts_do_not_block() -> None:
+    ev = TransferEvent()
+    for timeout in (0, -1.0, 0.001):
+        with pytest.raises(TimeoutError):
+            ev.wait(timeout=timeout)
+    ev._set_error(OSError("first"))
+    ev._set_done()  # a later outcome does not replace the first
+    with pytest.raises(TransferError, match="first"):
+        ev.wait(0)
+    racing = [TransferEvent() for _ in range(200)]
+    setters = [
+        threading.Thread(target=lambda f=f: [f(ev) for ev in racing])
+        for f in (TransferEvent._set_done, lambda ev: ev._set_error(OSError("x")))
+    ]
+    for t in setters:
+        t.start()
+    for t in setters:
+        t.join(10)
+    for ev in racing:  # each finished exactly once, and waiting returns at once
+        assert ev.query()
+        ev._wait_finished(0)

@@ -162,6 +162,7 @@ class TransferEvent:
     """
 
     __slots__ = ("_device_event", "_error", "_finished", "_gate")
+    _setting = threading.Lock()  # makes "finish once" atomic when two threads race to finish an event
 
     def __init__(self, *, device_event: Any = None) -> None:
         # A lock held until the work finished: waiters pass through it one after the other. Cheaper to
@@ -185,22 +186,31 @@ class TransferEvent:
         return ev
 
     def _set_done(self) -> None:
-        if not self._finished:  # set once, by the thread that ran the work
-            self._finished = True
-            self._gate.release()
+        self._finish(None)
 
     def _set_error(self, error: BaseException) -> None:
-        if not self._finished:
+        self._finish(error)
+
+    def _finish(self, error: BaseException | None) -> None:
+        with TransferEvent._setting:
+            if self._finished:  # the first outcome stays
+                return
             self._error = error
             self._finished = True
-            self._gate.release()
+        self._gate.release()
 
     def _wait_finished(self, timeout: float | None = None) -> bool:
-        """Block until the work finished (successfully or not); False on timeout."""
+        """Block until the work finished (successfully or not); False on timeout (``<= 0``: no wait)."""
         if self._finished:
             return True
-        if not self._gate.acquire(timeout=-1 if timeout is None else timeout):
-            return False
+        if timeout is None:
+            got = self._gate.acquire()
+        elif timeout <= 0:
+            got = self._gate.acquire(False)
+        else:
+            got = self._gate.acquire(timeout=timeout)
+        if not got:
+            return self._finished
         self._gate.release()
         return True
 

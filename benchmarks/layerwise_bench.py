@@ -16,7 +16,8 @@ Measured side by side in one run:
   duration over a working set as large as the transfers', max(alone times) / wall, without the runtime
   (shared cores, caches and memory bandwidth cap it),
 * compute and transfer time inside the pipelined forwards (how much they slowed each other down),
-* main-KV device bytes vs no offload (every layer its own buffer).
+* main-KV device bytes vs no offload (every layer its own buffer),
+* the cores other processes used meanwhile (``foreign``: machine busy time minus this process's).
 
 Writes ``benchmarks/results/layerwise_bench.json``.
 """
@@ -146,6 +147,33 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+class ForeignLoad:
+    """Cores used by other processes while a section ran: busy time of the whole machine (``/proc/stat``)
+    minus this process's own CPU time, over the wall time. The pipeline needs a core per thread; when
+    other work takes one, compute and transfers share the rest and the efficiency drops with it."""
+
+    def __init__(self) -> None:
+        self.start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:]]
+        except OSError:
+            return None
+        own = os.times()
+        busy = (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+        return busy, own.user + own.system, time.perf_counter()
+
+    def cores(self) -> float | None:
+        end = self._sample()
+        if end is None or self.start is None or end[2] <= self.start[2]:
+            return None
+        other = (end[0] - self.start[0]) - (end[1] - self.start[1])
+        return max(0.0, other / (end[2] - self.start[2]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=16)
@@ -259,7 +287,9 @@ def main() -> None:
     rows = []
     configs = [(b, d) for b in (1, 2, 4) for d in (1, 2, 3)]
     all_c, all_t = [], []
+    run_load = ForeignLoad()
     for b, depth in tqdm(configs, desc="layerwise pipeline"):
+        row_load = ForeignLoad()
         s = Setup(args, b, depth, store)
         s.forward(compute)
         walls, inside, sc, st, ceil = [], [], [], [], []
@@ -295,6 +325,7 @@ def main() -> None:
                 "waits_per_forward": c["waits"] / args.reps,
                 "wait_ms_per_forward": c["wait_seconds"] / args.reps * 1e3,
                 "device_kv_bytes": s.plan.main_bytes,
+                "foreign_cores": row_load.cores(),
                 "footprint_vs_no_offload": s.plan.main_bytes / (args.layers * layer_bytes),
             }
         )
@@ -310,6 +341,7 @@ def main() -> None:
         "bytes_per_layer_moved": (args.prefix_blocks + args.new_blocks) * record,
         "no_offload_device_kv_bytes": args.layers * layer_bytes,
         "load_average_at_end": os.getloadavg(),
+        "foreign_cores": run_load.cores(),
         "rows": rows,
     }
     print(
@@ -320,7 +352,7 @@ def main() -> None:
     print(f"sum compute {sum_compute * 1e3:.1f} ms, sum transfer {sum_transfer * 1e3:.1f} ms")
     print(
         f"{'B':>2} {'depth':>5} {'phys':>4} {'Σc ms':>7} {'Σt ms':>7} {'wall ms':>8} {'effic.':>6} {'ceil.':>5} "
-        f"{'c in pipe':>9} {'t in pipe':>9} {'waits':>5} {'wait ms':>7} {'KV vs none':>10}"
+        f"{'c in pipe':>9} {'t in pipe':>9} {'waits':>5} {'wait ms':>7} {'KV vs none':>10} {'foreign':>7}"
     )
     for r in rows:
         print(
@@ -328,9 +360,13 @@ def main() -> None:
             f"{r['sum_transfer_ms']:>7.1f} {r['wall_ms']:>8.1f} {r['efficiency']:>6.2f} "
             f"{r['machine_overlap_ceiling']:>5.2f} "
             f"{r['compute_in_pipeline_ms']:>9.1f} {r['transfer_in_pipeline_ms']:>9.1f} {r['waits_per_forward']:>5.1f} "
-            f"{r['wait_ms_per_forward']:>7.1f} {r['footprint_vs_no_offload']:>10.3f}"
+            f"{r['wait_ms_per_forward']:>7.1f} {r['footprint_vs_no_offload']:>10.3f} "
+            f"{r['foreign_cores'] if r['foreign_cores'] is not None else float('nan'):>7.2f}"
         )
     print(f"load average at the end (1 / 5 / 15 min): {os.getloadavg()}")
+    foreign = result["foreign_cores"]
+    if foreign is not None:
+        print(f"cores used by other processes during the run: {foreign:.2f} (of {os.cpu_count()})")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

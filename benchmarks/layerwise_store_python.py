@@ -3,8 +3,9 @@
 The same pipeline (16 MLA-shaped layers, B = 2, prefetch depth 2, 12 blocks loaded and 12 saved per
 layer, one GEMM of compute per layer) runs against two stores, interleaved:
 
-* ``LocalKVStore`` as shipped: every load / save job runs the store's Python (key checks, index lookups,
-  pinning, one mapping tensor per part) before its ``copy_blocks`` calls;
+* ``LocalKVStore`` as shipped: every load / save job runs the store's Python (loads: reading the entries
+  the lookup leased; saves: key checks, allocation, publishing; one mapping tensor per job) around its
+  ``copy_blocks`` calls;
 * a replaying variant: after recording the arena mappings of a first identical forward, it runs each job
   as the recorded ``copy_blocks`` calls only. It is a diagnostic, not a store (it trusts that nothing
   moved in the arena): the difference between the two bounds what moving the store's per-job Python off
@@ -61,6 +62,15 @@ class ReplayingStore(LocalKVStore):
     def batch_get_blocks(self, keys, layout, blocks):
         return self._replay_or_record(
             "get", keys, layout, lambda: super(ReplayingStore, self).batch_get_blocks(keys, layout, blocks)
+        )
+
+    def batch_get_leased_blocks(self, segments, layout, blocks):
+        keys = [k for lease, a, b in segments for k in lease.keys[a:b]]
+        return self._replay_or_record(
+            "get",
+            keys,
+            layout,
+            lambda: super(ReplayingStore, self).batch_get_leased_blocks(segments, layout, blocks),
         )
 
     def batch_put_blocks(self, keys, layout, blocks):

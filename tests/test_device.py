@@ -172,3 +172,85 @@ def test_host_pools_are_advised_to_use_huge_pages() -> None:
     assert not device.advise_huge_pages(small)
     big.fill_(7)
     assert int(big.sum()) == 7 * big.numel()
+
+
+def test_event_releases_every_waiter_once_set() -> None:
+    ev = TransferEvent()
+    assert not ev.query() and not ev.succeeded()
+    released = []
+    waiters = [threading.Thread(target=lambda: (ev.wait(10), released.append(1))) for _ in range(4)]
+    for w in waiters:
+        w.start()
+    time.sleep(0.02)
+    assert released == []
+    ev._set_done()
+    ev._set_done()  # setting twice is harmless
+    for w in waiters:
+        w.join(10)
+    assert released == [1] * 4 and ev.query() and ev.succeeded()
+    ev.wait(0)  # and later waits return at once
+    failed = TransferEvent.failed(OSError("x"))
+    assert failed.query() and not failed.succeeded()
+
+
+@requires_cpp
+def test_transfer_threads_copy_on_one_intraop_thread() -> None:
+    """A CPU transfer stream's worker runs its kernels with one intra-op thread, whatever the process-wide
+    count; the calling thread keeps its own."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+        with TransferStream("t") as stream:
+            stream.submit(lambda: seen.append(torch.get_num_threads())).wait(10)
+        assert seen == [1]
+        assert torch.get_num_threads() == 2
+        seen.clear()
+        worker = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        worker.start()
+        worker.join(10)
+        assert seen == [2]  # other new threads still get the process-wide count
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_wake_delay_holds_back_an_idle_worker_only() -> None:
+    """Work submitted with wake_delay to an idle CPU worker starts no earlier than the delay; results,
+    order and errors are those of a plain submit."""
+    delay = 0.05
+    with TransferStream("t") as stream:
+        stream.synchronize()  # idle
+        log = []
+        t0 = time.perf_counter()
+        first = stream.submit(lambda: log.append(("a", time.perf_counter())), wake_delay=delay)
+        second = stream.submit(lambda: log.append(("b", time.perf_counter())), wake_delay=delay)
+        failed = stream.submit(lambda: 1 / 0, after=[second], wake_delay=delay)
+        first.wait(10)
+        second.wait(10)
+        with pytest.raises(TransferError, match="division by zero"):
+            failed.wait(10)
+        assert [name for name, _ in log] == ["a", "b"]
+        assert log[0][1] - t0 >= delay
+
+
+def test_event_finishes_once_and_short_timeouts_do_not_block() -> None:
+    ev = TransferEvent()
+    for timeout in (0, -1.0, 0.001):
+        with pytest.raises(TimeoutError):
+            ev.wait(timeout=timeout)
+    ev._set_error(OSError("first"))
+    ev._set_done()  # a later outcome does not replace the first
+    with pytest.raises(TransferError, match="first"):
+        ev.wait(0)
+    racing = [TransferEvent() for _ in range(200)]
+    setters = [
+        threading.Thread(target=lambda f=f: [f(ev) for ev in racing])
+        for f in (TransferEvent._set_done, lambda ev: ev._set_error(OSError("x")))
+    ]
+    for t in setters:
+        t.start()
+    for t in setters:
+        t.join(10)
+    for ev in racing:  # each finished exactly once, and waiting returns at once
+        assert ev.query()
+        ev._wait_finished(0)

@@ -58,6 +58,12 @@ class FaultyStore(LocalKVStore):
             self.got_layers.append(parse_layer_block_key(keys[0])[1])
         return super().batch_get_blocks(keys, layout, blocks)
 
+    def batch_get_leased_blocks(self, segments, layout, blocks):
+        lease, start, _ = segments[0]
+        with self._lk:
+            self.got_layers.append(parse_layer_block_key(lease.keys[start])[1])
+        return super().batch_get_leased_blocks(segments, layout, blocks)
+
 
 @pytest.fixture(scope="module")
 def model() -> MLAStack:

@@ -67,16 +67,26 @@ class LoggingStore(LocalKVStore):
         self._note("get_end", layer)
         return out
 
+    def batch_get_leased_blocks(self, segments, layout, blocks):
+        lease, start, _ = segments[0]
+        layer = parse_layer_block_key(lease.keys[start])[1]
+        self._note("get_start", layer)
+        out = super().batch_get_leased_blocks(segments, layout, blocks)
+        self._note("get_end", layer)
+        return out
+
     def times(self, what: str) -> dict[int, float]:
         return {layer: t for w, layer, t in self.log if w == what}
 
 
-def _make(n=6, b=2, indexer_layers=(1, 3, 5), depth=2, store=None, independent=(0,), streams=None):
+def _make(
+    n=6, b=2, indexer_layers=(1, 3, 5), depth=2, store=None, independent=(0,), streams=None, model_id="test"
+):
     plan = plan_layer_buffers(_specs(n, indexer_layers), b, independent)
     bufs = allocate_layer_buffers(plan, "cpu")
     store = store if store is not None else LoggingStore(1 << 22)
     rt = LayerwiseOffloadRuntime(
-        plan, bufs, store, prefetch_depth=depth, model_id="test", transfer_streams=streams
+        plan, bufs, store, prefetch_depth=depth, model_id=model_id, transfer_streams=streams
     )
     return rt, store
 
@@ -146,6 +156,52 @@ def test_roundtrip_prefix_is_loaded_for_every_layer() -> None:
         assert snap["bytes_loaded"] == 4 * rec
         # layer with an indexer records more bytes than one without (16-byte aligned components)
         assert rt.record_bytes(1) == 192 + 32 + 32 + 16 and rt.record_bytes(2) == 192 + 32
+    finally:
+        rt.close()
+
+
+class CountingStore(LoggingStore):
+    """Counts the load calls by path: through the lookup leases, or by key."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.by_key = self.via_leases = 0
+
+    def batch_get_blocks(self, keys, layout, blocks):
+        self.by_key += 1
+        return super().batch_get_blocks(keys, layout, blocks)
+
+    def batch_get_leased_blocks(self, segments, layout, blocks):
+        self.via_leases += 1
+        return super().batch_get_leased_blocks(segments, layout, blocks)
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_loads_read_through_the_lookup_leases(fixed: bool) -> None:
+    """With a pinning store the loads read the entries the lookup leased (no second lookup by key); the
+    data, the counters and the leases are those of the keyed path."""
+    store = CountingStore(1 << 22)
+    rt, _ = _make(n=4, b=2, indexer_layers=(1,), store=store, model_id="m/1")
+    try:
+        toks = _two_requests()
+        _, first = _forward(rt, toks, [[0, 1, 2, 3], [4, 5, 6]])
+        rt.counters.reset()
+        cached = rt.begin_forward(toks, [[7, 8, 9, 10], [11, 12, 13]], [12, 8] if fixed else None)
+        assert cached == [12, 8]
+        for layer in range(4):
+            rt.before_attention(layer)
+            for got, ref in zip(rt.layer_caches(layer), first[layer], strict=True):
+                # forward 1 used blocks [0..3] and [4..6]; its sorted snapshot holds them in that order
+                assert torch.equal(got[[7, 8, 9, 11, 12]], ref[[0, 1, 2, 4, 5]]), layer
+            rt.after_cache_write(layer)
+        rt.end_forward()
+        assert (store.via_leases, store.by_key) == (4, 0)
+        snap = rt.counters.snapshot()
+        assert snap["loads"] == 4 and snap["blocks_loaded"] == 4 * 5
+        assert snap["bytes_loaded"] == 5 * sum(rt.record_bytes(layer) for layer in range(4))
+        assert store.leased_bytes == 0
+        h = block_hashes(toks[0], BS)
+        assert rt._layer_keys(h, 3) == layer_block_keys(h, 3, model_id="m/1")
     finally:
         rt.close()
 

@@ -370,3 +370,96 @@ def test_same_size_overwrite_reuses_the_region_unless_held() -> None:
     store._unpin(pinned)
     assert store.used_bytes == 32 and _value(store, "a", 32) == 3.0
     _check_invariants(store)
+
+
+def _leased_setup(cls, seed=11):
+    g = torch.Generator().manual_seed(seed)
+    src = _tensors(g)
+    lay = _layout(src)
+    store = cls(64 * lay.record_bytes)
+    store.batch_put_blocks(["a", "b", "c", "d"], lay, [1, 2, 3, 4])
+    return src, lay, store
+
+
+@pytest.mark.parametrize("cls", STORES)
+def test_get_leased_blocks_equals_get_blocks(cls) -> None:
+    """Reads through leases (LocalKVStore: the pinned entries; a non-pinning lease: by key) give exactly
+    what batch_get_blocks of the same keys gives: flags, bytes and counters."""
+    src, lay, store = _leased_setup(cls)
+    first, second = store.lease(["x", "b", "a"]), store.lease(["zz", "d", "c"])
+    segments = [(first, 1, 3), (second, 0, 3)]  # keys b, a, zz, d, c
+    keys = ["b", "a", "zz", "d", "c"]
+    blocks = [9, 0, 5, 7, 6]
+    via_lease = [torch.full_like(t, 3) for t in src]
+    by_key = [torch.full_like(t, 3) for t in src]
+    c0 = store.counters.snapshot()
+    got = store.batch_get_leased_blocks(segments, _layout(via_lease), blocks)
+    c1 = store.counters.snapshot()
+    want = store.batch_get_blocks(keys, _layout(by_key), blocks)
+    c2 = store.counters.snapshot()
+    assert got == want == [True, True, False, True, True]
+    assert all(torch.equal(x, y) for x, y in zip(via_lease, by_key, strict=True))
+    for s, d in zip(src, via_lease, strict=True):  # against the source blocks, and the miss untouched
+        for k, b in zip(["b", "a", "d", "c"], [9, 0, 7, 6], strict=True):
+            assert torch.equal(d[b], s["abcd".index(k) + 1])
+        assert (d[5] == 3).all()
+    for name in ("gets", "hits", "misses", "bytes_got"):
+        assert c1[name] - c0[name] == c2[name] - c1[name], name
+    assert c1["hits"] - c0["hits"] == 4 and c1["bytes_got"] - c0["bytes_got"] == 4 * lay.record_bytes
+    first.release()
+    second.release()
+    _check_invariants(store)
+
+
+def test_get_leased_blocks_reads_pinned_entries_and_refreshes_recency() -> None:
+    """A leased entry removed or replaced after the lease is still read (its region is pinned); the live
+    entries read become the most recently used."""
+    src, lay, store = _leased_setup(LocalKVStore)
+    lease = store.lease(["a", "b", "c"])
+    assert store.remove("a")
+    store.put("b", torch.zeros(lay.record_bytes, dtype=torch.uint8))  # replaced: new value, new region
+    dst = [torch.zeros_like(t) for t in src]
+    assert store.batch_get_leased_blocks([(lease, 0, 3)], _layout(dst), [5, 6, 7]) == [True] * 3
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[5], s[1]) and torch.equal(d[6], s[2]) and torch.equal(d[7], s[3])
+    assert store.lru_keys() == ["d", "b", "c"]  # c refreshed; a and b's old regions are not live
+    lease.release()
+    assert store.leased_bytes == 0
+    _check_invariants(store)
+
+
+def test_get_leased_blocks_errors_leave_state_untouched() -> None:
+    src, lay, store = _leased_setup(LocalKVStore)
+    store.put("small", torch.zeros(3))
+    lease = store.lease(["a", "small", "b"])
+    dst = [torch.full_like(t, 7) for t in src]
+    dlay = _layout(dst)
+    snap = (store.lru_keys(), store.used_bytes, store.counters.snapshot())
+    with pytest.raises(ValueError, match="'small' holds 12 bytes"):
+        store.batch_get_leased_blocks([(lease, 0, 2)], dlay, [0, 1])
+    with pytest.raises(IndexError, match="holds 10"):
+        store.batch_get_leased_blocks([(lease, 0, 1)], dlay, [NB])
+    with pytest.raises(ValueError, match="distinct"):
+        store.batch_get_leased_blocks([(lease, 0, 1), (lease, 2, 3)], dlay, [4, 4])
+    with pytest.raises(ValueError, match="2 keys but 1 blocks"):
+        store.batch_get_leased_blocks([(lease, 1, 3)], dlay, [4])
+    with pytest.raises(ValueError, match=r"range \[2, 4\) is not inside its lease of 3 keys"):
+        store.batch_get_leased_blocks([(lease, 2, 4)], dlay, [4, 5])
+    with pytest.raises(ValueError, match="is not inside"):
+        store.batch_get_leased_blocks([(lease, True, 2)], dlay, [4])
+    with pytest.raises(TypeError, match=r"segments\[0\] must be a \(StoreLease, start, stop\)"):
+        store.batch_get_leased_blocks([("a", 0, 1)], dlay, [4])
+    assert all((d == 7).all() for d in dst)
+    assert (store.lru_keys(), store.used_bytes, store.counters.snapshot()) == snap
+    lease.release()
+    with pytest.raises(ValueError, match="already released"):
+        store.batch_get_leased_blocks([(lease, 0, 1)], dlay, [4])
+    assert all((d == 7).all() for d in dst)
+    assert store.batch_get_leased_blocks([], dlay, []) == []
+    # a lease of another store reads by key
+    other = LocalKVStore(1 << 16)
+    other.batch_put_blocks(["a"], lay, [1])
+    foreign = other.lease(["a", "q"])
+    assert store.batch_get_leased_blocks([(foreign, 0, 2)], dlay, [8, 9]) == [True, False]
+    assert all(torch.equal(d[8], s[1]) for s, d in zip(src, dst, strict=True))
+    foreign.release()

@@ -44,6 +44,7 @@ __all__ = [
     "pin_memory_enabled",
     "probe_npu",
     "record_compute_event",
+    "set_thread_intraop_threads",
     "zeros_host",
 ]
 
@@ -132,6 +133,23 @@ def zeros_host(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(tuple(shape), dtype=dtype, pin_memory=pin_memory_enabled())
 
 
+def set_thread_intraop_threads(n: int) -> bool:
+    """Give the calling thread ``n`` intra-op (OpenMP) threads; other threads keep theirs.
+
+    ``torch.set_num_threads`` is process-wide (it would also shrink the compute threads' pools); this
+    sets the calling thread's own OpenMP count through the C++ extension. Returns whether it was set
+    (False without the extension: kernels then use the process-wide count).
+    """
+    from torch_kvoffload._extension import load_extension
+
+    if not load_extension():
+        return False
+    from torch_kvoffload import _C
+
+    _C.set_thread_intraop_threads(n)
+    return True
+
+
 # -------------------------------------------------------------------------------------------- events
 
 
@@ -143,15 +161,22 @@ class TransferEvent:
     accelerator without blocking the host, on CPU by blocking (compute runs on the caller's thread).
     """
 
+    __slots__ = ("_device_event", "_error", "_finished", "_gate")
+    _setting = threading.Lock()  # makes "finish once" atomic when two threads race to finish an event
+
     def __init__(self, *, device_event: Any = None) -> None:
-        self._done = threading.Event()
+        # A lock held until the work finished: waiters pass through it one after the other. Cheaper to
+        # make and to wait on than a threading.Event, and runtimes make one per transfer.
+        self._gate = threading.Lock()
+        self._gate.acquire()
+        self._finished = False
         self._error: BaseException | None = None
         self._device_event = device_event
 
     @classmethod
     def completed(cls) -> TransferEvent:
         ev = cls()
-        ev._done.set()
+        ev._set_done()
         return ev
 
     @classmethod
@@ -161,11 +186,33 @@ class TransferEvent:
         return ev
 
     def _set_done(self) -> None:
-        self._done.set()
+        self._finish(None)
 
     def _set_error(self, error: BaseException) -> None:
-        self._error = error
-        self._done.set()
+        self._finish(error)
+
+    def _finish(self, error: BaseException | None) -> None:
+        with TransferEvent._setting:
+            if self._finished:  # the first outcome stays
+                return
+            self._error = error
+            self._finished = True
+        self._gate.release()
+
+    def _wait_finished(self, timeout: float | None = None) -> bool:
+        """Block until the work finished (successfully or not); False on timeout (``<= 0``: no wait)."""
+        if self._finished:
+            return True
+        if timeout is None:
+            got = self._gate.acquire()
+        elif timeout <= 0:
+            got = self._gate.acquire(False)
+        else:
+            got = self._gate.acquire(timeout=timeout)
+        if not got:
+            return self._finished
+        self._gate.release()
+        return True
 
     @property
     def error(self) -> BaseException | None:
@@ -174,7 +221,7 @@ class TransferEvent:
 
     def query(self) -> bool:
         """True once the work finished (successfully or not); never blocks."""
-        if not self._done.is_set():
+        if not self._finished:
             return False
         if self._device_event is not None and self._error is None:
             return bool(self._device_event.query())
@@ -182,16 +229,21 @@ class TransferEvent:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the work finished; raise :class:`TransferError` if it failed."""
-        if not self._done.wait(timeout):
+        if not self._wait_finished(timeout):
             raise TimeoutError(f"transfer did not complete within {timeout} s")
         if self._error is not None:
             raise TransferError(f"transfer failed: {self._error}") from self._error
         if self._device_event is not None:
             self._device_event.synchronize()
 
+    def succeeded(self) -> bool:
+        """True once the work finished without error on the host and there is no device work left to
+        order after (waiting would return at once); never blocks."""
+        return self._finished and self._error is None and self._device_event is None
+
     def wait_on_compute(self) -> None:
         """Order subsequent compute after this event (raises if the work failed)."""
-        self._done.wait()
+        self._wait_finished()
         if self._error is not None:
             raise TransferError(f"transfer failed: {self._error}") from self._error
         if self._device_event is not None:
@@ -242,11 +294,21 @@ class TransferStream:
 
     # -- CPU worker
     def _worker(self) -> None:
+        # Copies on this thread run on it alone: an intra-op team per transfer thread would compete with
+        # the compute threads for the cores the overlap is meant to leave them.
+        set_thread_intraop_threads(1)
+        q = self._queue
         while True:
-            item = self._queue.get()
+            try:
+                item = q.get_nowait()
+            except queue.Empty:
+                item = q.get()  # idle until new work
+                if item is not None and item[3] > 0:
+                    # the submitter is starting its next op right now; let it through first
+                    time.sleep(item[3])
             if item is None:
                 return
-            fn, event, after = item
+            fn, event, after, _ = item
             self._run(fn, event, after)
 
     def _run(self, fn: Callable[[], None], event: TransferEvent, after: Sequence[TransferEvent]) -> None:
@@ -266,16 +328,27 @@ class TransferStream:
             self.counters.add("busy_seconds", time.perf_counter() - start)
 
     def submit(
-        self, fn: Callable[..., None], *args: Any, after: Sequence[TransferEvent] = (), **kwargs: Any
+        self,
+        fn: Callable[..., None],
+        *args: Any,
+        after: Sequence[TransferEvent] = (),
+        wake_delay: float = 0.0,
+        **kwargs: Any,
     ) -> TransferEvent:
-        """Enqueue ``fn(*args, **kwargs)``; return the event that completes when it has run."""
+        """Enqueue ``fn(*args, **kwargs)``; return the event that completes when it has run.
+
+        ``wake_delay`` (seconds, CPU only): when the worker was idle, it waits this long (GIL released)
+        before running ``fn``. For work submitted by a thread that goes on computing: torch ops take
+        the GIL for a moment right after they start (tensor reference counts), and a worker woken by
+        the submit would otherwise take it first and make the op wait for its Python.
+        """
         if self._closed:
             raise RuntimeError(f"transfer stream {self.name!r} is closed")
         self.counters.add("submitted")
-        call = functools.partial(fn, *args, **kwargs)
+        call = functools.partial(fn, *args, **kwargs) if kwargs else (lambda: fn(*args))
         if self._stream is None:
             event = TransferEvent()
-            self._queue.put((call, event, tuple(after)))
+            self._queue.put((call, event, tuple(after), wake_delay))
             return event
         return self._submit_device(call, tuple(after))
 
@@ -285,7 +358,7 @@ class TransferStream:
         try:
             with self._stream:
                 for dep in after:
-                    dep._done.wait()
+                    dep._wait_finished()
                     if dep.error is not None:
                         raise TransferError(f"dependency failed: {dep.error}") from dep.error
                     if dep._device_event is not None:
@@ -303,7 +376,7 @@ class TransferStream:
     def synchronize(self) -> None:
         """Block until all work submitted so far has run (errors stay with their events)."""
         barrier = self.submit(lambda: None)
-        barrier._done.wait()
+        barrier._wait_finished()
         if barrier._device_event is not None:
             barrier._device_event.synchronize()
 

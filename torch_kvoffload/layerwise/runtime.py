@@ -18,9 +18,10 @@ not handed out again until :meth:`LayerwiseOffloadRuntime.reset`.
 Store records: one key per (layer, full block) from ``torch_kvoffload.store.keys``; the value is the
 block's bundle — every cache component of the layer (main, then indexer) for that block, each at a
 16-byte aligned offset inside one ``uint8`` record. With host (CPU) buffers a layer's blocks move between
-the store and the buffers in one store call per layer (:meth:`KVStore.batch_get_blocks` /
-``batch_put_blocks``); the embedded store does that with one ``copy_blocks`` kernel per component, no
-staging copy. With device buffers the records go through a pinned host staging tensor.
+the store and the buffers in one store call per layer (:meth:`KVStore.batch_get_leased_blocks` through
+the lookup's pinning leases, else ``batch_get_blocks``; ``batch_put_blocks``); the embedded store does
+that with one ``copy_blocks`` kernel per component, no staging copy. With device buffers the records go
+through a pinned host staging tensor.
 
 Evicted prefixes: ``begin_forward`` leases the blocks it found (:meth:`KVStore.lease`); a store that can
 pin (the embedded one) then keeps them until ``end_forward``. A store that cannot pin may drop a block
@@ -72,6 +73,7 @@ __all__ = [
 ]
 
 _ALIGN = 16
+_WAKE_DELAY = 50e-6
 
 #: ``fn(slot, layer) -> TransferEvent``: completes when an external reader is done with the slot's data.
 CompletionProvider = Callable[[int, int], TransferEvent]
@@ -145,6 +147,9 @@ class _Request:
     hashes: list[str]
     block_ids: list[int]
     num_cached_blocks: int
+    # the pinning lease whose keys are exactly blocks [0, num_cached_blocks) of every layer, layer-major:
+    # the loads read through it (no second lookup); None when the loads must look their keys up
+    lease: StoreLease | None = None
 
 
 @dataclass
@@ -237,6 +242,10 @@ class LayerwiseOffloadRuntime:
         self.num_blocks, self.block_size = lead
         self.counters = Counters(COUNTER_NAMES)
         self._layouts = [self._layout(layer) for layer in range(plan.num_layers)]
+        # "kv/{model_id}/{layer}/": the store key of a block is this + its hash (layer_block_keys)
+        self._key_prefixes = [
+            layer_block_keys(["h"], layer, model_id=model_id)[0][:-1] for layer in range(plan.num_layers)
+        ]
         if transfer_streams is None:
             transfer_streams = 1 if default_device().type == "cpu" else 2
         if transfer_streams not in (1, 2):
@@ -259,12 +268,21 @@ class LayerwiseOffloadRuntime:
         # compute runs on this thread, so it is done when the runtime is called (record_compute_event
         # would return an event that is already complete)
         self._sync_compute = accelerator_type() == "cpu"
+        # Seconds an idle transfer thread waits before starting a save / prefetch that overlaps the
+        # next compute (TransferStream.submit's wake_delay): the submitting thread starts an op right
+        # then, and torch ops take the GIL briefly inside, which the woken thread's Python would hold.
+        self.wake_delay = _WAKE_DELAY if self._sync_compute else 0.0
+        self._next_reuses = [
+            layer + 1 < plan.num_layers and plan.previous_user[layer + 1] == layer
+            for layer in range(plan.num_layers)
+        ]
         self._staging_buffers: dict[str, torch.Tensor] = {}
         self._leases: list[StoreLease] = []
         self._load_hashes: list[str] = []
         self._load_blocks: list[int] = []
         self._save_hashes: list[str] = []
         self._save_blocks: list[int] = []
+        self._load_via_leases = False
         self._closed = False
 
     # ------------------------------------------------------------------------------------ layout
@@ -304,6 +322,8 @@ class LayerwiseOffloadRuntime:
 
     # -------------------------------------------------------------------------------- lookups
     def _check_layer(self, fn: str, layer: object) -> int:
+        if type(layer) is int and 0 <= layer < self.plan.num_layers:  # the per-layer calls' fast path
+            return layer
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.plan.num_layers:
             raise ValueError(
                 f"LayerwiseOffloadRuntime.{fn}: 'layer' must be an int in [0, {self.plan.num_layers}), got {layer!r}"
@@ -328,10 +348,14 @@ class LayerwiseOffloadRuntime:
 
     def _prefix_keys(self, hashes: list[str], n: int) -> list[str]:
         """Keys of blocks ``[0, n)`` of every layer, layer-major."""
-        keys: list[str] = []
-        for layer in range(self.plan.num_layers):
-            keys += layer_block_keys(hashes[:n], layer, model_id=self.model_id)
-        return keys
+        head = hashes[:n]
+        return [prefix + h for prefix in self._key_prefixes for h in head]
+
+    def _layer_keys(self, hashes: list[str], layer: int) -> list[str]:
+        """``layer_block_keys(hashes, layer, model_id=)`` for hashes made by ``block_hashes`` (valid by
+        construction, so not checked again on every transfer)."""
+        prefix = self._key_prefixes[layer]
+        return [prefix + h for h in hashes]
 
     def _prefix_of(self, found: list[bool], cap: int) -> int:
         """Longest prefix (in blocks, ``<= cap``) present for every layer in a layer-major ``found``."""
@@ -483,9 +507,10 @@ class LayerwiseOffloadRuntime:
                 _, lease = self._lease_prefix(hashes, cached, fixed=True)
             if lease is not None:
                 self._leases.append(lease)
+            exact = lease is not None and lease.pinned and len(lease.keys) == cached * self.plan.num_layers
             self.counters.add("store_hits", cached)
             self.counters.add("store_misses", len(hashes) - cached)
-            requests.append(_Request(hashes, ids, cached))
+            requests.append(_Request(hashes, ids, cached, lease if exact else None))
         return requests
 
     def prefetch(self, layer: int, caches: Sequence[torch.Tensor] | None = None) -> None:
@@ -510,7 +535,8 @@ class LayerwiseOffloadRuntime:
         """
         self._check_layer("before_attention", layer)
         self._need_forward("before_attention")
-        self._check_caches("before_attention", layer, caches)
+        if caches is not None:
+            self._check_caches("before_attention", layer, caches)
         slot_id = self.plan.slot_of[layer]
         slot = self._slots[slot_id]
         if layer == self._current and slot.occupant == layer:
@@ -527,13 +553,15 @@ class LayerwiseOffloadRuntime:
         self._issue_window(layer)
         if slot.poison is not None:
             raise SlotPoisonedError(self._poison_message(slot_id, f"before_attention({layer})"))
-        events = list(slot.release)
-        if layer in self._loads:
-            events.append(self._loads[layer])
+        events = slot.release
+        load = self._loads.get(layer)
+        if load is not None:
+            events = [*events, load]
         self._wait_events(slot_id, layer, events)
         slot.occupant, slot.release, slot.compute_done, slot.handed_to = layer, [], False, None
         self._entered.add(layer)
-        self._sync_caches(layer, caches, into_buffers=False)
+        if caches is not None:
+            self._sync_caches(layer, caches, into_buffers=False)
 
     def after_cache_write(self, layer: int, caches: Sequence[torch.Tensor] | None = None) -> None:
         """Start the save of ``layer``'s newly computed full blocks (asynchronous).
@@ -544,7 +572,8 @@ class LayerwiseOffloadRuntime:
         """
         self._check_layer("after_cache_write", layer)
         self._need_forward("after_cache_write")
-        self._check_caches("after_cache_write", layer, caches)
+        if caches is not None:
+            self._check_caches("after_cache_write", layer, caches)
         slot_id = self.plan.slot_of[layer]
         slot = self._slots[slot_id]
         if slot.occupant != layer or layer != self._current:
@@ -559,9 +588,9 @@ class LayerwiseOffloadRuntime:
             )
         if slot.poison is not None:
             raise SlotPoisonedError(self._poison_message(slot_id, f"after_cache_write({layer})"))
-        self._sync_caches(layer, caches, into_buffers=True)
-        external = [fn(slot_id, layer) for fn in self._providers]
-        events = list(external)
+        if caches is not None:
+            self._sync_caches(layer, caches, into_buffers=True)
+        events = [fn(slot_id, layer) for fn in self._providers]
         if self._save_hashes:
             # keys are made on the transfer thread: per-layer Python stays off the compute thread
             ev = self._save_stream.submit(
@@ -571,6 +600,11 @@ class LayerwiseOffloadRuntime:
                 self._save_hashes,
                 self._save_blocks,
                 after=self._compute_done(),
+                # the next layer computes meanwhile, unless it reuses this buffer (its load waits for
+                # this save) or there is none (end_forward waits for it)
+                wake_delay=0.0
+                if layer == self.plan.num_layers - 1 or self._next_reuses[layer]
+                else self.wake_delay,
             )
             events.append(ev)
             self._pending.append(ev)
@@ -773,7 +807,10 @@ class LayerwiseOffloadRuntime:
                 self._requests,
                 self._load_hashes,
                 self._load_blocks,
-                after=list(slot.release),
+                self._load_via_leases,
+                after=slot.release,
+                # a later layer's load overlaps compute; the running layer's is waited for at once
+                wake_delay=self.wake_delay if layer != self._current and self._current >= 0 else 0.0,
             )
             if layer != self._current:
                 slot.handed_to = layer
@@ -784,6 +821,8 @@ class LayerwiseOffloadRuntime:
         batch may share a prefix)."""
         self._load_hashes, self._load_blocks = [], []
         self._save_hashes, self._save_blocks = [], []
+        # loads read through the leases when every request's lease covers exactly its prefix
+        self._load_via_leases = all(q.lease is not None for q in requests if q.num_cached_blocks)
         seen: set[str] = set()
         for q in requests:
             n = q.num_cached_blocks
@@ -796,6 +835,8 @@ class LayerwiseOffloadRuntime:
                     self._save_blocks.append(b)
 
     def _wait_events(self, slot_id: int, layer: int, events: list[TransferEvent]) -> None:
+        if all(ev.succeeded() for ev in events):  # the usual case on CPU: nothing to wait for
+            return
         pending = [ev for ev in events if not ev.query()]
         start = time.perf_counter()
         try:
@@ -862,18 +903,36 @@ class LayerwiseOffloadRuntime:
         )
 
     def _do_load(
-        self, layer: int, slot_id: int, requests: list[_Request], hashes: list[str], blocks: list[int]
+        self,
+        layer: int,
+        slot_id: int,
+        requests: list[_Request],
+        hashes: list[str],
+        blocks: list[int],
+        via_leases: bool = False,
     ) -> None:
         start = time.perf_counter()
         lay = self._layouts[layer]
         n = len(hashes)
         try:
-            keys = layer_block_keys(hashes, layer, model_id=self.model_id)
             if self._slots[slot_id].poison is not None:
                 raise SlotPoisonedError(self._poison_message(slot_id, f"load of layer {layer}"))
+            if via_leases:
+                # the keys of this layer's prefix, as the begin_forward lease found them (layer-major)
+                segments = [
+                    (q.lease, layer * q.num_cached_blocks, (layer + 1) * q.num_cached_blocks)
+                    for q in requests
+                    if q.num_cached_blocks
+                ]
+                keys = [k for lease, a, b in segments for k in lease.keys[a:b]]  # type: ignore[union-attr]
+            else:
+                segments, keys = None, self._layer_keys(hashes, layer)
             if lay.records is not None:
                 # host buffers: the store writes the records straight into the layer's blocks
-                found = self.store.batch_get_blocks(keys, lay.records, blocks)
+                if segments is not None:
+                    found = self.store.batch_get_leased_blocks(segments, lay.records, blocks)  # type: ignore[arg-type]
+                else:
+                    found = self.store.batch_get_blocks(keys, lay.records, blocks)
                 if False in found:
                     raise self._evicted(layer, requests, keys, found)
             else:
@@ -903,7 +962,7 @@ class LayerwiseOffloadRuntime:
         lay = self._layouts[layer]
         n = len(hashes)
         try:
-            keys = layer_block_keys(hashes, layer, model_id=self.model_id)
+            keys = self._layer_keys(hashes, layer)
             if lay.records is not None:
                 self.store.batch_put_blocks(keys, lay.records, blocks)
             else:

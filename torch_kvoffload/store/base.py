@@ -37,6 +37,7 @@ __all__ = [
     "check_host_tensor",
     "check_key",
     "check_keys",
+    "leased_keys",
     "tensor_bytes",
 ]
 
@@ -78,6 +79,8 @@ def check_keys(fn: str, keys: Sequence[str]) -> None:
     """Validate a sequence of keys (a single ``str`` is rejected, not iterated)."""
     if isinstance(keys, str):
         raise TypeError(f"{fn}: keys must be a sequence of str, got a single str")
+    if all(type(key) is str and key for key in keys):  # the common case, without a call per key
+        return
     for key in keys:
         check_key(fn, key)
 
@@ -186,6 +189,25 @@ class RecordLayout:
         return [
             staging[:, off : off + v.shape[1]] for off, v in zip(self.offsets, self.byte_views, strict=True)
         ]
+
+
+def leased_keys(fn: str, segments: Sequence[tuple[StoreLease, int, int]]) -> list[str]:
+    """The keys named by ``(lease, start, stop)`` segments, after checking that every pinning lease is
+    still held and every range lies inside its lease."""
+    keys: list[str] = []
+    for i, seg in enumerate(segments):
+        if not (isinstance(seg, tuple) and len(seg) == 3 and isinstance(seg[0], StoreLease)):
+            raise TypeError(f"{fn}: segments[{i}] must be a (StoreLease, start, stop) tuple, got {seg!r}")
+        lease, start, stop = seg
+        if lease.pinned and lease.released:
+            raise ValueError(f"{fn}: the lease of segments[{i}] was already released")
+        ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (start, stop))
+        if not (ints and 0 <= start <= stop <= len(lease.keys)):
+            raise ValueError(
+                f"{fn}: segments[{i}] range [{start}, {stop}) is not inside its lease of {len(lease.keys)} keys"
+            )
+        keys += lease.keys[start:stop]
+    return keys
 
 
 class StoreLease:
@@ -331,6 +353,22 @@ class KVStore(abc.ABC):
                 if part.shape[1]:
                     copy_blocks(part, view, mapping)
         return found
+
+    def batch_get_leased_blocks(
+        self,
+        segments: Sequence[tuple[StoreLease, int, int]],
+        layout: RecordLayout,
+        blocks: Sequence[int] | torch.Tensor,
+    ) -> list[bool]:
+        """``batch_get_blocks`` of the keys ``lease.keys[start:stop]`` of every ``(lease, start, stop)`` of
+        ``segments``, in order: the reads of a caller that leased those keys earlier.
+
+        Every pinning lease must still be held (not released) for the whole call. Backends that pin use
+        the lease to read without looking the keys up again; the default reads by key. Returns one hit flag
+        per key; arguments are validated before anything is copied.
+        """
+        fn = f"{type(self).__name__}.batch_get_leased_blocks"
+        return self.batch_get_blocks(leased_keys(fn, segments), layout, blocks)
 
     def batch_put_blocks(
         self, keys: Sequence[str], layout: RecordLayout, blocks: Sequence[int] | torch.Tensor

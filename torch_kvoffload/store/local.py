@@ -48,6 +48,7 @@ from torch_kvoffload.store.base import (
     check_host_tensor,
     check_key,
     check_keys,
+    leased_keys,
     tensor_bytes,
 )
 
@@ -68,6 +69,16 @@ class _Entry:
     readers: int = 0  # in-flight copies out of the region
     leases: int = 0  # leases pinning the entry against eviction
     retired: bool = False  # replaced / removed / evicted; region freed once readers drop to 0
+
+
+class _LocalLease(StoreLease):
+    """A lease of a :class:`LocalKVStore`: ``entries[i]`` is the pinned entry of ``keys[i]`` (``None``
+    when it was absent)."""
+
+    def __init__(self, *args, owner: LocalKVStore, entries: list[_Entry | None], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.owner = owner
+        self.entries = entries
 
 
 class LocalKVStore(KVStore):
@@ -123,7 +134,7 @@ class LocalKVStore(KVStore):
         self._stored = 0  # payload bytes of live entries
         self._busy = 0  # copy operations in flight (reads and write rounds): they finish by themselves
         self._leased: dict[int, _Entry] = {}  # entries held by at least one lease, by id
-        self._record_views: dict[int, torch.Tensor] = {}  # part bytes -> overlapping arena view
+        self._record_views: dict[tuple[int, int], torch.Tensor] = {}  # (part bytes, shift) -> arena view
         self._closed = False
 
     # ---------------------------------------------------------------------------------- properties
@@ -411,16 +422,20 @@ class LocalKVStore(KVStore):
         return self._copy_out("batch_get", keys, outs)
 
     # ------------------------------------------------------------------------------------ records
-    def _records(self, arena: torch.Tensor, part_bytes: int) -> torch.Tensor:
-        """``uint8 [capacity - part_bytes + 1, part_bytes]``: row ``o`` is the arena's bytes ``[o, o + part_bytes)``.
+    def _records(self, arena: torch.Tensor, part_bytes: int, shift: int) -> torch.Tensor:
+        """``uint8 [capacity - shift - part_bytes + 1, part_bytes]``: row ``o`` is the arena's bytes
+        ``[shift + o, shift + o + part_bytes)``.
 
         Rows overlap (one starts at every byte); a gather or scatter by offset touches only the rows
-        it names, and the allocator keeps the regions of distinct entries disjoint.
+        it names, and the allocator keeps the regions of distinct entries disjoint. ``shift`` is a
+        part's offset inside its record, so the rows of every part of a batch are named by the same
+        record offsets (one mapping tensor serves all parts).
         """
-        view = self._record_views.get(part_bytes)
+        view = self._record_views.get((part_bytes, shift))
         if view is None:
-            view = arena.as_strided((self.capacity_bytes - part_bytes + 1, part_bytes), (1, 1))
-            self._record_views[part_bytes] = view
+            rows = self.capacity_bytes - shift - part_bytes + 1
+            view = arena.as_strided((rows, part_bytes), (1, 1), shift)
+            self._record_views[(part_bytes, shift)] = view
         return view
 
     def _part_copies(
@@ -433,15 +448,16 @@ class LocalKVStore(KVStore):
         out: bool,
     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """The ``copy_blocks(src, dst, mapping)`` calls that move the records at arena ``offsets`` out to
-        (``out``) or in from ``blocks`` of every non-empty part of ``layout``, one per part."""
+        (``out``) or in from ``blocks`` of every non-empty part of ``layout``, one per part, all sharing
+        one mapping tensor (each part's arena view starts at the part's offset in the record)."""
+        pairs = list(zip(offsets, blocks, strict=True) if out else zip(blocks, offsets, strict=True))
+        mapping = torch.tensor(pairs, dtype=torch.int64)
         copies = []
         for off, view in zip(layout.offsets, layout.byte_views, strict=True):
             part = view.shape[1]
             if part == 0:
                 continue
-            records = self._records(arena, part)
-            pairs = [[o + off, b] if out else [b, o + off] for o, b in zip(offsets, blocks, strict=True)]
-            mapping = torch.tensor(pairs, dtype=torch.int64)
+            records = self._records(arena, part, off)
             copies.append((records, view, mapping) if out else (view, records, mapping))
         return copies
 
@@ -489,6 +505,47 @@ class LocalKVStore(KVStore):
             self._unpin(found)
         return self._count_gets(found, got)
 
+    def batch_get_leased_blocks(
+        self,
+        segments: Sequence[tuple[StoreLease, int, int]],
+        layout: RecordLayout,
+        blocks: Sequence[int] | torch.Tensor,
+    ) -> list[bool]:
+        """Copy the records of leased keys straight into their blocks, without looking the keys up again.
+
+        The entries a lease of this store found are pinned until it is released: their regions are
+        neither evicted, reused nor overwritten in place, so the copy needs no per-key lookup and no
+        reader pin (one lock round trip refreshes their recency). A key that was absent when its
+        lease was taken is a miss. Leases of another store, or that do not pin, read by key.
+        """
+        fn = "batch_get_leased_blocks"
+        keys = leased_keys(f"LocalKVStore.{fn}", segments)
+        if not all(isinstance(lease, _LocalLease) and lease.owner is self for lease, _, _ in segments):
+            return self.batch_get_blocks(keys, layout, blocks)
+        b = layout.check_blocks(f"LocalKVStore.{fn}", blocks, len(keys))
+        arena = self._check_open(fn)
+        found: list[_Entry | None] = []
+        for lease, start, stop in segments:
+            found += lease.entries[start:stop]  # type: ignore[attr-defined]
+        size = layout.record_bytes
+        for key, entry in zip(keys, found, strict=True):
+            if entry is not None and entry.nbytes != size:
+                raise ValueError(
+                    f"LocalKVStore.{fn}: key {key!r} holds {entry.nbytes} bytes but the record layout has "
+                    f"{size} bytes"
+                )
+        hits = [i for i, entry in enumerate(found) if entry is not None]
+        if hits and size:
+            offsets = [found[i].offset for i in hits]  # type: ignore[union-attr]
+            self._copy_parts(arena, layout, offsets, [b[i] for i in hits], out=True)
+        with self._cond:
+            index = self._index
+            for i in hits:
+                entry = found[i]
+                if not entry.retired:  # type: ignore[union-attr]
+                    index.move_to_end(entry.key)  # type: ignore[union-attr]
+        return self._count_gets(found, len(hits) * size)
+
     def batch_put_blocks(
         self, keys: Sequence[str], layout: RecordLayout, blocks: Sequence[int] | torch.Tensor
     ) -> None:
@@ -520,29 +577,29 @@ class LocalKVStore(KVStore):
         check_keys("LocalKVStore.lease", keys)
         with self._cond:
             self._check_open("lease")
-            held: list[_Entry] = []
-            found = []
-            for key in keys:
-                entry = self._index.get(key)
-                found.append(entry is not None)
-                if entry is not None:
-                    entry.leases += 1
-                    self._leased[id(entry)] = entry
-                    held.append(entry)
+            entries = [self._index.get(key) for key in keys]
+            held = [entry for entry in entries if entry is not None]
+            found = [entry is not None for entry in entries]
+            leased = self._leased
+            for entry in held:
+                entry.leases += 1
+                leased[id(entry)] = entry
         self.counters.add("leases")
         self.counters.add("leased_keys", len(held))
 
         def release() -> None:
             with self._cond:
+                leased = self._leased
                 for entry in held:
                     entry.leases -= 1
-                    assert entry.leases >= 0, "lease count went negative"
                     if entry.leases == 0:
-                        self._leased.pop(id(entry), None)
-                    self._drop_hold(entry)
+                        del leased[id(entry)]
+                        if entry.retired and not entry.readers:
+                            self._release_region(entry.offset, entry.reserved)
+                    assert entry.leases >= 0, "lease count went negative"
                 self._cond.notify_all()
 
-        return StoreLease(keys, found, pinned=True, on_release=release)
+        return _LocalLease(keys, found, pinned=True, on_release=release, owner=self, entries=entries)
 
     # ---------------------------------------------------------------------------------- other ops
     def exists(self, key: str) -> bool:

@@ -13,6 +13,7 @@ from torch_kvoffload.store.keys import (
     DIGEST_SIZE,
     block_hashes,
     layer_block_keys,
+    layer_key_prefix,
     parse_layer_block_key,
 )
 
@@ -111,6 +112,8 @@ def test_layer_block_keys_are_distinct_and_parse_back() -> None:
         for h, k in zip(hashes, ks, strict=True):
             assert parse_layer_block_key(k) == (m, layer, h)
     assert layer_block_keys([], 5) == []
+    for (m, layer), ks in keys.items():
+        assert ks == [layer_key_prefix(layer, model_id=m) + h for h in hashes]
 
 
 def test_layer_block_keys_errors() -> None:
@@ -126,3 +129,9 @@ def test_layer_block_keys_errors() -> None:
         layer_block_keys(["ab"], 0, model_id=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not a layer block key"):
         parse_layer_block_key("xyz")
+    with pytest.raises(ValueError, match="layer_key_prefix: layer must be >= 0"):
+        layer_key_prefix(-1)
+    with pytest.raises(TypeError, match="layer_key_prefix: layer must be an int"):
+        layer_key_prefix(True)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="layer_key_prefix: model_id"):
+        layer_key_prefix(0, model_id=1)  # type: ignore[arg-type]

@@ -56,7 +56,7 @@ from torch_kvoffload.layerwise.planner import LayerBufferPlan
 from torch_kvoffload.ops import layer_hooks
 from torch_kvoffload.ops.copy import copy_blocks
 from torch_kvoffload.store.base import KVStore, RecordLayout, StoreLease
-from torch_kvoffload.store.keys import block_hashes, layer_block_keys
+from torch_kvoffload.store.keys import block_hashes, layer_key_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -243,9 +243,7 @@ class LayerwiseOffloadRuntime:
         self.counters = Counters(COUNTER_NAMES)
         self._layouts = [self._layout(layer) for layer in range(plan.num_layers)]
         # "kv/{model_id}/{layer}/": the store key of a block is this + its hash (layer_block_keys)
-        self._key_prefixes = [
-            layer_block_keys(["h"], layer, model_id=model_id)[0][:-1] for layer in range(plan.num_layers)
-        ]
+        self._key_prefixes = [layer_key_prefix(layer, model_id=model_id) for layer in range(plan.num_layers)]
         if transfer_streams is None:
             transfer_streams = 1 if default_device().type == "cpu" else 2
         if transfer_streams not in (1, 2):

@@ -17,7 +17,7 @@ from torch_kvoffload.store.base import (
     StoreUnavailableError,
 )
 from torch_kvoffload.store.factory import StoreConfig, build_store, create_store, parse_bytes
-from torch_kvoffload.store.keys import block_hashes, layer_block_keys, parse_layer_block_key
+from torch_kvoffload.store.keys import block_hashes, layer_block_keys, layer_key_prefix, parse_layer_block_key
 from torch_kvoffload.store.local import LocalKVStore
 from torch_kvoffload.store.memcache import MemcacheKVStore
 from torch_kvoffload.store.mooncake import MooncakeKVStore
@@ -37,6 +37,7 @@ __all__ = [
     "build_store",
     "create_store",
     "layer_block_keys",
+    "layer_key_prefix",
     "parse_bytes",
     "parse_layer_block_key",
 ]

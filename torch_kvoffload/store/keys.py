@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["DIGEST_SIZE", "block_hashes", "layer_block_keys", "parse_layer_block_key"]
+__all__ = ["DIGEST_SIZE", "block_hashes", "layer_block_keys", "layer_key_prefix", "parse_layer_block_key"]
 
 #: Bytes of each block digest (hex string of twice this length).
 DIGEST_SIZE = 16
@@ -96,12 +96,7 @@ def layer_block_keys(block_hashes: Sequence[str], layer: int, *, model_id: str =
         model_id: names the model and its KV spec (dtype, layout); different ids never share keys.
     """
     fn = "layer_block_keys"
-    if isinstance(layer, bool) or not isinstance(layer, int | np.integer):
-        raise TypeError(f"{fn}: layer must be an int, got {type(layer).__name__}")
-    if layer < 0:
-        raise ValueError(f"{fn}: layer must be >= 0, got {layer}")
-    if not isinstance(model_id, str):
-        raise TypeError(f"{fn}: model_id must be a str, got {type(model_id).__name__}")
+    prefix = _layer_key_prefix(fn, layer, model_id)
     if isinstance(block_hashes, str):
         raise TypeError(f"{fn}: block_hashes must be a sequence of str, got a single str")
     keys = []
@@ -110,8 +105,23 @@ def layer_block_keys(block_hashes: Sequence[str], layer: int, *, model_id: str =
             raise ValueError(
                 f"{fn}: block_hashes[{i}] must be a non-empty hash string without '/', got {h!r}"
             )
-        keys.append(f"kv/{model_id}/{int(layer)}/{h}")
+        keys.append(prefix + h)
     return keys
+
+
+def layer_key_prefix(layer: int, *, model_id: str = "") -> str:
+    """``kv/{model_id}/{layer}/``: a block's key in :func:`layer_block_keys` is this plus its hash."""
+    return _layer_key_prefix("layer_key_prefix", layer, model_id)
+
+
+def _layer_key_prefix(fn: str, layer: int, model_id: str) -> str:
+    if isinstance(layer, bool) or not isinstance(layer, int | np.integer):
+        raise TypeError(f"{fn}: layer must be an int, got {type(layer).__name__}")
+    if layer < 0:
+        raise ValueError(f"{fn}: layer must be >= 0, got {layer}")
+    if not isinstance(model_id, str):
+        raise TypeError(f"{fn}: model_id must be a str, got {type(model_id).__name__}")
+    return f"kv/{model_id}/{int(layer)}/"
 
 
 def parse_layer_block_key(key: str) -> tuple[str, int, str]:

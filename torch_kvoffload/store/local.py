@@ -71,6 +71,19 @@ class _Entry:
     retired: bool = False  # replaced / removed / evicted; region freed once readers drop to 0
 
 
+def _check_entry_sizes(
+    fn: str,
+    keys: Sequence[str],
+    found: Sequence[_Entry | None],
+    sizes: Sequence[int],
+    what: Callable[[int], str],
+) -> None:
+    """Raise if a present entry's size differs from ``sizes[i]``; ``what(i)`` describes that size."""
+    for i, (key, entry, size) in enumerate(zip(keys, found, sizes, strict=True)):
+        if entry is not None and entry.nbytes != size:
+            raise ValueError(f"LocalKVStore.{fn}: key {key!r} holds {entry.nbytes} bytes but {what(i)}")
+
+
 class _LocalLease(StoreLease):
     """A lease of a :class:`LocalKVStore`: ``entries[i]`` is the pinned entry of ``keys[i]`` (``None``
     when it was absent)."""
@@ -366,9 +379,7 @@ class LocalKVStore(KVStore):
         """
         arena = self._check_open(fn)
         found = [self._index.get(key) for key in keys]
-        for i, (key, entry, size) in enumerate(zip(keys, found, sizes, strict=True)):
-            if entry is not None and entry.nbytes != size:
-                raise ValueError(f"LocalKVStore.{fn}: key {key!r} holds {entry.nbytes} bytes but {what(i)}")
+        _check_entry_sizes(fn, keys, found, sizes, what)
         for key, entry in zip(keys, found, strict=True):
             if entry is not None:
                 entry.readers += 1
@@ -528,12 +539,9 @@ class LocalKVStore(KVStore):
         for lease, start, stop in segments:
             found += lease.entries[start:stop]  # type: ignore[attr-defined]
         size = layout.record_bytes
-        for key, entry in zip(keys, found, strict=True):
-            if entry is not None and entry.nbytes != size:
-                raise ValueError(
-                    f"LocalKVStore.{fn}: key {key!r} holds {entry.nbytes} bytes but the record layout has "
-                    f"{size} bytes"
-                )
+        _check_entry_sizes(
+            fn, keys, found, [size] * len(keys), lambda i: f"the record layout has {size} bytes"
+        )
         hits = [i for i, entry in enumerate(found) if entry is not None]
         if hits and size:
             offsets = [found[i].offset for i in hits]  # type: ignore[union-attr]
@@ -592,11 +600,10 @@ class LocalKVStore(KVStore):
                 leased = self._leased
                 for entry in held:
                     entry.leases -= 1
+                    assert entry.leases >= 0, "lease count went negative"
                     if entry.leases == 0:
                         del leased[id(entry)]
-                        if entry.retired and not entry.readers:
-                            self._release_region(entry.offset, entry.reserved)
-                    assert entry.leases >= 0, "lease count went negative"
+                        self._drop_hold(entry)
                 self._cond.notify_all()
 
         return _LocalLease(keys, found, pinned=True, on_release=release, owner=self, entries=entries)

@@ -55,7 +55,7 @@ from torch_kvoffload.layerwise.allocation import LayerBuffers
 from torch_kvoffload.layerwise.planner import LayerBufferPlan
 from torch_kvoffload.ops import layer_hooks
 from torch_kvoffload.ops.copy import copy_blocks
-from torch_kvoffload.store.base import KVStore, RecordLayout, StoreLease
+from torch_kvoffload.store.base import KVStore, RecordLayout, StoreLease, leased_keys
 from torch_kvoffload.store.keys import block_hashes, layer_key_prefix
 
 logger = logging.getLogger(__name__)
@@ -922,7 +922,7 @@ class LayerwiseOffloadRuntime:
                     for q in requests
                     if q.num_cached_blocks
                 ]
-                keys = [k for lease, a, b in segments for k in lease.keys[a:b]]  # type: ignore[union-attr]
+                keys = leased_keys("LayerwiseOffloadRuntime load", segments)  # type: ignore[arg-type]
             else:
                 segments, keys = None, self._layer_keys(hashes, layer)
             if lay.records is not None:

@@ -2,13 +2,14 @@
 //
 // Two passes over the rows, both parallel. Pass 1 validates every row, finds its hits and partitions its
 // LRU order without writing any argument (into scratch: the top-k entry -> slot array [R, K + 1], the
-// hit and non-hit slots in LRU order [R, C + 1] each, and per-row counts); an error is recorded per row
+// hit and non-hit slots in LRU order [R, C + 8] each, and per-row counts); an error is recorded per row
 // and the one of the lowest row is raised after the pass, so the state is untouched on error and the
 // message deterministic. Pass 2 rewrites the state and outputs from the scratch.
 // A row costs O(K + C) with no sort and no hashing: positions are looked up in a per-thread
 // direct-address table, and the loops have no data-dependent branches (hits and misses are about equally
-// likely, so branches would mispredict). On x86-64 the row functions are also compiled for AVX2, and the
-// resident matching uses gathers there. TORCH_KVOFFLOAD_RESIDENCY_SIMD=0 selects the portable code (the
+// likely, so branches would mispredict). On x86-64 the row functions are also compiled for AVX2: the
+// resident matching uses gathers there, and the order partition and slot assignment pack with lane
+// permutations. TORCH_KVOFFLOAD_RESIDENCY_SIMD=0 selects the portable code (the
 // tests run both).
 
 #include "common.h"
@@ -209,6 +210,12 @@ class TopkHash {
   int bits_ = 4;
 };
 
+// Row stride of the slot lists in scratch: 8 entries of slack, since vector stores write up to 7 entries
+// past a list's end and victims are read up to 7 past the last miss.
+constexpr int64_t list_stride(int64_t C) {
+  return C + 8;
+}
+
 struct Views {
   int64_t R, C, K;
   int32_t* stt;
@@ -226,8 +233,8 @@ struct Views {
   int32_t* evictions;
   int32_t* hit;          // scratch [R, K + 1]: top-k entry -> slot, or kMiss / kPadding; entry K a sink
   int64_t* row_counts;   // scratch [R, 2]: hits, misses
-  int32_t* nonhit;       // scratch [R, C + 1]: the non-hit slots in LRU order
-  int32_t* hits;         // scratch [R, C + 1]: the hit slots in LRU order
+  int32_t* nonhit;       // scratch [R, list_stride(C)]: the non-hit slots in LRU order
+  int32_t* hits;         // scratch [R, list_stride(C)]: the hit slots in LRU order
   Policy policy;
   bool simd;
 };
@@ -328,22 +335,21 @@ KVO_ALWAYS_INLINE int64_t match_residents(
   return n_selected;
 }
 
-// Partitions the LRU order into hit and non-hit slots, each keeping its order, and checks that the order
-// is a permutation of 0..C-1 (C values in [0, C), none twice). flags[s] is 1 for a hit slot and 0
-// otherwise on entry; each visit sets bit 1, so a second visit of a slot finds it set.
-KVO_ALWAYS_INLINE bool partition_order(
-    const int32_t* order, int64_t C, uint8_t* flags, int32_t* hits, int32_t* nonhit) {
+// Whether every entry of an LRU order row lies in [0, C).
+KVO_ALWAYS_INLINE bool order_in_range(const int32_t* order, int64_t C) {
   const auto uC = static_cast<uint32_t>(C);
   uint32_t out_of_range = 0;
   for (int64_t i = 0; i < C; ++i) {
     out_of_range |= static_cast<uint32_t>(static_cast<uint32_t>(order[i]) >= uC);
   }
-  if (out_of_range) {
-    return false;
-  }
-  uint32_t seen_twice = 0;
-  int64_t b = 0;
-  for (int64_t i = 0; i < C; ++i) {
+  return out_of_range == 0;
+}
+
+// Partition loop over order[from, C), continuing with b hits so far; see partition_order.
+KVO_ALWAYS_INLINE bool partition_order_loop(
+    const int32_t* order, int64_t C, uint8_t* flags, int32_t* hits, int32_t* nonhit, int64_t from, int64_t b,
+    uint32_t seen_twice) {
+  for (int64_t i = from; i < C; ++i) {
     const int32_t s = order[i];
     const uint32_t f = flags[s];
     flags[s] = static_cast<uint8_t>(f | 2);
@@ -353,6 +359,14 @@ KVO_ALWAYS_INLINE bool partition_order(
     b += f & 1;
   }
   return (seen_twice & 2) == 0;
+}
+
+// Partitions the LRU order into hit and non-hit slots, each keeping its order, and checks that the order
+// is a permutation of 0..C-1 (C values in [0, C), none twice). flags[s] is 1 for a hit slot and 0
+// otherwise on entry; each visit sets bit 1, so a second visit of a slot finds it set.
+KVO_ALWAYS_INLINE bool partition_order(
+    const int32_t* order, int64_t C, uint8_t* flags, int32_t* hits, int32_t* nonhit) {
+  return order_in_range(order, C) && partition_order_loop(order, C, flags, hits, nonhit, 0, 0, 0);
 }
 
 #if KVO_RESIDENCY_AVX2
@@ -369,6 +383,65 @@ struct MaskBytes {
   }
 };
 const MaskBytes kMaskBytes;
+
+// kLanes.pack[m]: the set lanes of the 8-bit mask m in increasing order (a vpermd control that
+// left-packs them); kLanes.expand[m]: lane l of m takes source lane popcount(m & ((1 << l) - 1)) (the
+// inverse, spreading consecutive values over the set lanes).
+struct LaneTables {
+  uint64_t pack[256];
+  uint64_t expand[256];
+  LaneTables() {
+    for (int m = 0; m < 256; ++m) {
+      pack[m] = 0;
+      expand[m] = 0;
+      int n = 0;
+      for (int lane = 0; lane < 8; ++lane) {
+        if ((m >> lane) & 1) {
+          pack[m] |= static_cast<uint64_t>(lane) << (8 * n);
+          expand[m] |= static_cast<uint64_t>(n) << (8 * lane);
+          ++n;
+        }
+      }
+    }
+  }
+};
+const LaneTables kLanes;
+
+inline __attribute__((target("avx2"))) __m256i lane_control(uint64_t bytes) {
+  return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes)));
+}
+
+// AVX2 version of partition_order, 8 order entries per step: the flags are read and marked with scalar
+// accesses (an AVX2 gather is slower than eight loads here, and the marks are scattered stores anyway),
+// and each list takes the step's slots with one lane permutation and one vector store instead of a
+// store per slot. Writes up to 7 entries past the end of either list (the scratch rows have that slack).
+__attribute__((target("avx2,popcnt"))) bool partition_order_avx2(
+    const int32_t* order, int64_t C, uint8_t* flags, int32_t* hits, int32_t* nonhit) {
+  if (!order_in_range(order, C)) {
+    return false;
+  }
+  uint32_t seen_twice = 0;
+  int64_t b = 0, i = 0;
+  for (; i + 8 <= C; i += 8) {
+    uint32_t m = 0;
+#pragma GCC unroll 8
+    for (int lane = 0; lane < 8; ++lane) {
+      const int32_t s = order[i + lane];
+      const uint32_t f = flags[s];
+      flags[s] = static_cast<uint8_t>(f | 2);
+      seen_twice |= f;
+      m |= (f & 1) << lane;
+    }
+    const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(order + i));
+    _mm256_storeu_si256(
+        reinterpret_cast<__m256i*>(hits + b), _mm256_permutevar8x32_epi32(o, lane_control(kLanes.pack[m])));
+    _mm256_storeu_si256(
+        reinterpret_cast<__m256i*>(nonhit + (i - b)),
+        _mm256_permutevar8x32_epi32(o, lane_control(kLanes.pack[~m & 0xffu])));
+    b += _mm_popcnt_u32(m);
+  }
+  return partition_order_loop(order, C, flags, hits, nonhit, i, b, seen_twice);
+}
 
 // AVX2 version of match_residents, 8 slots per step: one gather of table entries replaces the dependent
 // loads, and the hit flags come from the comparison mask.
@@ -564,15 +637,21 @@ KVO_ALWAYS_INLINE RowError plan_row(const Views& v, int64_t r, TopkHash& hash, s
   } else {
     match_error = match_hashed(v, r, reset, stable, tk, hit, flags, hash);
   }
-  int32_t* nonhit = v.nonhit + r * (C + 1);
-  int32_t* hits = v.hits + r * (C + 1);
+  int32_t* nonhit = v.nonhit + r * list_stride(C);
+  int32_t* hits = v.hits + r * list_stride(C);
   if (reset) {
     for (int64_t i = 0; i < C; ++i) {
       nonhit[i] = static_cast<int32_t>(i);
     }
     return match_error;
   }
-  if (!partition_order(v.lru + r * C, C, flags, hits, nonhit)) {
+#if KVO_RESIDENCY_AVX2
+  const bool permutation = v.simd ? partition_order_avx2(v.lru + r * C, C, flags, hits, nonhit)
+                                  : partition_order(v.lru + r * C, C, flags, hits, nonhit);
+#else
+  const bool permutation = partition_order(v.lru + r * C, C, flags, hits, nonhit);
+#endif
+  if (!permutation) {
     return {ErrorCode::kLruNotPermutation, 0, 0};
   }
   if (!tokens_read) {
@@ -695,33 +774,6 @@ KVO_ALWAYS_INLINE void assign_slots(
 }
 
 #if KVO_RESIDENCY_AVX2
-// kLanes.pack[m]: the set lanes of the 8-bit mask m in increasing order (a vpermd control that
-// left-packs them); kLanes.expand[m]: lane l of m takes source lane popcount(m & ((1 << l) - 1)) (the
-// inverse, spreading consecutive values over the set lanes).
-struct LaneTables {
-  uint64_t pack[256];
-  uint64_t expand[256];
-  LaneTables() {
-    for (int m = 0; m < 256; ++m) {
-      pack[m] = 0;
-      expand[m] = 0;
-      int n = 0;
-      for (int lane = 0; lane < 8; ++lane) {
-        if ((m >> lane) & 1) {
-          pack[m] |= static_cast<uint64_t>(lane) << (8 * n);
-          expand[m] |= static_cast<uint64_t>(n) << (8 * lane);
-          ++n;
-        }
-      }
-    }
-  }
-};
-const LaneTables kLanes;
-
-inline __attribute__((target("avx2"))) __m256i lane_control(uint64_t bytes) {
-  return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes)));
-}
-
 // AVX2 version of assign_slots, 8 entries per step: the next victims are spread over the miss lanes and
 // the miss tokens left-packed, both with one lane permutation. Reads up to 7 victims past the last one
 // used (the scratch holding them has that slack).
@@ -836,8 +888,8 @@ KVO_ALWAYS_INLINE void apply_row(const Views& v, int64_t r, RowScratch& w) {
   }
   // the order partitioned by pass 1
   const int64_t n_nonhit = C - n_hit;
-  const int32_t* nonhit = v.nonhit + r * (C + 1);
-  const int32_t* hits = v.hits + r * (C + 1);
+  const int32_t* nonhit = v.nonhit + r * list_stride(C);
+  const int32_t* hits = v.hits + r * list_stride(C);
   // LRU: the victims are the least recently used non-hit slots, the rest keep their order
   const int32_t* victims = nonhit;
   const int32_t* rest = nonhit + n_miss;
@@ -939,12 +991,12 @@ void run_residency(const char* op, Views& v) {
   thread_local std::vector<int32_t> lists_buf;
   hit_buf.resize(std::max(hit_buf.size(), static_cast<size_t>(v.R * (v.K + 1))));
   counts_buf.resize(std::max(counts_buf.size(), static_cast<size_t>(2 * v.R)));
-  // nonhit rows then hits rows; 8 entries of slack after the last: victims are read past the last miss
-  lists_buf.resize(std::max(lists_buf.size(), static_cast<size_t>(2 * v.R * (v.C + 1) + 8)));
+  // nonhit rows then hits rows
+  lists_buf.resize(std::max(lists_buf.size(), static_cast<size_t>(2 * v.R * list_stride(v.C))));
   v.hit = hit_buf.data();
   v.row_counts = counts_buf.data();
   v.nonhit = lists_buf.data();
-  v.hits = lists_buf.data() + v.R * (v.C + 1);
+  v.hits = lists_buf.data() + v.R * list_stride(v.C);
   std::vector<RowError> errors(static_cast<size_t>(v.R));
   // rows per task: enough slot work that a task outweighs waking a thread
   const int64_t grain = std::max<int64_t>(1, kSlotsPerTask / std::max<int64_t>(1, v.C + v.K));

@@ -4,19 +4,24 @@
 // writing the state or outputs, without pass 2 and without torch: fill a direct-address position table
 // with a row's top-k (with the duplicate check), match the row's slot tokens against it (branch-free,
 // scattering the hit slots), partition the LRU order into hit and non-hit slots (with the permutation
-// flags), and clear the table. Shapes as in benchmarks/sparse_decode_bench.py: R = 64 rows, K = 2048,
-// C = 4096 slots, positions in [0, 65536), 1600 of the C residents selected. "cold" gives every row of
-// every step its own data (as a decode step does); "hot" repeats two rows, so everything is in L1/L2.
+// flags), and clear the table. With AVX2 the matching and the partition are the kernel's AVX2 loops (one
+// gather per 8 slots; lists packed with one lane permutation and vector store per 8 entries); the scalar
+// partition is timed as well, for comparison. Shapes as in benchmarks/sparse_decode_bench.py: R = 64
+// rows, K = 2048, C = 4096 slots, positions in [0, 65536), 1600 of the C residents selected. "cold" gives
+// every row of every step its own data (as a decode step does); "hot" repeats two rows, so everything is
+// in L1/L2.
 // Prints cycles (rdtsc) and ns per (row, slot), best step of 30, and writes
 // benchmarks/results/residency_floor.json.
 //
 //   g++ -O3 -march=native benchmarks/residency_floor.cpp -o /tmp/residency_floor && /tmp/residency_floor
+#include <immintrin.h>
 #include <x86intrin.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -53,17 +58,134 @@ Rows make_rows(int n, std::mt19937& rng) {
 }
 
 struct Phases {
-  double fill, match, partition, clear;
+  double fill, match, partition, clear, scalar_partition;
   double total() const { return fill + match + partition + clear; }
 };
 
+// The scalar partition: one store per list and a marked flag per slot.
+long partition_scalar(const int32_t* order, uint8_t* flags, int32_t* hits, int32_t* nonhit, uint32_t& twice) {
+  long b = 0;
+  for (int j = 0; j < C; ++j) {
+    const int32_t s = order[j];
+    const uint32_t f = flags[s];
+    flags[s] = static_cast<uint8_t>(f | 2);
+    twice |= f;
+    hits[b] = s;
+    nonhit[j - b] = s;
+    b += f & 1;
+  }
+  return b;
+}
+
+#ifdef __AVX2__
+struct PackTable {
+  uint64_t pack[256];  // the set lanes of an 8-bit mask, in order (a vpermd control)
+  PackTable() {
+    for (int m = 0; m < 256; ++m) {
+      pack[m] = 0;
+      for (int lane = 0, n = 0; lane < 8; ++lane) {
+        if ((m >> lane) & 1) {
+          pack[m] |= static_cast<uint64_t>(lane) << (8 * n++);
+        }
+      }
+    }
+  }
+};
+const PackTable kPack;
+
+__m256i pack_control(uint32_t m) {
+  return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(kPack.pack[m])));
+}
+
+// The kernel's AVX2 partition: scalar flag reads and marks, lists packed 8 entries per vector store.
+long partition_packed(const int32_t* order, uint8_t* flags, int32_t* hits, int32_t* nonhit, uint32_t& twice) {
+  long b = 0;
+  for (int j = 0; j < C; j += 8) {
+    uint32_t m = 0;
+#pragma GCC unroll 8
+    for (int lane = 0; lane < 8; ++lane) {
+      const int32_t s = order[j + lane];
+      const uint32_t f = flags[s];
+      flags[s] = static_cast<uint8_t>(f | 2);
+      twice |= f;
+      m |= (f & 1) << lane;
+    }
+    const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(order + j));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hits + b), _mm256_permutevar8x32_epi32(o, pack_control(m)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(nonhit + (j - b)),
+                        _mm256_permutevar8x32_epi32(o, pack_control(~m & 0xffu)));
+    b += __builtin_popcount(m);
+  }
+  return b;
+}
+// byte i of kMaskBytes.bytes[m] is bit i of the 8-bit mask m
+struct MaskBytes {
+  uint64_t bytes[256];
+  MaskBytes() {
+    for (int m = 0; m < 256; ++m) {
+      bytes[m] = 0;
+      for (int i = 0; i < 8; ++i) {
+        bytes[m] |= static_cast<uint64_t>((m >> i) & 1) << (8 * i);
+      }
+    }
+  }
+};
+const MaskBytes kMaskBytes;
+
+// The kernel's AVX2 matching: one gather of table entries per 8 slots, the flags from the comparison mask,
+// every lane storing its slot (the selected ones at their top-k entry, the others at the sink K).
+long match_gather(const int32_t* stt, const uint16_t* table, int32_t* hit, uint8_t* flags) {
+  const __m256i none = _mm256_set1_epi32(kNone), sink = _mm256_set1_epi32(K);
+  long n = 0;
+  for (int s = 0; s < C; s += 8) {
+    const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(stt + s));
+    const __m256i k = _mm256_and_si256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(table), t, 2), none);
+    const __m256i sel = _mm256_xor_si256(_mm256_cmpeq_epi32(k, none), _mm256_set1_epi32(-1));
+    const int m = _mm256_movemask_ps(_mm256_castsi256_ps(sel));
+    std::memcpy(flags + s, &kMaskBytes.bytes[m], 8);
+    n += __builtin_popcount(static_cast<unsigned>(m));
+    const __m256i d = _mm256_blendv_epi8(sink, k, sel);
+    const __m128i lo = _mm256_castsi256_si128(d), hi = _mm256_extracti128_si256(d, 1);
+    const auto d0 = static_cast<uint64_t>(_mm_cvtsi128_si64(lo));
+    const auto d1 = static_cast<uint64_t>(_mm_extract_epi64(lo, 1));
+    const auto d2 = static_cast<uint64_t>(_mm_cvtsi128_si64(hi));
+    const auto d3 = static_cast<uint64_t>(_mm_extract_epi64(hi, 1));
+    hit[static_cast<uint32_t>(d0)] = s;
+    hit[d0 >> 32] = s + 1;
+    hit[static_cast<uint32_t>(d1)] = s + 2;
+    hit[d1 >> 32] = s + 3;
+    hit[static_cast<uint32_t>(d2)] = s + 4;
+    hit[d2 >> 32] = s + 5;
+    hit[static_cast<uint32_t>(d3)] = s + 6;
+    hit[d3 >> 32] = s + 7;
+  }
+  return n;
+}
+#else
+long match_gather(const int32_t* stt, const uint16_t* table, int32_t* hit, uint8_t* flags) {
+  long n = 0;
+  for (int s = 0; s < C; ++s) {
+    const uint32_t k = table[stt[s]];
+    const uint32_t sel = k != kNone;
+    hit[K ^ ((k ^ K) & (0u - sel))] = s;
+    flags[s] = static_cast<uint8_t>(sel);
+    n += sel;
+  }
+  return n;
+}
+
+long partition_packed(const int32_t* order, uint8_t* flags, int32_t* hits, int32_t* nonhit, uint32_t& twice) {
+  return partition_scalar(order, flags, hits, nonhit, twice);
+}
+#endif
+
 Phases run(const Rows& rows, bool hot, long& sink) {
   std::vector<uint16_t> table(L + 2, kNone);
-  std::vector<int32_t> hit(K + 1), hits(C), nonhit(C);
-  std::vector<uint8_t> flags(C);
-  Phases best{1e30, 1e30, 1e30, 1e30};
+  std::vector<int32_t> hit(K + 1), hits(C + 8), nonhit(C + 8);
+  std::vector<uint8_t> flags(C), matched(C);
+  Phases best{1e30, 1e30, 1e30, 1e30, 1e30};
   for (int step = 0; step < STEPS; ++step) {
-    uint64_t c[4] = {0, 0, 0, 0};
+    uint64_t c[5] = {0, 0, 0, 0, 0};
     for (int r = 0; r < R; ++r) {
       const int i = hot ? r % 2 : step * R + r;
       const int32_t* tk = rows.topk[i].data();
@@ -76,39 +198,29 @@ Phases run(const Rows& rows, bool hot, long& sink) {
         table[tk[k]] = static_cast<uint16_t>(k);
       }
       const uint64_t t1 = __rdtsc();
-      long n = 0;
-      for (int s = 0; s < C; ++s) {
-        const uint32_t k = table[stt[s]];
-        const uint32_t sel = k != kNone;
-        hit[K ^ ((k ^ K) & (0u - sel))] = s;
-        flags[s] = static_cast<uint8_t>(sel);
-        n += sel;
-      }
+      const long n = match_gather(stt, table.data(), hit.data(), flags.data());
       const uint64_t t2 = __rdtsc();
+      std::copy(flags.begin(), flags.end(), matched.begin());  // the scalar partition's input, not timed
+      const uint64_t t2b = __rdtsc();
       uint32_t twice = 0;
-      long b = 0;
-      for (int j = 0; j < C; ++j) {
-        const int32_t s = order[j];
-        const uint32_t f = flags[s];
-        flags[s] = static_cast<uint8_t>(f | 2);
-        twice |= f;
-        hits[b] = s;
-        nonhit[j - b] = s;
-        b += f & 1;
-      }
+      const long b = partition_packed(order, flags.data(), hits.data(), nonhit.data(), twice);
       const uint64_t t3 = __rdtsc();
       for (int k = 0; k < K; ++k) {
         table[tk[k]] = kNone;
       }
       const uint64_t t4 = __rdtsc();
+      uint32_t twice2 = 0;
+      const long b2 = partition_scalar(order, matched.data(), hits.data(), nonhit.data(), twice2);
+      const uint64_t t5 = __rdtsc();
       c[0] += t1 - t0;
       c[1] += t2 - t1;
-      c[2] += t3 - t2;
+      c[2] += t3 - t2b;
       c[3] += t4 - t3;
-      sink += n + dup + b + twice + hits[0] + nonhit[0];
+      c[4] += t5 - t4;
+      sink += n + dup + b + b2 + twice + twice2 + hits[0] + nonhit[0];
     }
     const double per = 1.0 / (static_cast<double>(R) * C);
-    const Phases p{c[0] * per, c[1] * per, c[2] * per, c[3] * per};
+    const Phases p{c[0] * per, c[1] * per, c[2] * per, c[3] * per, c[4] * per};
     if (p.total() < best.total()) {
       best = p;
     }
@@ -137,10 +249,11 @@ int main() {
   const Phases hot = run(rows, true, sink);
   std::printf("residency row floor, R %d K %d C %d (TSC %.3f GHz); cycles per (row, slot), best of %d steps\n",
               R, K, C, ghz, STEPS);
-  std::printf("%-6s%8s%8s%11s%8s%8s%8s\n", "data", "fill", "match", "partition", "clear", "total", "ns");
+  std::printf("%-6s%8s%8s%11s%8s%8s%8s%18s\n", "data", "fill", "match", "partition", "clear", "total", "ns",
+              "scalar partition");
   for (const auto& [name, p] : {std::pair{"cold", cold}, std::pair{"hot", hot}}) {
-    std::printf("%-6s%8.2f%8.2f%11.2f%8.2f%8.2f%8.2f\n", name, p.fill, p.match, p.partition, p.clear, p.total(),
-                p.total() / ghz);
+    std::printf("%-6s%8.2f%8.2f%11.2f%8.2f%8.2f%8.2f%18.2f\n", name, p.fill, p.match, p.partition, p.clear,
+                p.total(), p.total() / ghz, p.scalar_partition);
   }
   if (FILE* f = std::fopen("benchmarks/results/residency_floor.json", "w")) {
     std::fprintf(f, "{\"tsc_ghz\": %.4f", ghz);

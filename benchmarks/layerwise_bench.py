@@ -90,17 +90,28 @@ class Compute:
 
 
 class Setup:
-    def __init__(self, args, b: int, depth: int, store: LocalKVStore, streams: int | None = None) -> None:
+    def __init__(
+        self,
+        args,
+        b: int,
+        depth: int,
+        store: LocalKVStore,
+        streams: int | None = None,
+        *,
+        runtime_cls: type = LayerwiseOffloadRuntime,
+        **runtime_kwargs,
+    ) -> None:
         self.args = args
         self.plan = plan_layer_buffers(_specs(args), b, [0])
         self.bufs = allocate_layer_buffers(self.plan, "cpu")
-        self.rt = LayerwiseOffloadRuntime(
+        self.rt = runtime_cls(
             self.plan,
             self.bufs,
             store,
             prefetch_depth=depth,
             model_id="bench",
             transfer_streams=streams or args.streams,
+            **runtime_kwargs,
         )
         bs = args.block_size
         self.tokens = [torch.arange((args.prefix_blocks + args.new_blocks) * bs + 1)]

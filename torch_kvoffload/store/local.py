@@ -484,10 +484,13 @@ class LocalKVStore(KVStore):
         """Move the records at arena ``offsets`` from / to ``blocks`` of every part (one kernel call each).
 
         Runs on transfer threads next to compute: the Python around the kernels is kept to one small
-        tensor per part (every interpreter step here holds the GIL the compute thread may need).
+        tensor per part (every interpreter step here holds the GIL the compute thread may need). Writes
+        into the arena use streaming stores: records are read back by a later request, if ever, so
+        caching them would only evict what compute keeps in the cache, and a cached write first reads
+        each destination line from memory.
         """
         for src, dst, mapping in self._part_copies(arena, layout, offsets, blocks, out=out):
-            copy_blocks(src, dst, mapping)
+            copy_blocks(src, dst, mapping, streaming=not out)
 
     def batch_get_blocks(
         self, keys: Sequence[str], layout: RecordLayout, blocks: Sequence[int] | torch.Tensor

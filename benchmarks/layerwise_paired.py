@@ -5,9 +5,10 @@ than most single changes. This script builds two runtimes over the same store, t
 and the same compute, and alternates their forwards (A B, then B A, ...), so drifting machine load hits
 both alike; it reports, per configuration, the median of the per-pair wall ratios A / B (> 1: B faster).
 
-A variant is a set of runtime keyword arguments (``--a critical_threads=1``) and optionally the runtime
-module of another git revision (``--a-rev HEAD~1``: ``torch_kvoffload/layerwise/runtime.py`` of that
-revision, loaded under another module name; the rest of the package is this checkout's).
+A variant is a set of runtime keyword arguments (``--a critical_threads=1``) and optionally another git
+revision (``--a-rev HEAD~1``: the layerwise runtime, the embedded store and the block hashing of that
+revision, loaded under other module names, each variant with its own store; the rest of the package,
+kernels included, is this checkout's).
 
     python benchmarks/layerwise_paired.py --a critical_threads=1 --b critical_threads=2 [--pairs 21]
 
@@ -34,26 +35,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layerwise_bench import Compute, ForeignLoad, Setup, filled_store
 
 from torch_kvoffload.layerwise import LayerwiseOffloadRuntime
+from torch_kvoffload.store.local import LocalKVStore
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _runtime_at(rev: str) -> type:
-    """``LayerwiseOffloadRuntime`` as of git revision ``rev`` (its runtime module only)."""
+def _module_at(rev: str, path: str, name: str):
+    """The module ``path`` as of git revision ``rev``, loaded as ``name`` (not replacing this checkout's)."""
     src = subprocess.run(
-        ["git", "show", f"{rev}:torch_kvoffload/layerwise/runtime.py"],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
+        ["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True
     ).stdout
-    path = Path(tempfile.mkdtemp()) / f"runtime_{rev.replace('~', '_').replace('/', '_')}.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location(f"_paired_runtime_{abs(hash(rev))}", path)
+    file = Path(tempfile.mkdtemp()) / f"{name}.py"
+    file.write_text(src)
+    spec = importlib.util.spec_from_file_location(name, file)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is made
     spec.loader.exec_module(module)
-    return module.LayerwiseOffloadRuntime
+    return module
+
+
+def _variant_at(rev: str) -> tuple[type, type]:
+    """``LayerwiseOffloadRuntime`` and ``LocalKVStore`` as of git revision ``rev``: their modules and the
+    block hashing of that revision; the rest of the package (kernels included) is this checkout's."""
+    tag = "".join(c if c.isalnum() else "_" for c in rev)
+    keys = _module_at(rev, "torch_kvoffload/store/keys.py", f"_paired_keys_{tag}")
+    local = _module_at(rev, "torch_kvoffload/store/local.py", f"_paired_local_{tag}")
+    runtime = _module_at(rev, "torch_kvoffload/layerwise/runtime.py", f"_paired_runtime_{tag}")
+    runtime.block_hashes = keys.block_hashes
+    return runtime.LayerwiseOffloadRuntime, local.LocalKVStore
 
 
 def _kwargs(items: list[str]) -> dict[str, object]:
@@ -85,11 +95,11 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
 
-    cls_a = _runtime_at(args.a_rev) if args.a_rev else LayerwiseOffloadRuntime
-    cls_b = _runtime_at(args.b_rev) if args.b_rev else LayerwiseOffloadRuntime
+    cls_a, store_a = _variant_at(args.a_rev) if args.a_rev else (LayerwiseOffloadRuntime, LocalKVStore)
+    cls_b, store_b = _variant_at(args.b_rev) if args.b_rev else (LayerwiseOffloadRuntime, LocalKVStore)
     kw_a, kw_b = _kwargs(args.a), _kwargs(args.b)
 
-    store = filled_store(args)
+    stores = {cls: filled_store(args, cls) for cls in {store_a, store_b}}
     compute = Compute(args.compute_dim)
     compute.calibrate(args.compute_ms * 1e-3)
     for _ in range(2):
@@ -101,8 +111,8 @@ def main() -> None:
     configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
     for b, depth in tqdm(configs, desc="paired"):
         load = ForeignLoad()
-        sa = Setup(args, b, depth, store, runtime_cls=cls_a, **kw_a)
-        sb = Setup(args, b, depth, store, runtime_cls=cls_b, **kw_b)
+        sa = Setup(args, b, depth, stores[store_a], runtime_cls=cls_a, **kw_a)
+        sb = Setup(args, b, depth, stores[store_b], runtime_cls=cls_b, **kw_b)
         for s in (sa, sb):
             s.forward(compute)
         wa, wb, ratios, alone = [], [], [], []

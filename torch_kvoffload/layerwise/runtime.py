@@ -18,7 +18,7 @@ not handed out again until :meth:`LayerwiseOffloadRuntime.reset`.
 Store records: one key per (layer, full block) from ``torch_kvoffload.store.keys``; the value is the
 block's bundle — every cache component of the layer (main, then indexer) for that block, each at a
 16-byte aligned offset inside one ``uint8`` record. With host (CPU) buffers a layer's blocks move between
-the store and the buffers in one store call per layer (:meth:`KVStore.batch_get_leased_blocks` through
+the store and the buffers in one store call per layer (one per part when ``critical_threads`` splits it) (:meth:`KVStore.batch_get_leased_blocks` through
 the lookup's pinning leases, else ``batch_get_blocks``; ``batch_put_blocks``); the embedded store does
 that with one ``copy_blocks`` kernel per component, no staging copy. With device buffers the records go
 through a pinned host staging tensor.

@@ -228,8 +228,9 @@ def main() -> None:
     store = filled_store(args)
 
     # Per-layer transfer time alone: no compute, and B = 1 so every load waits for the previous layer's
-    # save: the transfers run one at a time and their times are not inflated by each other.
-    probe = Setup(args, 1, 1, store)
+    # save: the transfers run one at a time and their times are not inflated by each other. Whole, on the
+    # transfer thread (critical_parts=1): the time one thread takes to move a layer's blocks.
+    probe = Setup(args, 1, 1, store, critical_parts=1)
     probe.forward(None)
 
     def transfer_alone() -> float:

@@ -381,3 +381,31 @@ def test_submit_split_done_and_dependencies_decide_the_outcome() -> None:
         for bad in (-1, True, 1.0):
             with pytest.raises(ValueError, match="'n' must be an int >= 0"):
                 device.submit_split([a], bad, lambda begin, end: None)  # type: ignore[arg-type]
+
+
+def test_submit_split_waiter_runs_the_parts_no_worker_started() -> None:
+    """More parts than streams: the thread that waits (untimed) runs the unclaimed ones itself; a timed
+    wait never runs work and times out while the only worker is busy."""
+    release = threading.Event()
+    with TransferStream("busy") as busy:
+        blocked = busy.submit(release.wait, 10)
+        names, reports = [], []
+        ev = device.submit_split(
+            [busy],
+            5,
+            lambda begin, end: names.append((begin, end, threading.current_thread().name)),
+            done=lambda results, error: reports.append(error),
+            parts=2,
+        )
+        with pytest.raises(TimeoutError):
+            ev.wait(timeout=0.05)
+        assert names == []
+        ev.wait()  # runs both parts here: the worker is still blocked
+        me = threading.current_thread().name
+        assert names == [(0, 2, me), (2, 5, me)] and reports == [None]
+        assert not blocked.query()
+        release.set()
+        busy.synchronize()  # the worker's turn finds nothing left to claim
+        assert len(names) == 2 and len(reports) == 1
+        with pytest.raises(ValueError, match="'parts' must be an int >= 1"):
+            device.submit_split([busy], 4, lambda begin, end: None, parts=0)

@@ -100,7 +100,7 @@ def _make(
         prefetch_depth=depth,
         model_id=model_id,
         transfer_streams=streams,
-        critical_threads=critical,
+        critical_parts=critical,
     )
     return rt, store
 
@@ -194,7 +194,7 @@ class CountingStore(LoggingStore):
 def test_loads_read_through_the_lookup_leases(fixed: bool, critical: int) -> None:
     """With a pinning store the loads read the entries the lookup leased (no second lookup by key); the
     data, the counters and the leases are those of the keyed path. Layer 0's load (waited for at once)
-    is split across ``critical`` threads: its second half starts inside request 0's prefix."""
+    is cut into ``critical`` parts: the second half starts inside request 0's prefix."""
     store = CountingStore(1 << 22)
     rt, _ = _make(n=4, b=2, indexer_layers=(1,), store=store, model_id="m/1", critical=critical)
     try:
@@ -853,9 +853,10 @@ def _halves(n: int, critical: int) -> list[int]:
 def test_split_critical_transfers_move_the_same_blocks_and_count_them_once(
     b: int, cached_blocks: int
 ) -> None:
-    """With critical_threads=2 the transfers the compute thread waits for at once are split in two (the
-    first layer's load, the last layer's save; with B=1 also the loads of the running layer and the saves
-    its buffer waits for); the data and the counters are those of one thread."""
+    """With critical_parts=2 the transfers the compute thread waits for at once are cut in two, run by the
+    transfer thread and the waiting thread (the first layer's load, the last layer's save; with B=1 also
+    the loads of the running layer and the saves its buffer waits for); the data and the counters are
+    those of whole transfers."""
     n, new_blocks = 5, 3
     toks = list(range(1000, 1000 + (cached_blocks + new_blocks) * BS + 1))
     table1 = list(range(cached_blocks + 1))

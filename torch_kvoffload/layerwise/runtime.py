@@ -18,7 +18,7 @@ not handed out again until :meth:`LayerwiseOffloadRuntime.reset`.
 Store records: one key per (layer, full block) from ``torch_kvoffload.store.keys``; the value is the
 block's bundle — every cache component of the layer (main, then indexer) for that block, each at a
 16-byte aligned offset inside one ``uint8`` record. With host (CPU) buffers a layer's blocks move between
-the store and the buffers in one store call per layer (one per part when ``critical_threads`` splits it) (:meth:`KVStore.batch_get_leased_blocks` through
+the store and the buffers in one store call per layer (one per part when ``critical_parts`` splits it) (:meth:`KVStore.batch_get_leased_blocks` through
 the lookup's pinning leases, else ``batch_get_blocks``; ``batch_put_blocks``); the embedded store does
 that with one ``copy_blocks`` kernel per component, no staging copy. With device buffers the records go
 through a pinned host staging tensor.
@@ -199,12 +199,12 @@ class LayerwiseOffloadRuntime:
     transfer_streams : 2 = loads and saves on separate :class:`TransferStream` s (both copy directions
         at once: the default on accelerators); 1 = one stream in submission order (the default on CPU,
         where each stream is a worker thread competing with compute for cores).
-    critical_threads : CPU only: transfers the compute thread waits for at once (the first layer's load,
+    critical_parts : CPU only: transfers the compute thread waits for at once (the first layer's load,
         the last layer's save, a save the next layer's buffer waits for, a load issued for the running
-        layer) are split across this many transfer threads (``submit_split``), each copying on one
-        intra-op thread, while the compute core is idle. Transfers that overlap compute stay on one
-        thread. Default 1 (no split): on hosts whose copy bandwidth barely grows with a second thread
-        the split costs more than it saves (see docs/layerwise.md, Performance).
+        layer) are cut into this many parts (``submit_split``), which the transfer thread and the
+        waiting thread (in :meth:`before_attention` / :meth:`end_forward`, whose core would idle) run at
+        once. Transfers that overlap compute stay whole on the transfer thread. Default 2 on CPU; 1 (no
+        split) on accelerators.
 
     Every layer must use the same ``[num_blocks, block_size]`` paging (one block table per request for all
     layers). Transfers run on :class:`TransferStream` s (see ``transfer_streams``); waits happen in
@@ -221,7 +221,7 @@ class LayerwiseOffloadRuntime:
         model_id: str = "",
         salt: str = "",
         transfer_streams: int | None = None,
-        critical_threads: int | None = None,
+        critical_parts: int | None = None,
     ) -> None:
         if plan.specs is None:
             raise ValueError(
@@ -260,29 +260,25 @@ class LayerwiseOffloadRuntime:
                 f"LayerwiseOffloadRuntime: 'transfer_streams' must be 1 or 2 (or None), got {transfer_streams!r}"
             )
         cpu_streams = default_device().type == "cpu"
-        if critical_threads is None:
-            critical_threads = 1
+        if critical_parts is None:
+            critical_parts = 2 if cpu_streams else 1
         if (
-            isinstance(critical_threads, bool)
-            or not isinstance(critical_threads, int)
-            or not 1 <= critical_threads <= 8
+            isinstance(critical_parts, bool)
+            or not isinstance(critical_parts, int)
+            or not 1 <= critical_parts <= 8
         ):
             raise ValueError(
-                f"LayerwiseOffloadRuntime: 'critical_threads' must be an int in [1, 8] (or None), got "
-                f"{critical_threads!r}"
+                f"LayerwiseOffloadRuntime: 'critical_parts' must be an int in [1, 8] (or None), got "
+                f"{critical_parts!r}"
             )
-        if critical_threads > 1 and not cpu_streams:
+        if critical_parts > 1 and not cpu_streams:
             raise ValueError(
-                "LayerwiseOffloadRuntime: 'critical_threads' > 1 needs CPU transfer streams (worker threads)"
+                "LayerwiseOffloadRuntime: 'critical_parts' > 1 needs CPU transfer streams (worker threads)"
             )
         self.transfer_streams = transfer_streams
-        self.critical_threads = critical_threads
+        self.critical_parts = critical_parts
         self._load_stream = TransferStream("layerwise-load" if transfer_streams == 2 else "layerwise")
         self._save_stream = TransferStream("layerwise-save") if transfer_streams == 2 else self._load_stream
-        # workers that only take parts of split transfers (idle otherwise)
-        self._helper_streams = [TransferStream(f"layerwise-helper{i}") for i in range(1, critical_threads)]
-        self._split_loads = [self._load_stream, *self._helper_streams]
-        self._split_saves = [self._save_stream, *self._helper_streams]
         self._lock = threading.Lock()
         self._slots = [_Slot() for _ in plan.slots]
         self._providers: list[CompletionProvider] = []
@@ -627,11 +623,12 @@ class LayerwiseOffloadRuntime:
             if critical and self._splits(layer):
                 n = len(self._save_hashes)
                 ev = submit_split(
-                    self._split_saves,
+                    [self._save_stream],
                     n,
                     functools.partial(self._save_part, *args),
                     after=self._compute_done(),
                     done=functools.partial(self._save_done, layer, slot_id, n),
+                    parts=self.critical_parts,
                 )
             else:
                 # keys are made on the transfer thread: per-layer Python stays off the compute thread
@@ -754,8 +751,6 @@ class LayerwiseOffloadRuntime:
         self._load_stream.close()
         if self._save_stream is not self._load_stream:
             self._save_stream.close()
-        for stream in self._helper_streams:
-            stream.close()
         self._release_leases()
 
     # ---------------------------------------------------------------------------------- internals
@@ -848,14 +843,15 @@ class LayerwiseOffloadRuntime:
             )
             if layer == max(self._current, 0) and self._splits(layer):
                 # the compute thread waits for this load at once (the first layer's, or the running
-                # layer's): its blocks go to every critical-path worker
+                # layer's): it runs the parts the transfer thread has not started
                 n = len(self._load_hashes)
                 self._loads[layer] = submit_split(
-                    self._split_loads,
+                    [self._load_stream],
                     n,
                     functools.partial(self._load_part, *args),
                     after=slot.release,
                     done=functools.partial(self._load_done, layer, slot_id, self._requests, n),
+                    parts=self.critical_parts,
                 )
             else:
                 self._loads[layer] = self._load_stream.submit(
@@ -954,9 +950,9 @@ class LayerwiseOffloadRuntime:
         )
 
     def _splits(self, layer: int) -> bool:
-        """Whether a critical-path transfer of ``layer`` is split across the critical-path workers: host
-        buffers only (the staging path reuses one staging tensor per direction)."""
-        return len(self._split_loads) > 1 and self._layouts[layer].records is not None
+        """Whether a critical-path transfer of ``layer`` is split into parts: host buffers only (the
+        staging path reuses one staging tensor per direction)."""
+        return self.critical_parts > 1 and self._layouts[layer].records is not None
 
     @staticmethod
     def _lease_segments(

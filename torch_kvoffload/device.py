@@ -410,7 +410,7 @@ class TransferStream:
 
 
 class _SplitJob:
-    """One piece of work split into contiguous parts that the workers of several streams claim in turn."""
+    """One piece of work cut into contiguous parts that stream workers and waiters claim in turn."""
 
     __slots__ = (
         "_bounds",
@@ -450,7 +450,7 @@ class _SplitJob:
         try:
             for dep in self.after:
                 dep.wait()
-        except BaseException as exc:  # a failed dependency fails the parts this worker claims
+        except BaseException as exc:  # a failed dependency fails the parts this thread claims
             blocked = exc
         while True:
             with self._lock:
@@ -507,7 +507,7 @@ def submit_split(
     whose core would otherwise idle; workers copy on one intra-op thread, a waiter on its own setting.
 
     The returned event completes once every part ran. ``done(results, error)`` (optional) is then called
-    once, on the worker that finished last, with the parts' results in order and the first failure in
+    once, on the thread that finished the last part, with the parts' results in order and the first failure in
     part order (``None`` if every part succeeded; a failed dependency counts as the failure of every
     part); what ``done`` raises becomes the event's error, else the event carries ``error``. Every part
     runs even when another failed, so the event never completes while a part is still running.

@@ -90,17 +90,28 @@ class Compute:
 
 
 class Setup:
-    def __init__(self, args, b: int, depth: int, store: LocalKVStore, streams: int | None = None) -> None:
+    def __init__(
+        self,
+        args,
+        b: int,
+        depth: int,
+        store: LocalKVStore,
+        streams: int | None = None,
+        *,
+        runtime_cls: type = LayerwiseOffloadRuntime,
+        **runtime_kwargs,
+    ) -> None:
         self.args = args
         self.plan = plan_layer_buffers(_specs(args), b, [0])
         self.bufs = allocate_layer_buffers(self.plan, "cpu")
-        self.rt = LayerwiseOffloadRuntime(
+        self.rt = runtime_cls(
             self.plan,
             self.bufs,
             store,
             prefetch_depth=depth,
             model_id="bench",
             transfer_streams=streams or args.streams,
+            **runtime_kwargs,
         )
         bs = args.block_size
         self.tokens = [torch.arange((args.prefix_blocks + args.new_blocks) * bs + 1)]
@@ -217,8 +228,9 @@ def main() -> None:
     store = filled_store(args)
 
     # Per-layer transfer time alone: no compute, and B = 1 so every load waits for the previous layer's
-    # save: the transfers run one at a time and their times are not inflated by each other.
-    probe = Setup(args, 1, 1, store)
+    # save: the transfers run one at a time and their times are not inflated by each other. Whole, on the
+    # transfer thread (critical_parts=1): the time one thread takes to move a layer's blocks.
+    probe = Setup(args, 1, 1, store, critical_parts=1)
     probe.forward(None)
 
     def transfer_alone() -> float:

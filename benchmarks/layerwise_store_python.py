@@ -42,15 +42,16 @@ class ReplayingStore(LocalKVStore):
 
     def __init__(self, capacity_bytes: int) -> None:
         super().__init__(capacity_bytes)
-        self._recorded: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        # (src, dst, mapping, streaming): the store writes its arena with streaming stores
+        self._recorded: dict[tuple, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]] = {}
         self._recording: list | None = None
 
     def _replay_or_record(self, kind: str, keys, layout, call):
         key = (kind, tuple(keys), id(layout))
         copies = self._recorded.get(key)
         if copies is not None:
-            for src, dst, mapping in copies:
-                copy_blocks(src, dst, mapping)
+            for src, dst, mapping, streaming in copies:
+                copy_blocks(src, dst, mapping, streaming=streaming)
             return [True] * len(keys) if kind == "get" else None
         self._recording = []
         try:
@@ -81,7 +82,7 @@ class ReplayingStore(LocalKVStore):
     def _part_copies(self, arena, layout, offsets, blocks, *, out):
         copies = super()._part_copies(arena, layout, offsets, blocks, out=out)
         if self._recording is not None:
-            self._recording.extend(copies)
+            self._recording.extend((*copy, not out) for copy in copies)
         return copies
 
 

@@ -51,6 +51,44 @@ def test_copy_blocks_matches_reference(dtype: torch.dtype, shape) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", BLOCK_SHAPES)
+def test_copy_blocks_streaming_matches_reference(dtype: torch.dtype, shape) -> None:
+    ns, nd, bs, row = shape
+    src = _rand((ns, bs, *row), dtype)
+    dst = _rand((nd, bs, *row), dtype)
+    mapping = _mapping(min(ns, nd), ns, nd)
+    expected = dst.clone()
+    reference_kernel("copy_blocks")(src, expected, mapping, streaming=True)
+    copy_blocks(src, dst, mapping, streaming=True)
+    assert torch.equal(dst, expected)
+    for s, d in mapping.tolist():
+        assert torch.equal(dst[d], src[s])
+
+
+@pytest.mark.parametrize("shift", [0, 4, 16])
+@pytest.mark.parametrize("block_bytes", [17, 48, 64, 4128])
+def test_copy_blocks_streaming_any_alignment(shift: int, block_bytes: int) -> None:
+    """Streamed blocks at 32-byte, 16-byte and unaligned addresses, sizes that are and are not multiples
+    of the store width: every block lands whole, nothing outside the destination blocks is written."""
+    ns, nd = 9, 7
+    raw = torch.zeros(shift + nd * block_bytes + 64, dtype=torch.uint8)
+    dst = raw[shift : shift + nd * block_bytes].view(nd, block_bytes)
+    src = torch.randint(0, 256, (ns, block_bytes), dtype=torch.uint8)
+    mapping = _mapping(5, ns, nd)
+    expected = dst.clone()
+    reference_kernel("copy_blocks")(src, expected, mapping)
+    copy_blocks(src, dst, mapping, streaming=True)
+    assert torch.equal(dst, expected)
+    assert not raw[:shift].any() and not raw[shift + nd * block_bytes :].any()
+    # overlapping byte rows, as the host pool views its arena: rows start at every byte
+    rows = raw.as_strided((raw.numel() - block_bytes + 1, block_bytes), (1, 1))
+    offsets = torch.tensor([[0, 16], [1, 21 + block_bytes], [2, 64 + 2 * block_bytes]])  # disjoint
+    copy_blocks(src, rows, offsets, streaming=True)
+    for s, o in offsets.tolist():
+        assert torch.equal(raw[o : o + block_bytes], src[s])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", BLOCK_SHAPES)
 def test_copy_rows_matches_reference(dtype: torch.dtype, shape) -> None:
     ns, nd, bs, row = shape
     src = _rand((ns, bs, *row), dtype)
@@ -137,6 +175,12 @@ def _opcheck_cases():
 def test_opcheck(case) -> None:
     op, args = case
     torch.library.opcheck(op, args)
+
+
+def test_opcheck_copy_blocks_streaming() -> None:
+    src = torch.randn(8, 4, 8)
+    op = torch.ops.kvoffload.copy_blocks.default
+    torch.library.opcheck(op, (src, torch.zeros(5, 4, 8), _mapping(5, 8, 5)), {"streaming": True})
 
 
 # -------------------------------------------------------------------------------------------- compile

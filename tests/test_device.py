@@ -254,3 +254,158 @@ def test_event_finishes_once_and_short_timeouts_do_not_block() -> None:
     for ev in racing:  # each finished exactly once, and waiting returns at once
         assert ev.query()
         ev._wait_finished(0)
+
+
+# ------------------------------------------------------------------------------------- submit_split
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("n", [0, 1, 2, 5, 13])
+def test_submit_split_runs_each_part_once_and_reports_once(n: int, workers: int) -> None:
+    """range(n) is cut into max(1, min(workers, n)) contiguous parts, each run exactly once; done sees the
+    results in part order, once, with no error."""
+    streams = [TransferStream(f"s{i}") for i in range(workers)]
+    try:
+        calls, lock, reports = [], threading.Lock(), []
+
+        def part(begin: int, end: int) -> list[int]:
+            with lock:
+                calls.append((begin, end))
+            return list(range(begin, end))
+
+        ev = device.submit_split(
+            streams, n, part, done=lambda results, error: reports.append((results, error))
+        )
+        ev.wait(10)
+        parts = max(1, min(workers, n))
+        assert sorted(calls) == [(n * i // parts, n * (i + 1) // parts) for i in range(parts)]
+        assert len(reports) == 1 and reports[0][1] is None
+        assert [x for r in reports[0][0] for x in r] == list(range(n))
+        for s in streams:
+            s.synchronize()
+        assert len(reports) == 1  # a worker that found nothing left to claim reports nothing
+    finally:
+        for s in streams:
+            s.close()
+
+
+def test_submit_split_parts_run_at_once_on_idle_workers() -> None:
+    """Both halves must be running at the same moment for the barrier to open: two threads, not one."""
+    barrier = threading.Barrier(2, timeout=10)
+    names = set()
+    with TransferStream("a") as a, TransferStream("b") as b:
+
+        def part(begin: int, end: int) -> None:
+            names.add(threading.current_thread().name)
+            barrier.wait()
+
+        device.submit_split([a, b], 8, part).wait(15)
+    assert names == {"kvoffload-a", "kvoffload-b"}
+
+
+def test_submit_split_busy_worker_leaves_its_share_to_the_others() -> None:
+    release = threading.Event()
+    with TransferStream("busy") as busy, TransferStream("idle") as idle:
+        blocked = busy.submit(release.wait, 10)
+        names = []
+        ev = device.submit_split(
+            [busy, idle], 4, lambda begin, end: names.append((begin, end, threading.current_thread().name))
+        )
+        ev.wait(10)  # completes while the busy worker is still blocked
+        assert not blocked.query()
+        assert [(b, e) for b, e, _ in names] == [(0, 2), (2, 4)]
+        assert {name for _, _, name in names} == {"kvoffload-idle"}
+        release.set()
+
+
+def test_submit_split_failure_of_one_part_fails_the_event_after_every_part_ran() -> None:
+    gate = threading.Event()
+    started = threading.Event()
+    reports = []
+    with TransferStream("a") as a, TransferStream("b") as b:
+
+        def part(begin: int, end: int) -> int:
+            if begin == 0:
+                started.wait(10)  # the other half is running
+                raise OSError("first half failed")
+            started.set()
+            gate.wait(10)
+            return end - begin
+
+        ev = device.submit_split(
+            [a, b], 6, part, done=lambda results, error: reports.append((results, error))
+        )
+        started.wait(10)
+        time.sleep(0.05)
+        assert not ev.query()  # the second half is still running: the buffer is still being written
+        gate.set()
+        with pytest.raises(TransferError, match="first half failed"):
+            ev.wait(10)
+    assert len(reports) == 1
+    results, error = reports[0]
+    assert isinstance(error, OSError) and results == [None, 3]
+
+
+def test_submit_split_done_and_dependencies_decide_the_outcome() -> None:
+    with TransferStream("a") as a, TransferStream("b") as b:
+        # what done raises becomes the event's error
+        def fail_done(results, error):
+            raise ValueError(f"missing {sum(results)}")
+
+        ev = device.submit_split([a, b], 4, lambda begin, end: end - begin, done=fail_done)
+        with pytest.raises(TransferError, match="missing 4"):
+            ev.wait(10)
+        # a failed dependency fails every part without running it
+        ran, reports = [], []
+        ev = device.submit_split(
+            [a, b],
+            4,
+            lambda begin, end: ran.append(begin),
+            after=[TransferEvent.failed(OSError("dependency lost"))],
+            done=lambda results, error: reports.append(error),
+        )
+        with pytest.raises(TransferError, match="dependency lost"):
+            ev.wait(10)
+        assert ran == [] and len(reports) == 1 and isinstance(reports[0], TransferError)
+        # ordered after its dependencies, like submit
+        gate = TransferEvent()
+        order = []
+        ev = device.submit_split([a, b], 2, lambda begin, end: order.append(begin), after=[gate])
+        time.sleep(0.05)
+        assert order == [] and not ev.query()
+        gate._set_done()
+        ev.wait(10)
+        assert sorted(order) == [0, 1]
+        with pytest.raises(ValueError, match="'streams' must hold at least one"):
+            device.submit_split([], 1, lambda begin, end: None)
+        for bad in (-1, True, 1.0):
+            with pytest.raises(ValueError, match="'n' must be an int >= 0"):
+                device.submit_split([a], bad, lambda begin, end: None)  # type: ignore[arg-type]
+
+
+def test_submit_split_waiter_runs_the_parts_no_worker_started() -> None:
+    """More parts than streams: the thread that waits (untimed) runs the unclaimed ones itself; a timed
+    wait never runs work and times out while the only worker is busy."""
+    release = threading.Event()
+    with TransferStream("busy") as busy:
+        blocked = busy.submit(release.wait, 10)
+        names, reports = [], []
+        ev = device.submit_split(
+            [busy],
+            5,
+            lambda begin, end: names.append((begin, end, threading.current_thread().name)),
+            done=lambda results, error: reports.append(error),
+            parts=2,
+        )
+        with pytest.raises(TimeoutError):
+            ev.wait(timeout=0.05)
+        assert names == []
+        ev.wait()  # runs both parts here: the worker is still blocked
+        me = threading.current_thread().name
+        assert names == [(0, 2, me), (2, 5, me)] and reports == [None]
+        assert not blocked.query()
+        release.set()
+        busy.synchronize()  # the worker's turn finds nothing left to claim
+        assert len(names) == 2 and len(reports) == 1
+        with pytest.raises(ValueError, match="'parts' must be an int >= 1"):
+            device.submit_split([busy], 4, lambda begin, end: None, parts=0)

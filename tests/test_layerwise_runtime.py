@@ -80,13 +80,27 @@ class LoggingStore(LocalKVStore):
 
 
 def _make(
-    n=6, b=2, indexer_layers=(1, 3, 5), depth=2, store=None, independent=(0,), streams=None, model_id="test"
+    n=6,
+    b=2,
+    indexer_layers=(1, 3, 5),
+    depth=2,
+    store=None,
+    independent=(0,),
+    streams=None,
+    model_id="test",
+    critical=None,
 ):
     plan = plan_layer_buffers(_specs(n, indexer_layers), b, independent)
     bufs = allocate_layer_buffers(plan, "cpu")
     store = store if store is not None else LoggingStore(1 << 22)
     rt = LayerwiseOffloadRuntime(
-        plan, bufs, store, prefetch_depth=depth, model_id=model_id, transfer_streams=streams
+        plan,
+        bufs,
+        store,
+        prefetch_depth=depth,
+        model_id=model_id,
+        transfer_streams=streams,
+        critical_parts=critical,
     )
     return rt, store
 
@@ -176,12 +190,13 @@ class CountingStore(LoggingStore):
         return super().batch_get_leased_blocks(segments, layout, blocks)
 
 
-@pytest.mark.parametrize("fixed", [False, True])
-def test_loads_read_through_the_lookup_leases(fixed: bool) -> None:
+@pytest.mark.parametrize(("fixed", "critical"), [(False, 2), (True, 2), (False, 1)])
+def test_loads_read_through_the_lookup_leases(fixed: bool, critical: int) -> None:
     """With a pinning store the loads read the entries the lookup leased (no second lookup by key); the
-    data, the counters and the leases are those of the keyed path."""
+    data, the counters and the leases are those of the keyed path. Layer 0's load (waited for at once)
+    is cut into ``critical`` parts: the second half starts inside request 0's prefix."""
     store = CountingStore(1 << 22)
-    rt, _ = _make(n=4, b=2, indexer_layers=(1,), store=store, model_id="m/1")
+    rt, _ = _make(n=4, b=2, indexer_layers=(1,), store=store, model_id="m/1", critical=critical)
     try:
         toks = _two_requests()
         _, first = _forward(rt, toks, [[0, 1, 2, 3], [4, 5, 6]])
@@ -195,7 +210,7 @@ def test_loads_read_through_the_lookup_leases(fixed: bool) -> None:
                 assert torch.equal(got[[7, 8, 9, 11, 12]], ref[[0, 1, 2, 4, 5]]), layer
             rt.after_cache_write(layer)
         rt.end_forward()
-        assert (store.via_leases, store.by_key) == (4, 0)
+        assert (store.via_leases, store.by_key) == (4 + critical - 1, 0)
         snap = rt.counters.snapshot()
         assert snap["loads"] == 4 and snap["blocks_loaded"] == 4 * 5
         assert snap["bytes_loaded"] == 5 * sum(rt.record_bytes(layer) for layer in range(4))
@@ -797,3 +812,182 @@ def test_hook_ops_under_a_functionalizing_backend(hooked) -> None:
     assert torch.equal(rt.layer_caches(0)[0][5], torch.full((4, 12), 3.0))
     # layers 0 and 1 were loaded (layer 2 shares layer 1's buffer and never ran); no new full block
     assert rt.counters.get("loads") == 2 and rt.counters.get("saves") == 4
+
+
+# ------------------------------------------------------------------------ split critical-path transfers
+
+
+class PartStore(LocalKVStore):
+    """Logs every block call of the runtime: (kind, layer, number of keys), and fails on request."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[str, int, int]] = []
+        self.fail_keys: set[str] = set()
+        self._log_lock = threading.Lock()
+
+    def _note(self, kind: str, keys) -> None:
+        with self._log_lock:
+            self.calls.append((kind, parse_layer_block_key(keys[0])[1], len(keys)))
+        if self.fail_keys.intersection(keys):
+            raise OSError(f"injected {kind} failure")
+
+    def batch_put_blocks(self, keys, layout, blocks) -> None:
+        self._note("put", keys)
+        super().batch_put_blocks(keys, layout, blocks)
+
+    def batch_get_leased_blocks(self, segments, layout, blocks):
+        self._note("get", [k for lease, start, stop in segments for k in lease.keys[start:stop]])
+        return super().batch_get_leased_blocks(segments, layout, blocks)
+
+    def sizes(self, kind: str, layer: int) -> list[int]:
+        return sorted(n for k, L, n in self.calls if k == kind and layer == L)
+
+
+def _halves(n: int, critical: int) -> list[int]:
+    return [n] if critical == 1 or n < 2 else [n // 2, n - n // 2]
+
+
+@pytest.mark.parametrize("b", [1, 2])
+@pytest.mark.parametrize("cached_blocks", [1, 2, 3, 5])
+def test_split_critical_transfers_move_the_same_blocks_and_count_them_once(
+    b: int, cached_blocks: int
+) -> None:
+    """With critical_parts=2 the transfers the compute thread waits for at once are cut in two, run by the
+    transfer thread and the waiting thread (the first layer's load, the last layer's save; with B=1 also
+    the loads of the running layer and the saves its buffer waits for); the data and the counters are
+    those of whole transfers."""
+    n, new_blocks = 5, 3
+    toks = list(range(1000, 1000 + (cached_blocks + new_blocks) * BS + 1))
+    table1 = list(range(cached_blocks + 1))
+    table2 = list(range(NB - 1, NB - 2 - cached_blocks - new_blocks, -1))  # other blocks, reversed
+    # transfers on the critical path: (loads, saves) by layer
+    critical_layers = {1: ({0, 2, 3, 4}, {1, 2, 3, 4}), 2: ({0}, {4})}[b]
+    for critical in (1, 2):
+        store = PartStore(1 << 22)
+        rt, _ = _make(n=n, b=b, indexer_layers=(1, 3), store=store, depth=1, critical=critical)
+        try:
+            _, first = _forward(rt, [toks[: cached_blocks * BS + 1]], [table1])
+            store.calls.clear()
+            rt.counters.reset()
+            seen = {}
+
+            def check(layer, rt=rt, seen=seen):
+                seen[layer] = [t[table2[:cached_blocks]].clone() for t in rt.layer_caches(layer)]
+
+            cached, _ = _forward(rt, [toks], [table2], on_layer=check)
+            assert cached == [cached_blocks * BS]
+            for layer in range(n):  # forward 1 computed blocks 0.. in table order; they were loaded
+                for got, ref in zip(seen[layer], first[layer], strict=True):
+                    assert torch.equal(got, ref[:cached_blocks]), (critical, layer)
+            snap = rt.counters.snapshot()
+            rec = sum(rt.record_bytes(layer) for layer in range(n))
+            assert snap["loads"] == n and snap["blocks_loaded"] == n * cached_blocks
+            assert snap["bytes_loaded"] == cached_blocks * rec
+            assert snap["saves"] == n and snap["blocks_saved"] == n * new_blocks
+            assert snap["bytes_saved"] == new_blocks * rec
+            assert snap["load_failures"] == snap["save_failures"] == 0
+            assert snap["load_seconds"] > 0 and snap["save_seconds"] > 0
+            loads, saves = critical_layers
+            for layer in range(n):
+                split_load = critical if layer in loads else 1
+                split_save = critical if layer in saves else 1
+                assert store.sizes("get", layer) == _halves(cached_blocks, split_load), (critical, layer)
+                assert store.sizes("put", layer) == _halves(new_blocks, split_save), (critical, layer)
+        finally:
+            rt.close()
+
+
+def test_split_transfers_without_blocks_are_not_issued() -> None:
+    """Nothing cached (first forward) and nothing new to save (a fully cached prompt but its last token):
+    no split transfer runs, nothing is counted."""
+    store = PartStore(1 << 22)
+    rt, _ = _make(n=3, b=1, indexer_layers=(), store=store, critical=2)
+    try:
+        toks = list(range(12))  # 3 full blocks
+        cached, _ = _forward(rt, [toks], [[0, 1, 2]])
+        assert cached == [0] and store.sizes("get", 0) == []
+        store.calls.clear()
+        rt.counters.reset()
+        cached, _ = _forward(rt, [[*toks, 5]], [[3, 4, 5, 6]])  # 3 cached blocks + 1 token: nothing to save
+        assert cached == [12]
+        assert all(kind == "get" for kind, _, _ in store.calls)
+        snap = rt.counters.snapshot()
+        assert snap["saves"] == snap["blocks_saved"] == snap["bytes_saved"] == 0
+        assert snap["loads"] == 3 and snap["blocks_loaded"] == 9
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("half", [0, 1])
+def test_split_save_failure_in_one_half_poisons_and_counts_once(half: int) -> None:
+    store = PartStore(1 << 22)
+    rt, _ = _make(n=4, b=2, indexer_layers=(), store=store, critical=2)
+    try:
+        toks = list(range(2000, 2000 + 4 * BS + 1))
+        keys = layer_block_keys(block_hashes(toks, BS), 3, model_id="test")  # the last layer's 4 blocks
+        store.fail_keys = {keys[2 * half]}  # one block of one half
+        with pytest.raises(TransferError, match="injected put failure"):
+            _forward(rt, [toks], [[0, 1, 2, 3, 4]])
+        assert store.sizes("put", 3) == [2, 2]  # both halves ran
+        assert rt.poisoned_slots() == [rt.plan.slot_of[3]]
+        snap = rt.counters.snapshot()
+        assert snap["save_failures"] == 1 and snap["saves"] == 3 and snap["blocks_saved"] == 3 * 4
+        assert store.leased_bytes == 0
+        with pytest.raises(SlotPoisonedError):
+            rt.begin_forward([toks], [[0, 1, 2, 3, 4]])
+        rt.reset()
+        store.fail_keys = set()
+        _forward(rt, [toks], [[0, 1, 2, 3, 4]])
+        assert rt.counters.get("saves") == 3 + 4
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("half", [0, 1])
+def test_split_load_failure_in_one_half_poisons_the_first_layer(half: int) -> None:
+    store = PartStore(1 << 22)
+    rt, _ = _make(n=3, b=2, indexer_layers=(), store=store, critical=2)
+    try:
+        toks = list(range(3000, 3000 + 4 * BS + 1))
+        _forward(rt, [toks], [[0, 1, 2, 3, 4]])
+        store.fail_keys = {layer_block_keys(block_hashes(toks, BS), 0, model_id="test")[2 * half + 1]}
+        rt.counters.reset()
+        assert rt.begin_forward([toks], [[5, 6, 7, 8, 9]]) == [16]
+        with pytest.raises(SlotPoisonedError, match="injected get failure"):
+            rt.before_attention(0)
+        with pytest.raises(TransferError):
+            rt.end_forward()
+        assert store.sizes("get", 0) == [2, 2]
+        assert rt.poisoned_slots() == [rt.plan.slot_of[0]]
+        snap = rt.counters.snapshot()
+        assert snap["load_failures"] == 1 and snap["prefix_evictions"] == 0
+        assert snap["blocks_loaded"] == 4 * (snap["loads"])  # only the layers that loaded count
+        assert store.leased_bytes == 0
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize(("drop", "usable"), [((0, 2), [8, 8]), ((1, 0), [12, 0]), ((0, 0), [0, 8])])
+def test_split_load_eviction_reports_usable_tokens_over_both_halves(drop, usable) -> None:
+    """Layer 0's load of 3 + 2 prefix blocks is split as [0, 2) and [2, 5): a block missing in either half
+    gives the PrefixEvictedError of the whole layer (usable tokens per request), and poisons nothing."""
+    store = DroppingStore(1 << 22)
+    rt, _ = _make(n=3, b=2, indexer_layers=(), store=store, critical=2)
+    try:
+        toks = _two_requests()
+        _forward(rt, toks, [[0, 1, 2, 3], [4, 5, 6]])
+        request, block = drop
+        store.drop = {layer_block_keys(block_hashes(toks[request], BS), 0, model_id="test")[block]}
+        assert rt.begin_forward(toks, [[7, 8, 9, 10], [11, 12, 13]]) == [12, 8]
+        with pytest.raises(PrefixEvictedError) as info:
+            rt.before_attention(0)
+        assert (info.value.layer, info.value.usable_tokens, info.value.missing_blocks) == (0, usable, 1)
+        with pytest.raises(PrefixEvictedError):
+            rt.end_forward()
+        assert rt.poisoned_slots() == []
+        assert rt.counters.get("prefix_evictions") == 1 and rt.counters.get("load_failures") == 1
+        cached, _ = _forward(rt, toks, [[7, 8, 9, 10], [11, 12, 13]])
+        assert cached == usable  # the lookup now stops at the dropped block
+    finally:
+        rt.close()

@@ -25,13 +25,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from torch_kvoffload.counters import Counters
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 __all__ = [
     "TransferError",
@@ -45,6 +47,7 @@ __all__ = [
     "probe_npu",
     "record_compute_event",
     "set_thread_intraop_threads",
+    "submit_split",
     "zeros_host",
 ]
 
@@ -159,9 +162,11 @@ class TransferEvent:
     ``wait()`` blocks the calling host thread until the work finished and raises :class:`TransferError`
     if it failed. ``wait_on_compute()`` orders the current compute stream after the event: on an
     accelerator without blocking the host, on CPU by blocking (compute runs on the caller's thread).
+    A waiter of work submitted with :func:`submit_split` first runs, on its own thread, the parts no
+    worker has started yet (untimed waits only), instead of idling while they wait for a worker.
     """
 
-    __slots__ = ("_device_event", "_error", "_finished", "_gate")
+    __slots__ = ("_assist", "_device_event", "_error", "_finished", "_gate")
     _setting = threading.Lock()  # makes "finish once" atomic when two threads race to finish an event
 
     def __init__(self, *, device_event: Any = None) -> None:
@@ -172,6 +177,7 @@ class TransferEvent:
         self._finished = False
         self._error: BaseException | None = None
         self._device_event = device_event
+        self._assist: Callable[[], None] | None = None  # runs unclaimed parts (submit_split)
 
     @classmethod
     def completed(cls) -> TransferEvent:
@@ -204,6 +210,9 @@ class TransferEvent:
         if self._finished:
             return True
         if timeout is None:
+            assist = self._assist
+            if assist is not None:
+                assist()  # the parts nobody started run here; returns once every part was claimed
             got = self._gate.acquire()
         elif timeout <= 0:
             got = self._gate.acquire(False)
@@ -395,3 +404,126 @@ class TransferStream:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ---------------------------------------------------------------------------------------- split work
+
+
+class _SplitJob:
+    """One piece of work cut into contiguous parts that stream workers and waiters claim in turn."""
+
+    __slots__ = (
+        "_bounds",
+        "_done",
+        "_errors",
+        "_left",
+        "_lock",
+        "_next",
+        "_part",
+        "_results",
+        "after",
+        "event",
+    )
+
+    def __init__(
+        self,
+        n: int,
+        parts: int,
+        part: Callable[[int, int], Any],
+        after: tuple[TransferEvent, ...],
+        done: Callable[[list[Any], BaseException | None], None] | None,
+    ) -> None:
+        self._bounds = [(n * i // parts, n * (i + 1) // parts) for i in range(parts)]
+        self._part = part
+        self._done = done
+        self.after = after
+        self._lock = threading.Lock()
+        self._next = 0
+        self._left = parts
+        self._results: list[Any] = [None] * parts
+        self._errors: list[BaseException | None] = [None] * parts
+        self.event = TransferEvent()
+
+    def drain(self) -> None:
+        """Run on a stream's worker or a waiter: claim and run parts until none is left (never raises)."""
+        blocked: BaseException | None = None
+        try:
+            for dep in self.after:
+                dep.wait()
+        except BaseException as exc:  # a failed dependency fails the parts this thread claims
+            blocked = exc
+        while True:
+            with self._lock:
+                i = self._next
+                if i == len(self._bounds):
+                    return
+                self._next = i + 1
+            if blocked is not None:
+                self._errors[i] = blocked
+            else:
+                try:
+                    self._results[i] = self._part(*self._bounds[i])
+                except BaseException as exc:  # delivered through the event
+                    self._errors[i] = exc
+            with self._lock:
+                self._left -= 1
+                last = self._left == 0
+            if last:
+                self._finish()
+
+    def _finish(self) -> None:
+        self.event._assist = None  # nothing left to claim; drop the job's references
+        error = next((e for e in self._errors if e is not None), None)
+        try:
+            if self._done is not None:
+                self._done(self._results, error)
+        except BaseException as exc:
+            error = exc
+        if error is not None:
+            logger.debug("split transfer failed: %s", error)
+            self.event._set_error(error)
+        else:
+            self.event._set_done()
+
+
+def submit_split(
+    streams: Sequence[TransferStream],
+    n: int,
+    part: Callable[[int, int], T],
+    *,
+    after: Sequence[TransferEvent] = (),
+    done: Callable[[list[T], BaseException | None], None] | None = None,
+    parts: int | None = None,
+) -> TransferEvent:
+    """Run one transfer of ``n`` items as ``part(begin, end)`` calls on CPU transfer streams and on the
+    thread that waits for it, at once.
+
+    ``range(n)`` is cut into ``max(1, min(parts, n))`` contiguous parts (``parts`` defaults to one per
+    stream; ``n = 0``: one empty part). Each of the first ``min(len(streams), parts)`` streams' workers,
+    once the events in ``after`` completed and the work submitted to it earlier ran, claims the next
+    part nobody runs yet until none is left, and so does any thread that waits for the returned event
+    without a timeout (``wait``, ``wait_on_compute``) before it blocks: idle workers and the waiter
+    share the work, a busy worker leaves its share to the others. For work a thread waits for at once,
+    whose core would otherwise idle; workers copy on one intra-op thread, a waiter on its own setting.
+
+    The returned event completes once every part ran. ``done(results, error)`` (optional) is then called
+    once, on the thread that finished the last part, with the parts' results in order and the first failure in
+    part order (``None`` if every part succeeded; a failed dependency counts as the failure of every
+    part); what ``done`` raises becomes the event's error, else the event carries ``error``. Every part
+    runs even when another failed, so the event never completes while a part is still running.
+    """
+    if not streams:
+        raise ValueError("submit_split: 'streams' must hold at least one TransferStream")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"submit_split: 'n' must be an int >= 0, got {n!r}")
+    if parts is None:
+        parts = len(streams)
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"submit_split: 'parts' must be an int >= 1, got {parts!r}")
+    if any(s._stream is not None for s in streams):
+        raise ValueError("submit_split: every stream must be a CPU transfer stream (worker thread)")
+    job = _SplitJob(n, max(1, min(parts, n)), part, tuple(after), done)
+    job.event._assist = job.drain
+    for stream in streams[: len(job._bounds)]:
+        stream.submit(job.drain)
+    return job.event

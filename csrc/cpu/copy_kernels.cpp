@@ -34,6 +34,8 @@ inline void prefetch_range(const char* p, int64_t bytes) {
 
 // Row copies move at least this many bytes before rows are written with streaming stores.
 constexpr int64_t kStreamMinBytes = int64_t{8} << 20;
+// Streamed blocks prefetch their source this far ahead (the stores bypass the cache; the loads do not).
+constexpr int64_t kStreamPrefetchBytes = 1024;
 
 // One side of a row copy: slot -> row address in a paged tensor [num_blocks, block_size, ...].
 struct PagedRows {
@@ -111,7 +113,54 @@ void copy_rows_stream16(const RowGather& g, int64_t begin, int64_t end) {
     _mm_stream_si128(reinterpret_cast<__m128i*>(to), _mm_loadu_si128(reinterpret_cast<const __m128i*>(from)));
   });
 }
+
+
+// Whole blocks written with streaming stores (copy_blocks with streaming=true): kWidth-byte stores from
+// an aligned destination; the source may be unaligned. The caller fences.
+template <int64_t kWidth, typename Store>
+inline __attribute__((always_inline)) void stream_block(char* to, const char* from, int64_t bytes, Store store) {
+  for (int64_t off = 0; off < bytes; off += kWidth) {
+    if (off % kStreamPrefetchBytes == 0) {
+      prefetch_range(from + off + kStreamPrefetchBytes, kStreamPrefetchBytes);
+    }
+    store(to + off, from + off);
+  }
+}
+
+__attribute__((target("avx2"))) void stream_block32(char* to, const char* from, int64_t bytes) {
+  stream_block<32>(to, from, bytes, [](char* t, const char* f) __attribute__((target("avx2"))) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(t), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(f)));
+  });
+}
+
+void stream_block16(char* to, const char* from, int64_t bytes) {
+  stream_block<16>(to, from, bytes, [](char* t, const char* f) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(t), _mm_loadu_si128(reinterpret_cast<const __m128i*>(f)));
+  });
+}
 #endif
+
+// Copies one block; with `streaming`, a destination aligned for streaming stores (and a block size that
+// is a multiple of their width) is written with them, any other block with memcpy.
+inline void copy_one_block(char* to, const char* from, int64_t bytes, bool streaming, bool avx2) {
+#if defined(__x86_64__)
+  if (streaming) {
+    const auto addr = reinterpret_cast<uintptr_t>(to);
+    if (avx2 && addr % 32 == 0 && bytes % 32 == 0) {
+      stream_block32(to, from, bytes);
+      return;
+    }
+    if (addr % 16 == 0 && bytes % 16 == 0) {
+      stream_block16(to, from, bytes);
+      return;
+    }
+  }
+#else
+  (void)streaming;
+  (void)avx2;
+#endif
+  std::memcpy(to, from, bytes);
+}
 
 using RowRangeCopy = void (*)(const RowGather&, int64_t, int64_t);
 
@@ -205,7 +254,8 @@ int64_t grain_for(int64_t item_bytes) {
   return std::max<int64_t>(1, kBytesPerTask / std::max<int64_t>(1, item_bytes));
 }
 
-void copy_blocks_cpu(const at::Tensor& src_in, const at::Tensor& dst, const at::Tensor& mapping) {
+void copy_blocks_cpu(
+    const at::Tensor& src_in, const at::Tensor& dst, const at::Tensor& mapping, bool streaming) {
   constexpr const char* op = "copy_blocks";
   check_pair(op, 1, src_in, dst);
   check_index_tensor(op, "mapping", mapping, at::kLong, 2);
@@ -230,10 +280,20 @@ void copy_blocks_cpu(const at::Tensor& src_in, const at::Tensor& dst, const at::
     auto* d = static_cast<char*>(dst.data_ptr());
     const int64_t s_stride = src.stride(0) * src.element_size();
     const int64_t d_stride = dst.stride(0) * dst.element_size();
+#if defined(__x86_64__)
+    const bool avx2 = streaming && __builtin_cpu_supports("avx2");
+#else
+    const bool avx2 = false;
+#endif
     at::parallel_for(0, n, grain_for(block_bytes), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        std::memcpy(d + m[2 * i + 1] * d_stride, s + m[2 * i] * s_stride, block_bytes);
+        copy_one_block(d + m[2 * i + 1] * d_stride, s + m[2 * i] * s_stride, block_bytes, streaming, avx2);
       }
+#if defined(__x86_64__)
+      if (streaming) {
+        _mm_sfence();  // streaming stores are weakly ordered: visible before the copy returns
+      }
+#endif
     });
     return;
   }

@@ -18,7 +18,7 @@ not handed out again until :meth:`LayerwiseOffloadRuntime.reset`.
 Store records: one key per (layer, full block) from ``torch_kvoffload.store.keys``; the value is the
 block's bundle — every cache component of the layer (main, then indexer) for that block, each at a
 16-byte aligned offset inside one ``uint8`` record. With host (CPU) buffers a layer's blocks move between
-the store and the buffers in one store call per layer (:meth:`KVStore.batch_get_leased_blocks` through
+the store and the buffers in one store call per layer (one per part when ``critical_parts`` splits it) (:meth:`KVStore.batch_get_leased_blocks` through
 the lookup's pinning leases, else ``batch_get_blocks``; ``batch_put_blocks``); the embedded store does
 that with one ``copy_blocks`` kernel per component, no staging copy. With device buffers the records go
 through a pinned host staging tensor.
@@ -32,6 +32,7 @@ reruns the forward with the prefix cut there so the model recomputes instead of 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -50,6 +51,7 @@ from torch_kvoffload.device import (
     default_device,
     empty_host,
     record_compute_event,
+    submit_split,
 )
 from torch_kvoffload.layerwise.allocation import LayerBuffers
 from torch_kvoffload.layerwise.planner import LayerBufferPlan
@@ -197,6 +199,12 @@ class LayerwiseOffloadRuntime:
     transfer_streams : 2 = loads and saves on separate :class:`TransferStream` s (both copy directions
         at once: the default on accelerators); 1 = one stream in submission order (the default on CPU,
         where each stream is a worker thread competing with compute for cores).
+    critical_parts : CPU only: transfers the compute thread waits for at once (the first layer's load,
+        the last layer's save, a save the next layer's buffer waits for, a load issued for the running
+        layer) are cut into this many parts (``submit_split``), which the transfer thread and the
+        waiting thread (in :meth:`before_attention` / :meth:`end_forward`, whose core would idle) run at
+        once. Transfers that overlap compute stay whole on the transfer thread. Default 2 on CPU; 1 (no
+        split) on accelerators.
 
     Every layer must use the same ``[num_blocks, block_size]`` paging (one block table per request for all
     layers). Transfers run on :class:`TransferStream` s (see ``transfer_streams``); waits happen in
@@ -213,6 +221,7 @@ class LayerwiseOffloadRuntime:
         model_id: str = "",
         salt: str = "",
         transfer_streams: int | None = None,
+        critical_parts: int | None = None,
     ) -> None:
         if plan.specs is None:
             raise ValueError(
@@ -250,7 +259,24 @@ class LayerwiseOffloadRuntime:
             raise ValueError(
                 f"LayerwiseOffloadRuntime: 'transfer_streams' must be 1 or 2 (or None), got {transfer_streams!r}"
             )
+        cpu_streams = default_device().type == "cpu"
+        if critical_parts is None:
+            critical_parts = 2 if cpu_streams else 1
+        if (
+            isinstance(critical_parts, bool)
+            or not isinstance(critical_parts, int)
+            or not 1 <= critical_parts <= 8
+        ):
+            raise ValueError(
+                f"LayerwiseOffloadRuntime: 'critical_parts' must be an int in [1, 8] (or None), got "
+                f"{critical_parts!r}"
+            )
+        if critical_parts > 1 and not cpu_streams:
+            raise ValueError(
+                "LayerwiseOffloadRuntime: 'critical_parts' > 1 needs CPU transfer streams (worker threads)"
+            )
         self.transfer_streams = transfer_streams
+        self.critical_parts = critical_parts
         self._load_stream = TransferStream("layerwise-load" if transfer_streams == 2 else "layerwise")
         self._save_stream = TransferStream("layerwise-save") if transfer_streams == 2 else self._load_stream
         self._lock = threading.Lock()
@@ -590,20 +616,29 @@ class LayerwiseOffloadRuntime:
             self._sync_caches(layer, caches, into_buffers=True)
         events = [fn(slot_id, layer) for fn in self._providers]
         if self._save_hashes:
-            # keys are made on the transfer thread: per-layer Python stays off the compute thread
-            ev = self._save_stream.submit(
-                self._do_save,
-                layer,
-                slot_id,
-                self._save_hashes,
-                self._save_blocks,
-                after=self._compute_done(),
-                # the next layer computes meanwhile, unless it reuses this buffer (its load waits for
-                # this save) or there is none (end_forward waits for it)
-                wake_delay=0.0
-                if layer == self.plan.num_layers - 1 or self._next_reuses[layer]
-                else self.wake_delay,
-            )
+            # the next layer computes meanwhile, unless it reuses this buffer (its load waits for this
+            # save) or there is none (end_forward waits for it): then the save is on the critical path
+            critical = layer == self.plan.num_layers - 1 or self._next_reuses[layer]
+            args = (layer, self._save_hashes, self._save_blocks)
+            if critical and self._splits(layer):
+                n = len(self._save_hashes)
+                ev = submit_split(
+                    [self._save_stream],
+                    n,
+                    functools.partial(self._save_part, *args),
+                    after=self._compute_done(),
+                    done=functools.partial(self._save_done, layer, slot_id, n),
+                    parts=self.critical_parts,
+                )
+            else:
+                # keys are made on the transfer thread: per-layer Python stays off the compute thread
+                ev = self._save_stream.submit(
+                    self._do_save,
+                    slot_id,
+                    *args,
+                    after=self._compute_done(),
+                    wake_delay=0.0 if critical else self.wake_delay,
+                )
             events.append(ev)
             self._pending.append(ev)
         slot.release.extend(events)
@@ -798,18 +833,34 @@ class LayerwiseOffloadRuntime:
                 )
                 if not ready:
                     continue
-            self._loads[layer] = self._load_stream.submit(
-                self._do_load,
+            args = (
                 layer,
                 slot_id,
                 self._requests,
                 self._load_hashes,
                 self._load_blocks,
                 self._load_via_leases,
-                after=slot.release,
-                # a later layer's load overlaps compute; the running layer's is waited for at once
-                wake_delay=self.wake_delay if layer != self._current and self._current >= 0 else 0.0,
             )
+            if layer == max(self._current, 0) and self._splits(layer):
+                # the compute thread waits for this load at once (the first layer's, or the running
+                # layer's): it runs the parts the transfer thread has not started
+                n = len(self._load_hashes)
+                self._loads[layer] = submit_split(
+                    [self._load_stream],
+                    n,
+                    functools.partial(self._load_part, *args),
+                    after=slot.release,
+                    done=functools.partial(self._load_done, layer, slot_id, self._requests, n),
+                    parts=self.critical_parts,
+                )
+            else:
+                self._loads[layer] = self._load_stream.submit(
+                    self._do_load,
+                    *args,
+                    after=slot.release,
+                    # a later layer's load overlaps compute; the running layer's is waited for at once
+                    wake_delay=self.wake_delay if layer != self._current and self._current >= 0 else 0.0,
+                )
             if layer != self._current:
                 slot.handed_to = layer
 
@@ -881,10 +932,8 @@ class LayerwiseOffloadRuntime:
             self._staging_buffers[kind] = buf
         return buf[:need].view(n, record_bytes)
 
-    def _evicted(
-        self, layer: int, requests: list[_Request], keys: list[str], found: list[bool]
-    ) -> PrefixEvictedError:
-        """The error of a load that found ``keys`` (the load list of ``layer``) partly missing."""
+    def _evicted(self, layer: int, requests: list[_Request], found: list[bool]) -> PrefixEvictedError:
+        """The error of a load that found its blocks (the load list of ``layer``) partly missing."""
         usable, pos = [], 0
         for q in requests:
             n = q.num_cached_blocks
@@ -893,12 +942,32 @@ class LayerwiseOffloadRuntime:
             pos += n
         missing = found.count(False)
         return PrefixEvictedError(
-            f"layerwise: {missing} of {len(keys)} cached blocks of layer {layer} are no longer in the store "
+            f"layerwise: {missing} of {len(found)} cached blocks of layer {layer} are no longer in the store "
             f"(evicted after the lookup); usable cached tokens per request: {usable}",
             layer=layer,
             usable_tokens=usable,
             missing_blocks=missing,
         )
+
+    def _splits(self, layer: int) -> bool:
+        """Whether a critical-path transfer of ``layer`` is split into parts: host buffers only (the
+        staging path reuses one staging tensor per direction)."""
+        return self.critical_parts > 1 and self._layouts[layer].records is not None
+
+    @staticmethod
+    def _lease_segments(
+        requests: list[_Request], layer: int, begin: int, end: int
+    ) -> list[tuple[StoreLease, int, int]]:
+        """The lease ranges holding entries ``[begin, end)`` of ``layer``'s load list (the requests'
+        prefixes, concatenated); each request's lease holds its prefix of every layer, layer-major."""
+        segments, pos = [], 0
+        for q in requests:
+            n = q.num_cached_blocks
+            lo, hi = max(begin, pos), min(end, pos + n)
+            if lo < hi:
+                segments.append((q.lease, layer * n + lo - pos, layer * n + hi - pos))
+            pos += n
+        return segments  # type: ignore[return-value]
 
     def _do_load(
         self,
@@ -909,74 +978,123 @@ class LayerwiseOffloadRuntime:
         blocks: list[int],
         via_leases: bool = False,
     ) -> None:
-        start = time.perf_counter()
-        lay = self._layouts[layer]
+        """Load all of ``layer``'s prefix blocks on this thread."""
         n = len(hashes)
         try:
-            if self._slots[slot_id].poison is not None:
-                raise SlotPoisonedError(self._poison_message(slot_id, f"load of layer {layer}"))
-            if via_leases:
-                # the keys of this layer's prefix, as the begin_forward lease found them (layer-major)
-                segments = [
-                    (q.lease, layer * q.num_cached_blocks, (layer + 1) * q.num_cached_blocks)
-                    for q in requests
-                    if q.num_cached_blocks
-                ]
-                keys = leased_keys("LayerwiseOffloadRuntime load", segments)  # type: ignore[arg-type]
-            else:
-                segments, keys = None, self._layer_keys(hashes, layer)
+            result = self._load_part(layer, slot_id, requests, hashes, blocks, via_leases, 0, n)
+        except BaseException as exc:
+            self._load_done(layer, slot_id, requests, n, [], exc)
+            raise  # not reached: _load_done raises
+        self._load_done(layer, slot_id, requests, n, [result], None)
+
+    def _load_part(
+        self,
+        layer: int,
+        slot_id: int,
+        requests: list[_Request],
+        hashes: list[str],
+        blocks: list[int],
+        via_leases: bool,
+        begin: int,
+        end: int,
+    ) -> tuple[list[bool], float]:
+        """Copy entries ``[begin, end)`` of ``layer``'s load list into its buffer; return which were
+        found and the seconds it took. Misses are reported by :meth:`_load_done`."""
+        start = time.perf_counter()
+        lay = self._layouts[layer]
+        if self._slots[slot_id].poison is not None:
+            raise SlotPoisonedError(self._poison_message(slot_id, f"load of layer {layer}"))
+        part_blocks = blocks[begin:end]
+        if via_leases:
+            segments = self._lease_segments(requests, layer, begin, end)
             if lay.records is not None:
                 # host buffers: the store writes the records straight into the layer's blocks
-                if segments is not None:
-                    found = self.store.batch_get_leased_blocks(segments, lay.records, blocks)  # type: ignore[arg-type]
-                else:
-                    found = self.store.batch_get_blocks(keys, lay.records, blocks)
-                if False in found:
-                    raise self._evicted(layer, requests, keys, found)
-            else:
-                staging = self._staging("load", n, lay.record_bytes)
-                found = self.store.batch_get(keys, list(staging.unbind(0)))
-                if False in found:
-                    raise self._evicted(layer, requests, keys, found)
-                mapping = torch.stack([torch.arange(n), torch.tensor(blocks, dtype=torch.int64)], dim=1)
-                for comp, view in zip(lay.components, self._staging_views(layer, staging), strict=True):
-                    copy_blocks(view, comp, mapping)
-        except BaseException as exc:
+                found = self.store.batch_get_leased_blocks(segments, lay.records, part_blocks)
+                return found, time.perf_counter() - start
+            keys = leased_keys("LayerwiseOffloadRuntime load", segments)
+        else:
+            keys = self._layer_keys(hashes[begin:end], layer)
+            if lay.records is not None:
+                found = self.store.batch_get_blocks(keys, lay.records, part_blocks)
+                return found, time.perf_counter() - start
+        n = end - begin
+        staging = self._staging("load", n, lay.record_bytes)
+        found = self.store.batch_get(keys, list(staging.unbind(0)))
+        if False not in found:
+            mapping = torch.stack([torch.arange(n), torch.tensor(part_blocks, dtype=torch.int64)], dim=1)
+            for comp, view in zip(lay.components, self._staging_views(layer, staging), strict=True):
+                copy_blocks(view, comp, mapping)
+        return found, time.perf_counter() - start
+
+    def _load_done(
+        self,
+        layer: int,
+        slot_id: int,
+        requests: list[_Request],
+        n: int,
+        results: list[tuple[list[bool], float]],
+        error: BaseException | None,
+    ) -> None:
+        """Account for ``layer``'s whole load (its parts' ``results``); raise its failure: ``error``, or
+        :class:`PrefixEvictedError` if blocks were missing."""
+        if error is None:
+            found = [hit for part, _ in results for hit in part]
+            if False in found:
+                error = self._evicted(layer, requests, found)
+        if error is not None:
             self.counters.add("load_failures")
-            if isinstance(exc, PrefixEvictedError):
+            if isinstance(error, PrefixEvictedError):
                 # the layer's waiter raises; the buffer holds nothing anyone will read, so no poison
                 self.counters.add("prefix_evictions")
-                logger.info("%s", exc)
+                logger.info("%s", error)
             else:
-                self._poison(slot_id, layer, exc)
-            raise
-        self.counters.add("load_seconds", time.perf_counter() - start)
+                self._poison(slot_id, layer, error)
+            raise error
+        self.counters.add("load_seconds", sum(seconds for _, seconds in results))
         self.counters.add("loads")
         self.counters.add("blocks_loaded", n)
-        self.counters.add("bytes_loaded", n * lay.record_bytes)
+        self.counters.add("bytes_loaded", n * self._layouts[layer].record_bytes)
 
-    def _do_save(self, layer: int, slot_id: int, hashes: list[str], blocks: list[int]) -> None:
-        start = time.perf_counter()
-        lay = self._layouts[layer]
+    def _do_save(self, slot_id: int, layer: int, hashes: list[str], blocks: list[int]) -> None:
+        """Save all of ``layer``'s new blocks on this thread."""
         n = len(hashes)
         try:
-            keys = self._layer_keys(hashes, layer)
-            if lay.records is not None:
-                self.store.batch_put_blocks(keys, lay.records, blocks)
-            else:
-                staging = self._staging("save", n, lay.record_bytes)
-                mapping = torch.stack([torch.tensor(blocks, dtype=torch.int64), torch.arange(n)], dim=1)
-                for comp, view in zip(lay.components, self._staging_views(layer, staging), strict=True):
-                    copy_blocks(comp, view, mapping)
-                self.store.batch_put(keys, list(staging.unbind(0)))
+            seconds = self._save_part(layer, hashes, blocks, 0, n)
         except BaseException as exc:
+            self._save_done(layer, slot_id, n, [], exc)
+            raise  # not reached: _save_done raises
+        self._save_done(layer, slot_id, n, [seconds], None)
+
+    def _save_part(self, layer: int, hashes: list[str], blocks: list[int], begin: int, end: int) -> float:
+        """Store entries ``[begin, end)`` of the save list from ``layer``'s buffer; return the seconds."""
+        start = time.perf_counter()
+        lay = self._layouts[layer]
+        keys = self._layer_keys(hashes[begin:end], layer)
+        if lay.records is not None:
+            self.store.batch_put_blocks(keys, lay.records, blocks[begin:end])
+        else:
+            n = end - begin
+            staging = self._staging("save", n, lay.record_bytes)
+            mapping = torch.stack(
+                [torch.tensor(blocks[begin:end], dtype=torch.int64), torch.arange(n)], dim=1
+            )
+            for comp, view in zip(lay.components, self._staging_views(layer, staging), strict=True):
+                copy_blocks(comp, view, mapping)
+            self.store.batch_put(keys, list(staging.unbind(0)))
+        return time.perf_counter() - start
+
+    def _save_done(
+        self, layer: int, slot_id: int, n: int, results: list[float], error: BaseException | None
+    ) -> None:
+        """Account for ``layer``'s whole save (its parts' seconds); raise ``error`` (poisoning the slot)."""
+        if error is not None:
             self.counters.add("save_failures")
-            self._poison(slot_id, layer, exc)
-            raise
-        self.counters.add("save_seconds", time.perf_counter() - start)
+            self._poison(slot_id, layer, error)
+            raise error
+        self.counters.add("save_seconds", sum(results))
         self.counters.add("saves")
         self.counters.add("blocks_saved", n)
-        self.counters.add("bytes_saved", n * lay.record_bytes)
+        self.counters.add("bytes_saved", n * self._layouts[layer].record_bytes)
 
 
 # ------------------------------------------------------------------------------------------ registry

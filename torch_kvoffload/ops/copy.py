@@ -43,11 +43,16 @@ def _copy_blocks_structure(src: torch.Tensor, dst: torch.Tensor, mapping: torch.
         )
 
 
-def _copy_blocks_fake(src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> None:
+def _copy_blocks_fake(
+    src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor, *, streaming: bool = False
+) -> None:
     _copy_blocks_structure(src, dst, mapping)
 
 
-def _copy_blocks_reference(src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> None:
+def _copy_blocks_reference(
+    src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor, *, streaming: bool = False
+) -> None:
+    # ``streaming`` only changes how a kernel writes (cache-bypassing stores), never what it writes
     op = "copy_blocks"
     _copy_blocks_structure(src, dst, mapping)
     _checks.check_range(op, "mapping[:, 0]", mapping[:, 0], src.shape[0])
@@ -62,13 +67,15 @@ def _copy_blocks_reference(src: torch.Tensor, dst: torch.Tensor, mapping: torch.
 
 _copy_blocks_op = define_op(
     "copy_blocks",
-    "(Tensor src, Tensor(a!) dst, Tensor mapping) -> ()",
+    "(Tensor src, Tensor(a!) dst, Tensor mapping, *, bool streaming=False) -> ()",
     fake=_copy_blocks_fake,
     reference=_copy_blocks_reference,
 )
 
 
-def copy_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> None:
+def copy_blocks(
+    src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor, *, streaming: bool = False
+) -> None:
     """Copy whole blocks ``dst[mapping[i, 1]] = src[mapping[i, 0]]``.
 
     Parameters
@@ -79,6 +86,11 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> 
         ``[num_dst_blocks, *block_shape]``, same dtype as ``src``; mutated in place.
     mapping : Tensor
         ``int64 [n, 2]`` of ``(src_block, dst_block)`` pairs; destination blocks must be distinct.
+    streaming : bool
+        A hint for destinations that will not be read soon (e.g. writes into a host pool): the CPU
+        kernel writes contiguous blocks whose address is 16- or 32-byte aligned with streaming
+        (non-temporal) stores, which bypass the caches, so the copy neither reads the destination
+        lines first nor evicts what other threads keep in the cache. The result is the same.
 
     Raises ``ValueError`` / ``TypeError`` / ``IndexError`` naming the argument when shapes, dtypes or
     indices are wrong; ``dst`` is then left untouched. A ``src`` that shares memory with ``dst`` is read
@@ -90,7 +102,7 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> 
     >>> dev = torch.empty(4, 128, 576)
     >>> copy_blocks(host, dev, torch.tensor([[3, 0], [7, 1]]))
     """
-    _copy_blocks_op(src, dst, mapping)
+    _copy_blocks_op(src, dst, mapping, streaming=streaming)
 
 
 # ------------------------------------------------------------------------------------------- copy_rows

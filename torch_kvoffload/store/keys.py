@@ -75,15 +75,17 @@ def block_hashes(token_ids: Sequence[int] | torch.Tensor, block_size: int, *, sa
         raise TypeError(f"{fn}: salt must be a str, got {type(salt).__name__}")
     tokens = _tokens_int64(fn, token_ids)
     n_blocks = tokens.shape[0] // block_size
-    raw = tokens[: n_blocks * block_size].tobytes()
+    raw = memoryview(tokens[: n_blocks * block_size].tobytes())
     stride = block_size * 8
-    prev = hashlib.blake2b(_DOMAIN + salt.encode("utf-8"), digest_size=DIGEST_SIZE).digest()
+    blake2b = hashlib.blake2b
+    prev = blake2b(_DOMAIN + salt.encode("utf-8"), digest_size=DIGEST_SIZE).digest()
     out: list[str] = []
-    for i in range(n_blocks):
-        h = hashlib.blake2b(prev, digest_size=DIGEST_SIZE)
-        h.update(raw[i * stride : (i + 1) * stride])
+    append = out.append
+    for start in range(0, n_blocks * stride, stride):
+        h = blake2b(prev, digest_size=DIGEST_SIZE)
+        h.update(raw[start : start + stride])
         prev = h.digest()
-        out.append(h.hexdigest())
+        append(prev.hex())  # not h.hexdigest(): that finalizes the hash a second time
     return out
 
 

@@ -146,7 +146,7 @@ class LocalKVStore(KVStore):
         self._held = 0  # arena bytes not on the free list
         self._stored = 0  # payload bytes of live entries
         self._busy = 0  # copy operations in flight (reads and write rounds): they finish by themselves
-        self._leased: dict[int, _Entry] = {}  # entries held by at least one lease, by id
+        self._leased_bytes = 0  # arena bytes of entries held by at least one lease (live or retired)
         self._record_views: dict[tuple[int, int], torch.Tensor] = {}  # (part bytes, shift) -> arena view
         self._closed = False
 
@@ -180,12 +180,12 @@ class LocalKVStore(KVStore):
     def leased_bytes(self) -> int:
         """Arena bytes of entries pinned by at least one lease (live or already retired)."""
         with self._cond:
-            return sum(e.reserved for e in self._leased.values())
+            return self._leased_bytes
 
     def leased_keys(self) -> list[str]:
         """Keys of the live entries pinned by a lease."""
         with self._cond:
-            return [e.key for e in self._leased.values() if not e.retired]
+            return [e.key for e in self._index.values() if e.leases]
 
     # ------------------------------------------------------------------------------------ allocator
     def _reserve_size(self, nbytes: int) -> int:
@@ -484,10 +484,13 @@ class LocalKVStore(KVStore):
         """Move the records at arena ``offsets`` from / to ``blocks`` of every part (one kernel call each).
 
         Runs on transfer threads next to compute: the Python around the kernels is kept to one small
-        tensor per part (every interpreter step here holds the GIL the compute thread may need).
+        tensor per part (every interpreter step here holds the GIL the compute thread may need). Writes
+        into the arena use streaming stores: records are read back by a later request, if ever, so
+        caching them would only evict what compute keeps in the cache, and a cached write first reads
+        each destination line from memory.
         """
         for src, dst, mapping in self._part_copies(arena, layout, offsets, blocks, out=out):
-            copy_blocks(src, dst, mapping)
+            copy_blocks(src, dst, mapping, streaming=not out)
 
     def batch_get_blocks(
         self, keys: Sequence[str], layout: RecordLayout, blocks: Sequence[int] | torch.Tensor
@@ -583,27 +586,34 @@ class LocalKVStore(KVStore):
         meanwhile. A lease outliving :meth:`close` is released as a no-op.
         """
         check_keys("LocalKVStore.lease", keys)
+        # a forward leases every layer's prefix at once (hundreds of keys) on its critical path: the
+        # loops below touch each entry once and keep only a byte total for ``leased_bytes``
         with self._cond:
             self._check_open("lease")
-            entries = [self._index.get(key) for key in keys]
+            entries = list(map(self._index.get, keys))
             held = [entry for entry in entries if entry is not None]
-            found = [entry is not None for entry in entries]
-            leased = self._leased
+            pinned = 0
             for entry in held:
+                if not entry.leases:
+                    pinned += entry.reserved
                 entry.leases += 1
-                leased[id(entry)] = entry
+            self._leased_bytes += pinned
+        found = [entry is not None for entry in entries]
         self.counters.add("leases")
         self.counters.add("leased_keys", len(held))
 
         def release() -> None:
             with self._cond:
-                leased = self._leased
+                unpinned = 0
                 for entry in held:
-                    entry.leases -= 1
-                    assert entry.leases >= 0, "lease count went negative"
-                    if entry.leases == 0:
-                        del leased[id(entry)]
-                        self._drop_hold(entry)
+                    left = entry.leases - 1
+                    entry.leases = left
+                    if not left:
+                        unpinned += entry.reserved
+                        if entry.retired:
+                            self._drop_hold(entry)
+                    assert left >= 0, "lease count went negative"
+                self._leased_bytes -= unpinned
                 self._cond.notify_all()
 
         return _LocalLease(keys, found, pinned=True, on_release=release, owner=self, entries=entries)

@@ -15,6 +15,10 @@ Measured side by side in one run:
 * the machine's overlap ceiling: the same compute next to a thread of plain C++ copies of the same
   duration over a working set as large as the transfers', max(alone times) / wall, without the runtime
   (shared cores, caches and memory bandwidth cap it),
+* the bare schedule: the same loads and saves (same bytes, blocks, buffers, dependencies and order, whole
+  transfers on one worker thread) next to the same compute, with no runtime, store, lookup or bookkeeping
+  (plain ``copy_blocks`` between per-layer host tensors and the layer buffers): what the pipeline's shape
+  allows on this machine, max(sum compute, sum transfer) / its wall,
 * compute and transfer time inside the pipelined forwards (how much they slowed each other down),
 * main-KV device bytes vs no offload (every layer its own buffer),
 * the cores other processes used meanwhile (``foreign``: machine busy time minus this process's).
@@ -36,6 +40,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from torch_kvoffload.device import TransferEvent, TransferStream, set_thread_intraop_threads
 from torch_kvoffload.layerwise import (
     LayerCacheSpec,
     LayerwiseOffloadRuntime,
@@ -43,6 +48,7 @@ from torch_kvoffload.layerwise import (
     allocate_layer_buffers,
     plan_layer_buffers,
 )
+from torch_kvoffload.ops import copy_blocks
 from torch_kvoffload.store.local import LocalKVStore
 
 
@@ -133,6 +139,72 @@ class Setup:
             rt.after_cache_write(layer)
         rt.end_forward()
         return time.perf_counter() - t0, in_compute
+
+
+class BareSchedule:
+    """The runtime's transfer schedule without the runtime: per layer, the prefix blocks are copied from a
+    host tensor into the layer's buffer and the new blocks back out, with ``copy_blocks`` on one worker
+    thread. A load waits for the save of its buffer's previous user and is issued once that user finished
+    computing, up to ``depth`` layers ahead; the compute thread waits for each layer's load and, at the
+    end, for every save. Wake delays as the runtime's (none for transfers waited for at once)."""
+
+    def __init__(self, setup: Setup) -> None:
+        args, self.plan = setup.args, setup.plan
+        self.depth = setup.rt.prefetch_depth
+        self.wake_delay = setup.rt.wake_delay
+        self.bufs = setup.bufs
+        p, n = args.prefix_blocks, args.new_blocks
+        comps = setup.bufs.layer_caches(0)
+        # per layer and component: p prefix blocks (read) then n saved blocks (written)
+        self.host = [
+            [torch.ones((p + n, *c.shape[1:]), dtype=c.dtype) for c in comps] for _ in range(args.layers)
+        ]
+        self.load_map = torch.stack([torch.arange(p), torch.arange(p)], dim=1)
+        self.save_map = torch.stack([torch.arange(p, p + n), torch.arange(p, p + n)], dim=1)
+        self.stream = TransferStream("bare")
+        self.stream.submit(set_thread_intraop_threads, 1).wait()
+
+    def _load(self, layer: int) -> None:
+        for src, dst in zip(self.host[layer], self.bufs.layer_caches(layer), strict=True):
+            copy_blocks(src, dst, self.load_map)
+
+    def _save(self, layer: int) -> None:
+        for src, dst in zip(self.bufs.layer_caches(layer), self.host[layer], strict=True):
+            copy_blocks(src, dst, self.save_map, streaming=True)
+
+    def forward(self, compute: Compute) -> float:
+        plan, n = self.plan, self.plan.num_layers
+        loads: dict[int, TransferEvent] = {}
+        saves: dict[int, TransferEvent] = {}
+        computed: set[int] = set()
+
+        def issue(current: int) -> None:
+            for layer in range(current, min(n, current + self.depth + 1)):
+                prev = plan.previous_user[layer]
+                if layer in loads or (layer != current and prev is not None and prev not in computed):
+                    continue
+                after = [saves[prev]] if prev is not None and prev in saves else []
+                delay = 0.0 if layer == current else self.wake_delay
+                loads[layer] = self.stream.submit(self._load, layer, after=after, wake_delay=delay)
+
+        t0 = time.perf_counter()
+        issue(0)
+        for layer in range(n):
+            issue(layer)
+            loads[layer].wait()
+            compute()
+            computed.add(layer)
+            reused = layer + 1 < n and plan.previous_user[layer + 1] == layer
+            critical = layer == n - 1 or reused
+            saves[layer] = self.stream.submit(
+                self._save, layer, wake_delay=0.0 if critical else self.wake_delay
+            )
+        for ev in saves.values():
+            ev.wait()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.stream.close()
 
 
 def record_bytes(args) -> int:
@@ -303,8 +375,10 @@ def main() -> None:
     for b, depth in tqdm(configs, desc="layerwise pipeline"):
         row_load = ForeignLoad()
         s = Setup(args, b, depth, store)
+        bare = BareSchedule(s)
         s.forward(compute)
-        walls, inside, sc, st, ceil = [], [], [], [], []
+        bare.forward(compute)
+        walls, inside, sc, st, ceil, bare_walls = [], [], [], [], [], []
         s.rt.counters.reset()
         for _ in range(args.reps):
             # the references are measured next to each pipelined forward, so drifting machine load
@@ -315,8 +389,10 @@ def main() -> None:
             w, ic = s.forward(compute)
             walls.append(w)
             inside.append(ic)
+            bare_walls.append(bare.forward(compute))
         c = s.rt.counters.snapshot()
         s.rt.close()
+        bare.close()
         wall, sum_compute, sum_transfer = _median(walls), _median(sc), _median(st)
         all_c += sc
         all_t += st
@@ -330,6 +406,7 @@ def main() -> None:
                 "wall_ms": wall * 1e3,
                 "efficiency": max(sum_compute, sum_transfer) / wall,
                 "machine_overlap_ceiling": _median(ceil),
+                "bare_schedule_efficiency": max(sum_compute, sum_transfer) / _median(bare_walls),
                 # compute slowed down by the concurrent transfers (and by anything else on the machine)
                 "compute_in_pipeline_ms": _median(inside) * 1e3,
                 # transfer-thread time inside the pipelined forwards (mean per forward)
@@ -363,13 +440,14 @@ def main() -> None:
     )
     print(f"sum compute {sum_compute * 1e3:.1f} ms, sum transfer {sum_transfer * 1e3:.1f} ms")
     print(
-        f"{'B':>2} {'depth':>5} {'phys':>4} {'Σc ms':>7} {'Σt ms':>7} {'wall ms':>8} {'effic.':>6} {'ceil.':>5} "
+        f"{'B':>2} {'depth':>5} {'phys':>4} {'Σc ms':>7} {'Σt ms':>7} {'wall ms':>8} {'effic.':>6} {'bare':>5} {'ceil.':>5} "
         f"{'c in pipe':>9} {'t in pipe':>9} {'waits':>5} {'wait ms':>7} {'KV vs none':>10} {'foreign':>7}"
     )
     for r in rows:
         print(
             f"{r['B']:>2} {r['prefetch_depth']:>5} {r['physical_buffers']:>4} {r['sum_compute_ms']:>7.1f} "
             f"{r['sum_transfer_ms']:>7.1f} {r['wall_ms']:>8.1f} {r['efficiency']:>6.2f} "
+            f"{r['bare_schedule_efficiency']:>5.2f} "
             f"{r['machine_overlap_ceiling']:>5.2f} "
             f"{r['compute_in_pipeline_ms']:>9.1f} {r['transfer_in_pipeline_ms']:>9.1f} {r['waits_per_forward']:>5.1f} "
             f"{r['wait_ms_per_forward']:>7.1f} {r['footprint_vs_no_offload']:>10.3f} "

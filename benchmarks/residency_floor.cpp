@@ -260,8 +260,8 @@ int main() {
     for (const auto& [name, p] : {std::pair{"cold", cold}, std::pair{"hot", hot}}) {
       std::fprintf(f,
                    ", \"%s\": {\"fill\": %.3f, \"match\": %.3f, \"partition\": %.3f, \"clear\": %.3f, "
-                   "\"total_cycles\": %.3f, \"total_ns\": %.3f}",
-                   name, p.fill, p.match, p.partition, p.clear, p.total(), p.total() / ghz);
+                   "\"total_cycles\": %.3f, \"total_ns\": %.3f, \"scalar_partition\": %.3f}",
+                   name, p.fill, p.match, p.partition, p.clear, p.total(), p.total() / ghz, p.scalar_partition);
     }
     std::fprintf(f, "}\n");
     std::fclose(f);

@@ -5,12 +5,12 @@ than most single changes. This script builds two runtimes over the same store, t
 and the same compute, and alternates their forwards (A B, then B A, ...), so drifting machine load hits
 both alike; it reports, per configuration, the median of the per-pair wall ratios A / B (> 1: B faster).
 
-A variant is a set of runtime keyword arguments (``--a critical_threads=1``) and optionally another git
+A variant is a set of runtime keyword arguments (``--a critical_parts=1``) and optionally another git
 revision (``--a-rev HEAD~1``: the layerwise runtime, the embedded store and the block hashing of that
 revision, loaded under other module names, each variant with its own store; the rest of the package,
 kernels included, is this checkout's).
 
-    python benchmarks/layerwise_paired.py --a critical_threads=1 --b critical_threads=2 [--pairs 21]
+    python benchmarks/layerwise_paired.py --a critical_parts=1 --b critical_parts=2 [--pairs 21]
 
 Writes ``benchmarks/results/layerwise_paired.json`` (``--out`` to change).
 """

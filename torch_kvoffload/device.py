@@ -505,6 +505,7 @@ def submit_split(
     without a timeout (``wait``, ``wait_on_compute``) before it blocks: idle workers and the waiter
     share the work, a busy worker leaves its share to the others. For work a thread waits for at once,
     whose core would otherwise idle; workers copy on one intra-op thread, a waiter on its own setting.
+    Only ``after`` orders the parts: a waiter may run them before work submitted earlier to the streams.
 
     The returned event completes once every part ran. ``done(results, error)`` (optional) is then called
     once, on the thread that finished the last part, with the parts' results in order and the first failure in

@@ -257,8 +257,8 @@ class ForeignLoad:
         return max(0.0, other / (end[2] - self.start[2]))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload's shape: layers, cache layout, blocks loaded and saved, the compute's GEMM size."""
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--kv-lora-rank", type=int, default=512)
@@ -266,6 +266,11 @@ def main() -> None:
     p.add_argument("--prefix-blocks", type=int, default=12)
     p.add_argument("--new-blocks", type=int, default=12)
     p.add_argument("--compute-dim", type=int, default=512)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(p)
     p.add_argument(
         "--compute-ratio",
         type=float,

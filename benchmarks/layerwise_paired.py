@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from layerwise_bench import Compute, ForeignLoad, Setup, filled_store
+from layerwise_bench import Compute, ForeignLoad, Setup, add_workload_args, filled_store
 
 from torch_kvoffload.layerwise import LayerwiseOffloadRuntime
 from torch_kvoffload.store.local import LocalKVStore
@@ -83,13 +83,7 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=21)
     p.add_argument("--configs", default="1:1,2:1,2:2,2:3,4:1,4:2,4:3", help="B:depth,...")
     p.add_argument("--compute-ms", type=float, default=1.7, help="per-layer compute (fixed for both)")
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--kv-lora-rank", type=int, default=512)
-    p.add_argument("--rope-dim", type=int, default=64)
-    p.add_argument("--prefix-blocks", type=int, default=12)
-    p.add_argument("--new-blocks", type=int, default=12)
-    p.add_argument("--compute-dim", type=int, default=512)
+    add_workload_args(p)
     p.add_argument("--streams", type=int, default=1)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "layerwise_paired.json"))
     args = p.parse_args()

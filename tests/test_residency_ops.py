@@ -278,9 +278,13 @@ SCALE_CASES = [
     for kernel in ("dispatch", "portable")
     for policy in ("lru", "score")
     for offset in (0, 1 << 29)
-] + [  # K >= 65535: 32-bit position table entries
+] + [  # K > 2048: 32-bit position table entries
     pytest.param(kernel, policy, 0, (1, 65600, 65535, 140000, 2), id=f"K65535-{kernel}-{policy}")
     for kernel, policy in (("dispatch", "lru"), ("dispatch", "score"), ("portable", "lru"))
+] + [  # the largest K with 16-bit entries, and the smallest with 32-bit ones
+    pytest.param(kernel, "lru", 0, (2, 2100, k, 9000, 3), id=f"K{k}-{kernel}")
+    for kernel in ("dispatch", "portable")
+    for k in (2048, 2049)
 ]
 
 
@@ -304,6 +308,38 @@ def test_cpp_matches_reference_at_scale(kernel: str, policy: str, offset: int, s
         for x, y in zip(a + oa.as_tuple(), b + ob.as_tuple(), strict=True):
             assert torch.equal(x, y)
         _invariants(a, oa, topk)
+
+
+@requires_residency_cpp
+@pytest.mark.parametrize("kernel", ["dispatch", "portable"])
+@pytest.mark.parametrize("K", [300, 2100])
+def test_cpp_after_the_position_table_tags_run_out(kernel: str, K: int) -> None:
+    """Each row of a thread tags its position-table entries anew and the table is zeroed when the tags run
+    out (31 of them with 16-bit entries, K <= 2048; 4095 with 32-bit ones). Rows past several such
+    wrap-arounds, on one thread, still equal the reference."""
+    C, L = K + 64, 4 * K
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        R = 64
+        a, b = new_residency_state(R, C), new_residency_state(R, C)
+        req = torch.arange(R, dtype=torch.int64)
+        stable = torch.full((R,), L, dtype=torch.int64)
+        g = torch.Generator().manual_seed(K)
+        burn = new_residency_state(R, C)
+        for step in range(3):
+            # drive this thread's tags through a wrap-around between compared steps
+            for _ in range(70 if K > 2048 else 1):
+                tk = torch.stack([torch.randperm(L, generator=g)[:K] for _ in range(R)]).to(torch.int32)
+                _run(kernel, burn, tk, req, stable, None, "lru")
+            topk = torch.stack([torch.randperm(L // 2 + 50 * step, generator=g)[:K] for _ in range(R)])
+            topk = topk.to(torch.int32)
+            oa = _run(kernel, a, topk, req, stable, None, "lru")
+            ob = _run("reference", b, topk, req, stable, None, "lru")
+            for x, y in zip(a + oa.as_tuple(), b + ob.as_tuple(), strict=True):
+                assert torch.equal(x, y)
+    finally:
+        torch.set_num_threads(prev)
 
 
 # ------------------------------------------------------------------------------- opcheck, compile

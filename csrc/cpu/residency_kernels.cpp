@@ -240,65 +240,72 @@ struct Views {
 };
 
 // Positions below this bound use a direct-address table (per thread, 2 or 4 bytes per position) instead of
-// the hash; larger positions fall back to the hash.
+// the hash; larger positions (or K > 2^20) fall back to the hash.
 constexpr int32_t kDirectLimit = 1 << 21;
 
 // The row functions are inlined into two callers, a baseline one and (x86-64) an AVX2 one, so that the
 // loops the compiler vectorises use 256-bit vectors where the CPU has them.
 #define KVO_ALWAYS_INLINE inline __attribute__((always_inline))
 
-// Per-thread direct-address table position -> top-k index. Every entry holds kNone between rows (a row
-// clears the entries it set, see TableEntries), so a lookup needs no validation. 16-bit entries while K
-// fits, halving the (L2-resident) table; two entries of slack for 4-byte gathers.
+// Per-thread direct-address table position -> tagged top-k index: an entry is (tag << kIndexBits) | k,
+// and it belongs to the row being matched iff it carries that row's tag. Every row takes a new tag, so no
+// row clears what it wrote (a scattered store per top-k entry saved); when the tags run out the table is
+// zeroed (tag 0 marks an entry no row owns). 16-bit entries while K <= 2048 (31 tags between zeroings),
+// halving the (L2-resident) table, 32-bit ones while K <= 2^20 (4095 tags); two entries of slack for
+// 4-byte gathers.
 template <typename Index>
-constexpr Index kNone = std::numeric_limits<Index>::max();
+constexpr int kIndexBits = sizeof(Index) == 2 ? 11 : 20;
+template <typename Index>
+constexpr uint32_t kIndexMask = (uint32_t{1} << kIndexBits<Index>) - 1;
+template <typename Index>
+constexpr int64_t kMaxDirectK = int64_t{1} << kIndexBits<Index>;
 
 template <typename Index>
-Index* direct_table(int64_t positions) {
-  thread_local std::vector<Index> table;
-  if (table.size() < static_cast<size_t>(positions + 2)) {
-    table.resize(static_cast<size_t>(positions + 2), kNone<Index>);
-  }
-  return table.data();
-}
-
-// Sets table[position] = top-k index for a row's entries (padding entries write the sink entry) and
-// restores kNone when it goes out of scope, also when the row fails.
-template <typename Index>
-class TableEntries {
+class DirectTable {
  public:
-  TableEntries(Index* table, const int32_t* tk, int64_t K, int64_t sink)
-      : table_(table), tk_(tk), K_(K), sink_(sink) {}
-  TableEntries(const TableEntries&) = delete;
-  TableEntries& operator=(const TableEntries&) = delete;
-  ~TableEntries() {
-    for (int64_t k = 0; k < K_; ++k) {
-      const int32_t t = tk_[k];
-      table_[t < 0 ? sink_ : t] = kNone<Index>;
-    }
+  static DirectTable& of_this_thread() {
+    thread_local DirectTable table;
+    return table;
   }
-  // Returns whether a position occurs twice.
-  bool fill(int32_t* hit, int64_t& n_valid) {
-    uint32_t dup = 0;
-    int64_t valid = 0;
-    for (int64_t k = 0; k < K_; ++k) {
-      const int32_t t = tk_[k];
-      const bool pad = t < 0;
-      const int64_t at = pad ? sink_ : t;
-      dup |= static_cast<uint32_t>(!pad) & static_cast<uint32_t>(table_[at] != kNone<Index>);
-      table_[at] = static_cast<Index>(k);
-      hit[k] = pad ? kPadding : kMiss;
-      valid += !pad;
+  // The table covering positions [0, positions), and the tag of a new row.
+  Index* begin_row(int64_t positions, uint32_t& tag) {
+    if (entries_.size() < static_cast<size_t>(positions + 2)) {
+      entries_.resize(static_cast<size_t>(positions + 2), 0);
     }
-    n_valid = valid;
-    return dup != 0;
+    if (tag_ == kMaxTag) {
+      std::fill(entries_.begin(), entries_.end(), Index{0});
+      tag_ = 0;
+    }
+    tag = ++tag_;
+    return entries_.data();
   }
 
  private:
-  Index* table_;
-  const int32_t* tk_;
-  int64_t K_, sink_;
+  static constexpr uint32_t kMaxTag = (uint32_t{1} << (8 * sizeof(Index) - kIndexBits<Index>)) - 1;
+  std::vector<Index> entries_;
+  uint32_t tag_ = 0;
 };
+
+// Writes the row's entries, table[position] = (tag, top-k index) (padding entries write the sink entry),
+// and hit[k] = kMiss / kPadding. Returns whether a position occurs twice.
+template <typename Index>
+KVO_ALWAYS_INLINE bool fill_table(
+    Index* table, uint32_t tag, const int32_t* tk, int64_t K, int64_t sink, int32_t* hit, int64_t& n_valid) {
+  const uint32_t tagged = tag << kIndexBits<Index>;
+  uint32_t dup = 0;
+  int64_t valid = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    const int32_t t = tk[k];
+    const bool pad = t < 0;
+    const int64_t at = pad ? sink : t;
+    dup |= static_cast<uint32_t>(!pad) & static_cast<uint32_t>((table[at] >> kIndexBits<Index>) == tag);
+    table[at] = static_cast<Index>(tagged | static_cast<uint32_t>(k));
+    hit[k] = pad ? kPadding : kMiss;
+    valid += !pad;
+  }
+  n_valid = valid;
+  return dup != 0;
+}
 
 bool simd_enabled() {
 #if KVO_RESIDENCY_AVX2
@@ -311,12 +318,13 @@ bool simd_enabled() {
 }
 
 // Matches a row's residents against the top-k (portable loop): a resident slot s holding a visible
-// position t < limit that is in the top-k at entry k gets hit[k] = s and flags[s] = 1; every other slot
-// writes the sink hit[K] and flags[s] = 0. No data-dependent branch: a selected resident is about as likely
-// as not. Also ORs "a token below -1" into bad_token. Returns the number of selected residents.
+// position t < limit that is in the top-k at entry k (its table entry carries the row's tag) gets
+// hit[k] = s and flags[s] = 1; every other slot writes the sink hit[K] and flags[s] = 0. No
+// data-dependent branch: a selected resident is about as likely as not. Also ORs "a token below -1" into
+// bad_token. Returns the number of selected residents.
 template <typename Index>
 KVO_ALWAYS_INLINE int64_t match_residents(
-    const int32_t* stt, int64_t C, uint32_t limit, const Index* index, int64_t K, int32_t* hit,
+    const int32_t* stt, int64_t C, uint32_t limit, const Index* index, uint32_t tag, int64_t K, int32_t* hit,
     uint8_t* flags, uint32_t& bad_token, int64_t from = 0) {
   const auto uK = static_cast<uint32_t>(K);
   int64_t n_selected = 0;
@@ -325,8 +333,9 @@ KVO_ALWAYS_INLINE int64_t match_residents(
     const int32_t t = stt[s];
     bad |= static_cast<uint32_t>(t < -1);
     const uint32_t in = static_cast<uint32_t>(t) < limit;
-    const uint32_t k = index[static_cast<uint32_t>(t) & (0u - in)];
-    const uint32_t sel = in & static_cast<uint32_t>(k != kNone<Index>);
+    const uint32_t e = index[static_cast<uint32_t>(t) & (0u - in)];
+    const uint32_t sel = in & static_cast<uint32_t>((e >> kIndexBits<Index>) == tag);
+    const uint32_t k = e & kIndexMask<Index>;
     hit[uK ^ ((k ^ uK) & (0u - sel))] = static_cast<int32_t>(s);
     flags[s] = static_cast<uint8_t>(sel);
     n_selected += sel;
@@ -447,13 +456,14 @@ __attribute__((target("avx2,popcnt"))) bool partition_order_avx2(
 // loads, and the hit flags come from the comparison mask.
 template <typename Index>
 __attribute__((target("avx2,popcnt"))) int64_t match_residents_avx2(
-    const int32_t* stt, int64_t C, uint32_t limit, const Index* index, int64_t K, int32_t* hit,
+    const int32_t* stt, int64_t C, uint32_t limit, const Index* index, uint32_t tag, int64_t K, int32_t* hit,
     uint8_t* flags, uint32_t& bad_token) {
   static_assert(sizeof(Index) == 2 || sizeof(Index) == 4);
   const __m256i v_limit = _mm256_set1_epi32(static_cast<int32_t>(limit));
   const __m256i v_minus1 = _mm256_set1_epi32(-1);
   const __m256i v_sink = _mm256_set1_epi32(static_cast<int32_t>(K));
-  const __m256i v_none = _mm256_set1_epi32(static_cast<int32_t>(kNone<Index>));
+  const __m256i v_tag = _mm256_set1_epi32(static_cast<int32_t>(tag));
+  const __m256i v_index_mask = _mm256_set1_epi32(static_cast<int32_t>(kIndexMask<Index>));
   int64_t n_selected = 0;
   __m256i bad = _mm256_setzero_si256();
   int64_t s = 0;
@@ -462,13 +472,16 @@ __attribute__((target("avx2,popcnt"))) int64_t match_residents_avx2(
     bad = _mm256_or_si256(bad, _mm256_cmpgt_epi32(v_minus1, t));
     const __m256i in = _mm256_and_si256(_mm256_cmpgt_epi32(t, v_minus1), _mm256_cmpgt_epi32(v_limit, t));
     const __m256i tt = _mm256_and_si256(t, in);
-    __m256i k;
+    __m256i e;
     if constexpr (sizeof(Index) == 2) {
-      k = _mm256_and_si256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(index), tt, 2), v_none);
+      e = _mm256_and_si256(
+          _mm256_i32gather_epi32(reinterpret_cast<const int*>(index), tt, 2), _mm256_set1_epi32(0xffff));
     } else {
-      k = _mm256_i32gather_epi32(reinterpret_cast<const int*>(index), tt, 4);
+      e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(index), tt, 4);
     }
-    const __m256i sel = _mm256_andnot_si256(_mm256_cmpeq_epi32(k, v_none), in);
+    const __m256i sel =
+        _mm256_and_si256(_mm256_cmpeq_epi32(_mm256_srli_epi32(e, kIndexBits<Index>), v_tag), in);
+    const __m256i k = _mm256_and_si256(e, v_index_mask);
     const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(sel));
     std::memcpy(flags + s, &kMaskBytes.bytes[mask], 8);
     n_selected += _mm_popcnt_u32(static_cast<unsigned>(mask));
@@ -490,7 +503,7 @@ __attribute__((target("avx2,popcnt"))) int64_t match_residents_avx2(
     hit[d3 >> 32] = s32 + 7;
   }
   bad_token |= static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(bad)) != 0);
-  return n_selected + match_residents(stt, C, limit, index, K, hit, flags, bad_token, s);
+  return n_selected + match_residents(stt, C, limit, index, tag, K, hit, flags, bad_token, s);
 }
 
 #endif
@@ -516,10 +529,10 @@ KVO_ALWAYS_INLINE RowError match_direct(
   const int32_t* stt = v.stt + r * C;
   // entry max_t + 1 is the sink of the padding entries
   const int64_t sink = static_cast<int64_t>(max_t) + 1;
-  Index* index = direct_table<Index>(sink + 1);
-  TableEntries<Index> entries(index, tk, K, sink);
+  uint32_t tag = 0;
+  Index* index = DirectTable<Index>::of_this_thread().begin_row(sink + 1, tag);
   int64_t n_valid = 0;
-  if (entries.fill(hit, n_valid)) {
+  if (fill_table(index, tag, tk, K, sink, hit, n_valid)) {
     return {ErrorCode::kDuplicateTopk, first_duplicate(tk, K), 0};
   }
   v.row_counts[2 * r] = 0;
@@ -530,10 +543,10 @@ KVO_ALWAYS_INLINE RowError match_direct(
   const auto limit = static_cast<uint32_t>(std::min<int64_t>(stable, sink));
   tokens_read = true;
 #if KVO_RESIDENCY_AVX2
-  const int64_t n_selected = v.simd ? match_residents_avx2(stt, C, limit, index, K, hit, flags, bad_token)
-                                    : match_residents(stt, C, limit, index, K, hit, flags, bad_token);
+  const int64_t n_selected = v.simd ? match_residents_avx2(stt, C, limit, index, tag, K, hit, flags, bad_token)
+                                    : match_residents(stt, C, limit, index, tag, K, hit, flags, bad_token);
 #else
-  const int64_t n_selected = match_residents(stt, C, limit, index, K, hit, flags, bad_token);
+  const int64_t n_selected = match_residents(stt, C, limit, index, tag, K, hit, flags, bad_token);
 #endif
   // a position held by two slots leaves one of them overwritten: fewer hit entries than selections
   int64_t n_hit = 0;
@@ -550,13 +563,14 @@ KVO_ALWAYS_INLINE RowError match_direct(
   }
   for (int64_t s = 0; s < C; ++s) {
     const int32_t t = stt[s];
-    if (t < 0 || static_cast<uint32_t>(t) >= limit || index[t] == kNone<Index>) {
+    if (t < 0 || static_cast<uint32_t>(t) >= limit || (index[t] >> kIndexBits<Index>) != tag) {
       continue;
     }
-    if (hit[index[t]] >= 0) {
+    const uint32_t k = index[t] & kIndexMask<Index>;
+    if (hit[k] >= 0) {
       return {ErrorCode::kDuplicateResident, t, 0};
     }
-    hit[index[t]] = static_cast<int32_t>(s);
+    hit[k] = static_cast<int32_t>(s);
   }
   TORCH_INTERNAL_ASSERT(false, "residency: duplicate resident not found on the second pass");
   return {};
@@ -627,8 +641,8 @@ KVO_ALWAYS_INLINE RowError plan_row(const Views& v, int64_t r, TopkHash& hash, s
   uint32_t bad_token = 0;
   bool tokens_read = false;
   RowError match_error;
-  if (max_t < kDirectLimit) {
-    match_error = K < 0xffff
+  if (max_t < kDirectLimit && K <= kMaxDirectK<uint32_t>) {
+    match_error = K <= kMaxDirectK<uint16_t>
         ? match_direct<uint16_t>(v, r, reset, stable, max_t, tk, hit, flags, bad_token, tokens_read)
         : match_direct<uint32_t>(v, r, reset, stable, max_t, tk, hit, flags, bad_token, tokens_read);
     if (!tokens_read) {

@@ -271,21 +271,25 @@ def test_matches_model_on_random_traces(kernel: str, trace) -> None:
         _invariants(state, out, tk)
 
 
-SCALE_CASES = [
-    pytest.param(
-        kernel, policy, offset, (8, 512, 256, 1500, 20), id=f"R8-C512-K256-{kernel}-{policy}-{offset}"
-    )
-    for kernel in ("dispatch", "portable")
-    for policy in ("lru", "score")
-    for offset in (0, 1 << 29)
-] + [  # K > 2048: 32-bit position table entries
-    pytest.param(kernel, policy, 0, (1, 65600, 65535, 140000, 2), id=f"K65535-{kernel}-{policy}")
-    for kernel, policy in (("dispatch", "lru"), ("dispatch", "score"), ("portable", "lru"))
-] + [  # the largest K with 16-bit entries, and the smallest with 32-bit ones
-    pytest.param(kernel, "lru", 0, (2, 2100, k, 9000, 3), id=f"K{k}-{kernel}")
-    for kernel in ("dispatch", "portable")
-    for k in (2048, 2049)
-]
+SCALE_CASES = (
+    [
+        pytest.param(
+            kernel, policy, offset, (8, 512, 256, 1500, 20), id=f"R8-C512-K256-{kernel}-{policy}-{offset}"
+        )
+        for kernel in ("dispatch", "portable")
+        for policy in ("lru", "score")
+        for offset in (0, 1 << 29)
+    ]
+    + [  # K > 2048: 32-bit position table entries
+        pytest.param(kernel, policy, 0, (1, 65600, 65535, 140000, 2), id=f"K65535-{kernel}-{policy}")
+        for kernel, policy in (("dispatch", "lru"), ("dispatch", "score"), ("portable", "lru"))
+    ]
+    + [  # the largest K with 16-bit entries, and the smallest with 32-bit ones
+        pytest.param(kernel, "lru", 0, (2, 2100, k, 9000, 3), id=f"K{k}-{kernel}")
+        for kernel in ("dispatch", "portable")
+        for k in (2048, 2049)
+    ]
+)
 
 
 @requires_residency_cpp

@@ -319,8 +319,9 @@ def test_cpp_matches_reference_at_scale(kernel: str, policy: str, offset: int, s
 @pytest.mark.parametrize("K", [300, 2100])
 def test_cpp_after_the_position_table_tags_run_out(kernel: str, K: int) -> None:
     """Each row of a thread tags its position-table entries anew and the table is zeroed when the tags run
-    out (31 of them with 16-bit entries, K <= 2048; 4095 with 32-bit ones). Rows past several such
-    wrap-arounds, on one thread, still equal the reference."""
+    out (31 of them with 16-bit entries, K <= 2048; 4095 with 32-bit ones), up to the highest position
+    written since the last zeroing. Rows past several such wrap-arounds, on one thread, with positions
+    that grow and shrink between rows, still equal the reference."""
     C, L = K + 64, 4 * K
     prev = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -328,16 +329,17 @@ def test_cpp_after_the_position_table_tags_run_out(kernel: str, K: int) -> None:
         R = 64
         a, b = new_residency_state(R, C), new_residency_state(R, C)
         req = torch.arange(R, dtype=torch.int64)
-        stable = torch.full((R,), L, dtype=torch.int64)
+        stable = torch.full((R,), 64 * L, dtype=torch.int64)
         g = torch.Generator().manual_seed(K)
         burn = new_residency_state(R, C)
-        for step in range(3):
-            # drive this thread's tags through a wrap-around between compared steps
-            for _ in range(70 if K > 2048 else 1):
+        for step in range(4):
+            # drive this thread's tags through a wrap-around between compared steps; some rows reach far
+            for i in range(70 if K > 2048 else 1):
                 tk = torch.stack([torch.randperm(L, generator=g)[:K] for _ in range(R)]).to(torch.int32)
+                tk[i % 5 :: 5] += 40 * L
                 _run(kernel, burn, tk, req, stable, None, "lru")
             topk = torch.stack([torch.randperm(L // 2 + 50 * step, generator=g)[:K] for _ in range(R)])
-            topk = topk.to(torch.int32)
+            topk = topk.to(torch.int32) + (40 * L if step % 2 else 0)
             oa = _run(kernel, a, topk, req, stable, None, "lru")
             ob = _run("reference", b, topk, req, stable, None, "lru")
             for x, y in zip(a + oa.as_tuple(), b + ob.as_tuple(), strict=True):

@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -269,13 +270,17 @@ class DirectTable {
   }
   // The table covering positions [0, positions), and the tag of a new row.
   Index* begin_row(int64_t positions, uint32_t& tag) {
-    if (entries_.size() < static_cast<size_t>(positions + 2)) {
-      entries_.resize(static_cast<size_t>(positions + 2), 0);
+    const auto used = static_cast<size_t>(positions + 2);
+    if (entries_.size() < used) {
+      entries_.resize(used, 0);
     }
     if (tag_ == kMaxTag) {
-      std::fill(entries_.begin(), entries_.end(), Index{0});
+      // only the entries below dirty_ were written since the last zeroing
+      std::fill(entries_.begin(), entries_.begin() + static_cast<std::ptrdiff_t>(dirty_), Index{0});
       tag_ = 0;
+      dirty_ = 0;
     }
+    dirty_ = std::max(dirty_, used);
     tag = ++tag_;
     return entries_.data();
   }
@@ -284,6 +289,7 @@ class DirectTable {
   static constexpr uint32_t kMaxTag = (uint32_t{1} << (8 * sizeof(Index) - kIndexBits<Index>)) - 1;
   std::vector<Index> entries_;
   uint32_t tag_ = 0;
+  size_t dirty_ = 0;
 };
 
 // Writes the row's entries, table[position] = (tag, top-k index) (padding entries write the sink entry),

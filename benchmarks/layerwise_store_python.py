@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from layerwise_bench import Compute, Setup, filled_store
+from layerwise_bench import Compute, Setup, add_workload_args, filled_store
 
 from torch_kvoffload.ops.copy import copy_blocks
 from torch_kvoffload.store.local import LocalKVStore
@@ -82,7 +82,7 @@ class ReplayingStore(LocalKVStore):
     def _part_copies(self, arena, layout, offsets, blocks, *, out):
         copies = super()._part_copies(arena, layout, offsets, blocks, out=out)
         if self._recording is not None:
-            self._recording.extend((*copy, not out) for copy in copies)
+            self._recording.extend(copies)
         return copies
 
 
@@ -92,12 +92,11 @@ def main() -> None:
     p.add_argument("--forwards", type=int, default=9, help="measured forwards per round")
     p.add_argument("--compute-ms", type=float, default=1.8, help="per-layer compute")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "layerwise_store_python.json"))
+    add_workload_args(p)
     a = p.parse_args()
     torch.set_num_threads(1)
-    args = argparse.Namespace(
-        layers=16, block_size=128, kv_lora_rank=512, rope_dim=64, prefix_blocks=12, new_blocks=12, streams=1
-    )
-    compute = Compute(512)
+    args = argparse.Namespace(**vars(a), streams=1)  # the workload of layerwise_bench, one transfer thread
+    compute = Compute(a.compute_dim)
     compute.calibrate(a.compute_ms * 1e-3)
 
     ratios: dict[str, list[float]] = {"LocalKVStore": [], "replayed copies": []}

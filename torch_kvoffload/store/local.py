@@ -457,10 +457,11 @@ class LocalKVStore(KVStore):
         blocks: list[int],
         *,
         out: bool,
-    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """The ``copy_blocks(src, dst, mapping)`` calls that move the records at arena ``offsets`` out to
-        (``out``) or in from ``blocks`` of every non-empty part of ``layout``, one per part, all sharing
-        one mapping tensor (each part's arena view starts at the part's offset in the record)."""
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]:
+        """The ``copy_blocks(src, dst, mapping, streaming=)`` calls that move the records at arena
+        ``offsets`` out to (``out``) or in from ``blocks`` of every non-empty part of ``layout``, one per
+        part, all sharing one mapping tensor (each part's arena view starts at the part's offset in the
+        record). Writes into the arena stream (see :meth:`_copy_parts`)."""
         pairs = list(zip(offsets, blocks, strict=True) if out else zip(blocks, offsets, strict=True))
         mapping = torch.tensor(pairs, dtype=torch.int64)
         copies = []
@@ -469,7 +470,7 @@ class LocalKVStore(KVStore):
             if part == 0:
                 continue
             records = self._records(arena, part, off)
-            copies.append((records, view, mapping) if out else (view, records, mapping))
+            copies.append((records, view, mapping, False) if out else (view, records, mapping, True))
         return copies
 
     def _copy_parts(
@@ -489,8 +490,8 @@ class LocalKVStore(KVStore):
         caching them would only evict what compute keeps in the cache, and a cached write first reads
         each destination line from memory.
         """
-        for src, dst, mapping in self._part_copies(arena, layout, offsets, blocks, out=out):
-            copy_blocks(src, dst, mapping, streaming=not out)
+        for src, dst, mapping, streaming in self._part_copies(arena, layout, offsets, blocks, out=out):
+            copy_blocks(src, dst, mapping, streaming=streaming)
 
     def batch_get_blocks(
         self, keys: Sequence[str], layout: RecordLayout, blocks: Sequence[int] | torch.Tensor

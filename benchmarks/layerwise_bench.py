@@ -188,7 +188,6 @@ class BareSchedule:
                 loads[layer] = self.stream.submit(self._load, layer, after=after, wake_delay=delay)
 
         t0 = time.perf_counter()
-        issue(0)
         for layer in range(n):
             issue(layer)
             loads[layer].wait()

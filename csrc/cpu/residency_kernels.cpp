@@ -9,8 +9,7 @@
 // direct-address table, and the loops have no data-dependent branches (hits and misses are about equally
 // likely, so branches would mispredict). On x86-64 the row functions are also compiled for AVX2: the
 // resident matching uses gathers there, and the order partition and slot assignment pack with lane
-// permutations. TORCH_KVOFFLOAD_RESIDENCY_SIMD=0 selects the portable code (the
-// tests run both).
+// permutations. TORCH_KVOFFLOAD_RESIDENCY_SIMD=0 selects the portable code (the tests run both).
 
 #include "common.h"
 

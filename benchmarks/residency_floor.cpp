@@ -12,6 +12,13 @@
 // rows, K = 2048, C = 4096 slots, positions in [0, 65536), 1600 of the C residents selected. "cold" gives
 // every row of every step its own data (as a decode step does); "hot" repeats two rows, so everything is
 // in L1/L2.
+// A second table, "contract", times only the memory operations the op's contract implies for a row, each
+// in the cheapest form found on this CPU and with no logic around it: write the K top-k
+// entries into a position table, probe it with the C slot tokens, mark the C slots of the LRU order (the
+// permutation check), and read and rewrite the row's state (slot tokens and order) and its three [K]
+// outputs sequentially. It leaves out the join of hits to top-k entries, the order partition, the slot
+// assignment and every check, so an implementation that matches through a position table costs more than
+// its total.
 // Prints cycles (rdtsc) and ns per (row, slot), best step of 30, and writes
 // benchmarks/results/residency_floor.json.
 //
@@ -239,6 +246,79 @@ Phases run(const Rows& rows, bool hot, long& sink) {
   return best;
 }
 
+// The contract's bare memory operations (see the header), per row: table writes, probes, order marks,
+// sequential state and output traffic. Outputs are one set of [R, K] rows reused every step, as in the
+// benchmark.
+struct ContractPhases {
+  double table, probe, marks, io;
+  double total() const { return table + probe + marks + io; }
+};
+
+// Which rows a step reads: "cold" gives every row of every step its own state and top-k (out of cache,
+// as when each layer has its own table); "bench" keeps R state rows and takes a fresh top-k every step
+// (what benchmarks/sparse_decode_bench.py times: the state stays in L3); "hot" repeats two rows.
+enum class Data { kCold, kBench, kHot };
+
+volatile int32_t kZero = 0;
+
+ContractPhases run_contract(Rows& rows, Data data, long& sink) {
+  std::vector<uint16_t> table(L + 2, 0);
+  std::vector<uint8_t> marks(C);
+  std::vector<int32_t> slots(static_cast<size_t>(R) * K), miss_tokens(slots.size()), miss_slots(slots.size());
+  ContractPhases best{1e30, 1e30, 1e30, 1e30};
+  for (int step = 0; step < STEPS; ++step) {
+    uint64_t c[4] = {0, 0, 0, 0};
+    for (int r = 0; r < R; ++r) {
+      const int fresh = step * R + r;
+      const int i = data == Data::kHot ? r % 2 : data == Data::kBench ? r : fresh;
+      const int32_t* tk = rows.topk[data == Data::kHot ? i : fresh].data();
+      int32_t* stt = rows.tokens[i].data();
+      int32_t* order = rows.order[i].data();
+      const uint64_t t0 = __rdtsc();
+      for (int k = 0; k < K; ++k) {
+        table[tk[k]] = static_cast<uint16_t>(k);
+      }
+      const uint64_t t1 = __rdtsc();
+      uint32_t probed = 0;
+      for (int s = 0; s < C; ++s) {
+        probed += table[stt[s]];
+      }
+      const uint64_t t2 = __rdtsc();
+      for (int j = 0; j < C; ++j) {
+        marks[order[j]] = 1;
+      }
+      const uint64_t t3 = __rdtsc();
+      // the state rewritten in place (adding a zero the compiler cannot see), the outputs written from the
+      // top-k row
+      const int32_t delta = kZero;
+      for (int s = 0; s < C; ++s) {
+        stt[s] += delta;
+        order[s] += delta;
+      }
+      int32_t* sl = slots.data() + static_cast<size_t>(r) * K;
+      int32_t* mt = miss_tokens.data() + static_cast<size_t>(r) * K;
+      int32_t* ms = miss_slots.data() + static_cast<size_t>(r) * K;
+      for (int k = 0; k < K; ++k) {
+        sl[k] = tk[k];
+        mt[k] = tk[k];
+        ms[k] = tk[k];
+      }
+      const uint64_t t4 = __rdtsc();
+      c[0] += t1 - t0;
+      c[1] += t2 - t1;
+      c[2] += t3 - t2;
+      c[3] += t4 - t3;
+      sink += probed + marks[r] + sl[r] + mt[r + 1] + ms[r + 2];
+    }
+    const double per = 1.0 / (static_cast<double>(R) * C);
+    const ContractPhases p{c[0] * per, c[1] * per, c[2] * per, c[3] * per};
+    if (p.total() < best.total()) {
+      best = p;
+    }
+  }
+  return best;
+}
+
 double tsc_ghz() {
   const auto w0 = std::chrono::steady_clock::now();
   const uint64_t c0 = __rdtsc();
@@ -253,11 +333,14 @@ double tsc_ghz() {
 
 int main() {
   std::mt19937 rng(0);
-  const Rows rows = make_rows(STEPS * R, rng);
+  Rows rows = make_rows(STEPS * R, rng);
   const double ghz = tsc_ghz();
   long sink = 0;
   const Phases cold = run(rows, false, sink);
   const Phases hot = run(rows, true, sink);
+  const ContractPhases contract_cold = run_contract(rows, Data::kCold, sink);
+  const ContractPhases contract_bench = run_contract(rows, Data::kBench, sink);
+  const ContractPhases contract_hot = run_contract(rows, Data::kHot, sink);
   std::printf("residency row floor, R %d K %d C %d (TSC %.3f GHz); cycles per (row, slot), best of %d steps\n",
               R, K, C, ghz, STEPS);
   std::printf("%-6s%8s%8s%11s%8s%8s%8s%18s\n", "data", "fill", "match", "partition", "zero", "total", "ns",
@@ -266,6 +349,13 @@ int main() {
     std::printf("%-6s%8.2f%8.2f%11.2f%8.2f%8.2f%8.2f%18.2f\n", name, p.fill, p.match, p.partition, p.zero,
                 p.total(), p.total() / ghz, p.scalar_partition);
   }
+  std::printf("\ncontract: only the memory operations a row implies (table, probes, order marks, state and output I/O), same units\n");
+  std::printf("%-6s%8s%8s%8s%8s%8s%8s\n", "data", "table", "probe", "marks", "io", "total", "ns");
+  for (const auto& [name, p] :
+       {std::pair{"cold", contract_cold}, std::pair{"bench", contract_bench}, std::pair{"hot", contract_hot}}) {
+    std::printf("%-6s%8.2f%8.2f%8.2f%8.2f%8.2f%8.2f\n", name, p.table, p.probe, p.marks, p.io, p.total(),
+                p.total() / ghz);
+  }
   if (FILE* f = std::fopen("benchmarks/results/residency_floor.json", "w")) {
     std::fprintf(f, "{\"tsc_ghz\": %.4f", ghz);
     for (const auto& [name, p] : {std::pair{"cold", cold}, std::pair{"hot", hot}}) {
@@ -273,6 +363,13 @@ int main() {
                    ", \"%s\": {\"fill\": %.3f, \"match\": %.3f, \"partition\": %.3f, \"zero\": %.3f, "
                    "\"total_cycles\": %.3f, \"total_ns\": %.3f, \"scalar_partition\": %.3f}",
                    name, p.fill, p.match, p.partition, p.zero, p.total(), p.total() / ghz, p.scalar_partition);
+    }
+    for (const auto& [name, p] : {std::pair{"contract_cold", contract_cold}, std::pair{"contract_bench", contract_bench},
+                                  std::pair{"contract_hot", contract_hot}}) {
+      std::fprintf(f,
+                   ", \"%s\": {\"table\": %.3f, \"probe\": %.3f, \"marks\": %.3f, \"io\": %.3f, "
+                   "\"total_cycles\": %.3f, \"total_ns\": %.3f}",
+                   name, p.table, p.probe, p.marks, p.io, p.total(), p.total() / ghz);
     }
     std::fprintf(f, "}\n");
     std::fclose(f);

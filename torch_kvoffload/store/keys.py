@@ -67,10 +67,7 @@ def block_hashes(token_ids: Sequence[int] | torch.Tensor, block_size: int, *, sa
         ``T // block_size`` lowercase hex strings of ``2 * DIGEST_SIZE`` characters.
     """
     fn = "block_hashes"
-    if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer):
-        raise TypeError(f"{fn}: block_size must be an int, got {type(block_size).__name__}")
-    if block_size < 1:
-        raise ValueError(f"{fn}: block_size must be >= 1, got {block_size}")
+    _check_int(fn, "block_size", block_size, 1)
     if not isinstance(salt, str):
         raise TypeError(f"{fn}: salt must be a str, got {type(salt).__name__}")
     tokens = _tokens_int64(fn, token_ids)
@@ -116,11 +113,16 @@ def layer_key_prefix(layer: int, *, model_id: str = "") -> str:
     return _layer_key_prefix("layer_key_prefix", layer, model_id)
 
 
+def _check_int(fn: str, name: str, value: object, minimum: int) -> None:
+    """Raise ``TypeError`` unless ``value`` is an int (not a bool), ``ValueError`` if below ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{fn}: {name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{fn}: {name} must be >= {minimum}, got {value}")
+
+
 def _layer_key_prefix(fn: str, layer: int, model_id: str) -> str:
-    if isinstance(layer, bool) or not isinstance(layer, int | np.integer):
-        raise TypeError(f"{fn}: layer must be an int, got {type(layer).__name__}")
-    if layer < 0:
-        raise ValueError(f"{fn}: layer must be >= 0, got {layer}")
+    _check_int(fn, "layer", layer, 0)
     if not isinstance(model_id, str):
         raise TypeError(f"{fn}: model_id must be a str, got {type(model_id).__name__}")
     return f"kv/{model_id}/{int(layer)}/"

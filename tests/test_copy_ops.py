@@ -33,33 +33,19 @@ BLOCK_SHAPES = [(16, 8, 4, (3,)), (64, 32, 16, (576,)), (5, 5, 1, (2, 7)), (9, 3
 # ------------------------------------------------------------------------------------ reference match
 
 
+@pytest.mark.parametrize("streaming", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", BLOCK_SHAPES)
-def test_copy_blocks_matches_reference(dtype: torch.dtype, shape) -> None:
+def test_copy_blocks_matches_reference(dtype: torch.dtype, shape, streaming: bool) -> None:
     ns, nd, bs, row = shape
     src = _rand((ns, bs, *row), dtype)
     dst = _rand((nd, bs, *row), dtype)
     mapping = _mapping(min(ns, nd), ns, nd)
     expected = dst.clone()
-    reference_kernel("copy_blocks")(src, expected, mapping)
-    copy_blocks(src, dst, mapping)
+    reference_kernel("copy_blocks")(src, expected, mapping, streaming=streaming)
+    copy_blocks(src, dst, mapping, streaming=streaming)
     assert torch.equal(dst, expected)
     # independent check of the reference itself
-    for s, d in mapping.tolist():
-        assert torch.equal(dst[d], src[s])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", BLOCK_SHAPES)
-def test_copy_blocks_streaming_matches_reference(dtype: torch.dtype, shape) -> None:
-    ns, nd, bs, row = shape
-    src = _rand((ns, bs, *row), dtype)
-    dst = _rand((nd, bs, *row), dtype)
-    mapping = _mapping(min(ns, nd), ns, nd)
-    expected = dst.clone()
-    reference_kernel("copy_blocks")(src, expected, mapping, streaming=True)
-    copy_blocks(src, dst, mapping, streaming=True)
-    assert torch.equal(dst, expected)
     for s, d in mapping.tolist():
         assert torch.equal(dst[d], src[s])
 

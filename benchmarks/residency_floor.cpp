@@ -193,7 +193,30 @@ long partition_packed(const int32_t* order, uint8_t* flags, int32_t* hits, int32
 }
 #endif
 
-Phases run(const Rows& rows, bool hot, long& sink) {
+// Which rows a step reads: "cold" gives every row of every step its own state and top-k (out of cache,
+// as when each layer has its own table); "bench" keeps R state rows and takes a fresh top-k every step
+// (what benchmarks/sparse_decode_bench.py times: the state stays in L3); "hot" repeats two rows.
+enum class Data { kCold, kBench, kHot };
+
+// The rows that row r of a step reads: its state (slot tokens, order) and its top-k.
+struct RowPick {
+  int state, topk;
+};
+
+RowPick pick_rows(Data data, int step, int r) {
+  const int fresh = step * R + r;
+  switch (data) {
+    case Data::kHot:
+      return {r % 2, r % 2};
+    case Data::kBench:
+      return {r, fresh};
+    case Data::kCold:
+      break;
+  }
+  return {fresh, fresh};
+}
+
+Phases run(const Rows& rows, Data data, long& sink) {
   std::vector<uint16_t> table(L + 2, 0);
   uint32_t tag = 1;  // 0 marks an entry no row owns
   std::vector<int32_t> hit(K + 1), hits(C + 8), nonhit(C + 8);
@@ -202,10 +225,10 @@ Phases run(const Rows& rows, bool hot, long& sink) {
   for (int step = 0; step < STEPS; ++step) {
     uint64_t c[5] = {0, 0, 0, 0, 0};
     for (int r = 0; r < R; ++r) {
-      const int i = hot ? r % 2 : step * R + r;
-      const int32_t* tk = rows.topk[i].data();
-      const int32_t* stt = rows.tokens[i].data();
-      const int32_t* order = rows.order[i].data();
+      const RowPick rp = pick_rows(data, step, r);
+      const int32_t* tk = rows.topk[rp.topk].data();
+      const int32_t* stt = rows.tokens[rp.state].data();
+      const int32_t* order = rows.order[rp.state].data();
       const uint64_t t0 = __rdtsc();
       uint32_t dup = 0;
       const uint32_t tagged = tag << kIndexBits;
@@ -254,11 +277,6 @@ struct ContractPhases {
   double total() const { return table + probe + marks + io; }
 };
 
-// Which rows a step reads: "cold" gives every row of every step its own state and top-k (out of cache,
-// as when each layer has its own table); "bench" keeps R state rows and takes a fresh top-k every step
-// (what benchmarks/sparse_decode_bench.py times: the state stays in L3); "hot" repeats two rows.
-enum class Data { kCold, kBench, kHot };
-
 volatile int32_t kZero = 0;
 
 ContractPhases run_contract(Rows& rows, Data data, long& sink) {
@@ -269,11 +287,10 @@ ContractPhases run_contract(Rows& rows, Data data, long& sink) {
   for (int step = 0; step < STEPS; ++step) {
     uint64_t c[4] = {0, 0, 0, 0};
     for (int r = 0; r < R; ++r) {
-      const int fresh = step * R + r;
-      const int i = data == Data::kHot ? r % 2 : data == Data::kBench ? r : fresh;
-      const int32_t* tk = rows.topk[data == Data::kHot ? i : fresh].data();
-      int32_t* stt = rows.tokens[i].data();
-      int32_t* order = rows.order[i].data();
+      const RowPick rp = pick_rows(data, step, r);
+      const int32_t* tk = rows.topk[rp.topk].data();
+      int32_t* stt = rows.tokens[rp.state].data();
+      int32_t* order = rows.order[rp.state].data();
       const uint64_t t0 = __rdtsc();
       for (int k = 0; k < K; ++k) {
         table[tk[k]] = static_cast<uint16_t>(k);
@@ -336,8 +353,8 @@ int main() {
   Rows rows = make_rows(STEPS * R, rng);
   const double ghz = tsc_ghz();
   long sink = 0;
-  const Phases cold = run(rows, false, sink);
-  const Phases hot = run(rows, true, sink);
+  const Phases cold = run(rows, Data::kCold, sink);
+  const Phases hot = run(rows, Data::kHot, sink);
   const ContractPhases contract_cold = run_contract(rows, Data::kCold, sink);
   const ContractPhases contract_bench = run_contract(rows, Data::kBench, sink);
   const ContractPhases contract_hot = run_contract(rows, Data::kHot, sink);

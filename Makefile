@@ -20,7 +20,7 @@ $(PY):
 
 $(INSTALLED): $(PY) pyproject.toml setup.py
 	$(PIP) install torch==2.13.0
-	TORCH_KVOFFLOAD_BUILD_EXT=0 $(PIP) install --no-build-isolation -e '.[test,bench,mooncake]'
+	TORCH_KVOFFLOAD_BUILD_EXT=0 $(PIP) install --no-build-isolation -e '.[test,bench,mooncake,hf,pd]'
 	touch $@
 
 $(BUILT): $(INSTALLED) $(CSRC)

@@ -1,0 +1,91 @@
+"""Small helpers shared across the package: one place each for free ports, alignment, int arguments
+and dtype names.
+"""
+
+from __future__ import annotations
+
+import operator
+import socket
+
+import torch
+
+__all__ = ["DTYPE_ALIASES", "check_int", "dtype_name", "free_port", "parse_dtype", "round_up"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free when asked (the OS picks it; another process may take it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def round_up(n: int, alignment: int) -> int:
+    """The smallest multiple of ``alignment`` (> 0) that is ``>= n``."""
+    if alignment <= 0:
+        raise ValueError(f"round_up: alignment must be positive, got {alignment}")
+    return (n + alignment - 1) // alignment * alignment
+
+
+def check_int(
+    where: str,
+    name: str,
+    value: object,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+) -> int:
+    """``value`` as an ``int`` (Python or NumPy integer, never a bool).
+
+    Raises ``TypeError`` naming ``where`` and ``name`` for a non-integer, ``ValueError`` when it is below
+    ``minimum`` or above ``maximum`` (both inclusive).
+    """
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        raise TypeError(f"{where}: {name} must be an int, got bool {value!r}")
+    try:
+        v = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__} {value!r}") from None
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{where}: {name} must be >= {minimum}, got {v}")
+    if maximum is not None and v > maximum:
+        raise ValueError(f"{where}: {name} must be <= {maximum}, got {v}")
+    return int(v)
+
+
+#: Accepted spellings of the floating dtypes the library stores KV in -> the torch dtype.
+DTYPE_ALIASES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+
+_SHORT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def parse_dtype(where: str, value: object, allowed: tuple[torch.dtype, ...] | None = None) -> torch.dtype:
+    """A torch dtype from a dtype or one of :data:`DTYPE_ALIASES` (``"torch."`` prefix accepted).
+
+    ``allowed`` restricts the result; anything else raises ``ValueError`` naming ``where`` and the
+    accepted names.
+    """
+    if isinstance(value, torch.dtype):
+        dtype = value
+    else:
+        key = str(value).strip().lower().removeprefix("torch.")
+        if key not in DTYPE_ALIASES:
+            raise ValueError(f"{where}: unknown dtype {value!r}; expected one of {sorted(DTYPE_ALIASES)}")
+        dtype = DTYPE_ALIASES[key]
+    if allowed is not None and dtype not in allowed:
+        names = [dtype_name(d) for d in allowed]
+        raise ValueError(f"{where}: dtype {value!r} is not supported here; expected one of {names}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Short name of a dtype (``"bf16"``, ``"fp16"``, ``"fp32"``), else torch's own (``"int8"``)."""
+    return _SHORT_NAMES.get(dtype, str(dtype).removeprefix("torch."))

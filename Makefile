@@ -10,7 +10,7 @@ INSTALLED := $(VENV)/.installed
 BUILT := $(VENV)/.built
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' 2>/dev/null)
 
-.PHONY: setup build demo test lint format bench clean
+.PHONY: setup build demo test lint format bench device-check clean
 
 setup: $(BUILT)
 
@@ -56,6 +56,11 @@ bench: $(BUILT)
 		echo "== benchmarks/residency_floor.cpp"; mkdir -p build; \
 		$${CXX:-g++} -O3 -march=native benchmarks/residency_floor.cpp -o build/residency_floor && build/residency_floor; \
 	fi
+
+# Accelerator check: op / device / end-to-end tests on the device and benchmarks/device_bench.py
+# (on CPU it says what it skipped).
+device-check: $(BUILT)
+	bash benchmarks/device_check.sh
 
 clean:
 	rm -rf build torch_kvoffload/*.so $(BUILT)

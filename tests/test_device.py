@@ -409,3 +409,43 @@ def test_submit_split_waiter_runs_the_parts_no_worker_started() -> None:
         assert len(names) == 2 and len(reports) == 1
         with pytest.raises(ValueError, match="'parts' must be an int >= 1"):
             device.submit_split([busy], 4, lambda begin, end: None, parts=0)
+
+
+requires_accelerator = pytest.mark.skipif(
+    device.accelerator_type() == "cpu", reason="needs an accelerator (CUDA / NPU)"
+)
+
+
+@requires_accelerator
+def test_device_stream_copies_run_on_the_transfer_stream_and_compute_waits_on_its_event() -> None:
+    """On an accelerator: submit returns at once (the worker enqueues the copy on the transfer stream);
+    compute ordered with wait_on_compute sees the copied data without a device synchronize."""
+    dev = device.default_device()
+    host = torch.randn(4096, 1024).pin_memory()
+    dst = torch.empty(4096, 1024, device=dev)
+    streams_seen = []
+    with TransferStream("h2d", dev) as stream:
+
+        def copy() -> None:
+            streams_seen.append(torch.accelerator.current_stream())
+            dst.copy_(host, non_blocking=True)
+
+        ev = stream.submit(copy, after=[device.record_compute_event()])
+        ev.wait_on_compute()
+        total = dst.sum()  # queued on the compute stream after the event
+        assert streams_seen and streams_seen[0] != torch.accelerator.current_stream()
+        torch.testing.assert_close(total.cpu(), host.sum(), rtol=1e-4, atol=1e-2)
+
+
+@requires_accelerator
+def test_device_stream_failure_reaches_every_waiter() -> None:
+    dev = device.default_device()
+    with TransferStream("h2d", dev) as stream:
+        ev = stream.submit(lambda: (_ for _ in ()).throw(ValueError("boom")))
+        with pytest.raises(TransferError, match="boom"):
+            ev.wait_on_compute()
+        with pytest.raises(TransferError, match="boom"):
+            ev.wait()
+        ok = stream.submit(lambda: None, after=[ev])
+        with pytest.raises(TransferError, match="dependency failed"):
+            ok.wait()

@@ -2,9 +2,11 @@
 
 Every runtime moves data through :class:`TransferStream` and orders work with :class:`TransferEvent`:
 
-* On an accelerator (CUDA, or Ascend NPU through ``torch_npu``) a transfer stream is a ``torch.Stream``;
-  submitted work is enqueued on it and an event recorded after it; waiting from compute makes the
-  compute stream wait on the event — never a whole-device ``synchronize()``.
+* On an accelerator (CUDA, or Ascend NPU through ``torch_npu``) a transfer stream is a ``torch.Stream``
+  plus a host worker thread: the worker runs the submitted host-side work (store lookups, bookkeeping)
+  with the stream current, so the copies it issues are enqueued on the stream, then records an event
+  after them. The submitting (compute) thread never blocks on a copy; waiting from compute makes the
+  compute stream wait on the event (``wait_on_compute``) — never a whole-device ``synchronize()``.
 * On CPU there are no streams: each transfer stream owns a worker thread that runs submitted work in
   order. The C++ kernels release the GIL, so a copy in flight really overlaps compute on the caller's
   thread, and several streams have several copies in flight.
@@ -292,20 +294,22 @@ class TransferStream:
         self.device = device if device is not None else default_device()
         self.counters = Counters(["submitted", "completed", "failed", "busy_seconds"])
         self._closed = False
-        if self.device.type == "cpu":
-            self._queue: queue.SimpleQueue[tuple[Callable[[], None], TransferEvent, tuple] | None]
-            self._queue = queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._worker, name=f"kvoffload-{name}", daemon=True)
-            self._thread.start()
-            self._stream = None
-        else:
-            self._stream = torch.Stream(self.device)
+        # On an accelerator the worker enqueues onto this stream; on CPU there is none (the worker copies).
+        self._stream = None if self.device.type == "cpu" else torch.Stream(self.device)
+        self._queue: queue.SimpleQueue[tuple[Callable[[], None], TransferEvent, tuple, float] | None]
+        self._queue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._worker, name=f"kvoffload-{name}", daemon=True)
+        self._thread.start()
 
-    # -- CPU worker
+    # -- worker thread (CPU: runs the copies; accelerator: enqueues them on the stream)
     def _worker(self) -> None:
         # Copies on this thread run on it alone: an intra-op team per transfer thread would compete with
         # the compute threads for the cores the overlap is meant to leave them.
         set_thread_intraop_threads(1)
+        if self._stream is not None:
+            # the current stream is per thread: every copy this worker issues goes to the transfer stream
+            torch.accelerator.set_device_index(self.device.index)
+            torch.accelerator.set_stream(self._stream)
         q = self._queue
         while True:
             try:
@@ -323,9 +327,21 @@ class TransferStream:
     def _run(self, fn: Callable[[], None], event: TransferEvent, after: Sequence[TransferEvent]) -> None:
         start = time.perf_counter()
         try:
-            for dep in after:
-                dep.wait()
-            fn()
+            if self._stream is None:
+                for dep in after:
+                    dep.wait()
+                fn()
+            else:
+                for dep in after:  # host side: the dependency was issued; device side: a stream wait
+                    dep._wait_finished()
+                    if dep.error is not None:
+                        raise TransferError(f"dependency failed: {dep.error}") from dep.error
+                    if dep._device_event is not None:
+                        self._stream.wait_event(dep._device_event)
+                fn()
+                device_event = torch.Event(self.device)
+                device_event.record(self._stream)
+                event._device_event = device_event
         except BaseException as exc:  # delivered to waiters, not lost in the worker thread
             self.counters.add("failed")
             logger.debug("transfer on %s failed: %s", self.name, exc)
@@ -355,31 +371,8 @@ class TransferStream:
             raise RuntimeError(f"transfer stream {self.name!r} is closed")
         self.counters.add("submitted")
         call = functools.partial(fn, *args, **kwargs) if kwargs else (lambda: fn(*args))
-        if self._stream is None:
-            event = TransferEvent()
-            self._queue.put((call, event, tuple(after), wake_delay))
-            return event
-        return self._submit_device(call, tuple(after))
-
-    def _submit_device(self, call: Callable[[], None], after: Sequence[TransferEvent]) -> TransferEvent:
-        device_event = torch.Event(self.device)
-        event = TransferEvent(device_event=device_event)
-        try:
-            with self._stream:
-                for dep in after:
-                    dep._wait_finished()
-                    if dep.error is not None:
-                        raise TransferError(f"dependency failed: {dep.error}") from dep.error
-                    if dep._device_event is not None:
-                        self._stream.wait_event(dep._device_event)
-                call()
-                device_event.record(self._stream)
-        except BaseException as exc:
-            self.counters.add("failed")
-            event._set_error(exc)
-            return event
-        self.counters.add("completed")
-        event._set_done()
+        event = TransferEvent()
+        self._queue.put((call, event, tuple(after), wake_delay if self._stream is None else 0.0))
         return event
 
     def synchronize(self) -> None:
@@ -395,9 +388,8 @@ class TransferStream:
             return
         self.synchronize()
         self._closed = True
-        if self._stream is None:
-            self._queue.put(None)
-            self._thread.join()
+        self._queue.put(None)
+        self._thread.join()
 
     def __enter__(self) -> TransferStream:
         return self

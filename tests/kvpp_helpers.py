@@ -1,19 +1,41 @@
-"""Test helpers for KVPP: a transport that records broadcasts and runs them on a real transfer stream."""
+"""Test helpers for KVPP: a recording transport, small allocations, and a bounded local gloo launcher."""
 
 from __future__ import annotations
 
+import datetime
+import os
 import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from torch_kvoffload._utils import free_port
 from torch_kvoffload.device import TransferEvent, TransferStream
 from torch_kvoffload.kvpp import BundleSpec, KVPPAllocation, KVPPGroup, KVPPPlan, assign_owners
 
 
+class SpyEvent:
+    """A completed event that records how it was waited on (``"wait"`` or ``"wait_on_compute"``)."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.log.append("wait")
+
+    def wait_on_compute(self) -> None:
+        self.log.append("wait_on_compute")
+
+
 class RecordingTransport:
     """Stands in for :class:`BroadcastTransport` in one process: records each broadcast (layer, owner,
-    destination span, ordering events) and runs a task on a real :class:`TransferStream`, which fails for
-    ``fail_layers`` and, while ``gate`` is clear, blocks — so waits really wait."""
+    ``[(data_ptr, numel)]`` of its spans, ordering events) and runs a task on a real
+    :class:`TransferStream`, which fails for ``fail_layers`` and, while ``gate`` is clear, blocks — so
+    waits really wait. With ``device`` other than CPU it returns :class:`SpyEvent` s instead (what a
+    device transport's events are waited with is then in ``wait_log``)."""
 
     def __init__(
         self,
@@ -21,18 +43,23 @@ class RecordingTransport:
         rank: int = 0,
         fail_layers: tuple[int, ...] = (),
         peers_differ: dict | None = None,
+        device: str = "cpu",
     ):
         self.group = KVPPGroup(tuple(range(100, 100 + size)), rank, 0)
-        self.stream = TransferStream("kvpp-test")
-        self.calls: list[tuple[int, int, int, int, tuple[TransferEvent, ...]]] = []
+        self.device = torch.device(device)
+        self.stream = TransferStream("kvpp-test", torch.device("cpu"))
+        self.calls: list[tuple[int, int, list[tuple[int, int]], tuple[TransferEvent, ...]]] = []
         self.fail_layers = set(fail_layers)
         self.gate = threading.Event()
         self.gate.set()
         self.peers_differ = peers_differ or {}
+        self.wait_log: list[str] = []
         self.closed = False
 
-    def broadcast(self, layer, span, owner, after=()):
-        self.calls.append((layer, owner, span.data_ptr(), span.numel(), tuple(after)))
+    def broadcast(self, layer, spans, owner, after=()):
+        self.calls.append((layer, owner, [(s.data_ptr(), s.numel()) for s in spans], tuple(after)))
+        if self.device.type != "cpu":
+            return SpyEvent(self.wait_log)
 
         def run() -> None:
             if not self.gate.wait(10):
@@ -55,13 +82,85 @@ class RecordingTransport:
         return [c[0] for c in self.calls]
 
 
+SMALL_BLOCK_SIZE = 4
+SMALL_DIMS = {"c_kv": 16, "k_pe": 8, "index_k": 8}  # fp32, per token
+
+
+def small_spec() -> BundleSpec:
+    return BundleSpec.mla(SMALL_BLOCK_SIZE, 16, 8, torch.float32, index_dim=8, index_dtype=torch.float32)
+
+
 def small_allocation(
-    num_layers: int = 5, size: int = 2, rank: int = 0, drafts: tuple[int, ...] = ()
+    num_layers: int = 5, size: int = 2, rank: int = 0, drafts: tuple[int, ...] = (), num_blocks: int = 3
 ) -> KVPPAllocation:
-    spec = BundleSpec.mla(4, 16, 8, torch.float32, index_dim=8)
+    spec = small_spec()
     layers = list(range(num_layers))
     owners = assign_owners(layers, size)
     plan = KVPPPlan(
         dict.fromkeys(layers, spec.bytes_per_block), owners, rank, spec.bytes_per_block * len(drafts)
     )
-    return KVPPAllocation(plan, dict.fromkeys(layers, spec), 3, "cpu", dict.fromkeys(drafts, spec))
+    return KVPPAllocation(plan, dict.fromkeys(layers, spec), num_blocks, "cpu", dict.fromkeys(drafts, spec))
+
+
+# ------------------------------------------------------------------------------------ process launcher
+
+
+def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, args: tuple) -> None:
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        fn(rank, world, *args)
+    except BaseException:
+        raise RuntimeError(f"rank {rank}:\n{traceback.format_exc()}") from None
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_gloo(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes joined by gloo on 127.0.0.1.
+
+    Raises the first failing rank's error (with its traceback); terminates every process and raises
+    ``TimeoutError`` when they are not done within ``timeout`` seconds.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(
+        _entry, args=(fn, world, free_port(), args), nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            for p in ctx.processes:
+                p.join(5)
+            raise TimeoutError(f"spawn_gloo: {world} ranks still running after {timeout} s")
+
+
+class LoopbackTransport(RecordingTransport):
+    """A :class:`RecordingTransport` that moves data: for a layer this rank does not own, each span
+    receives the bytes at the same offsets of ``sources[layer]`` (``uint8``, the remote owner's bundle),
+    on the transfer stream — a one-process stand-in for the owner's broadcast."""
+
+    def __init__(self, allocation: KVPPAllocation, sources: dict[int, torch.Tensor], size: int = 2) -> None:
+        super().__init__(size, allocation.plan.rank)
+        self.allocation = allocation
+        self.sources = sources
+
+    def broadcast(self, layer, spans, owner, after=()):
+        self.calls.append((layer, owner, [(s.data_ptr(), s.numel()) for s in spans], tuple(after)))
+        if owner == self.group.local_rank:
+            return self.stream.submit(lambda: None, after=after)
+        base = self.allocation.bundle_span(layer).data_ptr()
+
+        def run() -> None:
+            for s in spans:
+                offset = s.data_ptr() - base
+                s.copy_(self.sources[layer][offset : offset + s.numel()])
+
+        return self.stream.submit(run, after=after)

@@ -15,7 +15,6 @@ from torch_kvoffload.kvpp import (
     ComponentSpec,
     KVPPAllocation,
     KVPPPlan,
-    align_up,
     assign_owners,
     bundle_layout,
     extract_layer_index,
@@ -160,6 +159,18 @@ def _formula(bpb: dict[int, int], owners: dict[int, int], rank: int, draft: int)
     return owned + draft + 2 * max(bpb.values())
 
 
+def _pad(n: int) -> int:
+    """``n`` rounded up to a multiple of 2 MiB."""
+    mib2 = 2 * 1024 * 1024
+    return -(-n // mib2) * mib2
+
+
+def _alloc_bytes(bpb: dict[int, int], owners: dict[int, int], rank: int, draft: int, n: int) -> int:
+    """Persistent bundles + drafts for ``n`` blocks, plus two 2 MiB-padded scratch buffers."""
+    owned = sum(b for layer, b in bpb.items() if owners[layer] == rank)
+    return (owned + draft) * n + 2 * _pad(max(bpb.values()) * n)
+
+
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 8])
 def test_plan_budget_formula(size: int) -> None:
     rng = random.Random(size)
@@ -175,10 +186,13 @@ def test_plan_budget_formula(size: int) -> None:
         floor = available // expected
         # the floor formula, less only the blocks the 2 MiB scratch padding needs
         assert floor - math.ceil(2 * SCRATCH_ALIGNMENT / expected) <= n <= floor
-        assert plan.allocation_bytes(n) <= available < plan.allocation_bytes(n + 1)
+        assert (
+            _alloc_bytes(bpb, owners, rank, 512, n) <= available < _alloc_bytes(bpb, owners, rank, 512, n + 1)
+        )
+        assert plan.allocation_bytes(n) == _alloc_bytes(bpb, owners, rank, 512, n)
         # when the padding fits in the floor's remainder, exactly the floor
         k = 1 << 20
-        padded = plan.allocation_bytes(k)
+        padded = _alloc_bytes(bpb, owners, rank, 512, k)
         assert padded - k * expected < 2 * SCRATCH_ALIGNMENT
         assert plan.num_blocks(k * expected + (padded - k * expected)) == k
     worst = min(KVPPPlan(bpb, owners, r, 512).num_blocks(available) for r in range(size))
@@ -192,7 +206,8 @@ def test_plan_num_blocks_never_overcommits_for_padding() -> None:
     assert plan.num_blocks(300_000) == 0
     available = 2 * SCRATCH_ALIGNMENT + 1000 * 5
     n = plan.num_blocks(available)
-    assert plan.allocation_bytes(n) <= available < plan.allocation_bytes(n + 1)
+    bpb, owners = {0: 1000, 1: 1000}, {0: 0, 1: 1}
+    assert _alloc_bytes(bpb, owners, 0, 0, n) <= available < _alloc_bytes(bpb, owners, 0, 0, n + 1)
     with pytest.raises(ValueError, match="available_bytes"):
         plan.num_blocks(-1)
 
@@ -237,12 +252,12 @@ def test_allocation_bytes_equal_the_plan(rank: int) -> None:
     alloc = KVPPAllocation(plan, specs, num_blocks, "cpu", drafts)
     owned = sum(specs[layer].bytes_per_block for layer in plan.owned)
     assert alloc.persistent_bytes == (owned + drafts[5].bytes_per_block) * num_blocks
-    assert alloc.allocated_bytes == plan.bytes_per_block * num_blocks == plan.allocation_bytes(num_blocks)
+    draft = drafts[5].bytes_per_block
+    assert alloc.allocated_bytes == (owned + draft + 2 * largest) * num_blocks
     # with padding
     alloc2 = KVPPAllocation(plan, specs, 3, "cpu", drafts)
-    assert alloc2.allocated_bytes == plan.allocation_bytes(3)
-    assert alloc2.scratch[0].numel() == align_up(largest * 3) == SCRATCH_ALIGNMENT
-    assert alloc2.allocated_bytes - plan.bytes_per_block * 3 < 2 * SCRATCH_ALIGNMENT
+    assert alloc2.scratch[0].numel() == _pad(largest * 3) == 2 * 1024 * 1024
+    assert alloc2.allocated_bytes == (owned + draft) * 3 + 2 * _pad(largest * 3)
 
 
 def _storage_range(t: torch.Tensor) -> tuple[int, int]:
@@ -335,29 +350,6 @@ def test_allocation_errors() -> None:
         KVPPAllocation(plan, specs, 3, "cpu", {7: specs[0]})
     with pytest.raises(ValueError, match="num_blocks"):
         KVPPAllocation(plan, specs, 0)
-
-
-def test_build_runtime_on_a_group_of_one() -> None:
-    from torch_kvoffload.kvpp import KVPPGroup, build_kvpp_runtime
-
-    spec = BundleSpec.mla(4, 16, 8, torch.float32, index_dim=8)
-    group = KVPPGroup((0,), 0, 0)
-    available = 3 * SCRATCH_ALIGNMENT
-    rt = build_kvpp_runtime(group, dict.fromkeys(range(3), spec), available, draft_bundles={3: spec})
-    plan = KVPPPlan(
-        dict.fromkeys(range(3), spec.bytes_per_block), dict.fromkeys(range(3), 0), 0, spec.bytes_per_block
-    )
-    assert rt.allocation.num_blocks == plan.num_blocks(available) > 0
-    assert rt.allocation.scratch_bytes == 0  # the only rank owns every layer
-    assert rt.allocation.allocated_bytes <= available
-    rt.scheduler.schedule_forward(True)
-    for layer in range(4):
-        rt.scheduler.wait_for_layer(layer)
-    rt.scheduler.complete_forward()
-    assert rt.scheduler.counters.get("broadcasts") == 3
-    rt.close()
-    with pytest.raises(ValueError, match="hold no block"):
-        build_kvpp_runtime(group, dict.fromkeys(range(3), spec), 100)
 
 
 def test_group_local_ids_map_to_global_ranks() -> None:

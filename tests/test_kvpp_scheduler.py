@@ -11,7 +11,7 @@ from kvpp_helpers import RecordingTransport, small_allocation
 
 from torch_kvoffload.device import TransferError
 from torch_kvoffload.kvpp import KVPPScheduler
-from torch_kvoffload.ops.kvpp import get_scheduler, registered_schedulers
+from torch_kvoffload.ops.kvpp import runtimes
 
 
 def _run_forward(sched: KVPPScheduler, layers, *, history: bool) -> list[int | None]:
@@ -19,7 +19,7 @@ def _run_forward(sched: KVPPScheduler, layers, *, history: bool) -> list[int | N
     sched.schedule_forward(history)
     pending.append(sched.pending_layer)
     for layer in layers:
-        sched.wait_for_layer(layer)
+        sched.wait_layer(layer)
         pending.append(sched.pending_layer)
     sched.complete_forward()
     return pending
@@ -37,9 +37,11 @@ def test_one_layer_ahead_into_alternating_scratch(num_layers: int, size: int, ra
         # exactly one broadcast in flight, always the next target layer
         assert pending == [*range(num_layers), None, None]
         assert transport.layers == list(range(num_layers))
-        bundle = alloc.spec(0).bytes_per_block * alloc.num_blocks
-        for layer, owner, ptr, nbytes, after in transport.calls:
+        bundle = 4 * (16 + 8 + 8) * 4 * alloc.num_blocks  # block_size x dims x fp32 x blocks
+        for layer, owner, spans, after in transport.calls:
             assert owner == alloc.plan.owners[layer]
+            assert len(spans) == 1  # no block tables: the whole bundle span
+            ptr, nbytes = spans[0]
             assert nbytes == bundle
             assert ptr == alloc.bundle_span(layer).data_ptr()
             assert len(after) == 1  # ordered after a compute event
@@ -76,11 +78,11 @@ def test_wait_really_waits_and_counts_seconds() -> None:
     timer = threading.Timer(0.2, transport.gate.set)
     timer.start()
     start = time.perf_counter()
-    sched.wait_for_layer(0)
+    sched.wait_layer(0)
     assert time.perf_counter() - start >= 0.15
     assert sched.counters.get("wait_seconds") >= 0.15
     for layer in range(1, 5):
-        sched.wait_for_layer(layer)
+        sched.wait_layer(layer)
     sched.complete_forward()
     sched.close()
 
@@ -90,14 +92,14 @@ def test_failed_broadcast_raises_and_stops() -> None:
     transport = RecordingTransport(fail_layers=(2,))
     sched = KVPPScheduler(alloc, transport)
     sched.schedule_forward(True)
-    sched.wait_for_layer(0)
-    sched.wait_for_layer(1)
+    sched.wait_layer(0)
+    sched.wait_layer(1)
     with pytest.raises(TransferError, match="layer 2 failed: link down"):
-        sched.wait_for_layer(2)
+        sched.wait_layer(2)
     assert transport.layers == [0, 1, 2]  # nothing submitted after the failure
     assert isinstance(sched.failed, RuntimeError)
     with pytest.raises(TransferError, match="earlier broadcast failed"):
-        sched.wait_for_layer(3)
+        sched.wait_layer(3)
     sched.complete_forward()
     with pytest.raises(TransferError, match="earlier broadcast failed"):
         sched.schedule_forward(True)
@@ -110,17 +112,17 @@ def test_state_errors() -> None:
     transport = RecordingTransport()
     sched = KVPPScheduler(alloc, transport)
     with pytest.raises(RuntimeError, match="no forward scheduled"):
-        sched.wait_for_layer(0)
+        sched.wait_layer(0)
     sched.schedule_forward(True)
     with pytest.raises(RuntimeError, match=r"already scheduled|still pending"):
         sched.schedule_forward(True)
     with pytest.raises(RuntimeError, match="out of order"):
-        sched.wait_for_layer(1)
+        sched.wait_layer(1)
     with pytest.raises(KeyError, match="no KV cache"):
-        sched.wait_for_layer(17)
-    sched.wait_for_layer(5)  # draft: local, no-op
+        sched.wait_layer(17)
+    sched.wait_layer(5)  # draft: local, no-op
     assert sched.pending_layer == 0
-    sched.wait_for_layer(0)
+    sched.wait_layer(0)
     # a forward that ends early: complete_forward finishes the pending prefetch
     assert sched.pending_layer == 1
     sched.complete_forward()
@@ -145,10 +147,12 @@ def test_prefetch_layer_is_idempotent_and_bounded() -> None:
     sched.prefetch_layer(0)  # already started by schedule_forward
     with pytest.raises(RuntimeError, match="not the next layer"):
         sched.prefetch_layer(2)
-    sched.wait_for_layer(0)
+    sched.wait_layer(0)
     sched.prefetch_layer(1)
     sched.prefetch_layer(0)
     assert transport.layers == [0, 1]
+    with pytest.raises(KeyError, match="prefetch_layer: layer 17 has no KV cache"):
+        sched.prefetch_layer(17)
     sched.complete_forward()
     sched.close()
 
@@ -157,10 +161,10 @@ def test_bundle_argument_is_checked() -> None:
     alloc = small_allocation()
     sched = KVPPScheduler(alloc, RecordingTransport())
     sched.schedule_forward(False)
-    sched.wait_for_layer(0, list(alloc.views(0).values()))
-    sched.wait_for_layer(1, [alloc.bundle_span(1)])
+    sched.wait_layer(0, list(alloc.views(0).values()))
+    sched.wait_layer(1, [alloc.bundle_span(1)])
     with pytest.raises(ValueError, match="bundle of layer 2"):
-        sched.wait_for_layer(2, [torch.zeros(3, 4, 15)])
+        sched.wait_layer(2, [torch.zeros(3, 4, 15)])
     sched.complete_forward()
     sched.close()
 
@@ -178,11 +182,11 @@ def test_ranks_must_agree_before_the_first_forward() -> None:
 def test_registration_by_name() -> None:
     alloc = small_allocation()
     sched = KVPPScheduler(alloc, RecordingTransport(), name="sched-test-reg")
-    assert get_scheduler("sched-test-reg") is sched
+    assert runtimes.get("sched-test-reg") is sched
     with pytest.raises(ValueError, match="already registered"):
         KVPPScheduler(small_allocation(), RecordingTransport(), name="sched-test-reg")
     sched.close()
-    assert "sched-test-reg" not in registered_schedulers()
+    assert "sched-test-reg" not in runtimes.names()
 
 
 def test_wait_timeout_keeps_the_broadcast_pending() -> None:
@@ -192,11 +196,11 @@ def test_wait_timeout_keeps_the_broadcast_pending() -> None:
     transport.gate.clear()
     sched.schedule_forward(True)
     with pytest.raises(TimeoutError):
-        sched.wait_for_layer(0)
+        sched.wait_layer(0)
     assert sched.pending_layer == 0 and sched.failed is None  # a collective in flight cannot be dropped
     transport.gate.set()
     for layer in range(5):
-        sched.wait_for_layer(layer)
+        sched.wait_layer(layer)
     sched.complete_forward()
     sched.close()
 
@@ -207,12 +211,146 @@ def test_transport_argument_checks() -> None:
     with pytest.raises(ValueError, match="needs a process group"):
         BroadcastTransport(KVPPGroup((0, 1), 0, 0))
     single = BroadcastTransport(KVPPGroup((3,), 0, 0))
-    with pytest.raises(ValueError, match="contiguous 1-D uint8"):
-        single.broadcast(0, torch.zeros(4), 0)
+    with pytest.raises(ValueError, match=r"'spans\[0\]' must be a contiguous 1-D uint8"):
+        single.broadcast(0, [torch.zeros(4)], 0)
+    with pytest.raises(ValueError, match="non-empty list of tensors"):
+        single.broadcast(0, torch.zeros(4, dtype=torch.uint8), 0)
     with pytest.raises(ValueError, match="owner id 1 out of range"):
-        single.broadcast(0, torch.zeros(4, dtype=torch.uint8), 1)
-    single.broadcast(0, torch.zeros(4, dtype=torch.uint8), 0).wait(5)  # a group of one: nothing to move
+        single.broadcast(0, [torch.zeros(4, dtype=torch.uint8)], 1)
+    single.broadcast(0, [torch.zeros(4, dtype=torch.uint8)], 0).wait(5)  # a group of one: nothing to move
     assert single.all_gather_object({"a": 1}) == [{"a": 1}]
     single.close()
     with pytest.raises(RuntimeError, match="not initialised"):
         create_kvpp_group(1, 1, 1, 2, torch.device("cpu"))
+
+
+# ------------------------------------------------------------------------------------ block tables
+
+
+@pytest.mark.parametrize(
+    ("tables", "runs"),
+    [
+        ([[1, 2], [2, 3]], [(1, 4)]),
+        ([[0], [5, 6], [9]], [(0, 1), (5, 7), (9, 10)]),
+        (torch.tensor([[7, 8, -1], [2, -1, -1]]), [(2, 3), (7, 9)]),
+    ],
+)
+def test_broadcasts_move_only_the_block_runs(tables, runs) -> None:
+    alloc = small_allocation(4, 2, 1, num_blocks=10)
+    transport = RecordingTransport(2, 1)
+    per_block = [4 * 16 * 4, 4 * 8 * 4, 4 * 8 * 4]  # c_kv, k_pe, index_k: block_size x dim x fp32
+    with KVPPScheduler(alloc, transport) as sched:
+        sched.schedule_forward(True, tables)
+        assert sched.block_runs == runs
+        for layer in range(4):
+            sched.wait_layer(layer)
+        sched.complete_forward()
+        for layer, _, spans, _ in transport.calls:
+            base = alloc.bundle_span(layer).data_ptr()
+            expected = []
+            for c, bpb in enumerate(per_block):
+                offset = sum(per_block[:c]) * 10  # component-major: earlier components hold all 10 blocks
+                for s, t in runs:
+                    begin, nbytes = base + offset + s * bpb, (t - s) * bpb
+                    if expected and sum(expected[-1]) == begin:  # touches the previous range: one span
+                        expected[-1] = (expected[-1][0], expected[-1][1] + nbytes)
+                    else:
+                        expected.append((begin, nbytes))
+            assert spans == expected
+        blocks = sum(t - s for s, t in runs)
+        assert sched.counters.get("bytes_broadcast") == 4 * blocks * sum(per_block)
+        assert sched.counters.get("broadcast_spans") == sum(len(c[2]) for c in transport.calls)
+
+
+def test_max_runs_caps_the_collectives_per_layer() -> None:
+    alloc = small_allocation(2, 2, 1, num_blocks=21)
+    transport = RecordingTransport(2, 1)
+    with KVPPScheduler(alloc, transport, max_runs=2) as sched:
+        # runs (0,1) (2,3) (10,12) (19,20): gaps 1, 7, 7; two runs keep the leftmost largest gap
+        sched.schedule_forward(True, [[0], [2], [10], [11], [19]])
+        assert sched.block_runs == [(0, 3), (10, 20)]
+        sched.wait_layer(0)
+        sched.wait_layer(1)
+        sched.complete_forward()
+    assert [len(c[2]) for c in transport.calls] == [6, 6]
+
+
+def test_tables_without_blocks_or_history_broadcast_nothing() -> None:
+    alloc = small_allocation(3, 2, 1, num_blocks=8)
+    transport = RecordingTransport(2, 1)
+    with KVPPScheduler(alloc, transport) as sched:
+        for history, tables in ((True, [[-1, -1]]), (True, []), (False, [[1, 2]]), (False, None)):
+            sched.schedule_forward(history, tables)
+            for layer in range(3):
+                sched.wait_layer(layer)
+            sched.complete_forward()
+        assert transport.calls == []
+        assert sched.counters.get("forwards") == 4 and sched.counters.get("forwards_with_history") == 2
+
+
+def test_bad_tables_leave_the_scheduler_untouched() -> None:
+    alloc = small_allocation(3, 2, 1, num_blocks=8)
+    transport = RecordingTransport(2, 1)
+    with KVPPScheduler(alloc, transport) as sched:
+        with pytest.raises(ValueError, match=r"schedule_forward: block_runs: .*block 8, out of range"):
+            sched.schedule_forward(True, torch.tensor([[1, 8]]))
+        with pytest.raises(TypeError, match=r"schedule_forward: .*integer tensor"):
+            sched.schedule_forward(True, torch.zeros(1, 2))
+        assert transport.calls == [] and sched.counters.get("forwards") == 0
+        assert sched.pending_layer is None
+        sched.schedule_forward(True, [[1]])  # not "already scheduled": nothing changed
+        for layer in range(3):
+            sched.wait_layer(layer)
+        sched.complete_forward()
+        assert transport.layers == [0, 1, 2]
+
+
+# ------------------------------------------------------------------------- waits and given tensors
+
+
+def test_accelerator_waits_are_stream_waits() -> None:
+    """With a transport on a device the scheduler orders compute after the broadcast's event
+    (``wait_on_compute``) and never blocks the host on it (``wait``)."""
+    alloc = small_allocation(3, 2, 1)
+    transport = RecordingTransport(2, 1, device="cuda")
+    with KVPPScheduler(alloc, transport) as sched:
+        sched.schedule_forward(True, [[0, 1]])
+        for layer in range(3):
+            sched.wait_layer(layer)
+        sched.complete_forward()
+    assert transport.wait_log == ["wait_on_compute"] * 3
+    cpu = RecordingTransport(2, 1)
+    with KVPPScheduler(small_allocation(3, 2, 1), cpu) as sched:  # on CPU the host blocks: real waits
+        cpu.gate.clear()
+        sched.schedule_forward(True, [[0]])
+        threading.Timer(0.1, cpu.gate.set).start()
+        start = time.perf_counter()
+        sched.wait_layer(0)
+        assert time.perf_counter() - start >= 0.05
+        sched.complete_forward()
+
+
+def test_wait_copies_the_cache_into_tensors_that_are_not_it() -> None:
+    alloc = small_allocation(3, 2, 1, drafts=(3,))
+    with KVPPScheduler(alloc, RecordingTransport(2, 1)) as sched:
+        for layer in range(4):
+            for v in alloc.views(layer).values():
+                v.copy_(torch.randn(v.shape))
+        sched.schedule_forward(True, [[0, 2]])
+        for layer in range(4):
+            own = list(alloc.views(layer).values())
+            clones = [torch.full_like(v, -7.0) for v in own]
+            sched.wait_layer(layer, clones)
+            assert all(torch.equal(c, v) for c, v in zip(clones, own, strict=True))
+            sched.wait_layer(layer, clones)  # the layer waited last: no-op wait, refreshes the tensors
+            span = torch.zeros_like(alloc.bundle_span(layer))
+            sched.wait_layer(layer, [span])  # the byte-span form
+            assert torch.equal(span, alloc.bundle_span(layer))
+            before = [v.clone() for v in own]
+            sched.wait_layer(layer, own)  # the cache itself: nothing copied, nothing changed
+            assert all(torch.equal(b, v) for b, v in zip(before, own, strict=True))
+        sched.complete_forward()
+        with pytest.raises(ValueError, match="wait_layer: bundle of layer 0"):
+            sched.schedule_forward(False)
+            sched.wait_layer(0, [torch.zeros(3, 4, 16, dtype=torch.float64)])
+        sched.complete_forward()

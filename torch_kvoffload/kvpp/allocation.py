@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
+from torch_kvoffload.kvpp.blocks import run_byte_ranges
 from torch_kvoffload.kvpp.layout import BundleSpec
 from torch_kvoffload.kvpp.plan import SCRATCH_BUFFER_COUNT, KVPPPlan
 
@@ -138,8 +139,24 @@ class KVPPAllocation:
             return self.persistent[layer]
         return self.scratch[self.plan.scratch_index(layer)][: spec.bytes_per_block * self.num_blocks]
 
+    def run_spans(self, layer: int, runs: list[tuple[int, int]] | None = None) -> list[torch.Tensor]:
+        """The parts of ``layer``'s bundle span holding block ``runs`` of every component.
+
+        ``runs``: sorted half-open block runs (:func:`~torch_kvoffload.kvpp.blocks.block_runs`);
+        ``None``: every block (the whole span). Returns contiguous 1-D ``uint8`` slices of
+        :meth:`bundle_span`, component by component (touching ranges merged).
+        """
+        span = self.bundle_span(layer)
+        if runs is None:
+            return [span]
+        ranges = run_byte_ranges(self.spec(layer).component_bytes_per_block(), self.num_blocks, runs)
+        return [span[begin:end] for begin, end in ranges]
+
     def views(self, layer: int) -> dict[str, torch.Tensor]:
-        """Typed views ``{component: [num_blocks, block_size, dim] of its dtype}`` into the bundle span."""
+        """Typed views ``{component: [num_blocks, block_size, dim] of its dtype}`` into the bundle span.
+
+        They alias the span's memory (writing one writes the bundle) but are not autograd views of it.
+        """
         cached = self._views.get(layer)
         if cached is not None:
             return cached
@@ -154,8 +171,16 @@ class KVPPAllocation:
                     f"KVPPAllocation: component {comp.name!r} of layer {layer} starts at byte {offset}, "
                     f"not aligned to its dtype {comp.dtype}; reorder the bundle's components"
                 )
-            raw = span[offset : offset + length]
-            out[comp.name] = raw.view(comp.dtype).view(self.num_blocks, spec.block_size, comp.dim)
+            # A typed alias made with set_(), not a dtype view of the uint8 span: AOT autograd
+            # (functionalization) refuses to mutate inputs whose autograd base has another dtype.
+            typed = torch.empty(0, dtype=comp.dtype, device=self.device)
+            typed.set_(
+                span.untyped_storage(),
+                (span.storage_offset() + offset) // comp.dtype.itemsize,
+                (self.num_blocks, spec.block_size, comp.dim),
+            )
+            assert typed.numel() * comp.dtype.itemsize == length
+            out[comp.name] = typed
         self._views[layer] = out
         return out
 

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["SCRATCH_ALIGNMENT", "SCRATCH_BUFFER_COUNT", "KVPPPlan", "align_up"]
+from torch_kvoffload._utils import round_up
+
+__all__ = ["SCRATCH_ALIGNMENT", "SCRATCH_BUFFER_COUNT", "KVPPPlan"]
 
 # One scratch buffer for the layer being computed, one for the next layer's prefetch.
 SCRATCH_BUFFER_COUNT = 2
 SCRATCH_ALIGNMENT = 2 * 1024 * 1024
-
-
-def align_up(n: int, alignment: int = SCRATCH_ALIGNMENT) -> int:
-    return -(-n // alignment) * alignment
 
 
 class KVPPPlan:
@@ -83,7 +81,7 @@ class KVPPPlan:
 
     def scratch_buffer_bytes(self, num_blocks: int) -> int:
         """Size of one scratch buffer: the largest target bundle for ``num_blocks``, 2 MiB aligned."""
-        return align_up(self.scratch_bytes_per_block * num_blocks)
+        return round_up(self.scratch_bytes_per_block * num_blocks, SCRATCH_ALIGNMENT)
 
     def allocation_bytes(self, num_blocks: int) -> int:
         """Bytes an allocation of ``num_blocks`` blocks takes (the formula plus scratch padding)."""

@@ -2,40 +2,48 @@
 
 Per forward (the engine calls these on every rank of the group, with the same arguments):
 
-* :meth:`KVPPScheduler.schedule_forward` — with history, start the first target layer's broadcast at
-  once; without history (first prefill, dummy / profiling runs) nothing is broadcast in this forward.
-* :meth:`KVPPScheduler.wait_for_layer` — after the layer's projections and before its first KV read or
+* :meth:`KVPPScheduler.schedule_forward` — takes the forward's block tables; with history, start the
+  first target layer's broadcast at once; without history (first prefill, dummy / profiling runs)
+  nothing is broadcast in this forward. A broadcast moves only the blocks the forward reads: the union of
+  its block tables in a few contiguous runs (:func:`~torch_kvoffload.kvpp.blocks.block_runs`), one span
+  per run and component, so traffic follows the tokens, not the pool.
+* :meth:`KVPPScheduler.wait_layer` — after the layer's projections and before its first KV read or
   write: wait for the layer's broadcast, then start the next target layer's. The next layer's destination
   is the other scratch buffer (index among target layers % 2), last read by the layer before this one,
-  whose compute is done; the broadcast is still ordered after a compute event.
+  whose compute is done; the broadcast is still ordered after a compute event. On CPU the caller blocks;
+  on an accelerator the compute stream waits on the broadcast's event (no host synchronize).
+* :meth:`KVPPScheduler.prefetch_layer` — start a layer's broadcast explicitly (idempotent).
 * :meth:`KVPPScheduler.complete_forward` — finish a pending broadcast (a forward may end early) and reset.
 
 The owner of a layer also waits for its broadcast: the owner's persistent buffer is the source, and
 attention must not write the layer's new rows into it while peers are still reading it. Draft / MTP
 layers are local: waiting on them is a no-op.
 
-A failed broadcast raises :class:`~torch_kvoffload.device.TransferError` from ``wait_for_layer`` (or
+A failed broadcast raises :class:`~torch_kvoffload.device.TransferError` from ``wait_layer`` (or
 ``complete_forward``); the scheduler is then failed — nothing further is submitted and every later call
 raises. Before the first forward, the ranks exchange their plans (``all_gather_object``) and refuse to run
 when layouts, owners or block counts differ.
 
-Counters: ``broadcasts`` issued, ``bytes_broadcast``, ``waits``, ``wait_seconds``, ``forwards``,
-``forwards_with_history``.
+Counters: ``broadcasts`` issued (one per layer), ``broadcast_spans`` (collectives), ``bytes_broadcast``,
+``waits``, ``wait_seconds``, ``forwards``, ``forwards_with_history``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from torch_kvoffload._utils import check_int
 from torch_kvoffload.counters import Counters
 from torch_kvoffload.device import TransferError, TransferEvent, record_compute_event
 from torch_kvoffload.kvpp.allocation import KVPPAllocation
+from torch_kvoffload.kvpp.blocks import BlockTables, block_runs
 from torch_kvoffload.kvpp.transport import BroadcastTransport
-from torch_kvoffload.ops.kvpp import register_scheduler, unregister_scheduler
+from torch_kvoffload.ops.kvpp import runtimes
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +56,14 @@ class KVPPScheduler:
     Parameters
     ----------
     allocation : the rank's buffers (its ``plan`` gives owners and target order).
-    transport : broadcasts over the group (:class:`BroadcastTransport` or anything with its interface).
-    name : if given, register under this name for ``torch.ops.kvoffload.kvpp_*``; unregistered by
-        :meth:`close`.
-    wait_timeout : seconds ``wait_for_layer`` waits before raising ``TimeoutError`` (``None``: forever).
+    transport : broadcasts over the group (:class:`BroadcastTransport` or anything with its interface:
+        ``group``, ``device``, ``broadcast``, ``all_gather_object``, ``close``). Its ``device`` says
+        what a wait does: host blocking on CPU, a compute-stream wait on an accelerator.
+    name : if given, register in :data:`torch_kvoffload.ops.kvpp.runtimes` under this name for
+        ``torch.ops.kvoffload.kvpp_*``; unregistered by :meth:`close`.
+    wait_timeout : seconds a wait on CPU blocks before raising ``TimeoutError`` (``None``: forever).
+    max_runs : at most this many block runs per broadcast (``None``: one per contiguous run of the
+        forward's blocks); see :func:`~torch_kvoffload.kvpp.blocks.block_runs`.
     """
 
     def __init__(
@@ -61,25 +73,42 @@ class KVPPScheduler:
         *,
         name: str | None = None,
         wait_timeout: float | None = None,
+        max_runs: int | None = None,
     ) -> None:
+        if wait_timeout is not None and not wait_timeout > 0:
+            raise ValueError(f"KVPPScheduler: wait_timeout must be positive or None, got {wait_timeout!r}")
+        if max_runs is not None:
+            max_runs = check_int("KVPPScheduler", "max_runs", max_runs, minimum=1)
         self.allocation = allocation
         self.plan = allocation.plan
         self.transport = transport
         self.name = name
         self.wait_timeout = wait_timeout
+        self.max_runs = max_runs
         self.counters = Counters(
-            ["broadcasts", "bytes_broadcast", "waits", "wait_seconds", "forwards", "forwards_with_history"]
+            [
+                "broadcasts",
+                "broadcast_spans",
+                "bytes_broadcast",
+                "waits",
+                "wait_seconds",
+                "forwards",
+                "forwards_with_history",
+            ]
         )
+        self._stream_waits = torch.device(transport.device).type != "cpu"
         self._targets = self.plan.target_layers
         self._verified = False
         self._in_forward = False
         self._has_history = False
+        self._runs: list[tuple[int, int]] | None = None  # this forward's block runs; None: every block
         self._next = 0  # index in target layers of the next broadcast to start
+        self._current: int | None = None  # the target layer waited last in this forward
         self._pending: tuple[int, TransferEvent] | None = None
         self._failed: BaseException | None = None
         self._closed = False
         if name is not None:
-            register_scheduler(name, self)
+            runtimes.register(name, self)
 
     # --------------------------------------------------------------------------------------- agreement
 
@@ -90,6 +119,7 @@ class KVPPScheduler:
             "layouts": sorted((layer, spec.describe()) for layer, spec in alloc.bundles.items()),
             "draft_layouts": sorted((layer, spec.describe()) for layer, spec in alloc.draft_bundles.items()),
             "num_blocks": alloc.num_blocks,
+            "max_runs": self.max_runs,  # different budgets would cut different runs: mismatched collectives
             "group_ranks": list(self.transport.group.ranks),
         }
 
@@ -115,8 +145,17 @@ class KVPPScheduler:
                 f"KVPPScheduler.{what}: an earlier broadcast failed: {self._failed}"
             ) from self._failed
 
-    def schedule_forward(self, has_history: bool) -> None:
-        """Begin a forward; with history, start the first target layer's broadcast now."""
+    def schedule_forward(self, has_history: bool, block_tables: BlockTables | None = None) -> None:
+        """Begin a forward; with history, start the first target layer's broadcast now.
+
+        Parameters
+        ----------
+        has_history : whether any request of the forward has computed tokens (cached KV to read).
+        block_tables : the physical blocks the forward reads — an integer tensor (any shape, ``-1``
+            padding, e.g. ``[num_requests, max_blocks]``) or one sequence of block ids per request. Only
+            their union, in contiguous runs, is broadcast. ``None``: every block of the pool (traffic
+            then grows with the pool). Every rank of the group must pass the same tables.
+        """
         self._check_usable("schedule_forward")
         if self._pending is not None:
             raise RuntimeError(
@@ -125,52 +164,91 @@ class KVPPScheduler:
             )
         if self._in_forward:
             raise RuntimeError("KVPPScheduler.schedule_forward: a forward is already scheduled")
+        runs = None
+        if block_tables is not None:
+            try:
+                runs = block_runs(block_tables, self.allocation.num_blocks, max_runs=self.max_runs)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"KVPPScheduler.schedule_forward: {exc}") from None
         if not self._verified:
             self.verify_agreement()
         self._in_forward = True
-        self._has_history = bool(has_history)
+        # a forward whose tables hold no block has nothing to fetch, like one without history
+        self._has_history = bool(has_history) and (runs is None or len(runs) > 0)
+        self._runs = runs
         self._next = 0
+        self._current = None
         self.counters.add("forwards")
-        if self._has_history:
+        if has_history:
             self.counters.add("forwards_with_history")
-            if self._targets:
-                self._start(self._targets[0])
+        if self._has_history and self._targets:
+            self._start(self._targets[0])
+
+    @property
+    def block_runs(self) -> list[tuple[int, int]] | None:
+        """The current forward's block runs ``[(start, stop), ...]`` (``None``: every block)."""
+        return None if self._runs is None else list(self._runs)
 
     def _start(self, layer: int) -> None:
         index = self.plan.target_index(layer)
         assert index == self._next and self._pending is None
-        span = self.allocation.bundle_span(layer)
-        event = self.transport.broadcast(layer, span, self.plan.owners[layer], after=[record_compute_event()])
+        spans = self.allocation.run_spans(layer, self._runs)
+        nbytes = sum(s.numel() for s in spans)
+        event = self.transport.broadcast(
+            layer, spans, self.plan.owners[layer], after=[record_compute_event()]
+        )
         self._pending = (layer, event)
         self._next = index + 1
         logger.debug(
-            "KVPP broadcast of layer %d (%d bytes) from owner %d",
+            "KVPP broadcast of layer %d (%d bytes in %d spans) from owner %d",
             layer,
-            span.numel(),
+            nbytes,
+            len(spans),
             self.plan.owners[layer],
         )
         self.counters.add("broadcasts")
-        self.counters.add("bytes_broadcast", span.numel())
+        self.counters.add("broadcast_spans", len(spans))
+        self.counters.add("bytes_broadcast", nbytes)
 
-    def _check_bundle(self, layer: int, bundle: list[torch.Tensor] | None) -> None:
+    def _check_bundle(
+        self, what: str, layer: int, bundle: Sequence[torch.Tensor] | None
+    ) -> list[torch.Tensor] | None:
+        """The layer's own tensors matching ``bundle`` (component views, or ``[byte span]``)."""
         if bundle is None:
-            return
+            return None
         views = list(self.allocation.views(layer).values())
         span = self.allocation.bundle_span(layer)
-        expected = [(tuple(v.shape), v.dtype) for v in views]
-        got = [(tuple(t.shape), t.dtype) for t in bundle]
-        if got != expected and got != [(tuple(span.shape), span.dtype)]:
-            raise ValueError(
-                f"KVPPScheduler: bundle of layer {layer} must be its component tensors {expected} "
-                f"(or its byte span), got {got}"
-            )
+        expected = [(tuple(v.shape), v.dtype, v.device) for v in views]
+        got = [(tuple(t.shape), t.dtype, t.device) for t in bundle]
+        if got == expected:
+            return views
+        if got == [(tuple(span.shape), span.dtype, span.device)]:
+            return [span]
+        raise ValueError(
+            f"KVPPScheduler.{what}: bundle of layer {layer} must be its component tensors "
+            f"{[e[:2] for e in expected]} on {span.device} (or its byte span), got {got}"
+        )
+
+    @staticmethod
+    def _sync_into(bundle: Sequence[torch.Tensor] | None, own: list[torch.Tensor] | None) -> None:
+        """Copy the layer's cache into the given tensors that are not the cache itself (a functionalizing
+        backend passes copies; the graph reads those, so they must hold what the broadcast wrote)."""
+        if bundle is None or own is None:
+            return
+        for t, o in zip(bundle, own, strict=True):
+            if t.data_ptr() == o.data_ptr() and t.stride() == o.stride():
+                continue
+            t.copy_(o)
 
     def _wait_pending(self, what: str) -> None:
         assert self._pending is not None
         layer, event = self._pending
         start = time.perf_counter()
         try:
-            event.wait(self.wait_timeout)
+            if self._stream_waits:
+                event.wait_on_compute()  # the compute stream waits on the broadcast; the host goes on
+            else:
+                event.wait(self.wait_timeout)
         except TransferError as exc:
             self._failed = exc.__cause__ or exc
             self._pending = None
@@ -182,36 +260,43 @@ class KVPPScheduler:
             self.counters.add("wait_seconds", time.perf_counter() - start)
         self._pending = None
 
-    def wait_for_layer(self, layer: int, bundle: list[torch.Tensor] | None = None) -> None:
-        """Wait for ``layer``'s broadcast (owners wait for their send), then start the next layer's."""
-        self._check_usable("wait_for_layer")
+    def wait_layer(self, layer: int, bundle: Sequence[torch.Tensor] | None = None) -> None:
+        """Wait for ``layer``'s broadcast (owners wait for their send), then start the next layer's.
+
+        ``bundle`` (optional): the tensors the caller reads — the layer's component views
+        (:meth:`KVPPAllocation.views` order) or its byte span, or copies of them (a functionalizing
+        backend), which then receive the layer's cache. On CPU a wait blocks (at most ``wait_timeout``);
+        on an accelerator the compute stream waits on the broadcast's event. Waiting again for the layer
+        waited last (a graph that places the wait twice) only refreshes ``bundle``.
+        """
+        self._check_usable("wait_layer")
         if not self._in_forward:
-            raise RuntimeError(
-                "KVPPScheduler.wait_for_layer: no forward scheduled (call schedule_forward first)"
-            )
+            raise RuntimeError("KVPPScheduler.wait_layer: no forward scheduled (call schedule_forward first)")
         if not self.plan.is_target(layer):
             if layer not in self.allocation.draft_bundles:
-                raise KeyError(f"KVPPScheduler.wait_for_layer: layer {layer} has no KV cache on this rank")
+                raise KeyError(f"KVPPScheduler.wait_layer: layer {layer} has no KV cache on this rank")
+            self._sync_into(bundle, self._check_bundle("wait_layer", layer, bundle))
             return
-        self._check_bundle(layer, bundle)
-        if not self._has_history:
-            return
-        index = self.plan.target_index(layer)
-        if self._pending is None or self._pending[0] != layer:
-            expected = self._pending[0] if self._pending is not None else None
-            raise RuntimeError(
-                f"KVPPScheduler.wait_for_layer: layer {layer} (target #{index}) waited out of order; "
-                f"the pending broadcast is for layer {expected}"
-            )
-        self._wait_pending("wait_for_layer")
-        nxt = self.plan.next_target(layer)
-        if nxt is not None:
-            self._start(nxt)
+        own = self._check_bundle("wait_layer", layer, bundle)
+        if self._has_history and layer != self._current:
+            index = self.plan.target_index(layer)
+            if self._pending is None or self._pending[0] != layer:
+                expected = self._pending[0] if self._pending is not None else None
+                raise RuntimeError(
+                    f"KVPPScheduler.wait_layer: layer {layer} (target #{index}) waited out of order; "
+                    f"the pending broadcast is for layer {expected}"
+                )
+            self._wait_pending("wait_layer")
+            self._current = layer
+            nxt = self.plan.next_target(layer)
+            if nxt is not None:
+                self._start(nxt)
+        self._sync_into(bundle, own)
 
     def prefetch_layer(self, layer: int, bundle: list[torch.Tensor] | None = None) -> None:
         """Start ``layer``'s broadcast if it is the next one and not started yet; otherwise a no-op.
 
-        ``wait_for_layer`` already starts the next layer, so this only matters for graphs that place the
+        ``wait_layer`` already starts the next layer, so this only matters for graphs that place the
         prefetch explicitly. Asking for a layer beyond the next one is an error (only one is in flight).
         """
         self._check_usable("prefetch_layer")
@@ -220,8 +305,10 @@ class KVPPScheduler:
                 "KVPPScheduler.prefetch_layer: no forward scheduled (call schedule_forward first)"
             )
         if not self.plan.is_target(layer):
+            if layer not in self.allocation.draft_bundles:
+                raise KeyError(f"KVPPScheduler.prefetch_layer: layer {layer} has no KV cache on this rank")
             return
-        self._check_bundle(layer, bundle)
+        self._check_bundle("prefetch_layer", layer, bundle)
         if not self._has_history:
             return
         index = self.plan.target_index(layer)
@@ -244,6 +331,8 @@ class KVPPScheduler:
         finally:
             self._in_forward = False
             self._has_history = False
+            self._runs = None
+            self._current = None
             self._next = 0
 
     @property
@@ -267,7 +356,7 @@ class KVPPScheduler:
         self._closed = True
         self.transport.close()
         if self.name is not None:
-            unregister_scheduler(self.name)
+            runtimes.unregister(self.name)
 
     def __enter__(self) -> KVPPScheduler:
         return self

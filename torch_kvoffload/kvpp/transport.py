@@ -1,7 +1,8 @@
 """Broadcast of a layer bundle from its owner to the rest of the KVPP group.
 
-One broadcast moves one contiguous ``uint8`` span (the bundle) with ``torch.distributed.broadcast`` on the
-dedicated KVPP process group (gloo on CPU, nccl on CUDA, hccl on Ascend). It runs on the device layer's
+One layer's broadcast moves a list of contiguous ``uint8`` spans of its bundle — the block runs the forward
+reads, one span per run and component, or the whole bundle — each with ``torch.distributed.broadcast``
+(issued asynchronously, then waited together) on the dedicated KVPP process group (gloo on CPU, nccl on CUDA, hccl on Ascend). It runs on the device layer's
 :class:`~torch_kvoffload.device.TransferStream` — a worker thread on CPU, a side stream on an accelerator —
 ordered after the given events (the compute that last read the destination). The returned event completes
 when the transfer finished, including the owner's reads of its source: on CPU gloo returns only then; on
@@ -49,29 +50,36 @@ class BroadcastTransport:
     def rank(self) -> int:
         return self.group.local_rank
 
-    def _broadcast(self, layer: int, span: torch.Tensor, src: int) -> None:
+    def _broadcast(self, layer: int, spans: list[torch.Tensor], src: int) -> None:
         import torch.distributed as dist
 
-        work = dist.broadcast(span, src=src, group=self.group.process_group, async_op=True)
-        work.wait()
+        works = [dist.broadcast(s, src=src, group=self.group.process_group, async_op=True) for s in spans]
+        for work in works:
+            work.wait()
 
     def broadcast(
-        self, layer: int, span: torch.Tensor, owner: int, after: Sequence[TransferEvent] = ()
+        self, layer: int, spans: Sequence[torch.Tensor], owner: int, after: Sequence[TransferEvent] = ()
     ) -> TransferEvent:
-        """Broadcast ``span`` (``uint8 [bytes]``, contiguous) from group-local ``owner`` to every peer.
+        """Broadcast ``spans`` (each ``uint8 [bytes]``, contiguous, 1-D) from group-local ``owner``.
 
-        Every rank of the group calls this for the same layers in the same order: the owner's span is the
-        source, the others' spans are overwritten.
+        Every rank of the group calls this for the same layers in the same order with spans of the same
+        sizes: the owner's spans are the source, the others' spans are overwritten.
         """
-        if span.dtype != torch.uint8 or span.dim() != 1 or not span.is_contiguous():
+        if isinstance(spans, torch.Tensor) or not isinstance(spans, Sequence) or not spans:
             raise ValueError(
-                f"BroadcastTransport.broadcast: argument 'span' must be a contiguous 1-D uint8 tensor, "
-                f"got {span.dtype} {list(span.shape)} contiguous={span.is_contiguous()}"
+                "BroadcastTransport.broadcast: argument 'spans' must be a non-empty list of tensors, "
+                f"got {type(spans).__name__}"
             )
+        for i, span in enumerate(spans):
+            if span.dtype != torch.uint8 or span.dim() != 1 or not span.is_contiguous():
+                raise ValueError(
+                    f"BroadcastTransport.broadcast: 'spans[{i}]' must be a contiguous 1-D uint8 tensor, "
+                    f"got {span.dtype} {list(span.shape)} contiguous={span.is_contiguous()}"
+                )
         src = self.group.global_rank(owner)
         if self.group.size == 1:
             return self.stream.submit(lambda: None, after=after)
-        return self.stream.submit(self._broadcast, layer, span, src, after=after)
+        return self.stream.submit(self._broadcast, layer, list(spans), src, after=after)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Gather a picklable object from every rank of the group (main thread, no broadcast in flight)."""

@@ -1,10 +1,12 @@
 """KVPP layer hooks as ops: wait for a layer's bundle broadcast, start a layer's broadcast prefetch.
 
 ``kvpp_wait_layer(scheduler, layer, bundle)`` and ``kvpp_prefetch_layer(scheduler, layer, bundle)`` call
-the KVPP scheduler registered under the name ``scheduler`` (:func:`register_scheduler`). They take the
-layer's cache tensors as mutated arguments (``Tensor(a!)[]``): a broadcast writes them, so a graph keeps
-them ordered before the layer's first KV read or write and dead-code elimination cannot drop them. An FX
-pass inserts them into model graphs; eager callers use the same ops.
+``wait_layer`` / ``prefetch_layer`` of the KVPP scheduler registered in :data:`runtimes` under the name
+``scheduler``. They take the layer's cache tensors as mutated arguments (``Tensor(a!)[]``): a broadcast
+writes them, so a graph keeps them ordered before the layer's first KV read or write and dead-code
+elimination cannot drop them. An FX pass inserts them into model graphs; eager callers use the same ops.
+Under a functionalizing backend the wait may receive copies of the cache tensors: the scheduler then
+copies the layer's cache (with the broadcast data) into them, so the graph reads what eager code reads.
 
 These ops have no C++ kernel on purpose: they drive a Python scheduler (a transfer thread and
 ``torch.distributed`` collectives), so the reference kernel — registered for every device — is the kernel.
@@ -23,43 +25,19 @@ from torch_kvoffload.ops import _checks
 from torch_kvoffload.ops._hook_registry import HookRegistry
 from torch_kvoffload.ops._registry import define_op
 
-__all__ = [
-    "KVPPLayerHooks",
-    "get_scheduler",
-    "kvpp_prefetch_layer",
-    "kvpp_wait_layer",
-    "register_scheduler",
-    "registered_schedulers",
-    "unregister_scheduler",
-]
+__all__ = ["KVPPLayerHooks", "kvpp_prefetch_layer", "kvpp_wait_layer", "runtimes"]
 
 
 class KVPPLayerHooks(Protocol):
     """What the ops call: a KVPP scheduler (see :class:`torch_kvoffload.kvpp.KVPPScheduler`)."""
 
-    def wait_for_layer(self, layer: int, bundle: list[torch.Tensor] | None = None) -> None: ...
+    def wait_layer(self, layer: int, bundle: list[torch.Tensor] | None = None) -> None: ...
 
     def prefetch_layer(self, layer: int, bundle: list[torch.Tensor] | None = None) -> None: ...
 
 
-_schedulers: HookRegistry[KVPPLayerHooks] = HookRegistry("KVPP scheduler")
-
-
-def register_scheduler(name: str, scheduler: KVPPLayerHooks) -> None:
-    """Make ``scheduler`` reachable from the ops as ``name``; a name is registered once at a time."""
-    _schedulers.register(name, scheduler)
-
-
-def unregister_scheduler(name: str) -> None:
-    _schedulers.unregister(name)
-
-
-def get_scheduler(name: str) -> KVPPLayerHooks:
-    return _schedulers.get(name)
-
-
-def registered_schedulers() -> list[str]:
-    return _schedulers.names()
+#: The KVPP schedulers the ops reach by name; a scheduler built with a name registers here.
+runtimes: HookRegistry[KVPPLayerHooks] = HookRegistry("KVPP scheduler")
 
 
 def _structure(op: str, scheduler: str, layer: int, bundle: list[torch.Tensor]) -> None:
@@ -77,7 +55,7 @@ def _wait_fake(scheduler: str, layer: int, bundle: list[torch.Tensor]) -> None:
 
 def _wait_reference(scheduler: str, layer: int, bundle: list[torch.Tensor]) -> None:
     _structure("kvpp_wait_layer", scheduler, layer, bundle)
-    get_scheduler(scheduler).wait_for_layer(layer, list(bundle))
+    runtimes.get(scheduler).wait_layer(layer, list(bundle))
 
 
 def _prefetch_fake(scheduler: str, layer: int, bundle: list[torch.Tensor]) -> None:
@@ -86,7 +64,7 @@ def _prefetch_fake(scheduler: str, layer: int, bundle: list[torch.Tensor]) -> No
 
 def _prefetch_reference(scheduler: str, layer: int, bundle: list[torch.Tensor]) -> None:
     _structure("kvpp_prefetch_layer", scheduler, layer, bundle)
-    get_scheduler(scheduler).prefetch_layer(layer, list(bundle))
+    runtimes.get(scheduler).prefetch_layer(layer, list(bundle))
 
 
 _wait_op = define_op(
@@ -104,14 +82,19 @@ _prefetch_op = define_op(
 
 
 def kvpp_wait_layer(scheduler: str, layer: int, bundle: list[torch.Tensor]) -> None:
-    """Block until ``layer``'s bundle broadcast finished, then start the next target layer's.
+    """Wait for ``layer``'s bundle broadcast, then start the next target layer's.
+
+    On CPU the calling thread blocks until the broadcast finished; on an accelerator the compute stream
+    waits on the broadcast's event (no host synchronize). When the tensors given are not the layer's cache
+    itself (copies made by a functionalizing backend), the cache is copied into them.
 
     Parameters
     ----------
     scheduler : name of a registered KVPP scheduler.
     layer : the layer index (a draft / MTP layer, or any layer of a forward without history: no-op).
     bundle : the layer's cache tensors (e.g. ``c_kv [num_blocks, block_size, kv_lora_rank]``,
-        ``k_pe [num_blocks, block_size, rope_dim]``, indexer key and scales), written by the broadcast.
+        ``k_pe [num_blocks, block_size, rope_dim]``, indexer key and scales, in bundle order; or the
+        layer's ``uint8`` byte span), written by the broadcast.
 
     Raises ``KeyError`` for an unknown scheduler, ``TransferError`` when the broadcast failed and
     ``RuntimeError`` when called out of layer order.

@@ -7,6 +7,9 @@
 2. Hit rate of LRU, ``score`` and Belady's offline optimum on traces with reuse 0.5 / 0.7 / 0.9 over 256
    steps at capacity 1x / 1.5x / 2x / 3x top-k, and the bytes moved host->device per step and layer
    (misses x row bytes, DeepSeek row: (512 + 64) x bf16) against reloading the full layer every step.
+3. One ``SparseDecodeOffload.attend`` (a layer's decode step: indexer, residency, miss copy, attention)
+   with the batch in the same order every step (Copy-SFA on the rows' slice of the hot buffers) and
+   shuffled every step (miss copy with ``copy_rows``, attention over the whole hot buffer).
 
 Writes ``benchmarks/results/sparse_decode_bench.json`` and ``sparse_decode_bench.png``.
 
@@ -24,8 +27,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from torch_kvoffload.analysis import belady_misses, make_reuse_trace, simulate_policy
 from torch_kvoffload.ops import new_residency_outputs, new_residency_state, reference_kernel
-from torch_kvoffload.sparse import belady_misses, make_reuse_trace, simulate_policy
+from torch_kvoffload.sparse import DecodeRows, IndexerInputs, SparseDecodeConfig, SparseDecodeOffload
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROW_BYTES = (512 + 64) * 2  # one token row of one layer: latent + rope, bf16
@@ -126,6 +130,51 @@ def bench_policies(steps: int, top_k: int, reuses: list[float], factors: list[fl
     return results
 
 
+def bench_step(rows: int, top_k: int, context: int, steps: int) -> list[dict]:
+    """ms per ``attend`` (one layer) for a fixed and a shuffled batch order, DeepSeek row widths, bf16."""
+    dc, dr, heads, idx_heads, idx_dim, bs = 512, 64, 16, 4, 128, 64
+    blocks = context // bs + 1
+    results = []
+    for order_kind in ("fixed", "shuffled"):
+        cfg = SparseDecodeConfig(top_k=top_k, host_pool_blocks=rows * blocks, block_size=bs, kv_dtype="bf16")
+        rt = SparseDecodeOffload(cfg, num_layers=1, max_rows=rows, kv_lora_rank=dc, rope_dim=dr,
+                                 device=torch.device("cpu"))  # fmt: skip
+        g = torch.Generator().manual_seed(0)
+        for r in range(rows):
+            rt.reserve(r, context + steps + 1)
+        rt.pool.kv_c(0).normal_(generator=g)
+        rt.pool.k_pe(0).normal_(generator=g)
+        k_cache = torch.randn(rt.pool.num_blocks, bs, idx_dim, generator=g).bfloat16()
+        q_base = torch.randn(rows, idx_heads, idx_dim, generator=g)
+        times = []
+        for step in range(steps):
+            order = list(range(rows))
+            if order_kind == "shuffled":
+                order = torch.randperm(rows, generator=g).tolist()
+            seq = torch.full((rows,), context + step, dtype=torch.int32)
+            bt = rt.pool.block_table(order, max_blocks=blocks)
+            idx = IndexerInputs(
+                q=(q_base[order] + 0.3 * torch.randn(rows, idx_heads, idx_dim, generator=g)).bfloat16(),
+                weights=torch.ones(rows, idx_heads).bfloat16(), block_table=bt,
+                cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32), seq_lens_k=seq, k_cache=k_cache,
+            )  # fmt: skip
+            q_nope = torch.randn(rows, heads, dc, generator=g).bfloat16()
+            q_pe = torch.randn(rows, heads, dr, generator=g).bfloat16()
+            t0 = time.perf_counter()
+            rt.attend(
+                0, q_nope, q_pe, (dc + dr) ** -0.5, idx, DecodeRows(torch.tensor(order), seq.long(), bt)
+            )
+            times.append(time.perf_counter() - t0)
+        c = rt.counters.snapshot()
+        rt.close()
+        steady = sorted(times[1:])  # step 0 loads every selected row
+        results.append(dict(order=order_kind, rows=rows, top_k=top_k, context=context, steps=steps,
+                            ms_per_layer_step=steady[len(steady) // 2] * 1e3,
+                            hit_rate=c["hits"] / max(1, c["hits"] + c["misses"]),
+                            h2d_bytes_per_step=c["bytes_h2d"] / steps))  # fmt: skip
+    return results
+
+
 def plot(policy_rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -158,9 +207,11 @@ def main() -> None:
     if args.quick:
         cost = bench_update_cost(8, 256, 512, steps=3, ref_steps=1)
         pol = bench_policies(32, 64, [0.5, 0.9], [1.0, 2.0])
+        step = bench_step(4, 256, 4096, steps=4)
     else:
         cost = bench_update_cost(64, 2048, 4096, steps=9, ref_steps=1)
         pol = bench_policies(256, args.policy_top_k, [0.5, 0.7, 0.9], [1.0, 1.5, 2.0, 3.0])
+        step = bench_step(16, 2048, 32768, steps=8)
 
     print("\nresidency_update cost (median and best step; goal <= 3 ns per (row, slot) per thread)")
     print(f"{'kernel':<10}{'policy':<8}{'threads':>8}{'ms/step':>10}{'ns/(row,slot)':>15}{'x threads':>11}"
@@ -188,9 +239,19 @@ def main() -> None:
               f"{r['belady_steady_hit_rate']:>8.3f}{r['lru_h2d_bytes_per_step'] / 2**20:>9.3f}"
               f"{r['full_reload_bytes_per_step'] / 2**20:>9.3f}{ratio:>8.1f}")  # fmt: skip
 
+    print("\nSparseDecodeOffload.attend, one layer (median of the steps after the first)")
+    print(
+        f"{'order':<10}{'rows':>6}{'top_k':>7}{'context':>9}{'ms/step':>10}{'hit rate':>10}{'H2D MB/step':>13}"
+    )
+    for r in step:
+        print(f"{r['order']:<10}{r['rows']:>6}{r['top_k']:>7}{r['context']:>9}{r['ms_per_layer_step']:>10.2f}"
+              f"{r['hit_rate']:>10.3f}{r['h2d_bytes_per_step'] / 2**20:>13.2f}")  # fmt: skip
+
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = "sparse_decode_bench_quick" if args.quick else "sparse_decode_bench"
-    (RESULTS / f"{name}.json").write_text(json.dumps({"update_cost": cost, "policies": pol}, indent=2))
+    (RESULTS / f"{name}.json").write_text(
+        json.dumps({"update_cost": cost, "policies": pol, "step": step}, indent=2)
+    )
     plot(pol, RESULTS / f"{name}.png")
     print(f"\nwrote {RESULTS / (name + '.json')} and {name}.png")
 

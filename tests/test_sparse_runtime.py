@@ -1,25 +1,21 @@
-"""torch_kvoffload.sparse: config, ResidencyTable, policies (Belady), HostKVPool (incl. cross-process)."""
+"""torch_kvoffload.sparse: config, ResidencyTable, HostKVPool (incl. cross-process) and its fence."""
 
 from __future__ import annotations
 
-import functools
-import itertools
 import multiprocessing as mp
 import os
 
 import pytest
 import torch
 
+from torch_kvoffload.ops import new_residency_outputs, residency_update
 from torch_kvoffload.sparse import (
     HostKVPool,
     ResidencyTable,
     SparseDecodeConfig,
-    Trace,
-    belady_misses,
     control_plane_port,
-    make_reuse_trace,
-    simulate_policy,
 )
+from torch_kvoffload.sparse.rows import RowMap
 
 # ------------------------------------------------------------------------------------------ config
 
@@ -48,6 +44,8 @@ def test_config_defaults_and_port() -> None:
         (dict(kv_dtype="int8"), "main KV dtype 'int8' is not supported"),
         (dict(kv_dtype="fp8_e4m3"), "packed / quantised main caches"),
         (dict(kv_dtype="c8"), "main KV dtype 'c8'"),
+        (dict(kv_dtype="fp16"), "run bf16, fp32 only"),
+        (dict(kv_dtype=torch.float16), "run bf16, fp32 only"),
         (dict(context_parallel_size=2), "does not support context parallelism"),
         (dict(pipeline_parallel_size=2), "does not support pipeline parallelism"),
         (dict(hybrid_kv_layout="true"), "does not support hybrid KV cache layouts"),
@@ -60,6 +58,36 @@ def test_config_defaults_and_port() -> None:
 def test_config_rejections(kwargs, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):
         SparseDecodeConfig(top_k=4, host_pool_blocks=8, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("value", "name", "dtype"),
+    [("bf16", "bf16", torch.bfloat16), ("bfloat16", "bf16", torch.bfloat16), (torch.float32, "fp32", torch.float32),
+     ("float", "fp32", torch.float32)],
+)  # fmt: skip
+def test_config_main_kv_dtypes_are_the_ones_the_sparse_ops_run(value, name: str, dtype: torch.dtype) -> None:
+    cfg = SparseDecodeConfig(top_k=4, host_pool_blocks=8, kv_dtype=value)
+    assert cfg.kv_dtype == name and cfg.torch_kv_dtype == dtype
+    # the accepted dtype really runs through sparse MLA attention
+    q, kv = torch.randn(2, 3, 8, dtype=dtype), torch.randn(5, 8, dtype=dtype)
+    out, _ = torch.ops.kvoffload.sparse_mla_attention(
+        q,
+        q[..., :2].contiguous(),
+        kv,
+        kv[:, :2].contiguous(),
+        torch.tensor([[0, 4], [1, -1]], dtype=torch.int32),
+        0.5,
+    )
+    assert out.dtype == dtype
+
+
+def test_fp16_is_rejected_by_the_sparse_ops_too() -> None:
+    """The reason fp16 is refused at configuration: the sparse attention op rejects it."""
+    q, kv = torch.randn(2, 3, 8).half(), torch.randn(5, 8).half()
+    with pytest.raises(TypeError, match=r"q_nope.*float16"):
+        torch.ops.kvoffload.sparse_mla_attention(
+            q, q[..., :2].contiguous(), kv, kv[:, :2].contiguous(), torch.zeros(2, 1, dtype=torch.int32), 0.5
+        )
 
 
 # ---------------------------------------------------------------------------------- ResidencyTable
@@ -82,64 +110,6 @@ def test_residency_table_counts_and_reset() -> None:
         ResidencyTable(1, 1, 2)
     with pytest.raises(ValueError, match="policy"):
         ResidencyTable(1, 4, 2, policy="mru")
-
-
-# ----------------------------------------------------------------------------------------- policies
-
-
-def _brute_force_min_misses(seqs: list[list[int]], capacity: int) -> int:
-    """Exhaustive offline optimum over every eviction choice (tiny traces only)."""
-
-    @functools.cache
-    def best(t: int, resident: frozenset[int]) -> int:
-        if t == len(seqs):
-            return 0
-        sel = set(seqs[t])
-        new = sel - resident
-        keep_pool = resident - sel
-        room = capacity - len(sel)
-        options = []
-        for n in range(min(room, len(keep_pool)), -1, -1):
-            for kept in itertools.combinations(sorted(keep_pool), n):
-                options.append(len(new) + best(t + 1, frozenset(sel | set(kept))))
-            break  # keeping fewer than possible never helps (monotone)
-        return min(options)
-
-    return best(0, frozenset())
-
-
-def test_belady_equals_brute_force_optimum() -> None:
-    g = torch.Generator().manual_seed(1)
-    for _ in range(40):
-        K = int(torch.randint(1, 3, (1,), generator=g))
-        C = K + int(torch.randint(0, 2, (1,), generator=g))
-        P = 6
-        seqs = [torch.randperm(P, generator=g)[:K].tolist() for _ in range(7)]
-        trace = Trace([torch.tensor(s, dtype=torch.int32) for s in seqs], [torch.zeros(P) for _ in seqs])
-        assert belady_misses(trace, C).misses == _brute_force_min_misses(seqs, C), (seqs, C)
-
-
-@pytest.mark.parametrize("reuse", [0.5, 0.9])
-def test_belady_bounds_online_policies(reuse: float) -> None:
-    trace = make_reuse_trace(40, 32, reuse, seed=3)
-    assert abs(trace.measured_reuse() - reuse) < 0.05
-    for factor in (1, 2):
-        C = 32 * factor
-        opt = belady_misses(trace, C)
-        for policy in ("lru", "score"):
-            res = simulate_policy(trace, C, policy)
-            assert res.hits + res.misses == trace.accesses
-            assert opt.misses <= res.misses
-        assert opt.hits + opt.misses == trace.accesses
-    # capacity == top_k: nothing beyond the current selection fits, every policy hits exactly the reuse
-    lru, opt = simulate_policy(trace, 32, "lru"), belady_misses(trace, 32)
-    assert lru.misses == opt.misses
-
-
-def test_trace_topk_is_top_of_scores() -> None:
-    trace = make_reuse_trace(5, 16, 0.7, seed=0)
-    for tk, sc in zip(trace.topk, trace.scores, strict=True):
-        assert set(torch.topk(sc, 16).indices.tolist()) == set(tk.tolist())
 
 
 # --------------------------------------------------------------------------------------- host pool
@@ -201,8 +171,104 @@ def test_shared_pool_attach_from_spawned_process() -> None:
         HostKVPool.attach(pool.name)
 
 
+@pytest.mark.parametrize(
+    ("args", "exc", "fragment"),
+    [((-1, 4), ValueError, "request_id must be >= 0"), ((1.5, 4), TypeError, "request_id must be an int"),
+     ((True, 4), TypeError, "request_id must be an int, got bool"), ((1, -3), ValueError, "num_tokens must be >= 0"),
+     ((1, 2.0), TypeError, "num_tokens must be an int"), ((1, "8"), TypeError, "num_tokens must be an int"),
+     ((1, 100), RuntimeError, "needs 24 more blocks")],
+)  # fmt: skip
+def test_host_pool_allocate_rejects_bad_arguments_untouched(args, exc, fragment: str) -> None:
+    with HostKVPool.create(1, 6, 4, 8, 2, torch.float32) as pool:
+        pool.allocate(1, 3)
+        before = (
+            pool.free_blocks,
+            pool.blocks_of(1),
+            pool.knows(args[0]) if isinstance(args[0], int) else None,
+        )
+        with pytest.raises(exc, match=fragment):
+            pool.allocate(*args)
+        after = (
+            pool.free_blocks,
+            pool.blocks_of(1),
+            pool.knows(args[0]) if isinstance(args[0], int) else None,
+        )
+        assert before == after
+        assert pool.allocate(1, 8) == [0, 1] and pool.reserved_tokens(1) == 8
+
+
+def test_host_pool_fence_publish_and_timeout() -> None:
+    with HostKVPool.create(3, 2, 4, 8, 2, torch.float32, shared=True) as pool:
+        other = HostKVPool.attach(pool.name)
+        try:
+            assert [other.published(layer) for layer in range(3)] == [0, 0, 0]
+            pool.publish(1, 5)
+            assert other.published(1) == 5 and other.published(0) == 0
+            assert other.wait_published(1, 5, timeout=1.0) == 0.0
+            with pytest.raises(TimeoutError, match=r"layer 2 append 1 was not published within 0.05 s"):
+                other.wait_published(2, 1, timeout=0.05)
+            with pytest.raises(ValueError, match="layer must be <= 2"):
+                pool.publish(3, 1)
+            pool.mark_failed(0)  # a failed append: readers get an error, not rows taken for complete
+            pool.publish(0, 3)
+            assert other.published(0) == -1
+            with pytest.raises(RuntimeError, match="append of layer 0 failed"):
+                other.wait_published(0, 1, timeout=5.0)
+        finally:
+            other.close()
+
+
 def test_host_pool_rejects_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="num_blocks must be positive"):
+    with pytest.raises(ValueError, match="num_blocks must be >= 1, got 0"):
         HostKVPool.create(1, 0, 4, 8, 2)
     with pytest.raises(ValueError, match="floating dtype"):
         HostKVPool.create(1, 2, 4, 8, 2, torch.int8)
+
+
+# ------------------------------------------------------------------------- rows and scratch state
+
+
+def test_row_map_assigns_on_first_sight_and_frees_on_release() -> None:
+    rows = RowMap(4)
+    plan = rows.plan("step", [7, 3, 7])
+    assert plan.rows == [0, 1, 2] and rows.alive == 0  # nothing recorded before commit
+    rows.commit(plan)
+    assert rows.rows_of(7) == [0, 2] and rows.rows_of(3) == [1] and rows.alive == 3
+    again = rows.plan("step", [3, 7, 7])
+    assert again.rows == [1, 0, 2] and not again.new and not again.contiguous()
+    with pytest.raises(ValueError, match="needs 2 new residency rows but only 1 of max_rows=4"):
+        rows.plan("step", [8, 9])
+    assert rows.release(7) == [0, 2] and rows.release(7) == []
+    plan = rows.plan("step", [9, 3])
+    assert plan.rows == [0, 1] and plan.contiguous()
+
+
+def test_residency_table_scratch_commit_and_drop_slots() -> None:
+    table = ResidencyTable(num_rows=3, capacity=4, top_k=2)
+    ids, stable = torch.tensor([5, 6]), torch.tensor([100, 100])
+    rows = torch.tensor([2, 0])
+    scratch = table.gather(rows)
+    out = new_residency_outputs(2, 2)
+    residency_update(
+        *scratch, torch.tensor([[1, 3], [0, -1]], dtype=torch.int32), ids, stable, None, "lru", out
+    )
+    assert table.slot_to_token.eq(-1).all(), "the op ran on the scratch copy"
+    table.commit(rows, scratch)
+    assert table.slot_to_token[2].tolist() == [1, 3, -1, -1] and table.slot_to_token[0].tolist() == [
+        0,
+        -1,
+        -1,
+        -1,
+    ]
+    assert table.row_request.tolist() == [6, -1, 5]
+    table.drop_slots(rows, torch.tensor([[1, -1], [-1, -1]], dtype=torch.int32))
+    assert table.slot_to_token[2].tolist() == [1, -1, -1, -1] and table.slot_to_token[0].tolist() == [
+        0,
+        -1,
+        -1,
+        -1,
+    ]
+    table.forget_rows(torch.tensor([0]))
+    assert table.row_request.tolist() == [-1, -1, 5]
+    with pytest.raises(ValueError, match="'rows' must be int64"):
+        table.gather(torch.tensor([0], dtype=torch.int32))

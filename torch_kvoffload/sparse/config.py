@@ -4,23 +4,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import torch
 from pydantic import Field, field_validator, model_validator
 
+from torch_kvoffload._utils import dtype_name, parse_dtype
 from torch_kvoffload.config import ConfigModel, parse_lax_bool
 
 __all__ = ["MAIN_KV_DTYPES", "SparseDecodeConfig", "control_plane_port"]
 
-# Plain floating main-KV dtypes accepted (aliases -> canonical name); anything else is rejected.
-MAIN_KV_DTYPES = {
-    "bf16": "bf16",
-    "bfloat16": "bf16",
-    "fp16": "fp16",
-    "float16": "fp16",
-    "half": "fp16",
-    "fp32": "fp32",
-    "float32": "fp32",
-    "float": "fp32",
-}
+#: Main-KV dtypes the sparse ops (``sparse_mla_attention``, Copy-SFA) run: bf16 in production, fp32 for
+#: testing. fp16 is a plain floating type too, but no sparse kernel computes in it.
+MAIN_KV_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
 
 
 class SparseDecodeConfig(ConfigModel):
@@ -32,9 +26,13 @@ class SparseDecodeConfig(ConfigModel):
     indexer cache's own floating dtype, bf16 in production) or the Hadamard + int8 (``"int8"``) indexer
     path; ``fused`` uses the fused manage op and Copy-SFA (default) instead of separate ops.
 
+    ``kv_dtype`` is the main KV's dtype: ``"bf16"`` or ``"fp32"`` (any alias of ``_utils.DTYPE_ALIASES``
+    or a torch dtype; stored as the short name).
+
     Rejected at construction, each with its own ``ValueError``: ``capacity < top_k``; ``policy="score"``
     with ``indexer_dtype="int8"`` (the int8 indexer returns no scores); a main KV dtype that
-    is not a plain floating type (packed / quantised main caches such as int8, fp8, C8, TQ4);
+    is not a plain floating type (packed / quantised main caches such as int8, fp8, C8, TQ4) or that no
+    sparse op runs (fp16);
     ``context_parallel_size > 1``; ``pipeline_parallel_size > 1``; ``hybrid_kv_layout``.
     """
 
@@ -60,14 +58,21 @@ class SparseDecodeConfig(ConfigModel):
     @field_validator("kv_dtype", mode="before")
     @classmethod
     def _main_kv_dtype(cls, value: Any) -> str:
-        name = str(value).lower().removeprefix("torch.")
-        if name not in MAIN_KV_DTYPES:
+        names = [dtype_name(d) for d in MAIN_KV_DTYPES]
+        try:
+            dtype = parse_dtype("sparse decode offload: kv_dtype", value)
+        except ValueError:
             raise ValueError(
                 f"sparse decode offload: main KV dtype {value!r} is not supported; the main (latent) KV "
-                f"must be a plain floating dtype ({', '.join(sorted(set(MAIN_KV_DTYPES.values())))}); "
+                f"must be a plain floating dtype the sparse ops run ({', '.join(names)}); "
                 "packed / quantised main caches (int8, fp8, C8, TQ4, ...) are rejected"
+            ) from None
+        if dtype not in MAIN_KV_DTYPES:
+            raise ValueError(
+                f"sparse decode offload: main KV dtype {value!r} is not supported; sparse MLA attention and "
+                f"Copy-SFA run {', '.join(names)} only"
             )
-        return MAIN_KV_DTYPES[name]
+        return dtype_name(dtype)
 
     @model_validator(mode="after")
     def _check(self) -> SparseDecodeConfig:
@@ -99,6 +104,11 @@ class SparseDecodeConfig(ConfigModel):
                 "sparse decode offload does not support hybrid KV cache layouts (hybrid_kv_layout=True)"
             )
         return self
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        """``kv_dtype`` as a torch dtype."""
+        return parse_dtype("SparseDecodeConfig.kv_dtype", self.kv_dtype, MAIN_KV_DTYPES)
 
     @property
     def hot_capacity(self) -> int:

@@ -10,6 +10,13 @@ its memory is a file under ``/dev/shm`` mapped ``MAP_SHARED`` — and is the onl
 free block first), so ranks replaying the same ``allocate`` / ``free`` sequence (the same scheduler output)
 hold identical block tables without exchanging them. With an accelerator, private pools are pinned
 (``device.empty_host``) and shared ones are page-locked with ``cudaHostRegister`` on CUDA when possible.
+
+Cross-process fence: the header holds one ``int64`` per layer, the sequence number of the last append
+of that layer whose rows are completely in the pool. The writer :meth:`HostKVPool.publish`-es it after
+the copy finished; a reader that replays the same appends (so it knows which sequence number the rows it
+is about to read belong to) :meth:`HostKVPool.wait_published` for it before reading. On x86-64 an aligned
+8-byte store is atomic and stores are not reordered with earlier stores, so a reader that sees the number
+also sees the rows written before it.
 """
 
 from __future__ import annotations
@@ -20,32 +27,30 @@ import json
 import logging
 import math
 import os
+import time
 import uuid
 from collections.abc import Sequence
 
 import torch
 
 from torch_kvoffload import device as kv_device
+from torch_kvoffload._utils import check_int, parse_dtype, round_up
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["HostKVPool"]
 
-_HEADER_BYTES = 4096
+_META_BYTES = 2048  # JSON description at the start of a shared pool's header
 _ALIGN = 4096
 _SHM_DIR = "/dev/shm"
-_MAGIC = "torch_kvoffload.HostKVPool.v1"
+_MAGIC = "torch_kvoffload.HostKVPool.v2"
+_POLL_MAX_SECONDS = 1e-3
+_FAILED = -1  # fence value of a layer whose append failed on the writer
 
 
-def _dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"HostKVPool: unknown dtype {name!r} in the shared pool header")
-    return dtype
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+def _header_bytes(num_layers: int) -> int:
+    """Header of a shared pool: the JSON description, then the per-layer ``int64`` fence."""
+    return round_up(_META_BYTES + 8 * num_layers, _ALIGN)
 
 
 class HostKVPool:
@@ -72,13 +77,18 @@ class HostKVPool:
         self.name, self.owner = name, owner
         self._storage = storage  # uint8, keeps the mapping alive
         esz = torch.empty((), dtype=dtype).element_size()
-        off = _HEADER_BYTES if name is not None else 0
+        if name is not None:
+            off = _header_bytes(num_layers)
+            self._fence = storage[_META_BYTES : _META_BYTES + 8 * num_layers].view(torch.int64)
+        else:
+            off = 0
+            self._fence = torch.zeros(num_layers, dtype=torch.int64)
         kv_bytes = num_layers * num_blocks * block_size * kv_lora_rank * esz
         pe_bytes = num_layers * num_blocks * block_size * rope_dim * esz
         self._kv_c = (
             storage[off : off + kv_bytes].view(dtype).view(num_layers, num_blocks, block_size, kv_lora_rank)
         )
-        off = off + _align(kv_bytes)
+        off = off + round_up(kv_bytes, _ALIGN)
         self._k_pe = (
             storage[off : off + pe_bytes].view(dtype).view(num_layers, num_blocks, block_size, rope_dim)
         )
@@ -112,15 +122,14 @@ class HostKVPool:
         """Allocate a pool; ``shared=True`` backs it by ``/dev/shm/<name>`` for :meth:`attach`."""
         for arg, v in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
                        ("kv_lora_rank", kv_lora_rank), ("rope_dim", rope_dim)):  # fmt: skip
-            if v <= 0:
-                raise ValueError(f"HostKVPool.create: {arg} must be positive, got {v}")
-        if not dtype.is_floating_point:
+            check_int("HostKVPool.create", arg, v, minimum=1)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"HostKVPool.create: the main KV must be a floating dtype, got {dtype}")
         esz = torch.empty((), dtype=dtype).element_size()
         kv_bytes = num_layers * num_blocks * block_size * kv_lora_rank * esz
         pe_bytes = num_layers * num_blocks * block_size * rope_dim * esz
         if not shared:
-            storage = kv_device.empty_host((_align(kv_bytes) + pe_bytes,), torch.uint8)
+            storage = kv_device.empty_host((round_up(kv_bytes, _ALIGN) + pe_bytes,), torch.uint8)
             return cls(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
                        kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, dtype=dtype, storage=storage,
                        name=None, owner=True)  # fmt: skip
@@ -128,15 +137,16 @@ class HostKVPool:
         if "/" in name:
             raise ValueError(f"HostKVPool.create: name must not contain '/', got {name!r}")
         path = os.path.join(_SHM_DIR, name)
-        total = _HEADER_BYTES + _align(kv_bytes) + pe_bytes
+        total = _header_bytes(num_layers) + round_up(kv_bytes, _ALIGN) + pe_bytes
         header = json.dumps(
             {"magic": _MAGIC, "num_layers": num_layers, "num_blocks": num_blocks, "block_size": block_size,
              "kv_lora_rank": kv_lora_rank, "rope_dim": rope_dim, "dtype": str(dtype), "total": total}
         ).encode()  # fmt: skip
+        assert len(header) < _META_BYTES
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, total)
-            os.pwrite(fd, header.ljust(_HEADER_BYTES, b"\0"), 0)
+            os.ftruncate(fd, total)  # zero-filled: every fence starts at 0
+            os.pwrite(fd, header.ljust(_META_BYTES, b"\0"), 0)
         finally:
             os.close(fd)
         try:
@@ -157,7 +167,7 @@ class HostKVPool:
         path = os.path.join(_SHM_DIR, name)
         try:
             with open(path, "rb") as f:
-                raw = f.read(_HEADER_BYTES)
+                raw = f.read(_META_BYTES)
         except FileNotFoundError:
             raise FileNotFoundError(f"HostKVPool.attach: no shared pool named {name!r} ({path})") from None
         try:
@@ -169,7 +179,8 @@ class HostKVPool:
         storage = torch.from_file(path, shared=True, size=meta["total"], dtype=torch.uint8)
         pool = cls(num_layers=meta["num_layers"], num_blocks=meta["num_blocks"], block_size=meta["block_size"],
                    kv_lora_rank=meta["kv_lora_rank"], rope_dim=meta["rope_dim"],
-                   dtype=_dtype_from_name(meta["dtype"]), storage=storage, name=name, owner=False)  # fmt: skip
+                   dtype=parse_dtype("HostKVPool.attach: header dtype", meta["dtype"]), storage=storage, name=name,
+                   owner=False)  # fmt: skip
         pool._register_pinned()
         return pool
 
@@ -238,28 +249,39 @@ class HostKVPool:
     def blocks_of(self, request_id: int) -> list[int]:
         return list(self._tables.get(request_id, ()))
 
+    def knows(self, request_id: int) -> bool:
+        """Whether this pool object allocated blocks for ``request_id`` (a rank that does not replay
+        the allocations knows none)."""
+        return request_id in self._tables
+
+    def reserved_tokens(self, request_id: int) -> int:
+        """Positions ``0..n-1`` of ``request_id`` have a row: ``n`` = its blocks x ``block_size``."""
+        return len(self._tables.get(request_id, ())) * self.block_size
+
     def allocate(self, request_id: int, num_tokens: int) -> list[int]:
         """Make room for positions ``0..num_tokens-1`` of ``request_id``; return its blocks.
 
-        Raises ``RuntimeError`` (nothing allocated) when the pool has too few free blocks.
+        ``request_id`` and ``num_tokens`` are ints ``>= 0`` (``TypeError`` / ``ValueError`` otherwise). A
+        request never shrinks: fewer tokens than already allocated keep its blocks. Raises
+        ``RuntimeError`` (nothing allocated) when the pool has too few free blocks.
         """
-        if request_id < 0:
-            raise ValueError(f"HostKVPool.allocate: request_id must be >= 0, got {request_id}")
-        table = self._tables.setdefault(request_id, [])
+        request_id = check_int("HostKVPool.allocate", "request_id", request_id, minimum=0)
+        num_tokens = check_int("HostKVPool.allocate", "num_tokens", num_tokens, minimum=0)
+        table = self._tables.get(request_id, [])
         need = math.ceil(num_tokens / self.block_size) - len(table)
         if need > len(self._free):
-            if not table:
-                del self._tables[request_id]
             raise RuntimeError(
                 f"HostKVPool.allocate: request {request_id} needs {need} more blocks for {num_tokens} tokens, "
                 f"only {len(self._free)} of {self.num_blocks} are free"
             )
+        table = self._tables.setdefault(request_id, table)
         for _ in range(max(0, need)):
             table.append(heapq.heappop(self._free))
         return list(table)
 
     def free(self, request_id: int) -> None:
         """Return every block of ``request_id`` to the pool (unknown ids are ignored)."""
+        request_id = check_int("HostKVPool.free", "request_id", request_id)
         for b in self._tables.pop(request_id, ()):
             heapq.heappush(self._free, b)
 
@@ -278,6 +300,7 @@ class HostKVPool:
 
     def slots(self, request_id: int, positions: torch.Tensor) -> torch.Tensor:
         """``int64`` pool rows of ``positions`` of ``request_id`` (they must be allocated)."""
+        request_id = check_int("HostKVPool.slots", "request_id", request_id, minimum=0)
         table = self._tables.get(request_id)
         pos = positions.to(torch.int64)
         if pos.numel() == 0:
@@ -290,3 +313,56 @@ class HostKVPool:
             )
         blocks = torch.tensor(table, dtype=torch.int64)[pos // self.block_size]
         return blocks * self.block_size + pos % self.block_size
+
+    # --------------------------------------------------------------------------------------- fence
+    def publish(self, layer: int, seq: int) -> None:
+        """Writer: every row of ``layer``'s appends up to number ``seq`` is in the pool (monotone).
+
+        A layer marked failed (:meth:`mark_failed`) stays failed.
+        """
+        layer = check_int("HostKVPool.publish", "layer", layer, minimum=0, maximum=self.num_layers - 1)
+        seq = check_int("HostKVPool.publish", "seq", seq, minimum=0)
+        if int(self._fence[layer]) != _FAILED:
+            self._fence[layer] = seq
+
+    def mark_failed(self, layer: int) -> None:
+        """Writer: an append of ``layer`` failed; its rows will never be complete, readers get an error."""
+        layer = check_int("HostKVPool.mark_failed", "layer", layer, minimum=0, maximum=self.num_layers - 1)
+        self._fence[layer] = _FAILED
+
+    def published(self, layer: int) -> int:
+        """The last sequence number the writer published for ``layer`` (0 before the first, -1 after a
+        failed append)."""
+        layer = check_int("HostKVPool.published", "layer", layer, minimum=0, maximum=self.num_layers - 1)
+        return int(self._fence[layer])
+
+    def wait_published(self, layer: int, seq: int, timeout: float) -> float:
+        """Block until the writer published ``seq`` (or later) for ``layer``; return the seconds waited.
+
+        Raises ``TimeoutError`` naming the pool, the layer and both sequence numbers after ``timeout``
+        seconds (the writer fell behind or is gone), ``RuntimeError`` once the writer marked the layer
+        failed.
+        """
+        got = self.published(layer)
+        if got >= seq:
+            return 0.0
+        start = time.perf_counter()
+        pause = 1e-5
+        while True:
+            now = time.perf_counter()
+            got = self.published(layer)
+            if got >= seq:
+                return now - start
+            if got == _FAILED:
+                raise RuntimeError(
+                    f"HostKVPool {self.name or '(private)'}: the writer's append of layer {layer} failed; "
+                    f"the rows of append {seq} will never be in the pool"
+                )
+            if now - start >= timeout:
+                raise TimeoutError(
+                    f"HostKVPool {self.name or '(private)'}: layer {layer} append {seq} was not published "
+                    f"within {timeout} s (the writer published up to {got}); the writing rank is behind, "
+                    "failed or gone"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_SECONDS)

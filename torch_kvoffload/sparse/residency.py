@@ -20,9 +20,13 @@ class ResidencyTable:
     """Residency of ``num_rows`` decode rows in hot buffers of ``capacity`` slots each (one layer).
 
     State tensors (``int32 slot_to_token [R, C]``, ``int32 lru_order [R, C]``, ``int64 row_request [R]``)
-    live on ``device``; :meth:`update` runs ``kvoffload::residency_update`` (the C++ kernel on CPU) and
-    returns the step's :class:`~torch_kvoffload.ops.residency.ResidencyOutputs`. Counters: ``hits``,
-    ``misses``, ``evictions``, ``updates``.
+    live on ``device``; :meth:`update` runs ``kvoffload::residency_update`` (the C++ kernel on CPU) over
+    every row and returns the step's :class:`~torch_kvoffload.ops.residency.ResidencyOutputs`. Counters:
+    ``hits``, ``misses``, ``evictions``, ``updates``.
+
+    A step over a subset of rows (``int64 rows [T]`` of row indices, in any order) runs on scratch copies:
+    :meth:`gather` copies the rows' state out, the ops update the copies, and :meth:`commit` writes them
+    back once the whole step succeeded, so a step that fails part-way leaves the table as it was.
 
     >>> table = ResidencyTable(num_rows=2, capacity=8, top_k=4)
     >>> res = table.update(torch.tensor([[0, 1, 2, -1], [5, 6, 7, 8]], dtype=torch.int32),
@@ -56,6 +60,43 @@ class ResidencyTable:
     def state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.slot_to_token, self.lru_order, self.row_request
 
+    def _check_rows(self, where: str, rows: torch.Tensor) -> None:
+        if rows.dtype != torch.int64 or rows.dim() != 1 or rows.device != self.device:
+            raise ValueError(
+                f"ResidencyTable.{where}: 'rows' must be int64 [T] on {self.device}, got {rows.dtype} "
+                f"{list(rows.shape)} on {rows.device}"
+            )
+
+    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Scratch copies ``(slot_to_token [T, C], lru_order [T, C], row_request [T])`` of ``rows``."""
+        self._check_rows("gather", rows)
+        return tuple(t.index_select(0, rows) for t in self.state)  # type: ignore[return-value]
+
+    def commit(self, rows: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """Write the (updated) scratch ``state`` of :meth:`gather` back to ``rows`` (distinct)."""
+        self._check_rows("commit", rows)
+        for dst, src in zip(self.state, state, strict=True):
+            dst.index_copy_(0, rows, src)
+
+    def drop_slots(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Empty slot ``slots[i, j]`` (``int32 [T, M]``, ``-1`` = none) of row ``rows[i]``.
+
+        For a step that failed after its copies may have started: those slots may hold rows the state
+        does not know about, so they must not count as hits later.
+        """
+        self._check_rows("drop_slots", rows)
+        stt = self.slot_to_token.index_select(0, rows)
+        sink = torch.full((stt.shape[0], 1), -1, dtype=stt.dtype, device=stt.device)
+        padded = torch.cat([stt, sink], dim=1)
+        idx = torch.where(slots >= 0, slots, self.capacity).long()
+        padded.scatter_(1, idx, -1)
+        self.slot_to_token.index_copy_(0, rows, padded[:, : self.capacity].contiguous())
+
+    def forget_rows(self, rows: torch.Tensor) -> None:
+        """Detach ``rows`` from their request: they are reset at their next update."""
+        self._check_rows("forget_rows", rows)
+        self.row_request.index_fill_(0, rows, -1)
+
     def new_outputs(self) -> ResidencyOutputs:
         return new_residency_outputs(self.num_rows, self.top_k, self.device)
 
@@ -84,12 +125,14 @@ class ResidencyTable:
         return out
 
     def record(self, topk: torch.Tensor, out: ResidencyOutputs) -> None:
-        """Add a step's hits / misses / evictions to the counters (also used after the fused op)."""
-        misses = int(out.miss_count.sum())
-        valid = int((topk >= 0).sum())
-        self.counters.add("hits", valid - misses)
+        """Add a step's hits / misses / evictions to the counters (also used after the fused op).
+
+        The sums stay tensors: on an accelerator they accumulate there without a host sync.
+        """
+        misses = out.miss_count.sum(dtype=torch.int64)
+        self.counters.add("hits", (topk >= 0).sum() - misses)
         self.counters.add("misses", misses)
-        self.counters.add("evictions", int(out.evictions.sum()))
+        self.counters.add("evictions", out.evictions.sum(dtype=torch.int64))
         self.counters.add("updates")
 
     def reset(self) -> None:

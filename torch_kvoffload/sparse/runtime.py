@@ -2,13 +2,14 @@
 
 Memory: the complete main KV (latent ``kv_c`` + rotary ``k_pe``) of every request lives in a
 :class:`HostKVPool`; the device holds the indexer cache (owned by the caller, rank-local) and, per layer,
-hot buffers ``hot_kv_c [R, C, Dc]`` / ``hot_k_pe [R, C, Dr]`` of ``C = capacity`` rows per decode row.
+hot buffers ``hot_kv_c [R, C, Dc]`` / ``hot_k_pe [R, C, Dr]`` of ``C = capacity`` rows per residency row
+(``R = max_rows``).
 
 Per decode step and layer:
 
 1. the caller computes the new token's K/V (no full device cache is written);
-2. :meth:`SparseDecodeOffload.append` copies the new rows device→host into the pool (``copy_rows`` on the
-   D2H transfer stream, asynchronous; :meth:`attend` of the same layer waits for it);
+2. :meth:`SparseDecodeOffload.append` copies the new rows device→host into the pool (asynchronous;
+   :meth:`attend` of the same layer waits for it);
 3. :meth:`SparseDecodeOffload.attend` selects the top-k positions with the lightning indexer,
 4. updates the layer's residency (hits, slots for misses, evictions),
 5. copies only the missed rows host→hot buffer,
@@ -19,7 +20,16 @@ Steps 3–4 are the fused ``lightning_indexer_manage`` op and 5–7 the fused Co
 (``scatter_copy_sparse_mla_attention``) by default; ``fused=False`` runs ``lightning_indexer`` +
 ``residency_update`` + ``copy_rows`` (on the H2D transfer stream) + ``sparse_mla_attention``; the int8
 indexer path runs ``hadamard_quant_int8`` on the query + ``quant_lightning_indexer`` + ``residency_update``.
-Residency rows are decode rows: one per query token (``R = T``), rows ``0..T-1`` of the hot buffers.
+
+Residency rows belong to requests: decode row ``t`` of a step is matched to a row by ``(request id,
+ordinal among that request's rows in the step)`` (:class:`~torch_kvoffload.sparse.rows.RowMap`), so the
+batch may come in any order. A step whose rows are one ascending run ``a..a+T-1`` runs Copy-SFA on that
+slice of the hot buffers; any other order copies the misses with ``copy_rows`` and attends over the whole
+hot buffer (same results).
+
+A step runs on scratch copies of its rows' residency state and commits them when it succeeded: a rejected
+step changes nothing, and a step that fails after its copies may have started only empties the slots it
+was filling.
 """
 
 from __future__ import annotations
@@ -32,19 +42,27 @@ from dataclasses import dataclass
 import torch
 
 from torch_kvoffload import device as kv_device
+from torch_kvoffload._utils import check_int
 from torch_kvoffload.counters import Counters
-from torch_kvoffload.ops import copy_rows
-from torch_kvoffload.ops.residency import ResidencyOutputs, new_residency_outputs, new_residency_state
+from torch_kvoffload.ops import (
+    copy_rows,
+    lightning_indexer_manage,
+    residency_update,
+    scatter_copy_sparse_mla_attention,
+    sparse_mla_attention,
+)
+from torch_kvoffload.ops.residency import ResidencyOutputs, new_residency_outputs
+from torch_kvoffload.sparse import _checks
 from torch_kvoffload.sparse.config import SparseDecodeConfig
 from torch_kvoffload.sparse.host_pool import HostKVPool
+from torch_kvoffload.sparse.residency import ResidencyTable
+from torch_kvoffload.sparse.rows import RowMap, RowPlan
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["COUNTER_NAMES", "DecodeRows", "IndexerInputs", "SparseDecodeOffload", "StepResult"]
 
 COUNTER_NAMES = ("hits", "misses", "evictions", "bytes_h2d", "bytes_d2h", "waits", "wait_seconds")
-
-_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass
@@ -69,45 +87,58 @@ class IndexerInputs:
 
 @dataclass
 class DecodeRows:
-    """The decode rows of one step: ``T`` query tokens, one residency row each.
+    """The decode rows of one step: ``T`` query tokens, in any order.
 
-    ``request_ids int64 [T]`` (the request each row belongs to); ``stable_len int64 [T]`` (the verified
-    prefix of that request: hot rows at or beyond it are reloaded); ``host_block_table int32 [T,
-    max_blocks]`` (the row's request's blocks in the host pool, e.g. ``pool.block_table(ids)``).
+    ``request_ids int64 [T]`` (or a list of ints): the request each row belongs to; a request's rows
+    keep their residency rows (hot buffers) by their order among that request's rows. ``stable_len
+    int64 [T]``: the verified prefix of that request (hot rows at or beyond it are reloaded).
+    ``host_block_table int32 [T, max_blocks]``: the row's request's blocks in the host pool, e.g.
+    ``pool.block_table(ids)``. Scheduler metadata: CPU tensors (the runtime moves what the device needs).
     """
 
-    request_ids: torch.Tensor
+    request_ids: torch.Tensor | Sequence[int]
     stable_len: torch.Tensor
     host_block_table: torch.Tensor
 
 
 @dataclass
 class StepResult:
-    """``out [T, H, Dc]`` (latent space), ``lse fp32 [T, H]``, ``topk int32 [T, K]`` and the residency
-    outputs of the step."""
+    """``out [T, H, Dc]`` (latent space), ``lse fp32 [T, H]``, ``topk int32 [T, K]``, the residency
+    outputs of the step and ``rows``, the residency row (hot-buffer row) of each decode row.
+
+    On an accelerator the tensors are views of per-layer buffers reused by the next :meth:`attend` of
+    the same layer (so a step allocates nothing); on CPU they are fresh tensors.
+    """
 
     out: torch.Tensor
     lse: torch.Tensor
     topk: torch.Tensor
     residency: ResidencyOutputs
+    rows: list[int]
 
 
 class SparseDecodeOffload:
-    """Sparse decode offload for ``num_layers`` layers and up to ``max_rows`` decode rows.
+    """Sparse decode offload for ``num_layers`` layers and up to ``max_rows`` residency rows alive.
 
     Parameters
     ----------
     config : SparseDecodeConfig
     num_layers, max_rows : int
+        ``max_rows`` bounds the decode rows that hold hot buffers at once (requests x query tokens per
+        step, until :meth:`release`).
     kv_lora_rank, rope_dim : int
         ``Dc`` and ``Dr`` of the main KV.
     pool : HostKVPool, optional
         An existing pool (e.g. attached by a TP rank > 0); by default one of ``config.host_pool_blocks``
         blocks is created (``shared=True`` makes it attachable by name).
     writer : bool
-        Whether this rank writes appended rows into the pool (TP rank 0); others only read.
+        Whether this rank writes appended rows into the pool (TP rank 0). A reader calls
+        :meth:`append` like the writer (same requests, same order) without copying anything; its
+        :meth:`attend` then waits until the writer published that append (shared pools).
     device : torch.device, optional
         The compute device (default: the accelerator, else CPU).
+    fence_timeout : float
+        Seconds a reader waits for the writer's append before :meth:`attend` raises ``TimeoutError``.
     """
 
     def __init__(
@@ -122,16 +153,22 @@ class SparseDecodeOffload:
         shared: bool = False,
         writer: bool = True,
         device: torch.device | None = None,
+        fence_timeout: float = 60.0,
     ) -> None:
-        if num_layers <= 0 or max_rows <= 0:
-            raise ValueError(
-                f"SparseDecodeOffload: num_layers and max_rows must be positive, got {num_layers}, {max_rows}"
-            )
+        where = "SparseDecodeOffload"
+        if not isinstance(config, SparseDecodeConfig):
+            raise TypeError(f"{where}: config must be a SparseDecodeConfig, got {type(config).__name__}")
+        for arg, v in (("num_layers", num_layers), ("max_rows", max_rows), ("kv_lora_rank", kv_lora_rank),
+                       ("rope_dim", rope_dim)):  # fmt: skip
+            check_int(where, arg, v, minimum=1)
+        if not fence_timeout > 0:
+            raise ValueError(f"{where}: fence_timeout must be > 0 seconds, got {fence_timeout!r}")
         self.config = config
         self.num_layers, self.max_rows = num_layers, max_rows
         self.top_k, self.capacity = config.top_k, config.hot_capacity
-        self.dtype = _TORCH_DTYPES[config.kv_dtype]
-        self.device = device if device is not None else kv_device.default_device()
+        self.dtype = config.torch_kv_dtype
+        self.device = torch.device(device) if device is not None else kv_device.default_device()
+        self.fence_timeout = float(fence_timeout)
         if pool is None:
             pool = HostKVPool.create(num_layers, config.host_pool_blocks, config.block_size, kv_lora_rank,
                                      rope_dim, self.dtype, shared=shared)  # fmt: skip
@@ -148,14 +185,27 @@ class SparseDecodeOffload:
         self.hot_k_pe = [
             torch.zeros(R, C, rope_dim, dtype=self.dtype, device=self.device) for _ in range(num_layers)
         ]
-        self.state = [new_residency_state(R, C, self.device) for _ in range(num_layers)]
+        self.tables = [
+            ResidencyTable(R, C, self.top_k, config.policy, self.device) for _ in range(num_layers)
+        ]
+        self.rows = RowMap(max_rows)
         self.layer_counters = [Counters(COUNTER_NAMES) for _ in range(num_layers)]
         self.counters = Counters(COUNTER_NAMES)
+        self._on_cpu = self.device.type == "cpu"
         self._d2h = kv_device.TransferStream("sparse-d2h", self.device)
         self._h2d = kv_device.TransferStream("sparse-h2d", self.device)
+        # host-side copies (staging -> pool) run on a host worker, after the device copy's event
+        self._host = (
+            self._d2h if self._on_cpu else kv_device.TransferStream("sparse-host", torch.device("cpu"))
+        )
         self._pending_append: list[list[kv_device.TransferEvent]] = [[] for _ in range(num_layers)]
+        self._append_seq = [0] * num_layers  # appends issued per layer (writer and readers alike)
+        self._buffers: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # (layer, heads) -> outputs
+        self._closed = False
 
     def _check_pool(self, pool: HostKVPool, kv_lora_rank: int, rope_dim: int) -> None:
+        if not isinstance(pool, HostKVPool):
+            raise TypeError(f"SparseDecodeOffload: pool must be a HostKVPool, got {type(pool).__name__}")
         got = (pool.num_layers, pool.kv_lora_rank, pool.rope_dim, pool.dtype, pool.block_size)
         want = (self.num_layers, kv_lora_rank, rope_dim, self.dtype, self.config.block_size)
         if got != want:
@@ -171,69 +221,131 @@ class SparseDecodeOffload:
 
     def dense_device_bytes(self, total_tokens: int) -> int:
         """Bytes a dense device main-KV cache would need for ``total_tokens`` cached tokens."""
+        total_tokens = check_int(
+            "SparseDecodeOffload.dense_device_bytes", "total_tokens", total_tokens, minimum=0
+        )
         return self.num_layers * total_tokens * self.pool.row_bytes
 
     # --------------------------------------------------------------------------------- requests
     def reserve(self, request_id: int, num_tokens: int) -> None:
-        """Make host-pool room for positions ``0..num_tokens-1`` of ``request_id``."""
+        """Make host-pool room for positions ``0..num_tokens-1`` of ``request_id`` (ints ``>= 0``).
+
+        A reader rank replays the writer's reservations so that its pool object knows the block tables.
+        """
         self.pool.allocate(request_id, num_tokens)
 
     def release(self, request_id: int) -> None:
-        """Free a finished request's host blocks and detach it from its rows in every layer.
+        """Free a finished request's host blocks and its residency rows in every layer.
 
-        The rows are reset at their next update even if a later request reuses the id.
+        The rows are reset when a request takes them next, even if it reuses the id.
         """
+        request_id = check_int("SparseDecodeOffload.release", "request_id", request_id, minimum=0)
         self.sync()
         self.pool.free(request_id)
-        for _, _, row_request in self.state:
-            row_request.masked_fill_(row_request == request_id, -1)
+        rows = self.rows.release(request_id)
+        if rows:
+            rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            for table in self.tables:
+                table.forget_rows(rows_t)
+
+    def rows_of(self, request_id: int) -> list[int]:
+        """The residency (hot-buffer) rows ``request_id`` holds, by its rows' order within a step."""
+        return self.rows.rows_of(request_id)
 
     # ----------------------------------------------------------------------------------- append
     def append(
         self,
         layer: int,
-        request_ids: Sequence[int],
+        request_ids: Sequence[int] | torch.Tensor,
         positions: torch.Tensor,
         kv_c: torch.Tensor,
         k_pe: torch.Tensor,
     ) -> kv_device.TransferEvent:
         """Copy new token rows of ``layer`` device→host (step 2), asynchronously.
 
-        ``request_ids[i]`` / ``positions[i]`` (int64 ``[n]``) address row ``i`` of ``kv_c [n, Dc]`` and
-        ``k_pe [n, Dr]``; positions must be reserved. A position written again replaces its row
-        (speculative tokens). The source tensors must not be modified until the returned event completes;
-        :meth:`attend` of this layer waits for it.
+        ``request_ids[i]`` / ``positions[i]`` (integer ``[n]``, CPU) address row ``i`` of ``kv_c [n, Dc]``
+        and ``k_pe [n, Dr]`` (floating, cast to the pool dtype); positions must be reserved and distinct.
+        A position written again replaces its row (speculative tokens). On an accelerator the rows go to
+        pinned staging on the D2H stream (ordered after the compute so far), then into the pool on a host
+        worker once that copy's event completed. ``kv_c`` / ``k_pe`` must not be modified until the
+        returned event completed; :meth:`attend` of this layer waits for it. Everything is checked before
+        anything is queued.
         """
-        n = positions.numel()
-        if kv_c.shape != (n, self.pool.kv_lora_rank) or k_pe.shape != (n, self.pool.rope_dim):
-            raise ValueError(
-                f"SparseDecodeOffload.append: kv_c / k_pe must be [{n}, {self.pool.kv_lora_rank}] / "
-                f"[{n}, {self.pool.rope_dim}], got {list(kv_c.shape)} / {list(k_pe.shape)}"
-            )
-        if len(request_ids) != n:
-            raise ValueError(f"SparseDecodeOffload.append: {len(request_ids)} request ids for {n} rows")
-        if not self.writer or n == 0:
+        where = "SparseDecodeOffload.append"
+        layer = _checks.check_layer(where, layer, self.num_layers)
+        positions = _checks.check_tensor(
+            where, "positions", positions, dim=1, dtypes=(torch.int32, torch.int64)
+        )
+        n = positions.shape[0]
+        Dc, Dr = self.pool.kv_lora_rank, self.pool.rope_dim
+        floating = (torch.float32, torch.bfloat16, torch.float16)
+        kv_c = _checks.check_tensor(where, "kv_c", kv_c, shape=(n, Dc), dtypes=floating)
+        k_pe = _checks.check_tensor(where, "k_pe", k_pe, shape=(n, Dr), dtypes=floating,
+                                    devices=(kv_c.device,))  # fmt: skip
+        ids = _checks.host_ints(where, "request_ids", request_ids, n)
+        if n == 0:
             return kv_device.TransferEvent.completed()
         pos = positions.to("cpu", torch.int64)
-        dst = torch.empty(n, dtype=torch.int64)
-        ids = torch.as_tensor(list(request_ids), dtype=torch.int64)
-        for rid in torch.unique(ids).tolist():
-            m = ids == rid
-            dst[m] = self.pool.slots(int(rid), pos[m])
-        src = torch.arange(n, dtype=torch.int64)
-        kv_src, pe_src = kv_c.to(self.dtype).unsqueeze(1), k_pe.to(self.dtype).unsqueeze(1)
+        dst = self._pool_slots(where, ids, pos)
+        self._append_seq[layer] += 1
+        if not self.writer:
+            return kv_device.TransferEvent.completed()
+        seq = self._append_seq[layer]
         host_kv, host_pe = self.pool.kv_c(layer), self.pool.k_pe(layer)
+        src = torch.arange(n, dtype=torch.int64)
+        kv_src, pe_src = kv_c.to(self.dtype), k_pe.to(self.dtype)
 
-        def d2h() -> None:
-            copy_rows(kv_src.to(host_kv.device, non_blocking=True), host_kv, src, dst)
-            copy_rows(pe_src.to(host_pe.device, non_blocking=True), host_pe, src, dst)
+        def write(kv_rows: torch.Tensor, pe_rows: torch.Tensor) -> None:
+            try:
+                copy_rows(kv_rows.unsqueeze(1), host_kv, src, dst)
+                copy_rows(pe_rows.unsqueeze(1), host_pe, src, dst)
+            except BaseException:
+                self.pool.mark_failed(layer)  # readers must not take later appends for complete rows
+                raise
+            self.pool.publish(layer, seq)
+            self._count(layer, "bytes_d2h", dst.numel() * self.pool.row_bytes)
 
-        event = self._d2h.submit(d2h, after=[kv_device.record_compute_event()])
+        if kv_src.device.type == "cpu":
+            event = self._host.submit(write, kv_src, pe_src, after=[kv_device.record_compute_event()])
+        else:
+            stage_kv = kv_device.empty_host((n, Dc), self.dtype)
+            stage_pe = kv_device.empty_host((n, Dr), self.dtype)
+
+            def stage() -> None:
+                stage_kv.copy_(kv_src, non_blocking=True)
+                stage_pe.copy_(pe_src, non_blocking=True)
+
+            def unstage(_keep_alive: tuple[torch.Tensor, torch.Tensor]) -> None:
+                write(stage_kv, stage_pe)
+
+            staged = self._d2h.submit(stage, after=[kv_device.record_compute_event()])
+            # the host copy reads the staging only after the D2H copy's event (the worker waits on it);
+            # the device sources stay referenced until then
+            event = self._host.submit(unstage, (kv_src, pe_src), after=[staged])
         self._pending_append[layer].append(event)
-        nbytes = n * self.pool.row_bytes
-        self.layer_counters[layer].add("bytes_d2h", nbytes)
-        self.counters.add("bytes_d2h", nbytes)
         return event
+
+    def _pool_slots(self, where: str, ids: list[int], pos: torch.Tensor) -> torch.Tensor:
+        """Pool rows of ``(ids[i], pos[i])``; a rank whose pool does not know a request gets ``-1``."""
+        dst = torch.full((pos.numel(),), -1, dtype=torch.int64)
+        ids_t = torch.tensor(ids, dtype=torch.int64)
+        for rid in sorted(set(ids)):
+            m = ids_t == rid
+            if self.pool.knows(rid):
+                try:
+                    dst[m] = self.pool.slots(rid, pos[m])
+                except IndexError as exc:
+                    raise IndexError(f"{where}: {exc}") from None
+            elif self.writer:
+                raise ValueError(f"{where}: request {rid} has no host-pool blocks; reserve() it first")
+        known = dst[dst >= 0]
+        if known.unique().numel() != known.numel():
+            raise ValueError(f"{where}: a (request, position) pair occurs twice in one append")
+        return dst
+
+    def _count(self, layer: int, name: str, amount: float | torch.Tensor) -> None:
+        self.layer_counters[layer].add(name, amount)
+        self.counters.add(name, amount)
 
     def _wait(self, events: list[kv_device.TransferEvent], layer: int) -> None:
         if not events:
@@ -243,9 +355,18 @@ class SparseDecodeOffload:
             ev.wait()
         waited = time.perf_counter() - start
         events.clear()
-        for c in (self.layer_counters[layer], self.counters):
-            c.add("waits")
-            c.add("wait_seconds", waited)
+        self._count(layer, "waits", 1)
+        self._count(layer, "wait_seconds", waited)
+
+    def _await_rows(self, layer: int) -> None:
+        """The rows appended for ``layer`` so far are in the pool: own copies done, or the writer's
+        published (a reader of a shared pool)."""
+        self._wait(self._pending_append[layer], layer)
+        if not self.writer and self.pool.name is not None and self._append_seq[layer]:
+            waited = self.pool.wait_published(layer, self._append_seq[layer], self.fence_timeout)
+            if waited:
+                self._count(layer, "waits", 1)
+                self._count(layer, "wait_seconds", waited)
 
     def sync(self) -> None:
         """Wait for every pending append (raises if one failed)."""
@@ -264,106 +385,171 @@ class SparseDecodeOffload:
     ) -> StepResult:
         """Steps 3–7 for ``layer``: select, manage, copy misses, sparse attention over the hot rows.
 
-        ``q_nope [T, H, Dc]``, ``q_pe [T, H, Dr]`` (absorbed queries), ``T <= max_rows``.
+        ``q_nope [T, H, Dc]``, ``q_pe [T, H, Dr]`` (absorbed queries, the KV dtype, on the compute
+        device); ``indexer`` and ``rows`` describe the same ``T`` decode rows. Every argument is checked
+        before anything changes; see :func:`torch_kvoffload.sparse._checks.check_block_coverage` for
+        the block-table checks.
         """
-        T = q_nope.shape[0]
-        if self.max_rows < T:
-            raise ValueError(f"SparseDecodeOffload.attend: {T} decode rows exceed max_rows {self.max_rows}")
-        for arg, t in (("request_ids", rows.request_ids), ("stable_len", rows.stable_len)):
-            if t.shape != (T,):
-                raise ValueError(
-                    f"SparseDecodeOffload.attend: rows.{arg} must have shape [{T}], got {list(t.shape)}"
-                )
-        stt, lru, req = (s[:T] for s in self.state[layer])
-        hot_kv, hot_pe = self.hot_kv_c[layer][:T], self.hot_k_pe[layer][:T]
+        plan, ids, stable, host_bt = self._check_attend(layer, q_nope, q_pe, scale, indexer, rows)
+        T, H = q_nope.shape[:2]
         dev = self.device
-        ids, stable = rows.request_ids.to(dev), rows.stable_len.to(dev)
-        res = new_residency_outputs(T, self.top_k, dev)
+        table = self.tables[layer]
+        rows_t = torch.tensor(plan.rows, dtype=torch.int64).to(dev, non_blocking=True)
+        ids_t = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
+        stable = stable.to(dev, non_blocking=True)
+        state = table.gather(rows_t)
+        out, lse, topk, res = self._outputs(layer, T, H, q_nope.dtype)
+        self._manage(indexer, state, ids_t, stable, topk, res)
+        copying = False
+        try:
+            self._await_rows(layer)
+            copying = True
+            copied = self._copy_and_attend(layer, plan, rows_t, q_nope, q_pe, scale, host_bt, res, out, lse)
+        except BaseException:
+            if copying:
+                table.drop_slots(rows_t, res.miss_slots)
+            raise
+        table.commit(rows_t, state)
+        self.rows.commit(plan)
+        self._record(layer, topk, res, copied)
+        return StepResult(out, lse, topk, res, plan.rows)
+
+    def _check_attend(self, layer, q_nope, q_pe, scale, indexer, rows):
+        where = "SparseDecodeOffload.attend"
+        layer = _checks.check_layer(where, layer, self.num_layers)
+        dev = (self.device,)
+        Dc, Dr = self.pool.kv_lora_rank, self.pool.rope_dim
+        q_nope = _checks.check_tensor(where, "q_nope", q_nope, shape=(None, None, Dc), dtypes=(self.dtype,),
+                                      devices=dev)  # fmt: skip
+        T, H = q_nope.shape[:2]
+        if not 1 <= T <= self.max_rows:
+            raise ValueError(f"{where}: {T} decode rows, expected 1..max_rows={self.max_rows}")
+        _checks.check_tensor(where, "q_pe", q_pe, shape=(T, H, Dr), dtypes=(self.dtype,), devices=dev)
+        _checks.check_scale(where, scale)
+        if not isinstance(rows, DecodeRows):
+            raise TypeError(f"{where}: 'rows' must be a DecodeRows, got {type(rows).__name__}")
+        if not isinstance(indexer, IndexerInputs):
+            raise TypeError(f"{where}: 'indexer' must be IndexerInputs, got {type(indexer).__name__}")
+        ids = _checks.host_ints(where, "rows.request_ids", rows.request_ids, T)
+        stable = _checks.check_tensor(where, "rows.stable_len", rows.stable_len, shape=(T,), dtypes=(torch.int64,),
+                                      devices=(torch.device("cpu"), self.device))  # fmt: skip
+        if stable.device.type == "cpu" and bool((stable < 0).any()):
+            raise ValueError(f"{where}: rows.stable_len entries must be >= 0, got {stable.tolist()}")
+        host_bt = _checks.check_tensor(where, "rows.host_block_table", rows.host_block_table, dim=2,
+                                       dtypes=(torch.int32,), devices=(torch.device("cpu"), self.device))  # fmt: skip
+        if host_bt.shape[0] != T:
+            raise ValueError(f"{where}: rows.host_block_table must have {T} rows, got {list(host_bt.shape)}")
+        _checks.check_tensor(where, "indexer.q", indexer.q, dim=3, devices=dev)
+        if indexer.q.shape[0] != T:
+            raise ValueError(
+                f"{where}: indexer.q must have {T} rows (T of q_nope), got {list(indexer.q.shape)}"
+            )
+        _checks.check_tensor(
+            where, "indexer.weights", indexer.weights, shape=(T, indexer.q.shape[1]), devices=dev
+        )
+        cu = _checks.check_tensor(where, "indexer.cu_seqlens_q", indexer.cu_seqlens_q, dim=1, dtypes=(torch.int32,),
+                                  devices=dev)  # fmt: skip
+        lens = _checks.check_tensor(where, "indexer.seq_lens_k", indexer.seq_lens_k,
+                                    shape=(cu.shape[0] - 1,), dtypes=(torch.int32,), devices=dev)  # fmt: skip
+        _checks.check_tensor(where, "indexer.block_table", indexer.block_table, shape=(cu.shape[0] - 1, None),
+                             dtypes=(torch.int32,), devices=dev)  # fmt: skip
+        if self.config.indexer_dtype == "int8":
+            if indexer.k_int8_cache is None or indexer.k_scale_cache is None:
+                raise ValueError(
+                    f"{where}: the int8 indexer path needs indexer.k_int8_cache and k_scale_cache"
+                )
+            _checks.check_tensor(where, "indexer.k_int8_cache", indexer.k_int8_cache, dim=3,
+                                 dtypes=(torch.int8,), devices=dev)  # fmt: skip
+            _checks.check_tensor(where, "indexer.k_scale_cache", indexer.k_scale_cache, dim=2,
+                                 dtypes=(torch.float32,), devices=dev)  # fmt: skip
+        else:
+            if indexer.k_cache is None:
+                raise ValueError(f"{where}: the floating indexer path needs indexer.k_cache")
+            _checks.check_tensor(where, "indexer.k_cache", indexer.k_cache, dim=3, devices=dev)
+        _checks.check_block_coverage(where, self.pool, ids, host_bt, cu, lens)
+        plan = self.rows.plan(where, ids)
+        return plan, ids, stable, host_bt
+
+    def _outputs(self, layer: int, T: int, H: int, dtype: torch.dtype):
+        """``out, lse, topk, residency outputs`` for ``T`` rows: fresh on CPU, reused buffers on a device."""
+        K, Dc, dev = self.top_k, self.pool.kv_lora_rank, self.device
+        if self._on_cpu:
+            out = torch.empty(T, H, Dc, dtype=dtype)
+            lse = torch.empty(T, H, dtype=torch.float32)
+            return out, lse, torch.empty(T, K, dtype=torch.int32), new_residency_outputs(T, K)
+        key = (layer, H)
+        if key not in self._buffers:
+            R = self.max_rows
+            res = new_residency_outputs(R, K, dev)
+            self._buffers[key] = (torch.empty(R, H, Dc, dtype=dtype, device=dev),
+                                  torch.empty(R, H, dtype=torch.float32, device=dev),
+                                  torch.empty(R, K, dtype=torch.int32, device=dev), *res.as_tuple())  # fmt: skip
+        out, lse, topk, *res_bufs = self._buffers[key]
+        return out[:T], lse[:T], topk[:T], ResidencyOutputs(*(t[:T] for t in res_bufs))
+
+    def _manage(self, indexer: IndexerInputs, state, ids, stable, topk, res: ResidencyOutputs) -> None:
+        """Steps 3–4 on the scratch ``state``: fill ``topk`` and ``res``."""
         policy = self.config.policy
         if self.config.indexer_dtype == "int8":
-            topk = self._select_int8(indexer)
-            torch.ops.kvoffload.residency_update(
-                stt, lru, req, topk, ids, stable, None, policy, *res.as_tuple()
-            )
+            q_int8, q_scale = torch.ops.kvoffload.hadamard_quant_int8(indexer.q)
+            topk.copy_(torch.ops.kvoffload.quant_lightning_indexer(
+                q_int8, q_scale, indexer.weights, indexer.k_int8_cache, indexer.k_scale_cache, indexer.block_table,
+                indexer.cu_seqlens_q, indexer.seq_lens_k, self.top_k,
+            ))  # fmt: skip
+            residency_update(*state, topk, ids, stable, None, policy, res)
         elif self.config.fused:
-            topk = torch.empty(T, self.top_k, dtype=torch.int32, device=dev)
-            torch.ops.kvoffload.lightning_indexer_manage(
-                indexer.q, indexer.weights, self._float_k(indexer), indexer.block_table, indexer.cu_seqlens_q,
-                indexer.seq_lens_k, stt, lru, req, ids, stable, policy, topk, *res.as_tuple(),
+            lightning_indexer_manage(
+                indexer.q, indexer.weights, indexer.k_cache, indexer.block_table, indexer.cu_seqlens_q,
+                indexer.seq_lens_k, *state, ids, stable, policy, topk, res,
             )  # fmt: skip
         else:
-            k_cache = self._float_k(indexer)
-            args = (
-                indexer.q,
-                indexer.weights,
-                k_cache,
-                indexer.block_table,
-                indexer.cu_seqlens_q,
-                indexer.seq_lens_k,
-            )
-            topk = torch.ops.kvoffload.lightning_indexer(*args, self.top_k)
+            args = (indexer.q, indexer.weights, indexer.k_cache, indexer.block_table, indexer.cu_seqlens_q,
+                    indexer.seq_lens_k)  # fmt: skip
+            topk.copy_(torch.ops.kvoffload.lightning_indexer(*args, self.top_k))
             scores = torch.ops.kvoffload.lightning_indexer_scores(*args) if policy == "score" else None
-            torch.ops.kvoffload.residency_update(
-                stt, lru, req, topk, ids, stable, scores, policy, *res.as_tuple()
-            )
-        self._record(layer, topk, res)
-        # the rows appended for this layer must be in the pool before misses are read from it
-        self._wait(self._pending_append[layer], layer)
+            residency_update(*state, topk, ids, stable, scores, policy, res)
+
+    def _copy_and_attend(self, layer, plan: RowPlan, rows_t, q_nope, q_pe, scale, host_bt, res, out, lse):
+        """Steps 5–7 into ``out`` / ``lse``; returns the rows copied host→device (int or device tensor)."""
         host_kv, host_pe = self.pool.kv_c(layer), self.pool.k_pe(layer)
-        block_table = rows.host_block_table.to(dev)
-        H = q_nope.shape[1]
-        if self.config.fused:
-            out = torch.empty(T, H, hot_kv.shape[-1], dtype=q_nope.dtype, device=dev)
-            lse = torch.empty(T, H, dtype=torch.float32, device=dev)
-            torch.ops.kvoffload.scatter_copy_sparse_mla_attention(
-                q_nope, q_pe, host_kv, host_pe, block_table, hot_kv, hot_pe, res.miss_tokens, res.miss_slots,
-                res.miss_count, res.slots, scale, out, lse,
+        hot_kv, hot_pe = self.hot_kv_c[layer], self.hot_k_pe[layer]
+        T, C = q_nope.shape[0], self.capacity
+        if self.config.fused and plan.contiguous():
+            a = plan.rows[0]
+            scatter_copy_sparse_mla_attention(
+                q_nope, q_pe, host_kv, host_pe, host_bt.to(self.device, non_blocking=True), hot_kv[a : a + T],
+                hot_pe[a : a + T], res.miss_tokens, res.miss_slots, res.miss_count, res.slots, scale, out, lse,
             )  # fmt: skip
-        else:
-            self._copy_misses(host_kv, host_pe, hot_kv, hot_pe, rows.host_block_table, res)
-            C = self.capacity
-            base = torch.arange(T, dtype=torch.int32, device=dev)[:, None] * C
-            indices = torch.where(res.slots >= 0, res.slots + base, -1)
-            out, lse = torch.ops.kvoffload.sparse_mla_attention(
-                q_nope, q_pe, hot_kv.reshape(T * C, -1), hot_pe.reshape(T * C, -1), indices, scale
-            )
-        return StepResult(out, lse, topk, res)
+            # Copy-SFA copies the first miss_count[r] entries of each row's miss list
+            return res.miss_count.sum(dtype=torch.int64)
+        copied = self._copy_misses(host_kv, host_pe, hot_kv, hot_pe, host_bt, res, rows_t)
+        indices = torch.where(res.slots >= 0, res.slots + (rows_t[:, None] * C).to(torch.int32), -1)
+        o, s = sparse_mla_attention(
+            q_nope, q_pe, hot_kv.view(-1, hot_kv.shape[-1]), hot_pe.view(-1, hot_pe.shape[-1]), indices, scale
+        )
+        out.copy_(o)
+        lse.copy_(s)
+        return copied
 
-    def _float_k(self, indexer: IndexerInputs) -> torch.Tensor:
-        if indexer.k_cache is None:
-            raise ValueError("SparseDecodeOffload.attend: the floating indexer path needs indexer.k_cache")
-        return indexer.k_cache
+    def _copy_misses(
+        self, host_kv, host_pe, hot_kv, hot_pe, block_table, res: ResidencyOutputs, rows_t
+    ) -> int:
+        """Unfused step 5: gather the missed rows host→hot buffer on the H2D transfer stream.
 
-    def _select_int8(self, indexer: IndexerInputs) -> torch.Tensor:
-        if indexer.k_int8_cache is None or indexer.k_scale_cache is None:
-            raise ValueError(
-                "SparseDecodeOffload.attend: the int8 indexer path needs indexer.k_int8_cache and k_scale_cache"
-            )
-        q_int8, q_scale = torch.ops.kvoffload.hadamard_quant_int8(indexer.q)
-        return torch.ops.kvoffload.quant_lightning_indexer(
-            q_int8, q_scale, indexer.weights, indexer.k_int8_cache, indexer.k_scale_cache, indexer.block_table,
-            indexer.cu_seqlens_q, indexer.seq_lens_k, self.top_k,
-        )  # fmt: skip
-
-    @staticmethod
-    def quantize_index_keys(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Int8 indexer keys for the caller's cache: ``(int8 [..., D], fp32 scale [...])``."""
-        return torch.ops.kvoffload.hadamard_quant_int8(k)
-
-    def _copy_misses(self, host_kv, host_pe, hot_kv, hot_pe, block_table, res: ResidencyOutputs) -> None:
-        """Unfused step 5: gather the missed rows host→hot buffer on the H2D transfer stream."""
-        T, C = hot_kv.shape[0], hot_kv.shape[1]
-        bs = self.pool.block_size
-        mt = res.miss_tokens.to("cpu", torch.int64)
-        ms = res.miss_slots.to("cpu", torch.int64)
+        The gather indices (host pool row, hot-buffer row) are computed where the miss list lives; the
+        host pool is indexed on the host, so on an accelerator the valid pairs are read back once here
+        (the fused default has no such read).
+        """
+        C, bs = self.capacity, self.pool.block_size
+        mt, ms = res.miss_tokens.long(), res.miss_slots.long()
         valid = mt >= 0
-        if not bool(valid.any()):
-            return
-        row = torch.arange(T)[:, None].expand_as(mt)[valid]
-        tok = mt[valid]
-        bt = block_table.to("cpu", torch.int64)
-        src = bt[row, tok // bs] * bs + tok % bs
-        dst = row * C + ms[valid]
+        tok = mt.clamp(min=0)
+        bt = block_table.to(mt.device, torch.int64)
+        src = bt.gather(1, tok // bs) * bs + tok % bs
+        dst = rows_t[:, None] * C + ms
+        src, dst = src[valid].cpu(), dst[valid].cpu()
+        if src.numel() == 0:
+            return 0
 
         def h2d() -> None:
             copy_rows(host_kv, hot_kv, src, dst)
@@ -371,25 +557,33 @@ class SparseDecodeOffload:
 
         event = self._h2d.submit(h2d, after=[kv_device.record_compute_event()])
         event.wait_on_compute()
+        return int(src.numel())
 
-    def _record(self, layer: int, topk: torch.Tensor, res: ResidencyOutputs) -> None:
-        misses = int(res.miss_count.sum())
-        hits = int((topk >= 0).sum()) - misses
-        ev = int(res.evictions.sum())
-        for c in (self.layer_counters[layer], self.counters):
-            c.add("hits", hits)
-            c.add("misses", misses)
-            c.add("evictions", ev)
-            c.add("bytes_h2d", misses * self.pool.row_bytes)
+    def _record(
+        self, layer: int, topk: torch.Tensor, res: ResidencyOutputs, copied: int | torch.Tensor
+    ) -> None:
+        misses = res.miss_count.sum(dtype=torch.int64)
+        for name, amount in (("hits", (topk >= 0).sum() - misses), ("misses", misses),
+                             ("evictions", res.evictions.sum(dtype=torch.int64)),
+                             ("bytes_h2d", copied * self.pool.row_bytes)):  # fmt: skip
+            self._count(layer, name, amount)
+
+    @staticmethod
+    def quantize_index_keys(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Int8 indexer keys for the caller's cache: ``(int8 [..., D], fp32 scale [...])``."""
+        return torch.ops.kvoffload.hadamard_quant_int8(k)
 
     # ---------------------------------------------------------------------------------- lifecycle
     def close(self) -> None:
         """Finish pending transfers, stop the transfer streams, release an owned pool. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.sync()
         finally:
-            self._d2h.close()
-            self._h2d.close()
+            for stream in {id(s): s for s in (self._d2h, self._h2d, self._host)}.values():
+                stream.close()
             if self._owns_pool:
                 self.pool.close()
 

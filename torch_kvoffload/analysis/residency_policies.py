@@ -1,4 +1,5 @@
-"""Residency policies on top-k traces: synthetic traces, online policies and Belady's offline optimum.
+"""Research utilities for residency policies: synthetic top-k traces, online policies and Belady's offline
+optimum (used by benchmarks and tests; not part of the runtime API).
 
 A *trace* is one decode row's sequence of top-k selections: ``steps`` lists of distinct logical
 positions. Online policies (``"lru"``, ``"score"``) run through :class:`ResidencyTable` — the real op, one

@@ -29,6 +29,7 @@ Writes ``benchmarks/results/layerwise_bench.json``.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -50,6 +51,9 @@ from torch_kvoffload.layerwise import (
 )
 from torch_kvoffload.ops import copy_blocks
 from torch_kvoffload.store.local import LocalKVStore
+
+#: CPU tuning of the runtime that is not a constructor argument: name -> the runtime attribute holding it
+TUNING = {"critical_parts": "_critical_parts", "wake_delay": "_wake_delay"}
 
 
 def _specs(args) -> list[LayerCacheSpec]:
@@ -107,9 +111,13 @@ class Setup:
         runtime_cls: type = LayerwiseOffloadRuntime,
         **runtime_kwargs,
     ) -> None:
+        """``runtime_kwargs``: constructor arguments of ``runtime_cls``, and the CPU tuning of
+        :data:`TUNING` (set on the runtime's private attributes when the constructor does not take it)."""
         self.args = args
         self.plan = plan_layer_buffers(_specs(args), b, [0])
         self.bufs = allocate_layer_buffers(self.plan, "cpu")
+        accepted = inspect.signature(runtime_cls).parameters
+        tuning = {k: runtime_kwargs.pop(k) for k in list(runtime_kwargs) if k in TUNING and k not in accepted}
         self.rt = runtime_cls(
             self.plan,
             self.bufs,
@@ -119,6 +127,13 @@ class Setup:
             transfer_streams=streams or args.streams,
             **runtime_kwargs,
         )
+        for name, value in tuning.items():
+            setattr(self.rt, TUNING[name], value)
+        # the hook methods (runtimes of older revisions, loaded by layerwise_paired.py, named them
+        # before_attention / after_cache_write)
+        old = not hasattr(self.rt, "wait")
+        self.wait = self.rt.before_attention if old else self.rt.wait
+        self.save = self.rt.after_cache_write if old else self.rt.save
         bs = args.block_size
         self.tokens = [torch.arange((args.prefix_blocks + args.new_blocks) * bs + 1)]
         self.table = [list(range(args.prefix_blocks + args.new_blocks + 1))]
@@ -131,12 +146,12 @@ class Setup:
         t0 = time.perf_counter()
         rt.begin_forward(self.tokens, self.table, self.cached)
         for layer in range(self.plan.num_layers):
-            rt.before_attention(layer)
+            self.wait(layer)
             if compute is not None:
                 c0 = time.perf_counter()
                 compute()
                 in_compute += time.perf_counter() - c0
-            rt.after_cache_write(layer)
+            self.save(layer)
         rt.end_forward()
         return time.perf_counter() - t0, in_compute
 
@@ -151,7 +166,7 @@ class BareSchedule:
     def __init__(self, setup: Setup) -> None:
         args, self.plan = setup.args, setup.plan
         self.depth = setup.rt.prefetch_depth
-        self.wake_delay = setup.rt.wake_delay
+        self.wake_delay = setup.rt._wake_delay
         self.bufs = setup.bufs
         p, n = args.prefix_blocks, args.new_blocks
         comps = setup.bufs.layer_caches(0)
@@ -211,15 +226,16 @@ def record_bytes(args) -> int:
     return (args.kv_lora_rank + args.rope_dim) * args.block_size * 4
 
 
-def filled_store(args, store_cls=LocalKVStore) -> LocalKVStore:
+def filled_store(args, store_cls=LocalKVStore, runtime_cls=LayerwiseOffloadRuntime) -> LocalKVStore:
     """A store holding every block the measured forwards use: the prefix they load and the new blocks,
-    whose saves then overwrite in place (one forward without compute saves them all)."""
+    whose saves then overwrite in place (one forward without compute saves them all). Filled by
+    ``runtime_cls``, so its keys are the ones that class's runtimes read."""
     store = store_cls(2 * args.layers * (args.prefix_blocks + args.new_blocks + 1) * record_bytes(args))
-    warm = Setup(args, 1, 1, store)
+    warm = Setup(args, 1, 1, store, runtime_cls=runtime_cls)
     warm.rt.begin_forward(warm.tokens, warm.table, [0])
     for layer in range(args.layers):
-        warm.rt.before_attention(layer)
-        warm.rt.after_cache_write(layer)
+        warm.wait(layer)
+        warm.save(layer)
     warm.rt.end_forward()
     warm.rt.close()
     return store

@@ -5,7 +5,8 @@ than most single changes. This script builds two runtimes over the same store, t
 and the same compute, and alternates their forwards (A B, then B A, ...), so drifting machine load hits
 both alike; it reports, per configuration, the median of the per-pair wall ratios A / B (> 1: B faster).
 
-A variant is a set of runtime keyword arguments (``--a critical_parts=1``) and optionally another git
+A variant is a set of runtime keyword arguments or CPU tuning values (``--a critical_parts=1``; the
+tuning of ``layerwise_bench.TUNING`` is set on the runtime's private attributes) and optionally another git
 revision (``--a-rev HEAD~1``: the layerwise runtime, the embedded store and the block hashing of that
 revision, loaded under other module names, each variant with its own store; the rest of the package,
 kernels included, is this checkout's).
@@ -93,7 +94,8 @@ def main() -> None:
     cls_b, store_b = _variant_at(args.b_rev) if args.b_rev else (LayerwiseOffloadRuntime, LocalKVStore)
     kw_a, kw_b = _kwargs(args.a), _kwargs(args.b)
 
-    stores = {cls: filled_store(args, cls) for cls in {store_a, store_b}}
+    # each (store, runtime) class pair gets a store filled by that runtime, so its keys are the ones it reads
+    stores = {pair: filled_store(args, *pair) for pair in {(store_a, cls_a), (store_b, cls_b)}}
     compute = Compute(args.compute_dim)
     compute.calibrate(args.compute_ms * 1e-3)
     for _ in range(2):
@@ -105,8 +107,8 @@ def main() -> None:
     configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
     for b, depth in tqdm(configs, desc="paired"):
         load = ForeignLoad()
-        sa = Setup(args, b, depth, stores[store_a], runtime_cls=cls_a, **kw_a)
-        sb = Setup(args, b, depth, stores[store_b], runtime_cls=cls_b, **kw_b)
+        sa = Setup(args, b, depth, stores[store_a, cls_a], runtime_cls=cls_a, **dict(kw_a))
+        sb = Setup(args, b, depth, stores[store_b, cls_b], runtime_cls=cls_b, **dict(kw_b))
         for s in (sa, sb):
             s.forward(compute)
         wa, wb, ratios, alone = [], [], [], []

@@ -17,12 +17,10 @@ import torch
 from torch_kvoffload.layerwise import (
     LayerCacheSpec,
     LayerwiseConfig,
-    LayerwiseOffloadRuntime,
     TensorSpec,
     allocate_layer_buffers,
     plan_layer_buffers,
 )
-from torch_kvoffload.store.local import LocalKVStore
 
 LAYERS, D, RANK, ROPE, BLOCK, BLOCKS, VOCAB = 8, 64, 32, 16, 8, 32, 1000
 
@@ -57,12 +55,12 @@ class ToyMLA:
         for layer, w in enumerate(self.w):
             c_cache, pe_cache = (t.view(-1, t.shape[-1]) for t in caches_of(layer))
             if rt is not None:
-                rt.before_attention(layer)  # previous user of the buffer saved, prefix loaded
+                rt.wait(layer)  # previous user of the buffer saved, prefix loaded
             c_kv = torch.nn.functional.normalize(x @ w["kv"], dim=-1)
             c_cache[slots[cached:]] = c_kv
             pe_cache[slots[cached:]] = x @ w["pe"]
             if rt is not None:
-                rt.after_cache_write(layer)  # start saving the new blocks
+                rt.save(layer)  # start saving the new blocks
             q = x @ w["q"]
             s = q[:, :RANK] @ c_cache[slots].T + q[:, RANK:] @ pe_cache[slots].T
             s = s.masked_fill(pos[None, :] > pos[cached:, None], float("-inf")) / math.sqrt(RANK + ROPE)
@@ -71,12 +69,16 @@ class ToyMLA:
 
 
 def main() -> None:
-    cfg = LayerwiseConfig(num_shared_buffers=2, independent_layers=[0], prefetch_depth=2)
+    cfg = LayerwiseConfig(
+        num_shared_buffers=2,
+        independent_layers=[0],
+        prefetch_depth=2,
+        store={"kind": "local", "capacity_bytes": 64 << 20},
+        model_id="toy-mla",
+    )
     model = ToyMLA()
-    plan = plan_layer_buffers(model.specs(), cfg.num_shared_buffers, cfg.independent_layers)
-    bufs = allocate_layer_buffers(plan, "cpu")
-    store = LocalKVStore(64 << 20)
-    rt = LayerwiseOffloadRuntime(plan, bufs, store, prefetch_depth=cfg.prefetch_depth, model_id="toy-mla")
+    rt = cfg.build_runtime(model.specs(), device="cpu")
+    plan, bufs = rt.plan, rt.buffers
 
     g = torch.Generator().manual_seed(1)
     a = torch.randint(0, VOCAB, (70,), generator=g).tolist()
@@ -84,6 +86,7 @@ def main() -> None:
     full = allocate_layer_buffers(plan_layer_buffers(model.specs(), 1, "all"), "cpu")
 
     print(plan.describe())
+    print(f"store keys: kv/{rt.fingerprint}/<layer>/<block hash>")
     rows = []
     for name, toks, table in (("A", a, list(range(9))), ("B", b, list(range(9, 19)))):
         cached = rt.begin_forward([toks], [table])[0]

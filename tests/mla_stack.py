@@ -48,8 +48,9 @@ def _rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 
 
 class MLAStack:
-    """Random-initialised MLA decoder (fp32). ``hooks`` (optional) get ``before(layer, caches)`` /
-    ``after_write(layer, caches)`` calls around each layer's cache write."""
+    """Random-initialised MLA decoder (fp32). ``hooks`` (optional) get ``wait(layer, caches)`` before and
+    ``save(layer, caches)`` after each layer's cache write — the layerwise runtime's hook methods, so a
+    :class:`~torch_kvoffload.layerwise.LayerwiseOffloadRuntime` itself can be passed."""
 
     def __init__(self, cfg: MLAConfig, seed: int = 0) -> None:
         self.cfg = cfg
@@ -109,7 +110,7 @@ class MLAStack:
         for layer, p in enumerate(self.layers):
             caches = caches_of(layer)
             if hooks is not None:
-                hooks.before(layer, caches)
+                hooks.wait(layer, caches)
             c_cache = caches[0].view(-1, c.kv_lora_rank)
             pe_cache = caches[1].view(-1, c.rope_dim)
             hs = []
@@ -122,7 +123,7 @@ class MLAStack:
                 pe_cache[slot[k:]] = k_pe
                 hs.append(h)
             if hooks is not None:
-                hooks.after_write(layer, caches)
+                hooks.save(layer, caches)
             if on_attention is not None:
                 on_attention(layer)
             new_xs = []

@@ -16,10 +16,9 @@ from torch_kvoffload.layerwise import (
     LayerwiseOffloadRuntime,
     allocate_layer_buffers,
     plan_layer_buffers,
-    register_runtime,
-    unregister_runtime,
 )
 from torch_kvoffload.ops import layer_prefetch, layer_save, layer_wait
+from torch_kvoffload.ops.layer_hooks import runtimes
 from torch_kvoffload.store.keys import block_hashes, layer_block_keys, parse_layer_block_key
 from torch_kvoffload.store.local import LocalKVStore
 
@@ -33,10 +32,10 @@ class OpHooks:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def before(self, layer, caches) -> None:
+    def wait(self, layer, caches) -> None:
         layer_wait(self.name, layer, list(caches))
 
-    def after_write(self, layer, caches) -> None:
+    def save(self, layer, caches) -> None:
         layer_save(self.name, layer, list(caches))
         layer_prefetch(self.name, layer, list(caches))
 
@@ -84,7 +83,7 @@ class Offload:
         self.store = store if store is not None else FaultyStore(1 << 24)
         self.rt = LayerwiseOffloadRuntime(self.plan, self.bufs, self.store, prefetch_depth=depth)
         self.name = f"model-test-{next(_names)}"
-        register_runtime(self.name, self.rt)
+        runtimes.register(self.name, self.rt)
         self.attended: list[int] = []
         self.touched: dict[int, int] = {}
 
@@ -114,7 +113,7 @@ class Offload:
         return out, cached
 
     def close(self) -> None:
-        unregister_runtime(self.name)
+        runtimes.unregister(self.name)
         self.rt.close()
 
 
@@ -158,12 +157,12 @@ def test_shared_prefix_is_loaded_not_recomputed(model) -> None:
         a_kv = {}
 
         class Capture(OpHooks):
-            def after_write(self, layer, caches):
+            def save(self, layer, caches):
                 a_kv[layer] = (
                     caches[0][_tables([18])[0][:3]].clone(),
                     caches[1][_tables([18])[0][:3]].clone(),
                 )
-                super().after_write(layer, caches)
+                super().save(layer, caches)
 
         cached_a = off.rt.begin_forward([a], _tables([18]))
         model.prefill([a], _tables([18]), off.caches_of, cached_a, hooks=Capture(off.name))
@@ -172,8 +171,8 @@ def test_shared_prefix_is_loaded_not_recomputed(model) -> None:
         seen = {}
 
         class Watch(OpHooks):
-            def before(self, layer, caches):
-                super().before(layer, caches)
+            def wait(self, layer, caches):
+                super().wait(layer, caches)
                 seen[layer] = (caches[0][tables[0][:3]].clone(), caches[1][tables[0][:3]].clone())
 
         tables = _tables([19, 9], start=10)
@@ -236,10 +235,10 @@ def test_injected_save_failure_stops_the_next_user(model) -> None:
         after3 = {}
 
         class Snap(OpHooks):
-            def after_write(self, layer, caches):
+            def save(self, layer, caches):
                 if layer == 3:
                     after3["c"] = slot_tensor.clone()
-                super().after_write(layer, caches)
+                super().save(layer, caches)
 
         cached = off.rt.begin_forward(toks2, _tables([23], start=20))
         assert cached == [16]
@@ -280,8 +279,12 @@ def test_prefix_evicted_mid_forward_is_recomputed(model) -> None:
         off.run(toks, tables)  # fill the store with every full block of both requests
         hashes = [block_hashes(t, CFG.block_size) for t in toks]
         store.drop = {
-            layer_block_keys(hashes[0], 5, model_id="")[2],  # request 0 keeps blocks 0, 1 at layer 5
-            layer_block_keys(hashes[1], 3, model_id="")[0],  # request 1 loses its whole prefix at layer 3
+            layer_block_keys(hashes[0], 5, model_id=off.rt.fingerprint)[
+                2
+            ],  # request 0 keeps blocks 0, 1 at layer 5
+            layer_block_keys(hashes[1], 3, model_id=off.rt.fingerprint)[
+                0
+            ],  # request 1 loses its whole prefix at layer 3
         }
         tables2 = _tables(lens, start=12)
         runs = []
@@ -309,5 +312,39 @@ def test_prefix_evicted_mid_forward_is_recomputed(model) -> None:
         cached = off.rt.begin_forward(toks, tables)
         off.rt.end_forward()
         assert cached == [20, 12]
+    finally:
+        off.close()
+
+
+@pytest.mark.parametrize("stored", [True, False])
+def test_requests_sharing_prefix_blocks_equal_no_offload(model, stored) -> None:
+    """Three requests whose first 3 blocks are the same physical blocks: loaded once from the store
+    (``stored``) or computed by the first request and read by the others in the same forward; every
+    request's outputs equal the stack without offload run on private blocks."""
+    g = torch.Generator().manual_seed(31)
+    prefix = torch.randint(0, CFG.vocab, (12,), generator=g).tolist()
+    toks = [[*prefix, *torch.randint(0, CFG.vocab, (n,), generator=g).tolist()] for n in (5, 1, 9)]
+    private = _tables([len(t) for t in toks], start=20)
+    expected, _ = _baseline(model, toks, private)
+    shared = [40, 41, 42]
+    tables = [[*shared, *t[3:]] for t in private]
+    off = Offload(model)
+    try:
+        if stored:
+            off.run([[*prefix, 0]], [[0, 1, 2, 3]])
+            off.rt.counters.reset()
+        got, cached = off.run(toks, tables)
+        snap = off.rt.counters.snapshot()
+        if stored:
+            assert cached == [12, 12, 12] and snap["blocks_loaded"] == 3 * CFG.num_layers
+            assert snap["store_hits"] == 9 and snap["batch_shared_blocks"] == 0
+        else:
+            assert cached == [0, 12, 12] and snap["blocks_loaded"] == 0
+            assert snap["store_hits"] == 0 and snap["batch_shared_blocks"] == 6
+        new_full = sum(len(t) // CFG.block_size - 3 for t in toks)
+        assert snap["blocks_saved"] == CFG.num_layers * (new_full + (0 if stored else 3))
+        for g_out, e, c in zip(got, expected, cached, strict=True):
+            # the prefix KV came from another forward / request: equal up to matmul rounding
+            torch.testing.assert_close(g_out, e[c:], rtol=1e-5, atol=1e-5)
     finally:
         off.close()

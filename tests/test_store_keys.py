@@ -9,9 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from torch_kvoffload.layerwise import LayerCacheSpec, TensorSpec
 from torch_kvoffload.store.keys import (
     DIGEST_SIZE,
+    FINGERPRINT_SIZE,
     block_hashes,
+    cache_layout_fingerprint,
     layer_block_keys,
     layer_key_prefix,
     parse_layer_block_key,
@@ -135,3 +138,63 @@ def test_layer_block_keys_errors() -> None:
         layer_key_prefix(True)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="layer_key_prefix: model_id"):
         layer_key_prefix(0, model_id=1)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------------- fingerprint
+
+
+def _mla_specs(layers=3, nb=64, bs=128, dtype=torch.bfloat16, rank=512, rope=64, indexer=(128,), mtp=()):
+    main = (TensorSpec((nb, bs, rank), dtype), TensorSpec((nb, bs, rope), dtype))
+    idx = None if indexer is None else tuple(TensorSpec((nb, bs, d), torch.bfloat16) for d in indexer)
+    return [LayerCacheSpec(main, idx, i in mtp) for i in range(layers)]
+
+
+def test_fingerprint_is_stable_and_carries_the_model_id() -> None:
+    # pinned: keys written by one process / version must be found by the next
+    assert cache_layout_fingerprint(_mla_specs()) == "a64406e710cf6478"
+    assert cache_layout_fingerprint(_mla_specs(), "deepseek-v3.2") == "deepseek-v3.2@a64406e710cf6478"
+    assert cache_layout_fingerprint(_mla_specs(), "org/model@rev") == "org/model@rev@a64406e710cf6478"
+    fp = cache_layout_fingerprint(_mla_specs(layers=5, dtype=torch.float32))
+    assert len(fp) == 2 * FINGERPRINT_SIZE and int(fp, 16) >= 0
+    # usable as the model id of a key, and read back from it
+    key = layer_block_keys(["ab" * DIGEST_SIZE], 2, model_id=cache_layout_fingerprint(_mla_specs(), "m/1"))[0]
+    assert parse_layer_block_key(key) == ("m/1@a64406e710cf6478", 2, "ab" * DIGEST_SIZE)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"layers": 4},
+        {"bs": 64, "nb": 128},
+        {"dtype": torch.float16},
+        {"rank": 256},
+        {"rope": 32},
+        {"indexer": None},
+        {"indexer": (64,)},
+        {"indexer": (128, 1)},
+    ],
+)
+def test_fingerprint_changes_with_every_layout_field(change) -> None:
+    assert cache_layout_fingerprint(_mla_specs(**change)) != cache_layout_fingerprint(_mla_specs())
+
+
+def test_fingerprint_ignores_what_does_not_change_a_block() -> None:
+    base = cache_layout_fingerprint(_mla_specs())
+    assert cache_layout_fingerprint(_mla_specs(nb=7)) == base  # pool size
+    assert cache_layout_fingerprint(_mla_specs(mtp=(2,))) == base  # MTP flag: planned like any layer
+    # one layer differing (its indexer) is another layout
+    mixed = _mla_specs()
+    mixed[1] = LayerCacheSpec(mixed[1].main, None)
+    assert cache_layout_fingerprint(mixed) != base
+    # component order matters (records hold them in order)
+    swapped = [LayerCacheSpec(tuple(reversed(s.main)), s.indexer) for s in _mla_specs()]
+    assert cache_layout_fingerprint(swapped) != base
+
+
+def test_fingerprint_errors() -> None:
+    with pytest.raises(TypeError, match="cache_layout_fingerprint: model_id must be a str, got int"):
+        cache_layout_fingerprint(_mla_specs(), 3)
+    with pytest.raises(ValueError, match="non-empty sequence of LayerCacheSpec"):
+        cache_layout_fingerprint([])
+    with pytest.raises(TypeError, match=r"specs\[1\] must be a LayerCacheSpec, got int"):
+        cache_layout_fingerprint([_mla_specs()[0], 5])

@@ -1,4 +1,8 @@
-"""Layerwise prefill offload: plan shared layer buffers, allocate them, run load / save around each layer."""
+"""Layerwise prefill offload: plan shared layer buffers, allocate them, run load / save around each layer.
+
+The hook ops (``torch.ops.kvoffload.layer_wait`` / ``layer_prefetch`` / ``layer_save``) reach a runtime
+registered by name in :data:`torch_kvoffload.ops.layer_hooks.runtimes`.
+"""
 
 from torch_kvoffload.layerwise.allocation import LayerBuffers, allocate_layer_buffers
 from torch_kvoffload.layerwise.config import LayerwiseConfig
@@ -9,9 +13,6 @@ from torch_kvoffload.layerwise.runtime import (
     PrefixEvictedError,
     SlotPoisonedError,
     StoreMissError,
-    get_runtime,
-    register_runtime,
-    unregister_runtime,
 )
 
 __all__ = [
@@ -26,8 +27,5 @@ __all__ = [
     "StoreMissError",
     "TensorSpec",
     "allocate_layer_buffers",
-    "get_runtime",
     "plan_layer_buffers",
-    "register_runtime",
-    "unregister_runtime",
 ]

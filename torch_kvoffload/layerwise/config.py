@@ -27,7 +27,10 @@ class LayerwiseConfig(ConfigModel):
     ``prefetch_depth``: loads are issued up to this many layers ahead of the running layer (``>= 1``).
     ``store``: the host KV pool (:class:`~torch_kvoffload.store.factory.StoreConfig`: ``kind`` —
     ``"local"``, ``"memcache"``, ``"mooncake"`` — and that kind's options).
-    ``model_id``: mixed into the store keys so different models (or KV layouts) never share entries.
+    ``model_id``: names the model (weights, revision). The store keys carry it together with a digest of
+    the cache layout (:func:`~torch_kvoffload.store.keys.cache_layout_fingerprint`), so models with
+    different layouts never share entries even when ``model_id`` is empty; set it when two models with
+    the same layout (e.g. two fine-tunes) use one store.
     """
 
     num_shared_buffers: StrictInt = Field(default=2, ge=1)

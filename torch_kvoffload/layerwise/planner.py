@@ -24,6 +24,8 @@ from typing import Literal
 
 import torch
 
+from torch_kvoffload._utils import check_int
+
 __all__ = ["LayerBufferPlan", "LayerCacheSpec", "TensorSpec", "plan_layer_buffers"]
 
 
@@ -161,12 +163,6 @@ class LayerBufferPlan:
         return "\n".join(lines)
 
 
-def _check_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        _fail(f"'{name}' must be an int, got {type(value).__name__} {value!r}", TypeError)
-    return value
-
-
 def _check_tensor_spec(where: str, t: object) -> TensorSpec:
     if isinstance(t, torch.Tensor):
         t = TensorSpec.of(t)
@@ -218,7 +214,7 @@ def _resolve_independent(independent: Sequence[int] | Literal["all"], n: int) ->
         )
     out: list[int] = []
     for i, raw in enumerate(independent):
-        v = _check_int(f"independent_layers[{i}]", raw)
+        v = check_int("plan_layer_buffers", f"'independent_layers[{i}]'", raw)
         if not -n <= v < n:
             _fail(f"'independent_layers[{i}]' is {v}, expected a layer in [-{n}, {n}) for {n} layers")
         v %= n
@@ -284,7 +280,7 @@ def plan_layer_buffers(
             f"'layers' must be a layer count or a sequence of LayerCacheSpec, got {type(layers).__name__}",
             TypeError,
         )
-    b = _check_int("num_shared_buffers", num_shared_buffers)
+    b = check_int("plan_layer_buffers", "'num_shared_buffers'", num_shared_buffers)
     if b < 1:
         _fail(f"'num_shared_buffers' must be at least 1, got {b}")
     independent = _resolve_independent(independent_layers, n)

@@ -14,10 +14,16 @@ T = TypeVar("T")
 
 
 class HookRegistry(Generic[T]):
-    """A thread-safe map from names to runtime objects of one kind (``what`` names the kind in errors)."""
+    """A thread-safe map from names to runtime objects of one kind.
 
-    def __init__(self, what: str) -> None:
+    ``what`` names the kind in errors; ``methods`` are the hook methods the ops call (by the rule
+    "runtime method = op name without its family prefix"): an object lacking one is refused at
+    ``register`` rather than failing inside a graph.
+    """
+
+    def __init__(self, what: str, *, methods: tuple[str, ...] = ()) -> None:
         self._what = what
+        self._methods = tuple(methods)
         self._lock = threading.Lock()
         self._items: dict[str, T] = {}
 
@@ -25,6 +31,12 @@ class HookRegistry(Generic[T]):
         """Register ``obj`` as ``name``; an existing name is an error unless ``replace``."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"register {self._what}: 'name' must be a non-empty str, got {name!r}")
+        missing = [m for m in self._methods if not callable(getattr(obj, m, None))]
+        if missing:
+            raise TypeError(
+                f"register {self._what}: {type(obj).__name__} has no hook method(s) {missing}; a "
+                f"{self._what} needs {list(self._methods)}"
+            )
         with self._lock:
             if name in self._items and not replace:
                 raise ValueError(
@@ -47,5 +59,6 @@ class HookRegistry(Generic[T]):
         return obj
 
     def names(self) -> list[str]:
+        """The registered names, sorted."""
         with self._lock:
             return sorted(self._items)

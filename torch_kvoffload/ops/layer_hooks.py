@@ -1,8 +1,9 @@
 """Layer runtime hooks: ``kvoffload::layer_wait`` / ``layer_prefetch`` / ``layer_save``.
 
-Each op calls the :class:`~torch_kvoffload.layerwise.runtime.LayerwiseOffloadRuntime` registered under
-``runtime`` (``torch_kvoffload.layerwise.register_runtime``) for one layer. The registry lives here so
-that ``ops`` never imports ``torch_kvoffload.layerwise``. They take the layer's cache tensors as declared mutated
+Each op calls the method of the same name without the ``layer_`` prefix (``wait`` / ``prefetch`` /
+``save``) of the :class:`~torch_kvoffload.layerwise.runtime.LayerwiseOffloadRuntime` registered under
+``runtime`` in :data:`runtimes` (``runtimes.register(name, rt)``; ``runtimes.unregister(name)``) for one
+layer. The registry lives here so that ``ops`` never imports ``torch_kvoffload.layerwise``. They take the layer's cache tensors as declared mutated
 arguments (``Tensor(a!)[]``): a graph then orders them against every read and write of those caches, and
 dead-code elimination cannot drop them although they return nothing.
 
@@ -32,14 +33,15 @@ _SCHEMA = "(str runtime, int layer, Tensor(a!)[] caches) -> ()"
 class LayerHooks(Protocol):
     """What the ops call: a layerwise runtime (see ``torch_kvoffload.layerwise.LayerwiseOffloadRuntime``)."""
 
-    def before_attention(self, layer: int, caches: list[torch.Tensor] | None = None) -> None: ...
+    def wait(self, layer: int, caches: list[torch.Tensor] | None = None) -> None: ...
 
     def prefetch(self, layer: int, caches: list[torch.Tensor] | None = None) -> None: ...
 
-    def after_cache_write(self, layer: int, caches: list[torch.Tensor] | None = None) -> None: ...
+    def save(self, layer: int, caches: list[torch.Tensor] | None = None) -> None: ...
 
 
-runtimes: HookRegistry[LayerHooks] = HookRegistry("layerwise runtime")
+#: The runtimes the ops find by name: ``runtimes.register(name, rt)`` makes ``rt`` reachable as ``name``.
+runtimes: HookRegistry[LayerHooks] = HookRegistry("layerwise runtime", methods=("wait", "prefetch", "save"))
 
 
 def _runtime(name: str) -> LayerHooks:
@@ -51,7 +53,7 @@ def _fake(runtime: str, layer: int, caches: list[torch.Tensor]) -> None:
 
 
 def _wait_kernel(runtime: str, layer: int, caches: list[torch.Tensor]) -> None:
-    _runtime(runtime).before_attention(layer, caches)
+    _runtime(runtime).wait(layer, caches)
 
 
 def _prefetch_kernel(runtime: str, layer: int, caches: list[torch.Tensor]) -> None:
@@ -59,7 +61,7 @@ def _prefetch_kernel(runtime: str, layer: int, caches: list[torch.Tensor]) -> No
 
 
 def _save_kernel(runtime: str, layer: int, caches: list[torch.Tensor]) -> None:
-    _runtime(runtime).after_cache_write(layer, caches)
+    _runtime(runtime).save(layer, caches)
 
 
 _layer_wait_op = define_op("layer_wait", _SCHEMA, fake=_fake, reference=_wait_kernel)
@@ -73,7 +75,7 @@ def layer_wait(runtime: str, layer: int, caches: list[torch.Tensor]) -> None:
     Parameters
     ----------
     runtime : str
-        Name of a registered layerwise runtime.
+        Name of a layerwise runtime registered in :data:`runtimes`.
     layer : int
         Layer index in ``[0, N)``.
     caches : list of Tensor

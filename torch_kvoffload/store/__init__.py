@@ -4,7 +4,8 @@
 * ``mooncake`` — :class:`MooncakeKVStore` (Mooncake Store; optional package, imported on use).
 * ``memcache`` — :class:`MemcacheKVStore` (``memcache_hybrid``, Ascend; optional, imported on use).
 
-Keys come from :func:`block_hashes` + :func:`layer_block_keys`; :func:`create_store` /
+Keys come from :func:`block_hashes` + :func:`layer_block_keys`, with :func:`cache_layout_fingerprint` as
+the model id; :func:`create_store` /
 :class:`StoreConfig` pick and build a backend.
 """
 
@@ -17,7 +18,13 @@ from torch_kvoffload.store.base import (
     StoreUnavailableError,
 )
 from torch_kvoffload.store.factory import StoreConfig, build_store, create_store, parse_bytes
-from torch_kvoffload.store.keys import block_hashes, layer_block_keys, layer_key_prefix, parse_layer_block_key
+from torch_kvoffload.store.keys import (
+    block_hashes,
+    cache_layout_fingerprint,
+    layer_block_keys,
+    layer_key_prefix,
+    parse_layer_block_key,
+)
 from torch_kvoffload.store.local import LocalKVStore
 from torch_kvoffload.store.memcache import MemcacheKVStore
 from torch_kvoffload.store.mooncake import MooncakeKVStore
@@ -35,6 +42,7 @@ __all__ = [
     "StoreUnavailableError",
     "block_hashes",
     "build_store",
+    "cache_layout_fingerprint",
     "create_store",
     "layer_block_keys",
     "layer_key_prefix",

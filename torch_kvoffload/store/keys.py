@@ -8,6 +8,11 @@ stable across processes, platforms and Python versions (no ``hash()``; fixed byt
 ``layer_block_keys`` adds the model / spec id and the layer: ``kv/{model_id}/{layer}/{hash}``. Read from
 the right (the hash is fixed-width hex, the layer an integer) a key names exactly one
 ``(model_id, layer, hash)``, so layers and models never collide.
+
+``cache_layout_fingerprint`` makes the model id the runtimes put in their keys: the user's ``model_id``
+plus a digest of the cache layout (per layer: every component's per-token shape and dtype, the block
+size, the indexer layout), so two models on one store never read each other's blocks even when both
+leave ``model_id`` empty, and two processes running the same model and layout share them.
 """
 
 from __future__ import annotations
@@ -15,15 +20,33 @@ from __future__ import annotations
 import hashlib
 import operator
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-__all__ = ["DIGEST_SIZE", "block_hashes", "layer_block_keys", "layer_key_prefix", "parse_layer_block_key"]
+from torch_kvoffload._utils import check_int
+
+if TYPE_CHECKING:
+    from torch_kvoffload.layerwise.planner import LayerCacheSpec
+
+__all__ = [
+    "DIGEST_SIZE",
+    "FINGERPRINT_SIZE",
+    "block_hashes",
+    "cache_layout_fingerprint",
+    "layer_block_keys",
+    "layer_key_prefix",
+    "parse_layer_block_key",
+]
 
 #: Bytes of each block digest (hex string of twice this length).
 DIGEST_SIZE = 16
 _DOMAIN = b"torch_kvoffload/block-hash/v1"
+#: Bytes of the layout digest in :func:`cache_layout_fingerprint` (hex string of twice this length).
+FINGERPRINT_SIZE = 8
+# bump when the record format changes (component order, 16-byte aligned offsets inside one record)
+_LAYOUT_DOMAIN = "torch_kvoffload/cache-layout/v1"
 
 
 def _tokens_int64(fn: str, token_ids: Sequence[int] | torch.Tensor) -> np.ndarray:
@@ -67,7 +90,7 @@ def block_hashes(token_ids: Sequence[int] | torch.Tensor, block_size: int, *, sa
         ``T // block_size`` lowercase hex strings of ``2 * DIGEST_SIZE`` characters.
     """
     fn = "block_hashes"
-    _check_int(fn, "block_size", block_size, 1)
+    check_int(fn, "block_size", block_size, minimum=1)
     if not isinstance(salt, str):
         raise TypeError(f"{fn}: salt must be a str, got {type(salt).__name__}")
     tokens = _tokens_int64(fn, token_ids)
@@ -113,16 +136,8 @@ def layer_key_prefix(layer: int, *, model_id: str = "") -> str:
     return _layer_key_prefix("layer_key_prefix", layer, model_id)
 
 
-def _check_int(fn: str, name: str, value: object, minimum: int) -> None:
-    """Raise ``TypeError`` unless ``value`` is an int (not a bool), ``ValueError`` if below ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{fn}: {name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{fn}: {name} must be >= {minimum}, got {value}")
-
-
 def _layer_key_prefix(fn: str, layer: int, model_id: str) -> str:
-    _check_int(fn, "layer", layer, 0)
+    check_int(fn, "layer", layer, minimum=0)
     if not isinstance(model_id, str):
         raise TypeError(f"{fn}: model_id must be a str, got {type(model_id).__name__}")
     return f"kv/{model_id}/{int(layer)}/"
@@ -134,3 +149,40 @@ def parse_layer_block_key(key: str) -> tuple[str, int, str]:
         raise ValueError(f"parse_layer_block_key: {key!r} is not a layer block key")
     head, layer, h = key[3:].rsplit("/", 2)
     return head, int(layer), h
+
+
+def cache_layout_fingerprint(specs: Sequence[LayerCacheSpec], model_id: str = "") -> str:
+    """The model id for store keys of a model with cache layout ``specs``: ``"{model_id}@{digest}"``
+    (``"{digest}"`` when ``model_id`` is empty).
+
+    ``digest`` is a stable hex digest (``2 * FINGERPRINT_SIZE`` characters; BLAKE2b, the same in every
+    process and platform) of the layer count and, per layer in order, each main and indexer component's
+    per-token shape (``shape[2:]``) and dtype, the block size and whether the layer has an indexer. The
+    pool size (``num_blocks``) and ``is_mtp`` do not enter it: they do not change what a block holds.
+
+    Args:
+        specs: one :class:`~torch_kvoffload.layerwise.planner.LayerCacheSpec` per cache-bearing layer.
+        model_id: names the model (weights, revision); any str.
+    """
+    fn = "cache_layout_fingerprint"
+    if not isinstance(model_id, str):
+        raise TypeError(f"{fn}: model_id must be a str, got {type(model_id).__name__}")
+    if isinstance(specs, str | bytes) or not isinstance(specs, Sequence) or not specs:
+        raise ValueError(f"{fn}: specs must be a non-empty sequence of LayerCacheSpec, got {specs!r}")
+    parts = [_LAYOUT_DOMAIN, f"layers={len(specs)}"]
+    for i, spec in enumerate(specs):
+        main = getattr(spec, "main", None)
+        if not main:
+            raise TypeError(f"{fn}: specs[{i}] must be a LayerCacheSpec, got {type(spec).__name__}")
+        indexer = spec.indexer
+        parts.append(
+            f"{i}:bs={main[0].shape[1]}:main={_components(main)}:"
+            f"indexer={'none' if indexer is None else _components(indexer)}"
+        )
+    digest = hashlib.blake2b("\n".join(parts).encode("utf-8"), digest_size=FINGERPRINT_SIZE).hexdigest()
+    return f"{model_id}@{digest}" if model_id else digest
+
+
+def _components(comps: Sequence[object]) -> str:
+    """``"[d1,d2]:dtype;..."``: each component's per-token shape and dtype."""
+    return ";".join(f"{list(c.shape[2:])}:{str(c.dtype).removeprefix('torch.')}" for c in comps)  # type: ignore[attr-defined]

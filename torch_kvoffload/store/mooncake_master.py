@@ -27,16 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from torch_kvoffload._utils import free_port
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["MooncakeMaster", "find_master_binary", "free_port"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+__all__ = ["MooncakeMaster", "find_master_binary"]
 
 
 def find_master_binary() -> str | None:

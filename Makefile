@@ -19,6 +19,14 @@ $(PY):
 	$(PIP) install --upgrade pip setuptools wheel ninja
 
 $(INSTALLED): $(PY) pyproject.toml setup.py
+	@# The Mooncake client (host KV pool backend, P/D transport) links against Debian's libibverbs1.
+	@if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1; \
+		else \
+			echo "note: libibverbs1 is missing; the Mooncake tests need it: sudo apt-get install libibverbs1"; \
+		fi; \
+	fi
 	$(PIP) install torch==2.13.0
 	TORCH_KVOFFLOAD_BUILD_EXT=0 $(PIP) install --no-build-isolation -e '.[test,bench,mooncake,hf,pd]'
 	touch $@

@@ -1,8 +1,11 @@
 """``torch.ops.kvoffload`` — schemas, fake kernels, reference kernels and typed public wrappers.
 
-Importing this package defines every op (one module per op family) and then loads the C++ extension,
-whose ``TORCH_LIBRARY_IMPL`` blocks register the CPU kernels.
+Importing this package defines every op (one module per op family), loads the C++ extension, whose
+``TORCH_LIBRARY_IMPL`` blocks register the CPU kernels, and registers the Triton kernels for the
+accelerators present (CUDA; Ascend through triton-ascend) when ``triton`` imports.
 """
+
+import logging as _logging
 
 from torch_kvoffload.ops import copy, indexer, kvpp, layer_hooks, residency, sparse_attention
 from torch_kvoffload.ops._registry import (
@@ -30,10 +33,16 @@ from torch_kvoffload.ops.residency import (
     residency_update,
 )
 from torch_kvoffload.ops.sparse_attention import scatter_copy_sparse_mla_attention, sparse_mla_attention
+from torch_kvoffload.ops.triton import register_triton_kernels as _register_triton_kernels
+from torch_kvoffload.ops.triton import triton_kernel
 
 from torch_kvoffload._extension import load_extension as _load_extension  # isort: skip
 
 _load_extension()
+try:
+    _register_triton_kernels()
+except Exception as _exc:  # a broken triton install must not break the package: ops keep other kernels
+    _logging.getLogger(__name__).warning("Triton kernels not registered: %s", _exc)
 
 __all__ = [
     "OpInfo",
@@ -66,4 +75,5 @@ __all__ = [
     "scatter_copy_sparse_mla_attention",
     "sparse_attention",
     "sparse_mla_attention",
+    "triton_kernel",
 ]

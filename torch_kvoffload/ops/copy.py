@@ -13,7 +13,7 @@ import torch
 from torch_kvoffload.ops import _checks
 from torch_kvoffload.ops._registry import define_op
 
-__all__ = ["copy_blocks", "copy_rows"]
+__all__ = ["copy_blocks", "copy_rows", "validate_copy_blocks", "validate_copy_rows"]
 
 
 def _check_pair(op: str, lead_dims: int, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -43,6 +43,15 @@ def _copy_blocks_structure(src: torch.Tensor, dst: torch.Tensor, mapping: torch.
         )
 
 
+def validate_copy_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> None:
+    """Every check of ``copy_blocks`` (structure, then index values); run by each kernel before writing."""
+    op = "copy_blocks"
+    _copy_blocks_structure(src, dst, mapping)
+    _checks.check_range(op, "mapping[:, 0]", mapping[:, 0], src.shape[0])
+    _checks.check_range(op, "mapping[:, 1]", mapping[:, 1], dst.shape[0])
+    _checks.check_unique(op, "mapping[:, 1]", mapping[:, 1])
+
+
 def _copy_blocks_fake(
     src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor, *, streaming: bool = False
 ) -> None:
@@ -53,11 +62,7 @@ def _copy_blocks_reference(
     src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor, *, streaming: bool = False
 ) -> None:
     # ``streaming`` only changes how a kernel writes (cache-bypassing stores), never what it writes
-    op = "copy_blocks"
-    _copy_blocks_structure(src, dst, mapping)
-    _checks.check_range(op, "mapping[:, 0]", mapping[:, 0], src.shape[0])
-    _checks.check_range(op, "mapping[:, 1]", mapping[:, 1], dst.shape[0])
-    _checks.check_unique(op, "mapping[:, 1]", mapping[:, 1])
+    validate_copy_blocks(src, dst, mapping)
     if mapping.shape[0] == 0:
         return
     src = _checks.unaliased_source(src, dst)
@@ -123,6 +128,17 @@ def _copy_rows_structure(
         )
 
 
+def validate_copy_rows(
+    src: torch.Tensor, dst: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor
+) -> None:
+    """Every check of ``copy_rows`` (structure, then slot values); run by each kernel before writing."""
+    op = "copy_rows"
+    _copy_rows_structure(src, dst, src_slots, dst_slots)
+    _checks.check_range(op, "src_slots", src_slots, src.shape[0] * src.shape[1])
+    _checks.check_range(op, "dst_slots", dst_slots, dst.shape[0] * dst.shape[1])
+    _checks.check_unique(op, "dst_slots", dst_slots)
+
+
 def _copy_rows_fake(
     src: torch.Tensor, dst: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor
 ) -> None:
@@ -132,12 +148,8 @@ def _copy_rows_fake(
 def _copy_rows_reference(
     src: torch.Tensor, dst: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor
 ) -> None:
-    op = "copy_rows"
-    _copy_rows_structure(src, dst, src_slots, dst_slots)
+    validate_copy_rows(src, dst, src_slots, dst_slots)
     src_bs, dst_bs = src.shape[1], dst.shape[1]
-    _checks.check_range(op, "src_slots", src_slots, src.shape[0] * src_bs)
-    _checks.check_range(op, "dst_slots", dst_slots, dst.shape[0] * dst_bs)
-    _checks.check_unique(op, "dst_slots", dst_slots)
     if src_slots.shape[0] == 0:
         return
     src = _checks.unaliased_source(src, dst)

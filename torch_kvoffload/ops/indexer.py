@@ -25,6 +25,10 @@ __all__ = [
     "lightning_indexer",
     "lightning_indexer_scores",
     "quant_lightning_indexer",
+    "validate_hadamard_quant_int8",
+    "validate_lightning_indexer",
+    "validate_lightning_indexer_scores",
+    "validate_quant_lightning_indexer",
 ]
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
@@ -203,10 +207,10 @@ def _indexer_scores_impl(
     seq_lens_k: torch.Tensor,
     logits_fn,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated fp32 score matrix ``[T, max_blocks * block_size]`` and the visible lengths ``[T]``."""
+    """fp32 score matrix ``[T, max_blocks * block_size]`` and the visible lengths ``[T]`` of validated
+    inputs."""
     num_tokens = q.shape[0]
-    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
-    _check_paging_values(op, num_tokens, num_blocks, block_size, block_table, cu_seqlens_q, seq_lens_k)
+    block_size = k_cache.shape[1]
     width = block_table.shape[1] * block_size
     scores = torch.full((num_tokens, width), -math.inf, dtype=torch.float32, device=q.device)
     visible = _visible_lengths(cu_seqlens_q.cpu(), seq_lens_k.cpu(), num_tokens)
@@ -220,6 +224,27 @@ def _indexer_scores_impl(
         mask = torch.arange(lens[b])[None, :] < visible[t0:t1, None]
         scores[t0:t1, : lens[b]] = torch.where(mask.to(q.device), rows, -math.inf)
     return scores, visible
+
+
+def _check_paging_of(op: str, num_tokens: int, k_cache: torch.Tensor, block_table, cu_seqlens_q, seq_lens_k):
+    _check_paging_values(
+        op, num_tokens, k_cache.shape[0], k_cache.shape[1], block_table, cu_seqlens_q, seq_lens_k
+    )
+
+
+def validate_lightning_indexer_scores(q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k) -> None:
+    """Every check of ``lightning_indexer_scores`` (structure, then the request description's values)."""
+    op = "lightning_indexer_scores"
+    _indexer_structure(op, q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k)
+    _check_paging_of(op, q.shape[0], k_cache, block_table, cu_seqlens_q, seq_lens_k)
+
+
+def validate_lightning_indexer(q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k, top_k) -> None:
+    """Every check of ``lightning_indexer`` (structure, ``top_k``, then the request description's values)."""
+    op = "lightning_indexer"
+    _indexer_structure(op, q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k)
+    _check_top_k(op, top_k)
+    _check_paging_of(op, q.shape[0], k_cache, block_table, cu_seqlens_q, seq_lens_k)
 
 
 def _float_logits(q, weights, k_cache, block_table):
@@ -238,7 +263,7 @@ def _indexer_scores_fake(q, weights, k_cache, block_table, cu_seqlens_q, seq_len
 
 def _indexer_scores_reference(q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k):
     op = "lightning_indexer_scores"
-    _indexer_structure(op, q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k)
+    validate_lightning_indexer_scores(q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k)
     fn = _float_logits(q, weights, k_cache, block_table)
     return _indexer_scores_impl(op, q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k, fn)[0]
 
@@ -315,8 +340,7 @@ def _indexer_fake(q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k, to
 
 def _indexer_reference(q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k, top_k):
     op = "lightning_indexer"
-    _indexer_structure(op, q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k)
-    _check_top_k(op, top_k)
+    validate_lightning_indexer(q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k, top_k)
     fn = _float_logits(q, weights, k_cache, block_table)
     scores, visible = _indexer_scores_impl(op, q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k, fn)
     return _topk_from_scores(scores, visible, top_k)
@@ -400,12 +424,17 @@ def _hadamard_fake(x):
     return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
-def _hadamard_reference(x):
+def validate_hadamard_quant_int8(x: torch.Tensor) -> None:
+    """Every check of ``hadamard_quant_int8`` (dtype, power-of-two last dim, finite values)."""
     op = "hadamard_quant_int8"
     _hadamard_structure(op, x)
-    xf = x.float()
-    if xf.numel() and not bool(torch.isfinite(xf).all()):
+    if x.numel() and not bool(torch.isfinite(x).all()):
         _checks.fail(op, "argument 'x' must be finite, got NaN or infinity")
+
+
+def _hadamard_reference(x):
+    validate_hadamard_quant_int8(x)
+    xf = x.float()
     y = _fwht(xf) * hadamard_norm(x.shape[-1])
     amax = y.abs().amax(dim=-1) if y.numel() else y.new_zeros(y.shape[:-1])
     scale = amax / 127.0
@@ -504,14 +533,34 @@ def _quant_fake(
     return q_int8.new_empty((q_int8.shape[0], top_k), dtype=torch.int32)
 
 
+def _validate_quant(
+    q_int8, q_scale, weights, k_int8_cache, k_scale_cache, block_table, cu_seqlens_q, seq_lens_k
+) -> None:
+    op = "quant_lightning_indexer"
+    _quant_structure(
+        op, q_int8, q_scale, weights, k_int8_cache, k_scale_cache, block_table, cu_seqlens_q, seq_lens_k
+    )
+    _check_paging_of(op, q_int8.shape[0], k_int8_cache, block_table, cu_seqlens_q, seq_lens_k)
+
+
+def validate_quant_lightning_indexer(
+    q_int8, q_scale, weights, k_int8_cache, k_scale_cache, block_table, cu_seqlens_q, seq_lens_k, top_k
+) -> None:
+    """Every check of ``quant_lightning_indexer`` (``top_k``, structure, then the request's values)."""
+    _check_top_k("quant_lightning_indexer", top_k)
+    _validate_quant(
+        q_int8, q_scale, weights, k_int8_cache, k_scale_cache, block_table, cu_seqlens_q, seq_lens_k
+    )
+
+
 def quant_indexer_scores_reference(
     q_int8, q_scale, weights, k_int8_cache, k_scale_cache, block_table, cu_seqlens_q, seq_lens_k
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated fp32 int8-path scores ``[T, max_blocks * block_size]`` (``−inf`` where not visible) and
     the visible lengths ``[T]``: ``Σ_h w[t,h] · relu(dot_int(q[t,h], k[s]) · q_scale[t,h] · k_scale[s])``."""
     op = "quant_lightning_indexer"
-    _quant_structure(
-        op, q_int8, q_scale, weights, k_int8_cache, k_scale_cache, block_table, cu_seqlens_q, seq_lens_k
+    _validate_quant(
+        q_int8, q_scale, weights, k_int8_cache, k_scale_cache, block_table, cu_seqlens_q, seq_lens_k
     )
 
     def fn(b: int, t0: int, t1: int, length: int) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """kvoffload::residency_update and kvoffload::lightning_indexer_manage.
 
-The C++ kernel and the reference kernel are both compared with a plain-Python model written directly from
-the contract (DESIGN §7 and the module docstring of torch_kvoffload.ops.residency), on hand-made cases and
-on hypothesis-generated multi-step traces.
+The C++ kernel, the reference kernel and the Triton kernel (on CPU under the Triton interpreter) are all
+compared with a plain-Python model written directly from the contract (DESIGN §7 and the module docstring
+of torch_kvoffload.ops.residency), on hand-made cases and on hypothesis-generated multi-step traces.
 """
 
 from __future__ import annotations
@@ -13,18 +13,20 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from conftest import cpp_kernel_available
+from conftest import call_op, cpp_kernel_available
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torch_kvoffload.ops import new_residency_outputs, new_residency_state, reference_kernel, residency_update
+from torch_kvoffload.ops.triton import interpreting, triton_available
 
 requires_residency_cpp = pytest.mark.skipif(
     not cpp_kernel_available("residency_update"), reason="C++ residency kernel not built"
 )
 # "dispatch": the C++ kernel as built (AVX2 loops on x86-64 CPUs that have AVX2); "portable": the same
-# kernel with TORCH_KVOFFLOAD_RESIDENCY_SIMD=0, the code every other CPU runs.
-KERNELS = ["dispatch", "portable", "reference"]
+# kernel with TORCH_KVOFFLOAD_RESIDENCY_SIMD=0, the code every other CPU runs; "triton": the Triton kernel
+# called directly (the conftest ``op_impl`` variant of the same name).
+KERNELS = ["dispatch", "portable", "reference", "triton"]
 SIMD_ENV = "TORCH_KVOFFLOAD_RESIDENCY_SIMD"
 
 
@@ -54,6 +56,10 @@ def _is_cpp(kernel: str) -> bool:
 
 
 def _op(kernel: str, name: str = "residency_update"):
+    if kernel == "triton":
+        if not (triton_available() and interpreting()):
+            pytest.skip("the Triton kernel takes these CPU tensors only under TRITON_INTERPRET=1")
+        return lambda *args, **kwargs: call_op("triton", name, *args, **kwargs)
     if _is_cpp(kernel):
         return _with_simd(getattr(torch.ops.kvoffload, name), kernel == "dispatch")
     return reference_kernel(name)
@@ -222,6 +228,24 @@ def test_padding_and_empty_shapes(kernel: str) -> None:
     assert zero_k[2].tolist() == [3, 4]
 
 
+@pytest.mark.parametrize("policy", ["lru", "score"])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_strided_inputs_read_like_contiguous_ones(kernel: str, policy: str) -> None:
+    """Read-only inputs may be views (every other column / entry): same result as contiguous copies."""
+    R, C, K = 3, 16, 6
+    topk = torch.stack([torch.randperm(40)[: 2 * K] for _ in range(R)]).to(torch.int32)[:, ::2]
+    req = torch.tensor([1, 9, 2, 9, 3, 9])[::2]
+    stable = torch.tensor([30, 0, 30, 0, 30, 0])[::2]
+    scores = torch.randn(R, 80)[:, ::2]
+    strided, contiguous = new_residency_state(R, C), new_residency_state(R, C)
+    a = _run(kernel, strided, topk, req, stable, scores, policy)
+    b = _run(kernel, contiguous, topk.contiguous(), req.contiguous(), stable.contiguous(), scores.contiguous(),
+             policy)  # fmt: skip
+    for x, y in zip(strided + a.as_tuple(), contiguous + b.as_tuple(), strict=True):
+        assert torch.equal(x, y)
+    assert int(a.miss_count.sum()) == R * K  # fresh rows: every entry misses
+
+
 # ------------------------------------------------------------------------------ property tests
 
 
@@ -253,12 +277,23 @@ def traces(draw):
     return R, C, K, policy, seq
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", ["dispatch", "portable", "reference"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=traces())
 def test_matches_model_on_random_traces(kernel: str, trace) -> None:
     if _is_cpp(kernel) and not cpp_kernel_available("residency_update"):
         pytest.skip("C++ residency kernel not built")
+    _check_trace(kernel, trace)
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=traces())
+def test_triton_matches_model_on_random_traces(trace) -> None:
+    """Fewer examples: the interpreter runs a row's sorts in numpy, about a second per call."""
+    _check_trace("triton", trace)
+
+
+def _check_trace(kernel: str, trace) -> None:
     R, C, K, policy, seq = trace
     rows = [ModelRow(C) for _ in range(R)]
     state = new_residency_state(R, C)
@@ -312,6 +347,55 @@ def test_cpp_matches_reference_at_scale(kernel: str, policy: str, offset: int, s
         for x, y in zip(a + oa.as_tuple(), b + ob.as_tuple(), strict=True):
             assert torch.equal(x, y)
         _invariants(a, oa, topk)
+
+
+@pytest.mark.parametrize("policy", ["lru", "score"])
+def test_triton_matches_reference_over_steps(policy: str) -> None:
+    """Rows wider than one tile of 16 (C = 40, K = 24), reuse over steps, resets and rewrites, large
+    positions: the Triton kernel equals the reference kernel on every output and state tensor."""
+    R, C, K, L = 2, 40, 24, 100
+    a, b = new_residency_state(R, C), new_residency_state(R, C)
+    req = torch.arange(R, dtype=torch.int64)
+    for step in range(3):
+        if step == 2:
+            req[1] += 100  # a new request takes row 1
+        scores = torch.randn(R, L)
+        scores[:, ::9] = float("nan")
+        topk = torch.stack([torch.randperm(L // 2 + 20 * step)[:K] for _ in range(R)]).to(torch.int32)
+        topk[0] += 1 << 30
+        topk[:, -3:] = -1
+        stable = torch.randint(L // 2, L, (R,))
+        stable[0] += 1 << 30
+        oa = _run("triton", a, topk, req, stable, scores, policy)
+        ob = _run("reference", b, topk, req, stable, scores, policy)
+        for x, y in zip(a + oa.as_tuple(), b + ob.as_tuple(), strict=True):
+            assert torch.equal(x, y)
+        _invariants(a, oa, topk)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("policy", ["lru", "score"])
+def test_cuda_matches_reference_over_steps(policy: str) -> None:
+    """The registered CUDA kernel on device tensors (R = 8, C = 512, K = 256, resets, rewrites) equals
+    the reference kernel on CPU copies of the same inputs."""
+    R, C, K, L = 8, 512, 256, 1500
+    dev = new_residency_state(R, C, "cuda")
+    ref = new_residency_state(R, C)
+    req = torch.arange(R, dtype=torch.int64)
+    for step in range(4):
+        if step == 2:
+            req[3] += 100
+        scores = torch.randn(R, L)
+        topk = torch.stack([torch.randperm(L // 2 + 40 * step)[:K] for _ in range(R)]).to(torch.int32)
+        topk[:, -5:] = -1
+        stable = torch.randint(L // 2, L, (R,))
+        out_dev = new_residency_outputs(R, K, "cuda")
+        torch.ops.kvoffload.residency_update(
+            *dev, topk.cuda(), req.cuda(), stable.cuda(), scores.cuda(), policy, *out_dev.as_tuple()
+        )
+        out_ref = _run("reference", ref, topk, req, stable, scores, policy)
+        for x, y in zip(dev + out_dev.as_tuple(), ref + out_ref.as_tuple(), strict=True):
+            assert torch.equal(x.cpu(), y)
 
 
 @requires_residency_cpp

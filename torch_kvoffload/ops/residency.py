@@ -55,6 +55,7 @@ from torch_kvoffload.ops._registry import define_op
 __all__ = [
     "POLICIES",
     "ResidencyOutputs",
+    "check_residency_values",
     "lightning_indexer_manage",
     "new_residency_outputs",
     "new_residency_state",
@@ -204,6 +205,82 @@ def _residency_update_fake(
     )  # fmt: skip
 
 
+def _first_duplicate(values: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``values [R, N]`` (entries where ``keep``): whether a value occurs twice, and the smallest
+    such value."""
+    big = torch.iinfo(torch.int64).max
+    v = torch.sort(torch.where(keep, values.long(), big), dim=1).values
+    dup = (v[:, 1:] == v[:, :-1]) & (v[:, 1:] != big)
+    has = dup.any(dim=1)
+    if v.shape[1] < 2:
+        return has, v.new_full((v.shape[0],), big)
+    return has, torch.where(dup, v[:, 1:], big).min(dim=1).values
+
+
+def check_residency_values(
+    op: str,
+    slot_to_token: torch.Tensor,
+    lru_order: torch.Tensor,
+    row_request: torch.Tensor,
+    topk: torch.Tensor,
+    request_ids: torch.Tensor,
+    stable_len: torch.Tensor,
+) -> None:
+    """Value checks of a residency update (every kernel runs them before writing anything).
+
+    Shapes and dtypes must already have passed :func:`_residency_structure`. Raises ``ValueError`` for a
+    negative ``stable_len`` (any row) first, then for the first bad row, checks in this order: for a row
+    that is not reset, an ``lru_order`` that is not a permutation or a ``slot_to_token`` entry below
+    ``-1``; a valid top-k position listed twice; a top-k position resident in two slots (after
+    stable-prefix emptying).
+    Vectorised over rows on the tensors' device: one host synchronisation when the input is valid.
+    """
+    R, C = slot_to_token.shape
+    if R == 0:
+        return
+    device = slot_to_token.device
+    neg_stable = stable_len < 0
+    keep = row_request == request_ids  # rows that are not reset keep (and must have) a valid state
+    iota = torch.arange(C, dtype=lru_order.dtype, device=device)
+    if C:
+        perm_bad = keep & (torch.sort(lru_order, dim=1).values != iota).any(dim=1)
+    else:
+        perm_bad = torch.zeros(R, dtype=torch.bool, device=device)
+    low = slot_to_token < -1
+    low_bad = keep & low.any(dim=1)
+    valid = topk >= 0
+    topk_dup, topk_dup_value = _first_duplicate(topk, valid)
+    stt = torch.where(keep[:, None], slot_to_token, -1)
+    stt = torch.where(stt.long() >= stable_len[:, None], -1, stt)
+    if topk.shape[1]:
+        big = torch.iinfo(torch.int64).max
+        sorted_topk = torch.sort(torch.where(valid, topk.long(), big), dim=1).values.contiguous()
+        pos = torch.searchsorted(sorted_topk, stt.long().contiguous()).clamp(max=topk.shape[1] - 1)
+        hit = (stt >= 0) & (torch.gather(sorted_topk, 1, pos) == stt.long())
+    else:
+        hit = torch.zeros_like(stt, dtype=torch.bool)
+    hit_dup, hit_dup_value = _first_duplicate(stt, hit)
+    row_bad = perm_bad | low_bad | topk_dup | hit_dup
+    if not bool(neg_stable.any() | row_bad.any()):
+        return
+    if bool(neg_stable.any()):
+        r = int(neg_stable.nonzero()[0, 0])
+        _checks.fail(op, f"argument 'stable_len' entry {r} is {int(stable_len[r])}, expected a value >= 0")
+    r = int(row_bad.nonzero()[0, 0])
+    if bool(perm_bad[r]):
+        _checks.fail(op, f"argument 'lru_order' row {r} is not a permutation of 0..{C - 1}")
+    if bool(low_bad[r]):
+        s = int(low[r].nonzero()[0, 0])
+        _checks.fail(
+            op, f"argument 'slot_to_token' row {r} slot {s} holds {int(slot_to_token[r, s])}, expected >= -1"
+        )
+    if bool(topk_dup[r]):
+        _checks.fail(op, f"argument 'topk' row {r} holds position {int(topk_dup_value[r])} more than once")
+    _checks.fail(
+        op, f"argument 'slot_to_token' row {r} holds top-k position {int(hit_dup_value[r])} in two slots"
+    )
+
+
 def _plan_rows(
     op: str,
     slot_to_token: torch.Tensor,
@@ -219,9 +296,7 @@ def _plan_rows(
     R, C = slot_to_token.shape
     K = topk.shape[1]
     device = slot_to_token.device
-    if R and bool((stable_len < 0).any()):
-        r = int((stable_len < 0).nonzero()[0, 0])
-        _checks.fail(op, f"argument 'stable_len' entry {r} is {int(stable_len[r])}, expected a value >= 0")
+    check_residency_values(op, slot_to_token, lru_order, row_request, topk, request_ids, stable_len)
     iota = torch.arange(C, dtype=torch.int32, device=device)
     plans = []
     for r in range(R):
@@ -232,32 +307,14 @@ def _plan_rows(
         else:
             stt = slot_to_token[r].clone()
             order = lru_order[r]
-            if C and not torch.equal(torch.sort(order).values, iota):
-                _checks.fail(op, f"argument 'lru_order' row {r} is not a permutation of 0..{C - 1}")
-            if bool((stt < -1).any()):
-                s = int((stt < -1).nonzero()[0, 0])
-                _checks.fail(
-                    op, f"argument 'slot_to_token' row {r} slot {s} holds {int(stt[s])}, expected >= -1"
-                )
         row_topk = topk[r]
         valid = row_topk >= 0
         tokens = row_topk[valid]
-        if tokens.numel() > 1:
-            vals, counts = torch.unique(tokens, return_counts=True)
-            if bool((counts > 1).any()):
-                dup = int(vals[counts > 1][0])
-                _checks.fail(op, f"argument 'topk' row {r} holds position {dup} more than once")
         stt[stt.long() >= int(stable_len[r])] = -1
         # token -> slot lookup for the top-k entries among residents
         resident = stt >= 0
         hit_mask_slot = resident & torch.isin(stt, tokens)
         hit_tokens = stt[hit_mask_slot]
-        if hit_tokens.numel() > 1 and torch.unique(hit_tokens).numel() != hit_tokens.numel():
-            vals, counts = torch.unique(hit_tokens, return_counts=True)
-            _checks.fail(
-                op,
-                f"argument 'slot_to_token' row {r} holds top-k position {int(vals[counts > 1][0])} in two slots",
-            )
         hit_slot_ids = hit_mask_slot.nonzero().flatten().to(torch.int32)
         slots_row = torch.full((K,), -1, dtype=torch.int32, device=device)
         if hit_tokens.numel():

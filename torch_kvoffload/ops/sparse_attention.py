@@ -19,7 +19,12 @@ import torch
 from torch_kvoffload.ops import _checks
 from torch_kvoffload.ops._registry import define_op
 
-__all__ = ["scatter_copy_sparse_mla_attention", "sparse_mla_attention"]
+__all__ = [
+    "check_copy_sfa_misses",
+    "copy_sfa_miss_slots",
+    "scatter_copy_sparse_mla_attention",
+    "sparse_mla_attention",
+]
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -253,6 +258,94 @@ def _copy_sfa_structure(
         )
 
 
+def _first_repeat(values: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """``[R, M]`` mask: live entries whose value occurs at an earlier live entry of the same row."""
+    big = torch.iinfo(torch.int64).max
+    keyed = torch.where(live, values, big)
+    order = torch.sort(keyed, dim=1, stable=True).indices
+    v = torch.gather(keyed, 1, order)
+    again = torch.zeros_like(live)
+    again[:, 1:] = (v[:, 1:] == v[:, :-1]) & (v[:, 1:] != big)
+    return torch.zeros_like(live).scatter_(1, order, again)
+
+
+def check_copy_sfa_misses(
+    op: str,
+    host_kv_c: torch.Tensor,
+    block_table: torch.Tensor,
+    hot_kv_c: torch.Tensor,
+    miss_tokens: torch.Tensor,
+    miss_slots: torch.Tensor,
+    miss_count: torch.Tensor,
+) -> None:
+    """Value checks of a Copy-SFA miss list (every kernel runs them before writing anything).
+
+    Raises for the first bad row, in row order: a ``miss_count`` outside ``[0, M]``; then, for its used
+    entries in order, a miss token outside the row's ``max_blocks x block_size`` positions
+    (``IndexError``), a block-table entry outside the pool (``IndexError``), a slot outside ``[0, C)``
+    (``IndexError``), a slot already used by an earlier miss of the row (``ValueError``). Vectorised on the
+    index tensors (moved to ``miss_count``'s device); one host synchronisation when the list is valid.
+    """
+    rows = miss_count.shape[0]
+    if rows == 0:
+        return
+    num_blocks, block_size = host_kv_c.shape[0], host_kv_c.shape[1]
+    capacity = hot_kv_c.shape[1]
+    max_blocks = block_table.shape[1]
+    width = miss_tokens.shape[1]
+    positions = max_blocks * block_size
+    device = miss_count.device
+    count = miss_count.long()
+    tok = miss_tokens.to(device).long()
+    slot = miss_slots.to(device).long()
+    table = block_table.to(device)
+    count_bad = (count < 0) | (count > width)
+    live = torch.arange(width, device=device)[None, :] < count.clamp(0, width)[:, None]
+    tok_bad = live & ((tok < 0) | (tok >= positions))
+    if positions:
+        blk_col = tok.clamp(0, positions - 1) // block_size
+        blk = torch.gather(table.long(), 1, blk_col)
+    else:
+        blk_col = blk = torch.zeros_like(tok)
+    blk_bad = live & ~tok_bad & ((blk < 0) | (blk >= num_blocks))
+    slot_bad = live & ~tok_bad & ~blk_bad & ((slot < 0) | (slot >= capacity))
+    entry_bad = tok_bad | blk_bad | slot_bad | _first_repeat(slot, live)
+    row_bad = count_bad | entry_bad.any(dim=1)
+    if not bool(row_bad.any()):
+        return
+    r = int(row_bad.nonzero()[0, 0])
+    if bool(count_bad[r]):
+        _checks.fail(
+            op, f"argument 'miss_count' entry {r} is {int(count[r])}, expected a value in [0, {width}]"
+        )
+    i = int(entry_bad[r].nonzero()[0, 0])
+    t, sl = int(tok[r, i]), int(slot[r, i])
+    if bool(tok_bad[r, i]):
+        _checks.fail(
+            op,
+            f"argument 'miss_tokens' entry [{r}, {i}] is {t}, expected a value in "
+            f"[0, {positions}) (max_blocks x block_size)",
+            IndexError,
+        )
+    if bool(blk_bad[r, i]):
+        _checks.fail(
+            op,
+            f"argument 'block_table' entry [{r}, {int(blk_col[r, i])}] (block of miss token {t}) is "
+            f"{int(blk[r, i])}, expected a value in [0, {num_blocks})",
+            IndexError,
+        )
+    if bool(slot_bad[r, i]):
+        _checks.fail(
+            op,
+            f"argument 'miss_slots' entry [{r}, {i}] is {sl}, expected a value in [0, {capacity})",
+            IndexError,
+        )
+    _checks.fail(
+        op,
+        f"argument 'miss_slots' row {r} holds destination {sl} more than once; destinations must be distinct",
+    )
+
+
 def copy_sfa_miss_slots(
     op: str,
     host_kv_c: torch.Tensor,
@@ -267,50 +360,17 @@ def copy_sfa_miss_slots(
     Host slot = ``block_table[r, tok // block_size] * block_size + tok % block_size`` (a row of the pool viewed
     ``[num_blocks * block_size, ...]``); hot slot = ``r * C + miss_slots[r, i]``. These are exactly the
     ``src_slots`` / ``dst_slots`` of :func:`torch_kvoffload.ops.copy_rows` from the host pool into the hot
-    buffer.
+    buffer, in row-major miss order, on ``miss_count``'s device.
     """
-    num_blocks, block_size = host_kv_c.shape[0], host_kv_c.shape[1]
-    capacity = hot_kv_c.shape[1]
-    max_blocks = block_table.shape[1]
+    check_copy_sfa_misses(op, host_kv_c, block_table, hot_kv_c, miss_tokens, miss_slots, miss_count)
+    device = miss_count.device
+    block_size, capacity = host_kv_c.shape[1], hot_kv_c.shape[1]
     width = miss_tokens.shape[1]
-    counts, tokens, dsts, table = (t.tolist() for t in (miss_count, miss_tokens, miss_slots, block_table))
-    src, dst = [], []
-    for r, n in enumerate(counts):
-        if n < 0 or n > width:
-            _checks.fail(op, f"argument 'miss_count' entry {r} is {n}, expected a value in [0, {width}]")
-        seen: set[int] = set()
-        for i in range(n):
-            tok, slot = tokens[r][i], dsts[r][i]
-            if tok < 0 or tok >= max_blocks * block_size:
-                _checks.fail(
-                    op,
-                    f"argument 'miss_tokens' entry [{r}, {i}] is {tok}, expected a value in "
-                    f"[0, {max_blocks * block_size}) (max_blocks x block_size)",
-                    IndexError,
-                )
-            blk = table[r][tok // block_size]
-            if blk < 0 or blk >= num_blocks:
-                _checks.fail(
-                    op,
-                    f"argument 'block_table' entry [{r}, {tok // block_size}] (block of miss token {tok}) is {blk}, "
-                    f"expected a value in [0, {num_blocks})",
-                    IndexError,
-                )
-            if slot < 0 or slot >= capacity:
-                _checks.fail(
-                    op,
-                    f"argument 'miss_slots' entry [{r}, {i}] is {slot}, expected a value in [0, {capacity})",
-                    IndexError,
-                )
-            if slot in seen:
-                _checks.fail(
-                    op,
-                    f"argument 'miss_slots' row {r} holds destination {slot} more than once; destinations must be distinct",
-                )
-            seen.add(slot)
-            src.append(blk * block_size + tok % block_size)
-            dst.append(r * capacity + slot)
-    return torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64)
+    live = torch.arange(width, device=device)[None, :] < miss_count.long()[:, None]
+    r, i = live.nonzero(as_tuple=True)
+    tok = miss_tokens.to(device).long()[r, i]
+    blk = block_table.to(device).long()[r, tok // block_size]
+    return blk * block_size + tok % block_size, r * capacity + miss_slots.to(device).long()[r, i]
 
 
 def _copy_sfa_fake(

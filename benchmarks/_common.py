@@ -17,14 +17,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 def median_seconds(fn: Callable[[], object], *, repeat: int, warmup: int = 2) -> float:
     """Median wall time of ``fn()`` over ``repeat`` runs after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return interleaved_medians({"fn": fn}, repeat=repeat, warmup=warmup)["fn"]
 
 
 def interleaved_medians(

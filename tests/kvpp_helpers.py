@@ -1,4 +1,5 @@
-"""Test helpers for KVPP: a recording transport, small allocations, and a bounded local gloo launcher."""
+"""Test helpers for KVPP: a recording transport, block runs written out, small allocations, and a bounded
+local gloo launcher."""
 
 from __future__ import annotations
 
@@ -80,6 +81,18 @@ class RecordingTransport:
     @property
     def layers(self) -> list[int]:
         return [c[0] for c in self.calls]
+
+
+def consecutive_runs(blocks: set[int]) -> list[tuple[int, int]]:
+    """The sorted ``blocks`` as half-open runs ``[(start, stop), ...]`` of consecutive ids, written out
+    independently of :func:`~torch_kvoffload.kvpp.block_runs`."""
+    out: list[tuple[int, int]] = []
+    for b in sorted(blocks):
+        if out and out[-1][1] == b:
+            out[-1] = (out[-1][0], b + 1)
+        else:
+            out.append((b, b + 1))
+    return out
 
 
 SMALL_BLOCK_SIZE = 4

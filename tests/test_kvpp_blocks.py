@@ -6,19 +6,9 @@ import random
 
 import pytest
 import torch
-from kvpp_helpers import small_allocation
+from kvpp_helpers import consecutive_runs, small_allocation
 
 from torch_kvoffload.kvpp import block_runs, run_byte_ranges
-
-
-def _consecutive(blocks: set[int]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for b in sorted(blocks):
-        if out and out[-1][1] == b:
-            out[-1] = (out[-1][0], b + 1)
-        else:
-            out.append((b, b + 1))
-    return out
 
 
 def _random_tables(rng: random.Random, num_blocks: int) -> list[list[int]]:
@@ -38,13 +28,13 @@ def test_runs_are_the_union_in_consecutive_runs(seed: int, num_blocks: int) -> N
     rng = random.Random(seed * 100 + num_blocks)
     tables = _random_tables(rng, num_blocks)
     wanted = {b for t in tables for b in t}
-    assert block_runs(tables, num_blocks) == _consecutive(wanted)
+    assert block_runs(tables, num_blocks) == consecutive_runs(wanted)
     # the same tables as a padded tensor [requests, max blocks] with -1 padding
     width = max(len(t) for t in tables) + 1
     padded = torch.full((len(tables), width), -1, dtype=torch.int32)
     for i, t in enumerate(tables):
         padded[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    assert block_runs(padded, num_blocks) == _consecutive(wanted)
+    assert block_runs(padded, num_blocks) == consecutive_runs(wanted)
     assert block_runs([], num_blocks) == [] == block_runs(torch.full((2, 3), -1), num_blocks)
 
 
@@ -54,7 +44,7 @@ def test_max_runs_merges_the_smallest_gaps(seed: int, max_runs: int) -> None:
     rng = random.Random(seed)
     num_blocks = 200
     wanted = set(rng.sample(range(num_blocks), rng.randint(1, 30)))
-    natural = _consecutive(wanted)
+    natural = consecutive_runs(wanted)
     runs = block_runs([sorted(wanted)], num_blocks, max_runs=max_runs)
     assert len(runs) == min(max_runs, len(natural))
     covered = [b for s, t in runs for b in range(s, t)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torch_kvoffload._utils import round_up
 from torch_kvoffload.kvpp import BundleSpec, KVPPConfig, KVPPGroup
 from torch_kvoffload.ops.kvpp import runtimes
 
@@ -235,7 +236,7 @@ def test_build_runtime_refuses_what_it_cannot_build(cfg, group, kwargs, error, m
 def _blocks_for(available: int, owned_layers: int, bundle: int, draft: int) -> int:
     """Largest n with (owned bundles + drafts) x n + two scratch buffers of bundle x n padded to 2 MiB."""
     n = available // ((owned_layers + 2) * bundle + draft)
-    while n > 0 and (owned_layers * bundle + draft) * n + 2 * (-(-bundle * n // MIB2) * MIB2) > available:
+    while n > 0 and (owned_layers * bundle + draft) * n + 2 * round_up(bundle * n, MIB2) > available:
         n -= 1
     return n
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvpp_helpers import spawn_gloo
+from kvpp_helpers import consecutive_runs, spawn_gloo
 from kvpp_workers import BLOCK_SIZE, DIMS, NUM_BLOCKS, SCRIPT, has_history, kvpp_worker, reference
 
 FP32 = 4
@@ -26,14 +26,7 @@ BUNDLE_BYTES_PER_BLOCK = sum(COMPONENT_BYTES_PER_BLOCK)
 
 def _runs(step) -> list[tuple[int, int]]:
     """Consecutive runs of the union of the step's block tables, written out independently."""
-    blocks = sorted({b for r in step for b in r.blocks})
-    runs: list[tuple[int, int]] = []
-    for b in blocks:
-        if runs and runs[-1][1] == b:
-            runs[-1] = (runs[-1][0], b + 1)
-        else:
-            runs.append((b, b + 1))
-    return runs
+    return consecutive_runs({b for r in step for b in r.blocks})
 
 
 def _run(tmp_path, world: int, tp: int, pp: int, num_layers: int, extra: bool) -> list[dict]:

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from torch_kvoffload._utils import round_up
 from torch_kvoffload.kvpp import (
     SCRATCH_ALIGNMENT,
     BundleSpec,
@@ -161,8 +162,7 @@ def _formula(bpb: dict[int, int], owners: dict[int, int], rank: int, draft: int)
 
 def _pad(n: int) -> int:
     """``n`` rounded up to a multiple of 2 MiB."""
-    mib2 = 2 * 1024 * 1024
-    return -(-n // mib2) * mib2
+    return round_up(n, 2 * 1024 * 1024)
 
 
 def _alloc_bytes(bpb: dict[int, int], owners: dict[int, int], rank: int, draft: int, n: int) -> int:

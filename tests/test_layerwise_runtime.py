@@ -117,27 +117,34 @@ def _fill(t: torch.Tensor, blocks: list[int]) -> None:
 def _forward(rt, tokens, tables, *, write=True, on_layer=None, on_enter=None):
     """Run one forward: each layer 'computes' by filling its non-cached blocks with random data."""
     cached = rt.begin_forward(tokens, tables)
-    snapshots = {}
     try:
-        for layer in range(rt.plan.num_layers):
-            if on_enter is not None:
-                on_enter(layer)
-            rt.wait(layer)
-            if on_layer is not None:
-                on_layer(layer)
-            for toks, table, c in zip(tokens, tables, cached, strict=True):
-                new = table[c // BS : -(-len(toks) // BS)]
-                if write:
-                    for t in rt.layer_caches(layer):
-                        _fill(t, new)
-            used = sorted(
-                b for toks, table in zip(tokens, tables, strict=True) for b in table[: -(-len(toks) // BS)]
-            )
-            snapshots[layer] = [t[used].clone() for t in rt.layer_caches(layer)]
-            rt.save(layer)
+        snapshots = _run_layers(rt, tokens, tables, cached, write=write, on_layer=on_layer, on_enter=on_enter)
     finally:
         rt.end_forward()
     return cached, snapshots
+
+
+def _run_layers(rt, tokens, tables, cached, *, write=True, on_layer=None, on_enter=None):
+    """The layers of a begun forward: wait, fill the non-cached blocks (``write``), save; returns each
+    layer's blocks in use (sorted block ids) as they were saved."""
+    snapshots = {}
+    for layer in range(rt.plan.num_layers):
+        if on_enter is not None:
+            on_enter(layer)
+        rt.wait(layer)
+        if on_layer is not None:
+            on_layer(layer)
+        for toks, table, c in zip(tokens, tables, cached, strict=True):
+            new = table[c // BS : -(-len(toks) // BS)]
+            if write:
+                for t in rt.layer_caches(layer):
+                    _fill(t, new)
+        used = sorted(
+            b for toks, table in zip(tokens, tables, strict=True) for b in table[: -(-len(toks) // BS)]
+        )
+        snapshots[layer] = [t[used].clone() for t in rt.layer_caches(layer)]
+        rt.save(layer)
+    return snapshots
 
 
 def test_roundtrip_prefix_is_loaded_for_every_layer() -> None:
@@ -278,8 +285,7 @@ def test_reuse_gate_orders_loads_after_previous_users_save(streams: int) -> None
 
 @pytest.mark.parametrize("depth", [1, 3])
 def test_prefetch_runs_ahead_of_compute(depth: int) -> None:
-    store = LoggingStore(1 << 22)
-    rt, _ = _make(n=7, b=3, indexer_layers=(), store=store, depth=depth)
+    rt, store = _make(n=7, b=3, indexer_layers=(), depth=depth)
     try:
         toks = [list(range(50, 75))]
         _forward(rt, toks, [[0, 1, 2, 3, 4, 5, 6]])
@@ -383,8 +389,7 @@ def test_completion_provider_gates_reuse() -> None:
 
 @pytest.mark.parametrize("streams", [1, 2])
 def test_save_failure_poisons_slot_and_next_user_never_loads(streams: int) -> None:
-    store = LoggingStore(1 << 22)
-    rt, _ = _make(n=6, b=2, indexer_layers=(), store=store, streams=streams)
+    rt, store = _make(n=6, b=2, indexer_layers=(), streams=streams)
     try:
         toks = [list(range(30))]
         _forward(rt, toks, [[0, 1, 2, 3, 4, 5, 6, 7]])
@@ -408,8 +413,7 @@ def test_save_failure_poisons_slot_and_next_user_never_loads(streams: int) -> No
 
 
 def test_evicted_block_fails_the_load() -> None:
-    store = LoggingStore(1 << 22)
-    rt, _ = _make(n=3, b=1, indexer_layers=(), store=store)
+    rt, store = _make(n=3, b=1, indexer_layers=())
     try:
         toks = list(range(13))
         _forward(rt, [toks], [[0, 1, 2, 3]])
@@ -555,8 +559,7 @@ def test_lookup_leases_keep_the_prefix_under_eviction_pressure() -> None:
 
 
 def test_leases_are_released_on_every_path() -> None:
-    store = LoggingStore(1 << 22)
-    rt, _ = _make(n=3, b=1, indexer_layers=(), store=store)
+    rt, store = _make(n=3, b=1, indexer_layers=())
     try:
         toks = list(range(13))
         _forward(rt, [toks], [[0, 1, 2, 3]])
@@ -1132,13 +1135,7 @@ def test_shared_prefix_blocks_are_loaded_once_and_saved_once(k, suffixes, critic
 
         cached = rt.begin_forward(toks, tables, [k * BS] * len(toks) if fixed else None)
         assert cached == [k * BS] * len(toks)
-        for layer in range(n):
-            rt.wait(layer)
-            look(layer)
-            for t, table, c in zip(toks, tables, cached, strict=True):
-                for comp in rt.layer_caches(layer):
-                    _fill(comp, table[c // BS : -(-len(t) // BS)])
-            rt.save(layer)
+        _run_layers(rt, toks, tables, cached, on_layer=look)
         rt.end_forward()
 
         for layer in range(n):
@@ -1172,12 +1169,7 @@ def test_a_block_one_request_computes_is_read_by_the_others_not_loaded(fixed: bo
         given = [0, 8, 8] if fixed else None
         cached = rt.begin_forward(toks, tables, given)
         assert cached == [0, 8, 8]
-        for layer in range(3):
-            rt.wait(layer)
-            for t, table, c in zip(toks, tables, cached, strict=True):
-                for comp in rt.layer_caches(layer):
-                    _fill(comp, table[c // BS : -(-len(t) // BS)])
-            rt.save(layer)
+        _run_layers(rt, toks, tables, cached)
         rt.end_forward()
         assert store.loaded == {}
         own_full = [b for t, tab in zip(toks, tables, strict=True) for b in tab[2 : len(t) // BS]]
@@ -1246,12 +1238,7 @@ def test_shared_block_evicted_before_its_load_is_recomputed_once() -> None:
 
         def body(cached):
             runs.append(list(cached))
-            for layer in range(3):
-                rt.wait(layer)
-                for t, table, c in zip(toks, tables, cached, strict=True):
-                    for comp in rt.layer_caches(layer):
-                        _fill(comp, table[c // BS : -(-len(t) // BS)])
-                rt.save(layer)
+            _run_layers(rt, toks, tables, cached)
 
         rt.run_forward(toks, tables, body)
         assert runs == [[12, 12], [4, 12]]  # block 1 of layer 1 gone: request 0 recomputes 1 and 2

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from references import dense_mla_attention
 
 from torch_kvoffload.ops import new_residency_outputs
 from torch_kvoffload.sparse import (
@@ -96,13 +97,6 @@ class World:
         for layer in range(LAYERS):
             for d in (self.kv, self.pe, self.ik):
                 del d[req.rid, layer]
-
-
-def _dense_attention(q_nope, q_pe, kv, pe, positions):
-    """fp64 dense MLA attention over the full cache restricted to ``positions``."""
-    rows_c, rows_pe = kv[positions].double(), pe[positions].double()
-    s = SCALE * (q_nope.double() @ rows_c.T + q_pe.double() @ rows_pe.T)  # [H, n]
-    return torch.softmax(s, dim=-1) @ rows_c
 
 
 CPU = torch.device("cpu")
@@ -204,9 +198,11 @@ def _run_loop(cfg: SparseDecodeConfig, steps: int, seed: int, reader: SparseDeco
                             t = int(tk[k])
                             if t in before:
                                 assert int(sl[k]) == before[t], "a hit moved"
-                    want = _dense_attention(
-                        q_nope[r], q_pe[r], world.kv[req.rid, layer], world.pe[req.rid, layer], pos
+                    kv, pe = world.kv[req.rid, layer], world.pe[req.rid, layer]
+                    want, _ = dense_mla_attention(
+                        q_nope[r : r + 1], q_pe[r : r + 1], kv, pe, pos[None], SCALE
                     )
+                    want = want[0].double()
                     err = (res.out[r].double() - want).norm() / want.norm()
                     assert err <= 1e-5, f"row {r} relative error {err}"
                 if reader is not None:  # a TP rank attached to the same pool computes the same output

@@ -1,16 +1,19 @@
 """SparseDecodeOffload step semantics: validation before any change, failures part-way, residency rows
 that belong to requests (any batch order), and counters that count what the copies moved.
 
-Every runtime here is on the CPU explicitly. The reference is dense fp64 attention over the same top-k
-positions of the test's own copy of every request's KV.
+Every runtime here is on the CPU explicitly. The reference is dense MLA attention
+(:func:`references.dense_mla_attention`) over the same top-k positions of the test's own copy of every
+request's KV.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
+from references import dense_mla_attention
 
 import torch_kvoffload.sparse.runtime as runtime_module
 from torch_kvoffload.sparse import DecodeRows, IndexerInputs, SparseDecodeConfig, SparseDecodeOffload
@@ -99,19 +102,16 @@ class Scenario:
             results.append(rt.attend(*self.args(rt, k_cache, step, layer, order)))
         return results
 
-    def dense(self, rid: int, layer: int, q_nope, q_pe, positions: torch.Tensor) -> torch.Tensor:
-        kv, pe = self.kv[rid, layer][positions].double(), self.pe[rid, layer][positions].double()
-        s = SCALE * (q_nope.double() @ kv.T + q_pe.double() @ pe.T)
-        return torch.softmax(s, dim=-1) @ kv
-
 
 def _check_dense(sc: Scenario, results, order: list[int], step: int) -> None:
     for layer, res in enumerate(results):
         q = sc.queries(step, layer)
         for t, rid in enumerate(order):
-            sel = res.topk[t][res.topk[t] >= 0].long()
-            want = sc.dense(rid, layer, q[rid][0], q[rid][1], sel)
-            torch.testing.assert_close(res.out[t].double(), want, rtol=1e-5, atol=1e-5)
+            qn, qp = q[rid][0][None], q[rid][1][None]
+            want, _ = dense_mla_attention(
+                qn, qp, sc.kv[rid, layer], sc.pe[rid, layer], res.topk[t][None], SCALE
+            )
+            torch.testing.assert_close(res.out[t].double(), want[0].double(), rtol=1e-5, atol=1e-5)
 
 
 def _counts(rt: SparseDecodeOffload) -> dict:
@@ -123,75 +123,63 @@ def _counts(rt: SparseDecodeOffload) -> dict:
 # ------------------------------------------------------------------------------- rejected steps
 
 
+def _with(args, **changes):
+    """``attend`` arguments ``args`` with the named ones replaced."""
+    names = ("layer", "q_nope", "q_pe", "scale", "indexer", "rows")
+    return tuple({**dict(zip(names, args, strict=True)), **changes}.values())
+
+
+def _with_rows(args, **fields):
+    """``attend`` arguments ``args`` with the named fields of their ``DecodeRows`` replaced."""
+    return _with(args, rows=replace(args[5], **fields))
+
+
 def _bad_layer(args):
-    return (-1, *args[1:])
+    return _with(args, layer=-1)
 
 
 def _bad_q_pe(args):
-    layer, qn, qp, scale, idx, rows = args
-    return layer, qn, qp[..., :-1], scale, idx, rows
+    return _with(args, q_pe=args[2][..., :-1])
 
 
 def _bad_dtype(args):
-    layer, qn, qp, scale, idx, rows = args
-    return layer, qn.double(), qp.double(), scale, idx, rows
+    return _with(args, q_nope=args[1].double(), q_pe=args[2].double())
 
 
 def _narrow_table(args):
-    layer, qn, qp, scale, idx, rows = args
-    return (
-        layer,
-        qn,
-        qp,
-        scale,
-        idx,
-        DecodeRows(rows.request_ids, rows.stable_len, rows.host_block_table[:, :3]),
-    )
+    return _with_rows(args, host_block_table=args[5].host_block_table[:, :3])
 
 
 def _wrong_block(args):
-    layer, qn, qp, scale, idx, rows = args
-    bt = rows.host_block_table.clone()
+    bt = args[5].host_block_table.clone()
     bt[1, 0] = 63  # a block of the pool, not this request's
-    return layer, qn, qp, scale, idx, DecodeRows(rows.request_ids, rows.stable_len, bt)
+    return _with_rows(args, host_block_table=bt)
 
 
 def _block_out_of_range(args):
-    layer, qn, qp, scale, idx, rows = args
-    bt = rows.host_block_table.clone()
+    bt = args[5].host_block_table.clone()
     bt[2, 1] = 64
-    return layer, qn, qp, scale, idx, DecodeRows(rows.request_ids, rows.stable_len, bt)
+    return _with_rows(args, host_block_table=bt)
 
 
 def _past_reserved(args):
-    layer, qn, qp, scale, idx, rows = args
+    idx, rows = args[4:]
     seq = idx.seq_lens_k.clone()
     seq[0] = MAX_LEN + 1
     wide = torch.cat([rows.host_block_table, torch.zeros(4, 2, dtype=torch.int32)], dim=1)
-    return (layer, qn, qp, scale, IndexerInputs(**{**idx.__dict__, "seq_lens_k": seq}),
-            DecodeRows(rows.request_ids, rows.stable_len, wide))  # fmt: skip
+    return _with(args, indexer=replace(idx, seq_lens_k=seq), rows=replace(rows, host_block_table=wide))
 
 
 def _bad_stable(args):
-    layer, qn, qp, scale, idx, rows = args
-    return layer, qn, qp, scale, idx, DecodeRows(rows.request_ids, rows.stable_len[:2], rows.host_block_table)
+    return _with_rows(args, stable_len=args[5].stable_len[:2])
 
 
 def _negative_id(args):
-    layer, qn, qp, scale, idx, rows = args
-    return (
-        layer,
-        qn,
-        qp,
-        scale,
-        idx,
-        DecodeRows(torch.tensor([0, -1, 2, 3]), rows.stable_len, rows.host_block_table),
-    )
+    return _with_rows(args, request_ids=torch.tensor([0, -1, 2, 3]))
 
 
 def _no_k_cache(args):
-    layer, qn, qp, scale, idx, rows = args
-    return layer, qn, qp, scale, IndexerInputs(**{**idx.__dict__, "k_cache": None}), rows
+    return _with(args, indexer=replace(args[4], k_cache=None))
 
 
 REJECTIONS = [
@@ -353,9 +341,7 @@ def test_max_rows_bounds_the_rows_alive() -> None:
         # a request with two query tokens holds two rows, matched by their order in the step
         rt.release(1)
         rt.release(2)
-        _layer, qn, qp, scale, idx, rows = sc.args(rt, kc, 0, 0, [3, 3])
-        rows = DecodeRows(rows.request_ids, rows.stable_len, rows.host_block_table)
-        res = rt.attend(_layer, qn, qp, scale, idx, rows)
+        res = rt.attend(*sc.args(rt, kc, 0, 0, [3, 3]))
         assert res.rows == [1, 0] and rt.rows_of(3) == [1, 0]
 
 

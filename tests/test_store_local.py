@@ -10,6 +10,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
+from torch_kvoffload.device import pin_memory_enabled
 from torch_kvoffload.store import KVStore, LocalKVStore, StoreClosedError
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float16, torch.int64]
@@ -47,7 +48,7 @@ def test_is_a_kvstore_and_counters() -> None:
     for name in ("puts", "gets", "hits", "misses", "evictions", "bytes_put", "bytes_got"):
         assert snap[name] == 0
     assert store.used_bytes == 0
-    assert store.pinned is False  # CPU-only here: no accelerator, no pinning
+    assert store.pinned is pin_memory_enabled()  # the arena is pinned exactly when an accelerator exists
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

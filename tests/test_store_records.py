@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_store_local import _check_invariants
 
+from torch_kvoffload._utils import round_up
 from torch_kvoffload.store import KVStore, LocalKVStore, RecordLayout, StoreClosedError, StoreLease
 
 
@@ -47,7 +48,7 @@ def _layout(tensors, pad=16) -> RecordLayout:
     offsets, off = [], 0
     for t in tensors:
         offsets.append(off)
-        off = (off + t[0].nbytes + pad - 1) // pad * pad
+        off = round_up(off + t[0].nbytes, pad)
     return RecordLayout(tensors, offsets, off)
 
 

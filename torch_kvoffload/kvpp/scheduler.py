@@ -43,6 +43,7 @@ from torch_kvoffload.device import TransferError, TransferEvent, record_compute_
 from torch_kvoffload.kvpp.allocation import KVPPAllocation
 from torch_kvoffload.kvpp.blocks import BlockTables, block_runs
 from torch_kvoffload.kvpp.transport import BroadcastTransport
+from torch_kvoffload.ops._hook_registry import sync_copies
 from torch_kvoffload.ops.kvpp import runtimes
 
 logger = logging.getLogger(__name__)
@@ -233,12 +234,8 @@ class KVPPScheduler:
     def _sync_into(bundle: Sequence[torch.Tensor] | None, own: list[torch.Tensor] | None) -> None:
         """Copy the layer's cache into the given tensors that are not the cache itself (a functionalizing
         backend passes copies; the graph reads those, so they must hold what the broadcast wrote)."""
-        if bundle is None or own is None:
-            return
-        for t, o in zip(bundle, own, strict=True):
-            if t.data_ptr() == o.data_ptr() and t.stride() == o.stride():
-                continue
-            t.copy_(o)
+        if bundle is not None and own is not None:
+            sync_copies(bundle, own)
 
     def _wait_pending(self, what: str) -> None:
         assert self._pending is not None
@@ -260,6 +257,18 @@ class KVPPScheduler:
             self.counters.add("wait_seconds", time.perf_counter() - start)
         self._pending = None
 
+    def _hook_layer(self, what: str, layer: int) -> bool:
+        """The checks :meth:`wait_layer` and :meth:`prefetch_layer` share (usable, in a forward, a layer
+        with a cache on this rank); whether ``layer`` is a target layer (else a draft / MTP layer)."""
+        self._check_usable(what)
+        if not self._in_forward:
+            raise RuntimeError(f"KVPPScheduler.{what}: no forward scheduled (call schedule_forward first)")
+        if self.plan.is_target(layer):
+            return True
+        if layer not in self.allocation.draft_bundles:
+            raise KeyError(f"KVPPScheduler.{what}: layer {layer} has no KV cache on this rank")
+        return False
+
     def wait_layer(self, layer: int, bundle: Sequence[torch.Tensor] | None = None) -> None:
         """Wait for ``layer``'s broadcast (owners wait for their send), then start the next layer's.
 
@@ -269,12 +278,7 @@ class KVPPScheduler:
         on an accelerator the compute stream waits on the broadcast's event. Waiting again for the layer
         waited last (a graph that places the wait twice) only refreshes ``bundle``.
         """
-        self._check_usable("wait_layer")
-        if not self._in_forward:
-            raise RuntimeError("KVPPScheduler.wait_layer: no forward scheduled (call schedule_forward first)")
-        if not self.plan.is_target(layer):
-            if layer not in self.allocation.draft_bundles:
-                raise KeyError(f"KVPPScheduler.wait_layer: layer {layer} has no KV cache on this rank")
+        if not self._hook_layer("wait_layer", layer):
             self._sync_into(bundle, self._check_bundle("wait_layer", layer, bundle))
             return
         own = self._check_bundle("wait_layer", layer, bundle)
@@ -299,14 +303,7 @@ class KVPPScheduler:
         ``wait_layer`` already starts the next layer, so this only matters for graphs that place the
         prefetch explicitly. Asking for a layer beyond the next one is an error (only one is in flight).
         """
-        self._check_usable("prefetch_layer")
-        if not self._in_forward:
-            raise RuntimeError(
-                "KVPPScheduler.prefetch_layer: no forward scheduled (call schedule_forward first)"
-            )
-        if not self.plan.is_target(layer):
-            if layer not in self.allocation.draft_bundles:
-                raise KeyError(f"KVPPScheduler.prefetch_layer: layer {layer} has no KV cache on this rank")
+        if not self._hook_layer("prefetch_layer", layer):
             return
         self._check_bundle("prefetch_layer", layer, bundle)
         if not self._has_history:

@@ -69,6 +69,7 @@ from torch_kvoffload.device import (
 )
 from torch_kvoffload.layerwise.allocation import LayerBuffers
 from torch_kvoffload.layerwise.planner import LayerBufferPlan
+from torch_kvoffload.ops._hook_registry import sync_copies
 from torch_kvoffload.ops.copy import copy_blocks
 from torch_kvoffload.store.base import KVStore, RecordLayout, StoreLease, leased_keys
 from torch_kvoffload.store.keys import block_hashes, cache_layout_fingerprint, layer_key_prefix
@@ -891,13 +892,11 @@ class LayerwiseOffloadRuntime:
     def _sync_caches(self, layer: int, caches: Sequence[torch.Tensor] | None, *, into_buffers: bool) -> None:
         if caches is None:
             return
-        for t, b in zip(caches, self.buffers.layer_caches(layer), strict=True):
-            if t.data_ptr() == b.data_ptr() and t.stride() == b.stride():
-                continue
-            if into_buffers:
-                b.copy_(t)
-            else:
-                t.copy_(b)
+        own = self.buffers.layer_caches(layer)
+        if into_buffers:
+            sync_copies(own, caches)
+        else:
+            sync_copies(caches, own)
 
     def _need_forward(self, fn: str) -> None:
         if not self._in_forward:

@@ -3,14 +3,30 @@
 Hook ops (``layer_wait``, ``kvpp_wait_layer``, ...) take a runtime's *name* — a string survives graph
 capture where a Python object would not — and look the runtime up here. The registries live in ``ops`` so
 that ``ops`` never imports the runtime packages; runtimes register themselves.
+
+A hook op's tensor arguments are the runtime's own cache tensors in eager code, or copies of them made by
+a functionalizing backend; :func:`sync_copies` keeps such copies and the runtime's tensors in step.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Generic, TypeVar
 
+import torch
+
 T = TypeVar("T")
+
+
+def sync_copies(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every ``dst[i]`` that is not ``src[i]``'s own memory (the same data
+    pointer and strides); equal lengths. Copying from a runtime's tensors into a hook op's arguments gives
+    a graph what the runtime holds; the other way, the runtime what the graph wrote."""
+    for d, s in zip(dst, src, strict=True):
+        if d.data_ptr() == s.data_ptr() and d.stride() == s.stride():
+            continue
+        d.copy_(s)
 
 
 class HookRegistry(Generic[T]):

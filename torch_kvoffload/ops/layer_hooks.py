@@ -44,24 +44,20 @@ class LayerHooks(Protocol):
 runtimes: HookRegistry[LayerHooks] = HookRegistry("layerwise runtime", methods=("wait", "prefetch", "save"))
 
 
-def _runtime(name: str) -> LayerHooks:
-    return runtimes.get(name)
-
-
 def _fake(runtime: str, layer: int, caches: list[torch.Tensor]) -> None:
     return None
 
 
 def _wait_kernel(runtime: str, layer: int, caches: list[torch.Tensor]) -> None:
-    _runtime(runtime).wait(layer, caches)
+    runtimes.get(runtime).wait(layer, caches)
 
 
 def _prefetch_kernel(runtime: str, layer: int, caches: list[torch.Tensor]) -> None:
-    _runtime(runtime).prefetch(layer, caches)
+    runtimes.get(runtime).prefetch(layer, caches)
 
 
 def _save_kernel(runtime: str, layer: int, caches: list[torch.Tensor]) -> None:
-    _runtime(runtime).save(layer, caches)
+    runtimes.get(runtime).save(layer, caches)
 
 
 _layer_wait_op = define_op("layer_wait", _SCHEMA, fake=_fake, reference=_wait_kernel)

@@ -11,11 +11,14 @@ import itertools
 import math
 from collections.abc import Sequence
 from numbers import Real
+from typing import TYPE_CHECKING
 
 import torch
 
 from torch_kvoffload._utils import check_int
-from torch_kvoffload.sparse.host_pool import HostKVPool
+
+if TYPE_CHECKING:
+    from torch_kvoffload.sparse.host_pool import HostKVPool
 
 __all__ = ["check_block_coverage", "check_layer", "check_tensor", "host_ints"]
 

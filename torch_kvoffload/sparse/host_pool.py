@@ -35,6 +35,7 @@ import torch
 
 from torch_kvoffload import device as kv_device
 from torch_kvoffload._utils import check_int, parse_dtype, round_up
+from torch_kvoffload.sparse._checks import check_layer
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,14 @@ _SHM_DIR = "/dev/shm"
 _MAGIC = "torch_kvoffload.HostKVPool.v2"
 _POLL_MAX_SECONDS = 1e-3
 _FAILED = -1  # fence value of a layer whose append failed on the writer
+
+
+def _part_bytes(
+    num_layers: int, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype
+) -> tuple[int, int]:
+    """Bytes of the ``kv_c`` rows and of the ``k_pe`` rows of every layer."""
+    rows = num_layers * num_blocks * block_size * dtype.itemsize
+    return rows * kv_lora_rank, rows * rope_dim
 
 
 def _header_bytes(num_layers: int) -> int:
@@ -76,15 +85,13 @@ class HostKVPool:
         self.kv_lora_rank, self.rope_dim, self.dtype = kv_lora_rank, rope_dim, dtype
         self.name, self.owner = name, owner
         self._storage = storage  # uint8, keeps the mapping alive
-        esz = torch.empty((), dtype=dtype).element_size()
         if name is not None:
             off = _header_bytes(num_layers)
             self._fence = storage[_META_BYTES : _META_BYTES + 8 * num_layers].view(torch.int64)
         else:
             off = 0
             self._fence = torch.zeros(num_layers, dtype=torch.int64)
-        kv_bytes = num_layers * num_blocks * block_size * kv_lora_rank * esz
-        pe_bytes = num_layers * num_blocks * block_size * rope_dim * esz
+        kv_bytes, pe_bytes = _part_bytes(num_layers, num_blocks, block_size, kv_lora_rank, rope_dim, dtype)
         self._kv_c = (
             storage[off : off + kv_bytes].view(dtype).view(num_layers, num_blocks, block_size, kv_lora_rank)
         )
@@ -103,8 +110,7 @@ class HostKVPool:
     def nbytes_for(num_layers: int, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int,
                    dtype: torch.dtype) -> int:  # fmt: skip
         """Bytes of row storage (both components, all layers)."""
-        esz = torch.empty((), dtype=dtype).element_size()
-        return num_layers * num_blocks * block_size * (kv_lora_rank + rope_dim) * esz
+        return sum(_part_bytes(num_layers, num_blocks, block_size, kv_lora_rank, rope_dim, dtype))
 
     @classmethod
     def create(
@@ -125,23 +131,18 @@ class HostKVPool:
             check_int("HostKVPool.create", arg, v, minimum=1)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"HostKVPool.create: the main KV must be a floating dtype, got {dtype}")
-        esz = torch.empty((), dtype=dtype).element_size()
-        kv_bytes = num_layers * num_blocks * block_size * kv_lora_rank * esz
-        pe_bytes = num_layers * num_blocks * block_size * rope_dim * esz
+        dims = dict(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
+                    kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)  # fmt: skip
+        kv_bytes, pe_bytes = _part_bytes(**dims, dtype=dtype)
         if not shared:
             storage = kv_device.empty_host((round_up(kv_bytes, _ALIGN) + pe_bytes,), torch.uint8)
-            return cls(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
-                       kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, dtype=dtype, storage=storage,
-                       name=None, owner=True)  # fmt: skip
+            return cls(**dims, dtype=dtype, storage=storage, name=None, owner=True)
         name = name or f"kvoffload-pool-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         if "/" in name:
             raise ValueError(f"HostKVPool.create: name must not contain '/', got {name!r}")
         path = os.path.join(_SHM_DIR, name)
         total = _header_bytes(num_layers) + round_up(kv_bytes, _ALIGN) + pe_bytes
-        header = json.dumps(
-            {"magic": _MAGIC, "num_layers": num_layers, "num_blocks": num_blocks, "block_size": block_size,
-             "kv_lora_rank": kv_lora_rank, "rope_dim": rope_dim, "dtype": str(dtype), "total": total}
-        ).encode()  # fmt: skip
+        header = json.dumps({"magic": _MAGIC, **dims, "dtype": str(dtype), "total": total}).encode()
         assert len(header) < _META_BYTES
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -154,9 +155,7 @@ class HostKVPool:
         except BaseException:
             os.unlink(path)
             raise
-        pool = cls(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
-                   kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, dtype=dtype, storage=storage, name=name,
-                   owner=True)  # fmt: skip
+        pool = cls(**dims, dtype=dtype, storage=storage, name=name, owner=True)
         pool._register_pinned()
         logger.info("HostKVPool %s: %.1f MiB shared host pool", name, total / 2**20)
         return pool
@@ -320,20 +319,20 @@ class HostKVPool:
 
         A layer marked failed (:meth:`mark_failed`) stays failed.
         """
-        layer = check_int("HostKVPool.publish", "layer", layer, minimum=0, maximum=self.num_layers - 1)
+        layer = check_layer("HostKVPool.publish", layer, self.num_layers)
         seq = check_int("HostKVPool.publish", "seq", seq, minimum=0)
         if int(self._fence[layer]) != _FAILED:
             self._fence[layer] = seq
 
     def mark_failed(self, layer: int) -> None:
         """Writer: an append of ``layer`` failed; its rows will never be complete, readers get an error."""
-        layer = check_int("HostKVPool.mark_failed", "layer", layer, minimum=0, maximum=self.num_layers - 1)
+        layer = check_layer("HostKVPool.mark_failed", layer, self.num_layers)
         self._fence[layer] = _FAILED
 
     def published(self, layer: int) -> int:
         """The last sequence number the writer published for ``layer`` (0 before the first, -1 after a
         failed append)."""
-        layer = check_int("HostKVPool.published", "layer", layer, minimum=0, maximum=self.num_layers - 1)
+        layer = check_layer("HostKVPool.published", layer, self.num_layers)
         return int(self._fence[layer])
 
     def wait_published(self, layer: int, seq: int, timeout: float) -> float:

@@ -16,6 +16,17 @@ from torch_kvoffload.ops.residency import (
 __all__ = ["ResidencyTable"]
 
 
+def step_counts(topk: torch.Tensor, out: ResidencyOutputs) -> dict[str, torch.Tensor]:
+    """``hits``, ``misses`` and ``evictions`` of one step of ``int32 topk [R, K]`` (``int64`` scalar
+    tensors on the step's device: every valid top-k entry that is not a miss is a hit)."""
+    misses = out.miss_count.sum(dtype=torch.int64)
+    return {
+        "hits": (topk >= 0).sum() - misses,
+        "misses": misses,
+        "evictions": out.evictions.sum(dtype=torch.int64),
+    }
+
+
 class ResidencyTable:
     """Residency of ``num_rows`` decode rows in hot buffers of ``capacity`` slots each (one layer).
 
@@ -129,10 +140,8 @@ class ResidencyTable:
 
         The sums stay tensors: on an accelerator they accumulate there without a host sync.
         """
-        misses = out.miss_count.sum(dtype=torch.int64)
-        self.counters.add("hits", (topk >= 0).sum() - misses)
-        self.counters.add("misses", misses)
-        self.counters.add("evictions", out.evictions.sum(dtype=torch.int64))
+        for name, amount in step_counts(topk, out).items():
+            self.counters.add(name, amount)
         self.counters.add("updates")
 
     def reset(self) -> None:

@@ -36,8 +36,7 @@ class RowMap:
 
     def __init__(self, max_rows: int) -> None:
         self.max_rows = max_rows
-        self._row_of: dict[tuple[int, int], int] = {}
-        self._rows_of_request: dict[int, list[int]] = {}
+        self._rows: dict[int, list[int]] = {}  # request id -> its rows, by ordinal
         self._free: list[int] = list(range(max_rows))  # a heap: the lowest free row first
 
     @property
@@ -47,7 +46,7 @@ class RowMap:
 
     def rows_of(self, request_id: int) -> list[int]:
         """The rows ``request_id`` holds, by ordinal."""
-        return list(self._rows_of_request.get(request_id, ()))
+        return list(self._rows.get(request_id, ()))
 
     def plan(self, where: str, request_ids: list[int]) -> RowPlan:
         """The rows of a step whose decode rows belong to ``request_ids`` (any order).
@@ -60,15 +59,15 @@ class RowMap:
             k = ordinal.get(rid, 0)
             ordinal[rid] = k + 1
             keys.append((rid, k))
-        fresh = [key for key in keys if key not in self._row_of]
+        fresh = [(rid, k) for rid, k in keys if k >= len(self._rows.get(rid, ()))]
         if len(fresh) > len(self._free):
             raise ValueError(
                 f"{where}: the step needs {len(fresh)} new residency rows but only {len(self._free)} of "
-                f"max_rows={self.max_rows} are free ({self.alive} held by {len(self._rows_of_request)} "
+                f"max_rows={self.max_rows} are free ({self.alive} held by {len(self._rows)} "
                 "requests); release finished requests or raise max_rows"
             )
         new = dict(zip(fresh, heapq.nsmallest(len(fresh), self._free), strict=True))
-        rows = [self._row_of.get(key, new.get(key, -1)) for key in keys]
+        rows = [new[rid, k] if (rid, k) in new else self._rows[rid][k] for rid, k in keys]
         return RowPlan(rows, new)
 
     def commit(self, plan: RowPlan) -> None:
@@ -79,15 +78,13 @@ class RowMap:
         self._free = [r for r in self._free if r not in taken]
         heapq.heapify(self._free)
         for (rid, k), row in sorted(plan.new.items()):
-            self._row_of[rid, k] = row
-            held = self._rows_of_request.setdefault(rid, [])
+            held = self._rows.setdefault(rid, [])
             assert len(held) == k, "ordinals are assigned in order"
             held.append(row)
 
     def release(self, request_id: int) -> list[int]:
         """Free every row of ``request_id``; return them (empty for an unknown request)."""
-        rows = self._rows_of_request.pop(request_id, [])
-        for k, row in enumerate(rows):
-            del self._row_of[request_id, k]
+        rows = self._rows.pop(request_id, [])
+        for row in rows:
             heapq.heappush(self._free, row)
         return rows

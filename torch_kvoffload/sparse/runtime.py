@@ -55,7 +55,7 @@ from torch_kvoffload.ops.residency import ResidencyOutputs, new_residency_output
 from torch_kvoffload.sparse import _checks
 from torch_kvoffload.sparse.config import SparseDecodeConfig
 from torch_kvoffload.sparse.host_pool import HostKVPool
-from torch_kvoffload.sparse.residency import ResidencyTable
+from torch_kvoffload.sparse.residency import ResidencyTable, step_counts
 from torch_kvoffload.sparse.rows import RowMap, RowPlan
 
 logger = logging.getLogger(__name__)
@@ -353,10 +353,12 @@ class SparseDecodeOffload:
         start = time.perf_counter()
         for ev in events:
             ev.wait()
-        waited = time.perf_counter() - start
         events.clear()
+        self._count_wait(layer, time.perf_counter() - start)
+
+    def _count_wait(self, layer: int, seconds: float) -> None:
         self._count(layer, "waits", 1)
-        self._count(layer, "wait_seconds", waited)
+        self._count(layer, "wait_seconds", seconds)
 
     def _await_rows(self, layer: int) -> None:
         """The rows appended for ``layer`` so far are in the pool: own copies done, or the writer's
@@ -365,8 +367,7 @@ class SparseDecodeOffload:
         if not self.writer and self.pool.name is not None and self._append_seq[layer]:
             waited = self.pool.wait_published(layer, self._append_seq[layer], self.fence_timeout)
             if waited:
-                self._count(layer, "waits", 1)
-                self._count(layer, "wait_seconds", waited)
+                self._count_wait(layer, waited)
 
     def sync(self) -> None:
         """Wait for every pending append (raises if one failed)."""
@@ -562,10 +563,7 @@ class SparseDecodeOffload:
     def _record(
         self, layer: int, topk: torch.Tensor, res: ResidencyOutputs, copied: int | torch.Tensor
     ) -> None:
-        misses = res.miss_count.sum(dtype=torch.int64)
-        for name, amount in (("hits", (topk >= 0).sum() - misses), ("misses", misses),
-                             ("evictions", res.evictions.sum(dtype=torch.int64)),
-                             ("bytes_h2d", copied * self.pool.row_bytes)):  # fmt: skip
+        for name, amount in (*step_counts(topk, res).items(), ("bytes_h2d", copied * self.pool.row_bytes)):
             self._count(layer, name, amount)
 
     @staticmethod

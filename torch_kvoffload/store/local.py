@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from torch_kvoffload import device
+from torch_kvoffload._utils import check_int, round_up
 from torch_kvoffload.counters import Counters
 from torch_kvoffload.ops.copy import copy_blocks
 from torch_kvoffload.store.base import (
@@ -112,12 +113,7 @@ class LocalKVStore(KVStore):
     pins_leases = True
 
     def __init__(self, capacity_bytes: int, *, alignment: int = 1, pin_memory: bool | None = None) -> None:
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
-            raise TypeError(
-                f"LocalKVStore: capacity_bytes must be an int, got {type(capacity_bytes).__name__}"
-            )
-        if capacity_bytes < 1:
-            raise ValueError(f"LocalKVStore: capacity_bytes must be >= 1, got {capacity_bytes}")
+        capacity_bytes = check_int("LocalKVStore", "capacity_bytes", capacity_bytes, minimum=1)
         if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
             raise ValueError(f"LocalKVStore: alignment must be an int >= 1, got {alignment!r}")
         if alignment & (alignment - 1):
@@ -189,8 +185,7 @@ class LocalKVStore(KVStore):
 
     # ------------------------------------------------------------------------------------ allocator
     def _reserve_size(self, nbytes: int) -> int:
-        a = self.alignment
-        return (nbytes + a - 1) // a * a
+        return round_up(nbytes, self.alignment)
 
     def _allocate(self, nbytes: int) -> tuple[int, int] | None:
         """First fit; returns ``(offset, reserved)`` or ``None``. Caller holds the lock."""

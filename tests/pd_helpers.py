@@ -1,0 +1,497 @@
+"""Test helpers for P/D transfer: a tiny DeepSeek-like cache layout, deterministic per-block KV, and the
+prefill / decode process bodies the multi-process tests spawn (with fault injection).
+
+The KV prefill "computes" is a pure function of (request, layer, component) (:func:`block_data`), so the
+decode process checks its host pool and indexer against an expectation computed independently of the
+transfer code.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch
+
+L, BS, NB = 6, 4, 24  # layers, block size, prefill device blocks
+R, P, D = 32, 8, 16  # kv_lora_rank, rope_dim, index_dim
+POOL_BLOCKS, IDX_BLOCKS = 40, 40
+KV_DTYPE = torch.bfloat16
+REQUESTS = [(7, 21), (11, 9), (12, 2)]  # (request id, prompt tokens): 6, 3 and 1 blocks
+
+MAIN_ROWS = [((R,), KV_DTYPE), ((P,), KV_DTYPE)]
+IDX_ROWS = [((D,), torch.int8), ((1,), torch.float32)]  # int8 indexer key + its fp32 scale
+
+
+def nblocks(tokens: int) -> int:
+    return math.ceil(tokens / BS)
+
+
+def block_data(rid: int, layer: int, comp: int, n: int) -> torch.Tensor:
+    """``[n, BS, *row]`` KV of component ``comp`` (0, 1 main; 2, 3 indexer) of ``layer`` of request ``rid``."""
+    row, dtype = (MAIN_ROWS + IDX_ROWS)[comp]
+    g = torch.Generator().manual_seed(rid * 1_000_003 + layer * 1009 + comp)
+    if dtype.is_floating_point:
+        return torch.randn(n, BS, *row, generator=g).to(dtype)
+    return torch.randint(-128, 128, (n, BS, *row), generator=g, dtype=torch.int8)
+
+
+def specs(indexer_layers=None):
+    from torch_kvoffload.layerwise import LayerCacheSpec, TensorSpec
+
+    main = tuple(TensorSpec((NB, BS, *r), d) for r, d in MAIN_ROWS)
+    idx = tuple(TensorSpec((NB, BS, *r), d) for r, d in IDX_ROWS)
+    return [
+        LayerCacheSpec(main, idx if indexer_layers is None or i in indexer_layers else None) for i in range(L)
+    ]
+
+
+def compat(fingerprint: str = "tiny-dsa"):
+    from torch_kvoffload.pd import make_compatibility
+
+    main = [torch.empty(1, BS, *r, dtype=d) for r, d in MAIN_ROWS]
+    idx = [torch.empty(1, BS, *r, dtype=d) for r, d in IDX_ROWS]
+    return make_compatibility(
+        model_fingerprint=fingerprint, num_layers=L, block_size=BS, main=main, indexer=idx
+    )
+
+
+def config(role: str, **kw: Any):
+    from torch_kvoffload.pd import PDConfig
+
+    base = dict(
+        heartbeat_interval_s=0.25, heartbeat_misses=4, layer_ack_timeout_s=5.0, handshake_timeout_s=20.0
+    )
+    base.update(kw)
+    return PDConfig(role=role, **base)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of ``t`` (bit-for-bit comparison, NaN-safe)."""
+    return t.detach().cpu().contiguous().view(torch.uint8)
+
+
+# ------------------------------------------------------------------------------------------- prefill
+def _fault_sender_cls(fault: str | None):
+    from torch_kvoffload.pd import PrefillSender
+
+    if not fault:
+        return PrefillSender
+    kind, _, arg = fault.partition(":")
+    layer = int(arg) if arg else 2
+
+    class FaultySender(PrefillSender):
+        def _layer_ready(self, msg):
+            if kind == "bad-metadata" and msg.layer == layer:
+                import dataclasses
+
+                return dataclasses.replace(
+                    msg, main_block_bytes=[msg.main_block_bytes[0] + 2, *msg.main_block_bytes[1:]]
+                )
+            return msg
+
+        def provider(self, slot, layer_):
+            ev = super().provider(slot, layer_)
+            if kind == "die-after" and layer_ == layer:
+                time.sleep(0.1)  # let the batch leave
+                os._exit(3)
+            return ev
+
+    return FaultySender
+
+
+def make_prefill_rank(
+    cfg,
+    p_rank: int,
+    rdv_dir: str,
+    cls=None,
+    *,
+    shared: int = 2,
+    independent=(0,),
+    store=None,
+    indexer_layers=None,
+    sender_first=False,
+):
+    """``(connector, sender, runtime, transport)`` of one prefill rank: a layerwise runtime over buffers
+    exported by the configured transport, and its sender."""
+    from torch_kvoffload.layerwise import LayerwiseOffloadRuntime, plan_layer_buffers
+    from torch_kvoffload.pd import (
+        FileRendezvous,
+        PrefillMultiConnector,
+        PrefillSender,
+        export_layer_buffers,
+        make_transport,
+    )
+    from torch_kvoffload.store.local import LocalKVStore
+
+    transport = make_transport(cfg, rank_name=f"p{p_rank}")
+    plan = plan_layer_buffers(specs(indexer_layers), shared, independent)
+    buffers = export_layer_buffers(plan, transport)
+    rt = LayerwiseOffloadRuntime(
+        plan, buffers, store if store is not None else LocalKVStore(1 << 24), model_id="tiny-dsa"
+    )
+    sender = (cls or PrefillSender)(
+        cfg,
+        p_rank=p_rank,
+        buffers=buffers,
+        transport=transport,
+        compat=compat(),
+        rendezvous=FileRendezvous(rdv_dir),
+    )
+    return PrefillMultiConnector([sender, rt] if sender_first else [rt, sender]), sender, rt, transport
+
+
+def prefill_tables(p_rank: int, tickets) -> tuple[list[list[int]], list[list[int]]]:
+    """Prefill block tables (a rank-specific permutation: any blocks work) and token ids of ``tickets``."""
+    perm = torch.randperm(NB, generator=torch.Generator().manual_seed(100 + p_rank)).tolist()
+    tables, pos = [], 0
+    for t in tickets:
+        n = len(t.main_blocks)
+        tables.append(perm[pos : pos + n])
+        pos += n
+    tokens = [
+        list(range(1000 * p_rank + t.request_id, 1000 * p_rank + t.request_id + t.num_tokens))
+        for t in tickets
+    ]
+    return tables, tokens
+
+
+def write_layer(conn, layer: int, tickets, tables) -> None:
+    """Compute ``layer``: write every request's KV (:func:`block_data`) into the layer's buffers."""
+    caches = conn.layer_caches(layer)
+    for t, table in zip(tickets, tables, strict=True):
+        for c, buf in enumerate(caches):
+            buf[table] = block_data(t.request_id, layer, c, len(table))
+
+
+def prefill_rank(
+    cfg, p_rank: int, tickets, rdv_dir: str, fault: str | None, layer_sleep: float, out: dict
+) -> None:
+    """One prefill TP rank: layerwise runtime over exported buffers + sender; writes every layer's KV."""
+
+    t0 = time.time()
+    try:
+        conn, sender, rt, transport = make_prefill_rank(cfg, p_rank, rdv_dir, _fault_sender_cls(fault))
+        tables, tokens = prefill_tables(p_rank, tickets)
+        try:
+            conn.begin_forward(tokens, tables, tickets)
+            for layer in range(L):
+                conn.wait(layer)
+                write_layer(conn, layer, tickets, tables)
+                time.sleep(layer_sleep)
+                conn.save(layer)
+            conn.end_forward()
+            for t in tickets:
+                sender.wait_request(t.request_id, timeout=30)
+            out[p_rank] = {"ok": True, "seconds": time.time() - t0, "counters": sender.counters.snapshot()}
+        finally:
+            sender.close()
+            rt.close()
+            transport.close()
+    except BaseException as exc:
+        out[p_rank] = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__,
+                       "at": time.time(), "trace": traceback.format_exc()[-3000:]}  # fmt: skip
+
+
+def prefill_main(
+    cfg_kw: dict, rdv_dir: str, tickets_q, result_q, fault: str | None = None, layer_sleep: float = 0.0
+) -> None:
+    """Process body: every prefill TP rank on its own thread."""
+    from torch_kvoffload.pd import TransferTicket
+
+    cfg = config("prefill", **cfg_kw)
+    tickets = [TransferTicket.from_dict(d) for d in tickets_q.get(timeout=60)]
+    out: dict = {}
+    threads = [threading.Thread(target=prefill_rank, args=(cfg, r, tickets, rdv_dir, fault, layer_sleep, out))
+               for r in range(cfg.p_tp_size)]  # fmt: skip
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(90)
+    result_q.put({"side": "prefill", "ranks": out})
+
+
+# -------------------------------------------------------------------------------------------- decode
+def _fault_receiver_cls(fault: str | None, kill_file: str):
+    from torch_kvoffload.pd import DecodeReceiver
+    from torch_kvoffload.pd.messages import ReadDone
+
+    if not fault:
+        return DecodeReceiver
+    kind, _, arg = fault.partition(":")
+    layer = int(arg) if arg else 2
+
+    class FaultyReceiver(DecodeReceiver):
+        def _reply(self, peer, msg):
+            if kind == "drop-ack" and isinstance(msg, ReadDone) and msg.layer == layer:
+                return
+            super()._reply(peer, msg)
+
+        def _handle_layer(self, identity, msg):
+            if kind == "die-at" and msg.layer == layer:
+                with open(kill_file, "w") as f:
+                    f.write(str(time.time()))
+                os._exit(3)
+            super()._handle_layer(identity, msg)
+
+    return FaultyReceiver
+
+
+def make_decode(cfg, rdv_dir: str, cls=None, fingerprint: str = "tiny-dsa", indexer_layers=None):
+    """``(pool, indexers, receivers)``: one host pool shared by every decode TP rank of DP rank 0 and a
+    rank-local indexer (int8 key + fp32 scale on the compute device) per rank."""
+    from torch_kvoffload.device import default_device
+    from torch_kvoffload.pd import DecodeReceiver, FileRendezvous
+    from torch_kvoffload.sparse import HostKVPool
+
+    pool = HostKVPool.create(L, POOL_BLOCKS, BS, R, P, KV_DTYPE)
+    dev = default_device()
+    indexers = [
+        [
+            tuple(torch.zeros(IDX_BLOCKS, BS, *r, dtype=d, device=dev) for r, d in IDX_ROWS)
+            if indexer_layers is None or i in indexer_layers
+            else None
+            for i in range(L)
+        ]
+        for _ in range(cfg.d_tp_size)
+    ]
+    pool.kv_c(0).zero_()
+    pool.k_pe(0).zero_()
+    recvs = [(cls or DecodeReceiver)(cfg, pool=pool, compat=compat(fingerprint), dp_rank=0, tp_rank=t,
+                                     indexer=indexers[t], rendezvous=FileRendezvous(rdv_dir))
+             for t in range(cfg.d_tp_size)]  # fmt: skip
+    return pool, indexers, recvs
+
+
+def make_tickets(pool, recvs, requests):
+    """Allocate each request's pool blocks and every rank's indexer blocks; the combined tickets."""
+    from torch_kvoffload.pd import TransferTicket
+
+    tickets = []
+    for rid, ntok in requests:
+        main = pool.allocate(rid, ntok)
+        parts = []
+        for t, rv in enumerate(recvs):
+            idx = [
+                IDX_BLOCKS - 1 - (7 * t + 3 * len(tickets) + 11 * j) % IDX_BLOCKS for j in range(len(main))
+            ]
+            parts.append(rv.expect(rid, ntok, main, idx))
+        tickets.append(TransferTicket.combine(rid, ntok, 0, main, parts))
+    return tickets
+
+
+def decode_main(
+    cfg_kw: dict, rdv_dir: str, tickets_q, result_q, stop, fault: str | None = None, fingerprint: str = "tiny-dsa",
+    wait_s: float = 30.0, kill_file: str = "",
+) -> None:  # fmt: skip
+    """Process body: every decode TP rank of DP rank 0 (one shared host pool, rank-local indexers)."""
+    from torch_kvoffload.pd import all_ranks_ready
+
+    try:
+        cfg = config("decode", **cfg_kw)
+        pool, indexers, recvs = make_decode(cfg, rdv_dir, _fault_receiver_cls(fault, kill_file), fingerprint)
+        tickets = make_tickets(pool, recvs, REQUESTS)
+        tickets_q.put([t.to_dict() for t in tickets])
+        states, errors, mismatches = {}, {}, []
+        for t in tickets:
+            for rank, rv in enumerate(recvs):
+                try:
+                    rv.wait_request(t.request_id, timeout=wait_s)
+                except Exception as exc:
+                    errors[(t.request_id, rank)] = f"{type(exc).__name__}: {exc}"
+            st = [rv.state(t.request_id) for rv in recvs]
+            states[t.request_id] = st
+            try:
+                ready = all_ranks_ready(st)
+            except Exception:
+                ready = False
+            if not ready:
+                continue
+            n = len(t.main_blocks)
+            main_idx = torch.tensor(t.main_blocks)
+            for layer in range(L):
+                for c, view in ((0, pool.kv_c(layer)), (1, pool.k_pe(layer))):
+                    if not torch.equal(bits(view[main_idx]), bits(block_data(t.request_id, layer, c, n))):
+                        mismatches.append(("main", t.request_id, layer, c))
+                for rank in range(cfg.d_tp_size):
+                    ib = torch.tensor(t.parts[rank].indexer_blocks)
+                    for c, buf in enumerate(indexers[rank][layer]):
+                        want = block_data(t.request_id, layer, 2 + c, n)
+                        if not torch.equal(bits(buf[ib.to(buf.device)]), bits(want)):
+                            mismatches.append(("indexer", t.request_id, layer, rank, c))
+        # what a failed request left readable: its destinations must be zero
+        leftovers = []
+        for t in tickets:
+            if all(s == "failed" for s in states[t.request_id]):
+                main_idx = torch.tensor(t.main_blocks)
+                for layer in range(L):
+                    if pool.kv_c(layer)[main_idx].abs().sum() != 0:
+                        time.sleep(0.5)  # zeroing runs on the read thread: give it a moment
+                        if pool.kv_c(layer)[main_idx].abs().sum() != 0:
+                            leftovers.append((t.request_id, layer))
+        result = {"side": "decode", "states": states, "errors": {f"{k[0]}:{k[1]}": v for k, v in errors.items()},
+                  "mismatches": mismatches, "leftovers": leftovers,
+                  "handshake_errors": [e for rv in recvs for e in rv.handshake_errors],
+                  "counters": [rv.counters.snapshot() for rv in recvs], "at": time.time()}  # fmt: skip
+        result_q.put(result)
+        stop.wait(60)
+        for rv in recvs:
+            rv.close()
+        pool.close()
+    except BaseException as exc:
+        result_q.put(
+            {
+                "side": "decode",
+                "fatal": f"{type(exc).__name__}: {exc}",
+                "trace": traceback.format_exc()[-3000:],
+            }
+        )
+
+
+# ------------------------------------------------------------------------------------- orchestration
+_PRELOAD = ["torch", "torch_kvoffload.layerwise", "torch_kvoffload.pd", "torch_kvoffload.sparse",
+            "torch_kvoffload.store.local", "pd_helpers"]  # fmt: skip
+
+
+def mp_context():
+    """A forkserver context whose server imported torch and the package once: every child forks from it
+    in milliseconds instead of importing for seconds (spawn), and no child inherits a parent's threads."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def run_pair(
+    tmp_path, *, transport: str, p_tp: int, d_tp: int, prefill_fault: str | None = None,
+    decode_fault: str | None = None, fingerprint: str = "tiny-dsa", layer_sleep: float = 0.0,
+    timeout: float = 60.0, decode_wait_s: float = 20.0, **cfg_extra: Any,
+) -> tuple[dict, dict]:  # fmt: skip
+    """Spawn a decode and a prefill process on loopback; return their result dicts (``{}`` if none came)."""
+    from torch_kvoffload._utils import free_port
+
+    ctx = mp_context()
+    rdv = str(tmp_path / "rendezvous")
+    cfg_kw = dict(transport=transport, p_tp_size=p_tp, d_tp_size=d_tp, kv_port=free_port(), **cfg_extra)
+    tickets_q, pre_q, dec_q, stop = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
+    kill_file = str(tmp_path / "killed_at")
+    dec = ctx.Process(
+        target=decode_main,
+        args=(cfg_kw, rdv, tickets_q, dec_q, stop, decode_fault, fingerprint, decode_wait_s, kill_file),
+        daemon=True,
+    )
+    pre = ctx.Process(
+        target=prefill_main, args=(cfg_kw, rdv, tickets_q, pre_q, prefill_fault, layer_sleep), daemon=True
+    )
+    dec.start()
+    pre.start()
+    deadline = time.monotonic() + timeout
+    results: dict[str, dict] = {}
+    procs = {"decode": (dec_q, dec), "prefill": (pre_q, pre)}
+    try:
+        while len(results) < 2 and time.monotonic() < deadline:
+            for name, (q, proc) in procs.items():
+                if name in results:
+                    continue
+                try:
+                    results[name] = q.get(timeout=0.05)
+                except queue.Empty:
+                    if not proc.is_alive():
+                        try:
+                            results[name] = q.get(timeout=0.5)
+                        except queue.Empty:
+                            results[name] = {"exitcode": proc.exitcode}
+    finally:
+        stop.set()
+        for proc in (pre, dec):
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for path in glob.glob(f"/dev/shm/kvoffload-pd-{pre.pid}-*"):  # a killed prefill leaves its exports
+            os.unlink(path)
+    return results.get("prefill", {}), results.get("decode", {})
+
+
+# ------------------------------------------------------------------------- transport test processes
+def export_region_main(transport: str, nbytes: int, seed: int, out_q, stop) -> None:
+    """Process body: export one ``uint8`` region of random bytes and describe it; wait for ``stop``."""
+    from torch_kvoffload.pd import ShmTransport
+    from torch_kvoffload.pd.transports.mooncake import MooncakeTransport
+
+    tr = ShmTransport() if transport == "shm" else MooncakeTransport()
+    region = tr.allocate("r", (nbytes,), torch.uint8)
+    region.copy_(
+        torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    )
+    out_q.put(tr.describe())
+    stop.wait(60)
+    tr.close()
+
+
+# ------------------------------------------------------------------ memfabric_hybrid recording fake
+class FakeMemFabric:
+    """A recording FAKE of ``memfabric_hybrid`` 1.3.0's ``TransferEngine`` (no Ascend here): engines of
+    one process find each other by ``unique_id`` and copy registered host memory with ``ctypes.memmove``;
+    every call is appended to ``calls``. Only for unit tests of the adapter."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.engines: dict[str, Any] = {}
+        self.fail_reads = False
+        fake = self
+
+        class TransferEngine:
+            def __init__(self) -> None:
+                self.unique_id = ""
+                self.regions: list[tuple[int, int]] = []
+
+            def initialize(self, store_url: str, unique_id: str, role: str, device_id: int) -> int:
+                fake.calls.append(("initialize", store_url, unique_id, role, device_id))
+                self.unique_id = unique_id
+                fake.engines[unique_id] = self
+                return 0
+
+            def register_memory(self, addr: int, size: int) -> int:
+                fake.calls.append(("register_memory", addr, size))
+                self.regions.append((addr, size))
+                return 0
+
+            def unregister_memory(self, addr: int) -> int:
+                fake.calls.append(("unregister_memory", addr))
+                return 0
+
+            def _inside(self, addr: int, n: int) -> bool:
+                return any(a <= addr and addr + n <= a + s for a, s in self.regions)
+
+            def batch_transfer_sync_read(self, dest: str, buffers, peer_buffer_addresses, lengths) -> int:
+                import ctypes
+
+                fake.calls.append(
+                    (
+                        "batch_transfer_sync_read",
+                        dest,
+                        list(buffers),
+                        list(peer_buffer_addresses),
+                        list(lengths),
+                    )
+                )
+                peer = fake.engines.get(dest)
+                if fake.fail_reads or peer is None:
+                    return -1
+                for local, remote, n in zip(buffers, peer_buffer_addresses, lengths, strict=True):
+                    if not (self._inside(local, n) and peer._inside(remote, n)):
+                        return -2
+                    ctypes.memmove(local, remote, n)
+                return 0
+
+            def destroy(self) -> None:
+                fake.calls.append(("destroy", self.unique_id))
+
+        self.TransferEngine = TransferEngine

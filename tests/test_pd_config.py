@@ -1,0 +1,163 @@
+"""PDConfig rejections, the rank / port mapping, and the control-plane messages."""
+
+from __future__ import annotations
+
+import random
+
+import msgpack
+import pytest
+
+from torch_kvoffload.pd import PDConfig, decode_rank_of, endpoint_port, split_range
+from torch_kvoffload.pd.messages import (
+    Bye,
+    Compatibility,
+    Heartbeat,
+    Hello,
+    HelloAck,
+    LayerEntry,
+    LayerReady,
+    ProtocolError,
+    ReadDone,
+    ReadFailed,
+    decode_message,
+    encode_message,
+)
+
+
+def test_defaults_detect_a_dead_peer_in_about_two_seconds() -> None:
+    cfg = PDConfig(role="decode")
+    assert cfg.handshake_timeout_s == 100.0
+    assert cfg.transport == "shm"
+    assert 1.5 <= cfg.heartbeat_interval_s * cfg.heartbeat_misses <= 2.5
+    assert cfg.dead_after_s == cfg.heartbeat_interval_s * cfg.heartbeat_misses
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(p_tp_size=1, d_tp_size=2), "smaller than decode TP"),
+        (dict(p_tp_size=6, d_tp_size=4), "not a multiple"),
+        (dict(kv_port=65535, d_tp_size=2, p_tp_size=2), "1..65535"),
+        (dict(kv_port=65000, d_tp_size=4, p_tp_size=4, d_dp_size=200), "1..65535"),
+        (dict(kv_port=0), "1..65535"),
+        (dict(transport="rdma-magic"), "unknown transport"),
+        (dict(kvpp_enabled="true"), "KVPP"),
+        (dict(transport="memfabric"), "memfabric_store_url"),
+        (dict(heartbeat_interval_s=0), "greater than 0"),
+        (dict(read_retries=-1), "greater than or equal to 0"),
+        (dict(unknown_field=1), "unknown_field"),
+    ],
+)
+def test_rejections(kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        PDConfig(role="decode", **kw)
+
+
+def test_kvpp_allowed_on_prefill_and_highest_port_accepted() -> None:
+    PDConfig(role="prefill", kvpp_enabled=True)
+    cfg = PDConfig(role="decode", kv_port=65535 - 7, d_tp_size=4, p_tp_size=8, d_dp_size=2)
+    assert cfg.port(1, 3) == 65535
+    with pytest.raises(ValueError, match="dp_rank"):
+        cfg.port(2, 0)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (4, 2), (8, 2), (8, 8), (16, 4)])
+def test_decode_rank_of_matches_the_formula(p_tp: int, d_tp: int) -> None:
+    ratio = p_tp // d_tp
+    groups: dict[int, list[int]] = {}
+    for p in range(p_tp):
+        d, m = decode_rank_of(p, p_tp, d_tp)
+        assert (d, m) == (p // ratio, p % ratio)
+        groups.setdefault(d, []).append(m)
+    assert sorted(groups) == list(range(d_tp))
+    assert all(sorted(ms) == list(range(ratio)) for ms in groups.values())
+
+
+def test_decode_rank_of_rejects_bad_topologies() -> None:
+    with pytest.raises(ValueError, match="multiple"):
+        decode_rank_of(0, 6, 4)
+    with pytest.raises(ValueError, match="p_rank"):
+        decode_rank_of(4, 4, 2)
+    with pytest.raises(TypeError, match="p_tp"):
+        decode_rank_of(0, 2.0, 1)
+
+
+def test_endpoint_port_rule_never_overlaps() -> None:
+    kv_port, d_tp, d_dp = 20000, 4, 3
+    ports = {endpoint_port(kv_port, dp, tp, d_tp) for dp in range(d_dp) for tp in range(d_tp)}
+    assert ports == set(range(kv_port, kv_port + d_tp * d_dp))
+    assert endpoint_port(kv_port, 2, 1, d_tp) == kv_port + 2 * d_tp + 1
+    with pytest.raises(ValueError, match="out of range"):
+        endpoint_port(65535, 0, 1, 2)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 5, 17])
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+def test_split_range_is_a_disjoint_cover(n: int, parts: int) -> None:
+    ranges = [split_range(n, parts, i) for i in range(parts)]
+    covered = [x for lo, hi in ranges for x in range(lo, hi)]
+    assert covered == list(range(n))
+    sizes = [hi - lo for lo, hi in ranges]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def _compat(**kw) -> Compatibility:
+    base = dict(library_version="0.1.0", model_fingerprint="m", kv_dtype="bf16", num_layers=3, block_size=4,
+                main_layout=[[[16], "bf16"], [[8], "bf16"]], indexer_layout=[[[8], "int8"], [[1], "fp32"]])  # fmt: skip
+    base.update(kw)
+    return Compatibility(**base)
+
+
+def _messages() -> list:
+    rng = random.Random(0)
+    blocks = [rng.randrange(100) for _ in range(7)]
+    return [
+        Hello(
+            _compat(), 1, 2, 1, "shm", {"kind": "shm", "regions": {}}, [{"main": ["a"], "indexer": []}], 24
+        ),
+        HelloAck(False, "mismatch", 0, 1),
+        LayerReady(5, 2, 1, 1, 2, [256, 64], [], [LayerEntry(3, 9, blocks, blocks[::-1], [], [])]),
+        ReadDone(5, 2, [3, 4]),
+        ReadFailed(5, 2, [3], "bad sizes"),
+        Heartbeat(123.5),
+        Bye("closing"),
+    ]
+
+
+@pytest.mark.parametrize("msg", _messages(), ids=lambda m: m.TYPE)
+def test_messages_roundtrip(msg) -> None:
+    assert decode_message(encode_message(msg)) == msg
+
+
+def test_malformed_messages_are_rejected_with_the_field_named() -> None:
+    good = LayerReady(1, 0, 0, 0, 1, [1], [], [LayerEntry(1, 1, [1], [2], [], [])]).to_wire()
+    for key, value, match in [
+        ("layer", "0", "'layer' must be int"),
+        ("main_block_bytes", [1, "x"], "list of ints"),
+        ("seq", True, "must be int, got bool"),
+    ]:
+        bad = dict(good, **{key: value})
+        with pytest.raises(ProtocolError, match=match):
+            decode_message(msgpack.packb(bad))
+    missing = {k: v for k, v in good.items() if k != "slot"}
+    with pytest.raises(ProtocolError, match="missing field 'slot'"):
+        decode_message(msgpack.packb(missing))
+    bad_entry = dict(good, entries=[{"request_id": 1}])
+    with pytest.raises(ProtocolError, match="entry: missing field 'generation'"):
+        decode_message(msgpack.packb(bad_entry))
+    with pytest.raises(ProtocolError, match="unknown message type"):
+        decode_message(msgpack.packb({"type": "NOPE"}))
+    with pytest.raises(ProtocolError, match="must be a map"):
+        decode_message(msgpack.packb([1, 2]))
+    with pytest.raises(ProtocolError, match="undecodable"):
+        decode_message(b"\xc1\xc1")
+
+
+def test_compatibility_mismatches_name_each_field() -> None:
+    a = _compat()
+    assert a.mismatches(_compat()) == []
+    b = _compat(num_layers=4, indexer_layout=[], model_fingerprint="other")
+    diffs = a.mismatches(b)
+    assert {d.split(":")[0] for d in diffs} == {"num_layers", "indexer_layout", "model_fingerprint"}
+    # a wire round trip (lists for tuples) does not make a difference
+    assert a.mismatches(Compatibility.from_wire(msgpack.unpackb(msgpack.packb(a.to_wire())))) == []

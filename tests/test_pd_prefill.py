@@ -1,0 +1,452 @@
+"""Prefill / decode behaviour in one process (threads): the multi-connector's ordering, the buffer reuse
+gate, request vs buffer completion, the handshake timeout, stale destinations, argument validation."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pd_helpers as h
+import pytest
+import torch
+
+from torch_kvoffload._utils import free_port
+from torch_kvoffload.device import TransferError
+from torch_kvoffload.pd import (
+    DecodeReceiver,
+    FileRendezvous,
+    HandshakeError,
+    PDTransferError,
+    PrefillMultiConnector,
+    PrefillSender,
+    ShmTransport,
+    TransferTicket,
+    TransportError,
+    all_ranks_ready,
+)
+from torch_kvoffload.pd.rendezvous import decode_key
+from torch_kvoffload.store.local import LocalKVStore
+
+
+class RecordingStore(LocalKVStore):
+    def __init__(self, *a, log, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.log = log
+
+    def batch_put_blocks(self, keys, layout, blocks) -> None:
+        self.log.append(("save", keys[0]))
+        super().batch_put_blocks(keys, layout, blocks)
+
+
+def _slow_receiver(slow_layers: dict[int, float], done_at: dict):
+    """A receiver whose bulk read of the given layers takes longer (while it holds the request locks)."""
+
+    class Slow(DecodeReceiver):
+        def _read(self, peer, ops, layer):
+            time.sleep(slow_layers.get(layer, 0.0))
+            out = super()._read(peer, ops, layer)
+            done_at.setdefault(layer, time.monotonic())
+            return out
+
+    return Slow
+
+
+@pytest.fixture
+def setup(tmp_path):
+    """A decode rank and a prefill rank in this process, factory-style."""
+    made = []
+
+    def make(
+        *,
+        decode_cls=None,
+        sender_cls=None,
+        shared=2,
+        independent=(0,),
+        store=None,
+        requests=h.REQUESTS,
+        sender_first=False,
+        **kw,
+    ):
+        cfg_kw = dict(transport="shm", p_tp_size=1, d_tp_size=1, kv_port=free_port(), **kw)
+        rdv = str(tmp_path / "rdv")
+        pool, indexers, recvs = h.make_decode(h.config("decode", **cfg_kw), rdv, decode_cls)
+        conn, sender, rt, tr = h.make_prefill_rank(
+            h.config("prefill", **cfg_kw),
+            0,
+            rdv,
+            sender_cls,
+            shared=shared,
+            independent=independent,
+            store=store,
+            sender_first=sender_first,
+        )
+        made.append((recvs, sender, rt, tr, pool))
+        tickets = h.make_tickets(pool, recvs, requests)
+        return SimpleNamespace(
+            conn=conn, sender=sender, rt=rt, recv=recvs[0], pool=pool, idx=indexers[0], tickets=tickets
+        )
+
+    yield make
+    for recvs, sender, rt, tr, pool in made:
+        sender.close()
+        rt.close()
+        tr.close()
+        for r in recvs:
+            r.close()
+        pool.close()
+
+
+def _run(conn, tickets, *, on_layer=None):
+    tables, tokens = h.prefill_tables(0, tickets)
+    conn.begin_forward(tokens, tables, tickets)
+    try:
+        for layer in range(h.L):
+            conn.wait(layer)
+            if on_layer is not None:
+                on_layer(layer)
+            h.write_layer(conn, layer, tickets, tables)
+            conn.save(layer)
+    finally:
+        conn.end_forward()
+    return tables
+
+
+@pytest.mark.parametrize("sender_first", [False, True])
+def test_provider_is_called_before_the_host_save_whatever_the_order(setup, sender_first: bool) -> None:
+    log: list = []
+
+    class LoggingSender(PrefillSender):
+        def provider(self, slot, layer):
+            log.append(("provider", layer))
+            return super().provider(slot, layer)
+
+    s = setup(sender_cls=LoggingSender, store=RecordingStore(1 << 24, log=log), sender_first=sender_first)
+    conn, sender, rt, tickets = s.conn, s.sender, s.rt, s.tickets
+    assert conn.order[0] is sender and conn.order[-1] is rt
+    _run(conn, tickets)
+    for t in tickets:
+        conn.wait_request(t.request_id, timeout=10)
+    kinds = [k for k, _ in log]
+    # per layer: the provider, then the save (only full blocks are saved)
+    provider_layers = [x for k, x in log if k == "provider"]
+    assert provider_layers == list(range(h.L))
+    for layer in range(h.L):
+        p = log.index(("provider", layer))
+        saves = [i for i, (k, key) in enumerate(log) if k == "save" and f"/{layer}/" in key]
+        assert saves and min(saves) > p
+    assert kinds[0] == "provider"
+
+
+def test_multi_connector_rejects_bad_compositions(setup) -> None:
+    s = setup()
+    sender = s.sender
+    rt = s.rt
+    with pytest.raises(ValueError, match="one LayerwiseOffloadRuntime and at least one PrefillSender"):
+        PrefillMultiConnector([rt])
+    with pytest.raises(ValueError, match="2 runtime"):
+        PrefillMultiConnector([rt, rt, sender])
+    with pytest.raises(ValueError, match="str"):
+        PrefillMultiConnector([rt, sender, "store"])
+
+
+def test_buffer_reuse_waits_for_the_decode_read(setup) -> None:
+    done_at: dict = {}
+    # one shared buffer, no independent layer: layer L+1 reuses layer L's physical buffer
+    s = setup(decode_cls=_slow_receiver({1: 0.4}, done_at), shared=1, independent=())
+    conn = s.conn
+    recv = s.recv
+    tickets = s.tickets
+    entered: dict = {}
+    _run(conn, tickets, on_layer=lambda layer: entered.setdefault(layer, time.monotonic()))
+    assert entered[2] >= done_at[1]  # layer 2 entered its buffer only after decode read layer 1
+    for t in tickets:
+        recv.wait_request(t.request_id, timeout=10)
+        assert recv.state(t.request_id) == "done"
+
+
+def test_request_completion_is_tracked_apart_from_buffer_completion(setup) -> None:
+    done_at: dict = {}
+    s = setup(decode_cls=_slow_receiver({h.L - 1: 0.5}, done_at))
+    conn = s.conn
+    sender = s.sender
+    recv = s.recv
+    pool = s.pool
+    idx = s.idx
+    tickets = s.tickets
+    _run(conn, tickets)  # end_forward does not wait for the remote reads
+    rid = tickets[0].request_id
+    assert sender.request_state(rid) == "pending" and recv.state(rid) == "pending"
+    sender.wait_request(rid, timeout=10)
+    recv.wait_request(rid, timeout=10)
+    assert sender.request_state(rid) == "done"
+    assert all_ranks_ready([recv.state(rid)])
+    # bit for bit, against the independently generated KV
+    t = tickets[0]
+    for layer in range(h.L):
+        want = h.block_data(rid, layer, 0, len(t.main_blocks))
+        assert torch.equal(h.bits(pool.kv_c(layer)[list(t.main_blocks)]), h.bits(want))
+        ib = list(t.parts[0].indexer_blocks)
+        assert torch.equal(h.bits(idx[layer][1][ib]), h.bits(h.block_data(rid, layer, 3, len(ib))))
+
+
+def test_no_handshake_reply_times_out(tmp_path) -> None:
+    import zmq
+
+    port = free_port()
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # accepts the connection, never answers
+    silent.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        rdv = FileRendezvous(str(tmp_path / "rdv"))
+        rdv.publish(decode_key(port, 0, 0), {"endpoint": f"tcp://127.0.0.1:{port}"})
+        cfg = h.config("prefill", transport="shm", kv_port=port, handshake_timeout_s=1.0)
+        _conn, sender, rt, tr = h.make_prefill_rank(cfg, 0, str(tmp_path / "rdv"))
+        t0 = time.monotonic()
+        with pytest.raises(HandshakeError, match=r"no HELLO_ACK .* within 1\.0 s"):
+            sender.connect(0)
+        assert 0.9 <= time.monotonic() - t0 < 3.0
+        sender.close()
+        rt.close()
+        tr.close()
+    finally:
+        silent.close(0)
+        ctx.term()
+
+
+def test_never_advertised_decode_is_a_handshake_error(tmp_path) -> None:
+    cfg = h.config("prefill", transport="shm", kv_port=free_port(), handshake_timeout_s=0.3)
+    _conn, sender, rt, tr = h.make_prefill_rank(cfg, 0, str(tmp_path / "rdv"))
+    with pytest.raises(HandshakeError, match="never advertised"):
+        sender.connect(0)
+    rt.close()
+    tr.close()
+
+
+def test_stale_generation_never_lands_in_a_reused_destination(setup) -> None:
+    s = setup(requests=[(5, 8)])
+    conn = s.conn
+    sender = s.sender
+    recv = s.recv
+    pool = s.pool
+    tickets = s.tickets
+    old = tickets[0]
+    recv.release(5)  # the destination is handed out again, to a new request
+    pool.free(5)
+    new = h.make_tickets(pool, [recv], [(9, 8)])[0]
+    assert new.main_blocks == old.main_blocks  # the same pool blocks
+    with pytest.raises(TransferError, match=r"generation .* not expected"):
+        _run(conn, [old])
+        sender.wait_request(5, timeout=10)
+    assert int(pool.kv_c(0)[list(new.main_blocks)].abs().sum()) == 0
+    assert recv.state(9) == "pending"
+
+
+def test_release_waits_for_a_read_in_flight(setup) -> None:
+    done_at: dict = {}
+    s = setup(decode_cls=_slow_receiver({0: 0.5}, done_at), requests=[(5, 8)])
+    conn = s.conn
+    sender = s.sender
+    recv = s.recv
+    tickets = s.tickets
+    raised: list = []
+
+    def run() -> None:
+        try:
+            _run(conn, tickets)
+        except TransferError as exc:  # later layers of a released request are refused
+            raised.append(exc)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    time.sleep(0.3)  # layer 0 is being read now
+    t0 = time.monotonic()
+    recv.release(5)
+    released = time.monotonic()
+    assert done_at.get(0) is not None and done_at[0] <= released  # the read finished before release returned
+    assert released - t0 > 0.05
+    th.join(10)
+    assert raised and "not expected" in str(raised[0])
+    with pytest.raises(PDTransferError):
+        sender.wait_request(5, timeout=10)
+
+
+def test_argument_validation_before_anything_moves(setup) -> None:
+    s = setup(requests=[(5, 8)])
+    sender = s.sender
+    recv = s.recv
+    pool = s.pool
+    tickets = s.tickets
+    with pytest.raises(ValueError, match="need 2 main blocks"):
+        recv.expect(6, 8, [0])
+    with pytest.raises(ValueError, match="already expected"):
+        recv.expect(5, 8, list(tickets[0].main_blocks), list(tickets[0].parts[0].indexer_blocks))
+    with pytest.raises(ValueError, match="indexer blocks"):
+        recv.expect(6, 8, [30, 31], [1])
+    with pytest.raises(ValueError, match="prefill blocks"):
+        sender.begin_forward(tickets, [[0]])
+    bad = TransferTicket(5, 8, 0, tickets[0].main_blocks, ())
+    with pytest.raises(ValueError, match="parts"):
+        sender.begin_forward([bad], [[0, 1]])
+    with pytest.raises(ValueError, match="role='decode'"):
+        DecodeReceiver(h.config("prefill"), pool=pool, compat=h.compat())
+    with pytest.raises(ValueError, match="does not describe the destinations"):
+        DecodeReceiver(h.config("decode", kv_port=free_port()), pool=pool, compat=h.compat(), indexer=None)
+
+
+class FlakyShm(ShmTransport):
+    """An shm transport whose first ``failures`` reads fail."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures, self.reads = failures, 0
+
+    def _read(self, peer, ops) -> None:
+        self.reads += 1
+        if self.reads <= self.failures:
+            raise TransportError(f"injected read failure {self.reads}")
+        super()._read(peer, ops)
+
+
+@pytest.mark.parametrize(("failures", "retries", "ok"), [(2, 2, True), (3, 2, False), (1, 0, False)])
+def test_bounded_read_retries(tmp_path, failures: int, retries: int, ok: bool) -> None:
+    from torch_kvoffload.sparse import HostKVPool
+
+    port = free_port()
+    rdv = str(tmp_path / "rdv")
+    pool = HostKVPool.create(h.L, h.POOL_BLOCKS, h.BS, h.R, h.P, h.KV_DTYPE)
+    idx = [tuple(torch.zeros(h.IDX_BLOCKS, h.BS, *r, dtype=d) for r, d in h.IDX_ROWS) for _ in range(h.L)]
+    flaky = FlakyShm(failures)
+    dcfg = h.config("decode", kv_port=port, read_retries=retries)
+    recv = DecodeReceiver(
+        dcfg, pool=pool, compat=h.compat(), indexer=idx, transport=flaky, rendezvous=FileRendezvous(rdv)
+    )
+    conn, sender, rt, tr = h.make_prefill_rank(
+        h.config("prefill", kv_port=port, read_retries=retries), 0, rdv
+    )
+    try:
+        tickets = h.make_tickets(pool, [recv], [(5, 8)])
+        if ok:
+            _run(conn, tickets)
+            sender.wait_request(5, timeout=10)
+            recv.wait_request(5, timeout=10)
+            assert recv.counters.get("read_retries") == failures
+        else:
+            with pytest.raises(
+                TransferError, match=r"read failed after \d+ retries: .*injected read failure"
+            ):
+                _run(conn, tickets)
+                sender.wait_request(5, timeout=10)
+            assert recv.state(5) == "failed"
+            assert flaky.reads >= retries + 1
+    finally:
+        sender.close()
+        rt.close()
+        tr.close()
+        recv.close()
+        flaky.close()
+        pool.close()
+
+
+def test_port_in_use_is_a_clear_error_and_leaks_nothing(tmp_path) -> None:
+    import zmq
+
+    port = free_port()
+    ctx = zmq.Context()
+    busy = ctx.socket(zmq.ROUTER)
+    busy.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        with pytest.raises(OSError, match=f"cannot bind tcp://127.0.0.1:{port}"):
+            h.make_decode(h.config("decode", kv_port=port), str(tmp_path / "rdv"))
+    finally:
+        busy.close(0)
+        ctx.term()
+
+
+def _mooncake_missing() -> str | None:
+    try:
+        import mooncake.engine  # noqa: F401
+    except (ImportError, OSError) as exc:
+        return f"mooncake TransferEngine not usable: {exc}"
+    return None
+
+
+@pytest.mark.skipif(_mooncake_missing() is not None, reason=_mooncake_missing() or "")
+def test_registered_existing_buffers_transfer_over_mooncake(tmp_path) -> None:
+    from torch_kvoffload.layerwise import LayerwiseOffloadRuntime, allocate_layer_buffers, plan_layer_buffers
+    from torch_kvoffload.pd import make_transport, register_layer_buffers
+
+    port = free_port()
+    rdv = str(tmp_path / "rdv")
+    pcfg = h.config("prefill", transport="mooncake", kv_port=port)
+    pool, indexers, recvs = h.make_decode(h.config("decode", transport="mooncake", kv_port=port), rdv)
+    plan = plan_layer_buffers(h.specs(), 2, (0,))
+    buffers = allocate_layer_buffers(plan, "cpu")  # a session's own buffers: registered, not reallocated
+    transport = make_transport(pcfg, rank_name="p0")
+    assert register_layer_buffers(buffers, transport) is buffers
+    rt = LayerwiseOffloadRuntime(plan, buffers, LocalKVStore(1 << 24), model_id="tiny-dsa")
+    sender = PrefillSender(pcfg, p_rank=0, buffers=buffers, transport=transport, compat=h.compat(),
+                           rendezvous=FileRendezvous(rdv))  # fmt: skip
+    try:
+        tickets = h.make_tickets(pool, recvs, h.REQUESTS)
+        _run(PrefillMultiConnector([sender, rt]), tickets)
+        for t in tickets:
+            sender.wait_request(t.request_id, timeout=10)
+            recvs[0].wait_request(t.request_id, timeout=10)
+            for layer in range(h.L):
+                want = h.block_data(t.request_id, layer, 1, len(t.main_blocks))
+                assert torch.equal(h.bits(pool.k_pe(layer)[list(t.main_blocks)]), h.bits(want))
+                ib = list(t.parts[0].indexer_blocks)
+                got = indexers[0][layer][0][torch.tensor(ib).to(indexers[0][layer][0].device)]
+                assert torch.equal(h.bits(got), h.bits(h.block_data(t.request_id, layer, 2, len(ib))))
+        with pytest.raises(ValueError, match="export_layer_buffers"):
+            register_layer_buffers(buffers, ShmTransport())
+    finally:
+        sender.close()
+        rt.close()
+        transport.close()
+        recvs[0].close()
+        pool.close()
+
+
+@pytest.mark.parametrize(
+    ("p_layers", "d_layers", "ok"), [((1, 3, 5), (1, 3, 5), True), (None, (1, 3, 5), False)]
+)
+def test_layers_without_indexer(tmp_path, p_layers, d_layers, ok: bool) -> None:
+    """Only some layers carry an indexer; a side that has one where the other has none fails that layer."""
+    port = free_port()
+    rdv = str(tmp_path / "rdv")
+    pool, indexers, recvs = h.make_decode(h.config("decode", kv_port=port), rdv, indexer_layers=d_layers)
+    conn, sender, rt, tr = h.make_prefill_rank(
+        h.config("prefill", kv_port=port), 0, rdv, indexer_layers=p_layers
+    )
+    try:
+        tickets = h.make_tickets(pool, recvs, [(5, 8), (6, 3)])
+        if not ok:
+            with pytest.raises(
+                TransferError, match=r"indexer metadata: block bytes .* the destination has no indexer"
+            ):
+                _run(conn, tickets)
+                sender.wait_request(5, timeout=10)
+            assert recvs[0].state(5) == "failed"
+            return
+        _run(conn, tickets)
+        for t in tickets:
+            recvs[0].wait_request(t.request_id, timeout=10)
+            n = len(t.main_blocks)
+            for layer in range(h.L):
+                got = pool.kv_c(layer)[list(t.main_blocks)]
+                assert torch.equal(h.bits(got), h.bits(h.block_data(t.request_id, layer, 0, n)))
+                if layer in d_layers:
+                    ib = torch.tensor(t.parts[0].indexer_blocks)
+                    for c, buf in enumerate(indexers[0][layer]):
+                        want = h.block_data(t.request_id, layer, 2 + c, n)
+                        assert torch.equal(h.bits(buf[ib.to(buf.device)]), h.bits(want))
+                else:
+                    assert indexers[0][layer] is None
+    finally:
+        sender.close()
+        rt.close()
+        tr.close()
+        recvs[0].close()
+        pool.close()

@@ -1,0 +1,144 @@
+"""Configuration of disaggregated prefill -> decode transfer (DESIGN §9) and its rank / port rules."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from torch_kvoffload._utils import check_int
+from torch_kvoffload.config import ConfigModel, parse_lax_bool
+from torch_kvoffload.sparse.config import control_plane_port
+
+__all__ = ["TRANSPORTS", "PDConfig", "decode_rank_of", "endpoint_port", "split_range"]
+
+#: Bulk-data transports: same-host shared memory, Mooncake TransferEngine (TCP / RDMA), MemFabric (Ascend).
+TRANSPORTS = ("shm", "mooncake", "memfabric")
+
+
+def decode_rank_of(p_rank: int, p_tp: int, d_tp: int) -> tuple[int, int]:
+    """``(d_rank, member)`` of prefill TP rank ``p_rank``: ``ratio = p_tp // d_tp``, ``d_rank = p_rank //
+    ratio``, ``member = p_rank % ratio``. Raises ``ValueError`` unless ``p_tp >= d_tp``, ``p_tp % d_tp ==
+    0`` and ``0 <= p_rank < p_tp``."""
+    p_tp = check_int("decode_rank_of", "p_tp", p_tp, minimum=1)
+    d_tp = check_int("decode_rank_of", "d_tp", d_tp, minimum=1)
+    p_rank = check_int("decode_rank_of", "p_rank", p_rank, minimum=0, maximum=p_tp - 1)
+    if p_tp < d_tp or p_tp % d_tp:
+        raise ValueError(
+            f"decode_rank_of: prefill TP {p_tp} must be >= decode TP {d_tp} and a multiple of it"
+        )
+    ratio = p_tp // d_tp
+    return p_rank // ratio, p_rank % ratio
+
+
+def endpoint_port(kv_port: int, dp_rank: int, tp_rank: int, d_tp: int) -> int:
+    """The control-plane port of decode rank ``(dp_rank, tp_rank)``: ``kv_port + dp_rank * d_tp + tp_rank``
+    (the sparse decode port rule, :func:`torch_kvoffload.sparse.config.control_plane_port`)."""
+    return control_plane_port(kv_port, dp_rank, d_tp, tp_rank)
+
+
+def split_range(n: int, parts: int, index: int) -> tuple[int, int]:
+    """``[begin, end)`` of part ``index`` when ``n`` items are cut into ``parts`` contiguous, disjoint,
+    near-equal ranges (the first ``n % parts`` one longer); empty ranges when ``n < parts``."""
+    base, extra = divmod(n, parts)
+    begin = index * base + min(index, extra)
+    return begin, begin + base + (1 if index < extra else 0)
+
+
+class PDConfig(ConfigModel):
+    """Disaggregated prefill -> decode KV transfer.
+
+    Fields
+    ------
+    role : ``"prefill"`` (sends KV) or ``"decode"`` (pulls it).
+    transport : ``"shm"`` (same host, default), ``"mooncake"`` (Mooncake TransferEngine) or
+        ``"memfabric"`` (``memfabric_hybrid``, Ascend).
+    host : the address decode endpoints bind and advertise (loopback by default).
+    kv_port : base control-plane port; decode rank ``(dp, tp)`` listens on
+        :func:`endpoint_port` ``(kv_port, dp, tp, d_tp_size)``, which must lie in 1..65535 for every rank.
+    p_tp_size, p_dp_size, d_tp_size, d_dp_size : parallel sizes of both sides; ``p_tp_size >= d_tp_size``
+        and ``p_tp_size % d_tp_size == 0``.
+    handshake_timeout_s : the first metadata handshake of an endpoint fails after this (default 100 s).
+    layer_ack_timeout_s : a layer whose READ_DONE / READ_FAILED has not arrived this long after its
+        layer-ready fails with an error naming the layer, requests and peer.
+    read_retries : extra attempts of a failed bulk read before READ_FAILED.
+    heartbeat_interval_s, heartbeat_misses : both sides send a heartbeat every interval; a peer silent
+        for ``interval * misses`` (default 0.4 s * 4 = 1.6 s) is dead.
+    rendezvous : where decode advertises its endpoints — a directory (embedded default; one host) or a
+        Mooncake HTTP metadata server URL ``http://host:port/metadata``; ``None``: a directory under the
+        system temp dir named after ``kv_port``.
+    mooncake_protocol, mooncake_metadata_server : Mooncake TransferEngine protocol (``"tcp"`` /
+        ``"rdma"``) and metadata server (``"P2PHANDSHAKE"``: none needed).
+    memfabric_store_url : ``tcp://ip:port`` of the MemFabric config store (``"memfabric"`` transport).
+    kvpp_enabled : whether KVPP is on for this node; a decode-only node cannot run KVPP.
+    """
+
+    role: Literal["prefill", "decode"]
+    transport: str = "shm"
+    host: str = "127.0.0.1"
+    kv_port: int = 30000
+    p_tp_size: int = Field(default=1, ge=1)
+    p_dp_size: int = Field(default=1, ge=1)
+    d_tp_size: int = Field(default=1, ge=1)
+    d_dp_size: int = Field(default=1, ge=1)
+    handshake_timeout_s: float = Field(default=100.0, gt=0)
+    layer_ack_timeout_s: float = Field(default=10.0, gt=0)
+    read_retries: int = Field(default=2, ge=0)
+    heartbeat_interval_s: float = Field(default=0.4, gt=0)
+    heartbeat_misses: int = Field(default=4, ge=1)
+    rendezvous: str | None = None
+    mooncake_protocol: str = "tcp"
+    mooncake_metadata_server: str = "P2PHANDSHAKE"
+    memfabric_store_url: str | None = None
+    kvpp_enabled: bool = False
+
+    @field_validator("kvpp_enabled", mode="before")
+    @classmethod
+    def _lax_bool(cls, value: Any, info: Any) -> bool:
+        return parse_lax_bool(info.field_name, value)
+
+    @field_validator("transport", mode="before")
+    @classmethod
+    def _transport(cls, value: Any) -> str:
+        name = str(value).strip().lower()
+        if name not in TRANSPORTS:
+            raise ValueError(f"pd: unknown transport {value!r}; expected one of {list(TRANSPORTS)}")
+        return name
+
+    @model_validator(mode="after")
+    def _check(self) -> PDConfig:
+        if self.p_tp_size < self.d_tp_size:
+            raise ValueError(
+                f"pd: prefill TP size {self.p_tp_size} is smaller than decode TP size {self.d_tp_size}; "
+                "p_tp_size >= d_tp_size is required"
+            )
+        if self.p_tp_size % self.d_tp_size:
+            raise ValueError(
+                f"pd: prefill TP size {self.p_tp_size} is not a multiple of decode TP size {self.d_tp_size}"
+            )
+        top = self.kv_port + (self.d_dp_size - 1) * self.d_tp_size + self.d_tp_size - 1
+        if self.kv_port < 1 or top > 65535:
+            raise ValueError(
+                f"pd: control-plane ports kv_port + dp_rank * d_tp_size + tp_rank span {self.kv_port}..{top} "
+                f"for d_dp_size={self.d_dp_size}, d_tp_size={self.d_tp_size}; every port must be in 1..65535"
+            )
+        if self.kvpp_enabled and self.role == "decode":
+            raise ValueError("pd: KVPP cannot be enabled on a decode-only node (role='decode')")
+        if self.transport == "memfabric" and not self.memfabric_store_url:
+            raise ValueError("pd: transport 'memfabric' needs memfabric_store_url ('tcp://ip:port')")
+        return self
+
+    @property
+    def ratio(self) -> int:
+        """Prefill TP ranks per decode TP rank (the contribution group size)."""
+        return self.p_tp_size // self.d_tp_size
+
+    @property
+    def dead_after_s(self) -> float:
+        """Seconds of silence after which a peer is declared dead."""
+        return self.heartbeat_interval_s * self.heartbeat_misses
+
+    def port(self, dp_rank: int, tp_rank: int) -> int:
+        """Control-plane port of decode rank ``(dp_rank, tp_rank)``."""
+        check_int("PDConfig.port", "dp_rank", dp_rank, minimum=0, maximum=self.d_dp_size - 1)
+        return endpoint_port(self.kv_port, dp_rank, tp_rank, self.d_tp_size)

@@ -1,0 +1,293 @@
+"""Control-plane messages of P/D transfer: typed classes, msgpack on the wire, validated when decoded.
+
+Every message is a msgpack map with a ``"type"`` key. :func:`decode_message` rejects unknown types,
+missing keys and wrongly typed values with :class:`ProtocolError` naming the message and the field, so a
+peer speaking another version fails loudly instead of being misread.
+
+Messages: ``HELLO`` (prefill -> decode: compatibility record, topology, exported regions) and
+``HELLO_ACK`` (decode -> prefill: accepted or the mismatch); ``LAYER_READY`` (one batch per layer:
+requests, source blocks, destination blocks, member, TP ratio, the source block sizes); ``READ_DONE`` /
+``READ_FAILED`` (with the reason); ``HEARTBEAT`` both ways; ``BYE`` on orderly close.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+__all__ = [
+    "Bye",
+    "Compatibility",
+    "Heartbeat",
+    "Hello",
+    "HelloAck",
+    "LayerEntry",
+    "LayerReady",
+    "Message",
+    "ProtocolError",
+    "ReadDone",
+    "ReadFailed",
+    "decode_message",
+    "encode_message",
+    "import_msgpack",
+    "import_zmq",
+]
+
+
+class ProtocolError(ValueError):
+    """A control-plane message that cannot be understood (wrong type, missing or ill-typed field)."""
+
+
+def import_msgpack() -> Any:
+    try:
+        return importlib.import_module("msgpack")
+    except ImportError as exc:
+        raise ImportError(
+            "torch_kvoffload.pd needs msgpack for its control plane: pip install 'torch-kvoffload[pd]' "
+            f"(or pip install msgpack): {exc}"
+        ) from exc
+
+
+def import_zmq() -> Any:
+    try:
+        return importlib.import_module("zmq")
+    except ImportError as exc:
+        raise ImportError(
+            "torch_kvoffload.pd needs pyzmq for its control plane: pip install 'torch-kvoffload[pd]' "
+            f"(or pip install pyzmq): {exc}"
+        ) from exc
+
+
+def _field(msg: str, data: dict, key: str, kind: Any) -> Any:
+    if key not in data:
+        raise ProtocolError(f"{msg}: missing field {key!r}")
+    value = data[key]
+    if kind == "ints":
+        if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+            raise ProtocolError(f"{msg}: field {key!r} must be a list of ints, got {value!r:.80}")
+        return value
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, bool):
+        raise ProtocolError(f"{msg}: field {key!r} must be int, got bool")
+    if kind is not None and not isinstance(value, kind):
+        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise ProtocolError(f"{msg}: field {key!r} must be {names}, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class Compatibility:
+    """What both sides must agree on before any data moves.
+
+    ``main_layout`` / ``indexer_layout``: per component ``[row_shape, dtype_name]`` — the shape of one
+    token row (``[kv_lora_rank]``, ``[rope_dim]``; ``[index_dim]`` and the int8 scale ``[1]``) and its
+    dtype; an empty indexer layout means no indexer.
+    """
+
+    library_version: str
+    model_fingerprint: str
+    kv_dtype: str
+    num_layers: int
+    block_size: int
+    main_layout: list = field(default_factory=list)
+    indexer_layout: list = field(default_factory=list)
+
+    def to_wire(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, data: Any) -> Compatibility:
+        if not isinstance(data, dict):
+            raise ProtocolError(f"HELLO: 'compat' must be a map, got {type(data).__name__}")
+        kinds = {"library_version": str, "model_fingerprint": str, "kv_dtype": str, "num_layers": int,
+                 "block_size": int, "main_layout": list, "indexer_layout": list}  # fmt: skip
+        return cls(**{k: _field("compat", data, k, t) for k, t in kinds.items()})
+
+    def mismatches(self, other: Compatibility) -> list[str]:
+        """One line per differing field, ``"field: ours != theirs"``."""
+        out = []
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if _norm(a) != _norm(b):
+                out.append(f"{f.name}: {a!r} != {b!r}")
+        return out
+
+
+def _norm(v: Any) -> Any:
+    if isinstance(v, list | tuple):
+        return [_norm(x) for x in v]
+    return v
+
+
+class Message:
+    """Base of the control-plane messages."""
+
+    TYPE: ClassVar[str] = ""
+    _kinds: ClassVar[dict[str, Any]] = {}
+
+    def to_wire(self) -> dict:
+        out = {"type": self.TYPE}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            out[f.name] = v.to_wire() if hasattr(v, "to_wire") else v
+        return out
+
+    @classmethod
+    def from_wire(cls, data: dict) -> Message:
+        return cls(**{k: _field(cls.TYPE, data, k, t) for k, t in cls._kinds.items()})
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """Prefill rank -> decode rank: the first message of an endpoint pair.
+
+    ``slots[s]``: ``{"main": [region ids], "indexer": [region ids]}`` of physical buffer ``s``;
+    ``regions``: the transport's description of those regions (:meth:`Transport.describe`).
+    """
+
+    TYPE: ClassVar[str] = "HELLO"
+    compat: Compatibility
+    p_rank: int
+    p_tp: int
+    d_tp: int
+    transport: str
+    regions: dict
+    slots: list
+    num_blocks: int
+
+    _kinds: ClassVar[dict[str, Any]] = {"p_rank": int, "p_tp": int, "d_tp": int, "transport": str,
+                                        "regions": dict, "slots": list, "num_blocks": int}  # fmt: skip
+
+    @classmethod
+    def from_wire(cls, data: dict) -> Hello:
+        kw = {k: _field(cls.TYPE, data, k, t) for k, t in cls._kinds.items()}
+        return cls(compat=Compatibility.from_wire(_field(cls.TYPE, data, "compat", dict)), **kw)
+
+
+@dataclass(frozen=True)
+class HelloAck(Message):
+    TYPE: ClassVar[str] = "HELLO_ACK"
+    ok: bool
+    reason: str
+    d_rank: int
+    d_tp: int
+    _kinds: ClassVar[dict[str, Any]] = {"ok": bool, "reason": str, "d_rank": int, "d_tp": int}
+
+
+@dataclass(frozen=True)
+class LayerEntry:
+    """One request's share of a layer: blocks ``main_src[i] -> main_dst[i]`` (main KV, member 0 only) and
+    ``indexer_src[i] -> indexer_dst[i]`` (this member's indexer range); ``generation`` is the decode
+    destination's generation the blocks were allocated under."""
+
+    request_id: int
+    generation: int
+    main_src: list
+    main_dst: list
+    indexer_src: list
+    indexer_dst: list
+
+    def to_wire(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, data: Any) -> LayerEntry:
+        if not isinstance(data, dict):
+            raise ProtocolError(f"LAYER_READY: an entry must be a map, got {type(data).__name__}")
+        kinds = {"request_id": int, "generation": int, "main_src": "ints", "main_dst": "ints",
+                 "indexer_src": "ints", "indexer_dst": "ints"}  # fmt: skip
+        return cls(**{k: _field("LAYER_READY entry", data, k, t) for k, t in kinds.items()})
+
+
+@dataclass(frozen=True)
+class LayerReady(Message):
+    """Prefill -> decode: ``layer`` sits in physical buffer ``slot``; pull ``entries``.
+
+    ``main_block_bytes`` / ``indexer_block_bytes``: bytes of one block of each source component, checked
+    by decode against its destinations before any read.
+    """
+
+    TYPE: ClassVar[str] = "LAYER_READY"
+    seq: int
+    layer: int
+    slot: int
+    member: int
+    ratio: int
+    main_block_bytes: list
+    indexer_block_bytes: list
+    entries: list
+
+    _kinds: ClassVar[dict[str, Any]] = {"seq": int, "layer": int, "slot": int, "member": int, "ratio": int,
+                                        "main_block_bytes": "ints", "indexer_block_bytes": "ints"}  # fmt: skip
+
+    def to_wire(self) -> dict:
+        out = super().to_wire()
+        out["entries"] = [e.to_wire() for e in self.entries]
+        return out
+
+    @classmethod
+    def from_wire(cls, data: dict) -> LayerReady:
+        kw = {k: _field(cls.TYPE, data, k, t) for k, t in cls._kinds.items()}
+        entries = [LayerEntry.from_wire(e) for e in _field(cls.TYPE, data, "entries", list)]
+        return cls(entries=entries, **kw)
+
+
+@dataclass(frozen=True)
+class ReadDone(Message):
+    TYPE: ClassVar[str] = "READ_DONE"
+    seq: int
+    layer: int
+    request_ids: list
+    _kinds: ClassVar[dict[str, Any]] = {"seq": int, "layer": int, "request_ids": "ints"}
+
+
+@dataclass(frozen=True)
+class ReadFailed(Message):
+    TYPE: ClassVar[str] = "READ_FAILED"
+    seq: int
+    layer: int
+    request_ids: list
+    reason: str
+    _kinds: ClassVar[dict[str, Any]] = {"seq": int, "layer": int, "request_ids": "ints", "reason": str}
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    TYPE: ClassVar[str] = "HEARTBEAT"
+    time: float
+    _kinds: ClassVar[dict[str, Any]] = {"time": float}
+
+
+@dataclass(frozen=True)
+class Bye(Message):
+    TYPE: ClassVar[str] = "BYE"
+    reason: str
+    _kinds: ClassVar[dict[str, Any]] = {"reason": str}
+
+
+_TYPES: dict[str, type[Message]] = {
+    c.TYPE: c for c in (Hello, HelloAck, LayerReady, ReadDone, ReadFailed, Heartbeat, Bye)
+}
+
+
+def encode_message(msg: Message) -> bytes:
+    return import_msgpack().packb(msg.to_wire(), use_bin_type=True)
+
+
+def decode_message(raw: bytes) -> Message:
+    """The message in ``raw``; :class:`ProtocolError` if it is not one."""
+    msgpack = import_msgpack()
+    try:
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise ProtocolError(f"control plane: undecodable message ({len(raw)} bytes): {exc}") from exc
+    if not isinstance(data, dict):
+        raise ProtocolError(f"control plane: a message must be a map, got {type(data).__name__}")
+    kind = data.get("type")
+    cls = _TYPES.get(kind)  # type: ignore[arg-type]
+    if cls is None:
+        raise ProtocolError(f"control plane: unknown message type {kind!r}; expected one of {sorted(_TYPES)}")
+    return cls.from_wire(data)

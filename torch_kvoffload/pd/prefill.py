@@ -1,0 +1,630 @@
+"""Prefill side of P/D transfer: export the layer buffers, publish each layer, gate buffer reuse on the
+decode reads.
+
+:class:`PrefillSender` is one prefill TP rank's sender. Its :meth:`PrefillSender.provider` is a layerwise
+completion provider (``fn(slot, layer) -> TransferEvent``): when a layer's KV is written it sends one
+LAYER_READY batch per decode peer and returns an event that completes when every peer answered
+READ_DONE — the layerwise runtime keeps the physical buffer until then (and until its host save is done).
+The event fails with :class:`~torch_kvoffload.pd.errors.ReadFailedError` (READ_FAILED),
+:class:`~torch_kvoffload.pd.errors.AckTimeoutError` (no answer within ``layer_ack_timeout_s``) or
+:class:`~torch_kvoffload.pd.errors.PeerDeadError` (no heartbeat for ``heartbeat_interval_s *
+heartbeat_misses``, or BYE), each naming the layer, requests and peer.
+
+Request completion (every layer of a request acknowledged) is tracked apart from buffer completion:
+:meth:`PrefillSender.wait_request`. :class:`PrefillMultiConnector` combines the layerwise store connector
+(the :class:`~torch_kvoffload.layerwise.LayerwiseOffloadRuntime`) with senders, providers first whatever
+order they are given in.
+
+Non-uniform TP: prefill rank ``p`` serves decode TP rank ``p // ratio`` as member ``p % ratio``; member 0
+sends the decode rank's main-KV share (blocks :func:`~torch_kvoffload.pd.config.split_range` ``(n, d_tp,
+d_rank)``), member ``m`` indexer blocks ``split_range(n, ratio, m)``; every member sends every layer, an
+empty batch included.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from torch_kvoffload._utils import check_int
+from torch_kvoffload.counters import Counters
+from torch_kvoffload.device import TransferEvent, record_compute_event
+from torch_kvoffload.layerwise import LayerBufferPlan, LayerBuffers, LayerwiseOffloadRuntime
+from torch_kvoffload.pd.config import PDConfig, decode_rank_of, split_range
+from torch_kvoffload.pd.control import ControlEndpoint
+from torch_kvoffload.pd.errors import (
+    AckTimeoutError,
+    HandshakeError,
+    PDTransferError,
+    PeerDeadError,
+    ReadFailedError,
+)
+from torch_kvoffload.pd.messages import (
+    Bye,
+    Compatibility,
+    Heartbeat,
+    Hello,
+    HelloAck,
+    LayerEntry,
+    LayerReady,
+    Message,
+    ReadDone,
+    ReadFailed,
+)
+from torch_kvoffload.pd.rendezvous import Rendezvous, decode_key, make_rendezvous
+from torch_kvoffload.pd.ticket import TransferTicket
+from torch_kvoffload.pd.transports import Transport
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "COUNTER_NAMES",
+    "PrefillMultiConnector",
+    "PrefillSender",
+    "export_layer_buffers",
+    "register_layer_buffers",
+    "slot_regions",
+]
+
+COUNTER_NAMES = (
+    "layers_sent",  # LAYER_READY batches
+    "layers_acked",
+    "layers_failed",
+    "requests_done",
+    "requests_failed",
+    "ack_wait_seconds",  # from LAYER_READY to READ_DONE, summed
+    "bytes_read_by_decode",  # bytes of the acknowledged batches
+)
+
+
+def _region(slot: int, kind: str, c: int) -> str:
+    return f"slot{slot}.{kind}{c}"
+
+
+def export_layer_buffers(plan: LayerBufferPlan, transport: Transport) -> LayerBuffers:
+    """The physical buffers of ``plan`` allocated by ``transport`` (readable by the decode peer), as the
+    :class:`LayerBuffers` a :class:`LayerwiseOffloadRuntime` runs on."""
+    if plan.slot_main_specs is None or plan.slot_indexer_specs is None:
+        raise ValueError("export_layer_buffers: the plan was made from a layer count; plan with cache specs")
+    main = [
+        tuple(transport.allocate(_region(s, "main", c), t.shape, t.dtype) for c, t in enumerate(specs))
+        for s, specs in enumerate(plan.slot_main_specs)
+    ]
+    indexer = [
+        None if specs is None else
+        tuple(transport.allocate(_region(s, "idx", c), t.shape, t.dtype) for c, t in enumerate(specs))
+        for s, specs in enumerate(plan.slot_indexer_specs)
+    ]  # fmt: skip
+    return LayerBuffers(plan, main, indexer)
+
+
+def register_layer_buffers(buffers: LayerBuffers, transport: Transport) -> LayerBuffers:
+    """Register already allocated layer buffers (e.g. a model session's) with ``transport`` under the
+    region names :func:`export_layer_buffers` uses, for transports that read any registered memory
+    (``mooncake``, ``memfabric``); ``shm`` needs its own allocation (:func:`export_layer_buffers`)."""
+    if transport.name == "shm":
+        raise ValueError(
+            "register_layer_buffers: the shm transport reads only memory it allocated; use export_layer_buffers"
+        )
+    for s, (main, idx) in enumerate(zip(buffers.main, buffers.indexer, strict=True)):
+        for c, t in enumerate(main):
+            transport.register(_region(s, "main", c), t)
+        for c, t in enumerate(idx or ()):
+            transport.register(_region(s, "idx", c), t)
+    return buffers
+
+
+def slot_regions(buffers: LayerBuffers) -> list[dict]:
+    """Per physical buffer ``{"main": [region ids], "indexer": [region ids]}`` (the HELLO's ``slots``)."""
+    return [
+        {"main": [_region(s, "main", c) for c in range(len(m))],
+         "indexer": [_region(s, "idx", c) for c in range(len(i or ()))]}
+        for s, (m, i) in enumerate(zip(buffers.main, buffers.indexer, strict=True))
+    ]  # fmt: skip
+
+
+@dataclass
+class _Share:
+    """One request's share of every layer for this rank."""
+
+    request_id: int
+    dp_rank: int
+    generation: int
+    main_src: list[int]
+    main_dst: list[int]
+    indexer_src: list[int]
+    indexer_dst: list[int]
+
+
+@dataclass
+class _Pending:
+    dp_rank: int
+    layer: int
+    request_ids: list[int]
+    event: TransferEvent
+    sent: float
+    deadline: float
+    nbytes: int = 0
+
+
+@dataclass
+class _Tracker:
+    remaining: set[int]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class _DecodePeer:
+    def __init__(self, dp_rank: int, endpoint: str) -> None:
+        self.dp_rank, self.endpoint = dp_rank, endpoint
+        self.control: ControlEndpoint | None = None
+        self.acked = threading.Event()
+        self.ack: HelloAck | None = None
+        self.last_seen = time.monotonic()
+        self.last_beat = 0.0
+        self.dead: str | None = None
+
+
+class PrefillSender:
+    """Prefill TP rank ``p_rank``'s sender over ``buffers`` (from :func:`export_layer_buffers` on
+    ``transport``). ``compat`` describes the caches (:func:`~torch_kvoffload.pd.compat.make_compatibility`).
+    Counters: :data:`COUNTER_NAMES`."""
+
+    def __init__(
+        self,
+        config: PDConfig,
+        *,
+        p_rank: int,
+        buffers: LayerBuffers,
+        transport: Transport,
+        compat: Compatibility,
+        rendezvous: Rendezvous | None = None,
+    ) -> None:
+        where = "PrefillSender"
+        if not isinstance(config, PDConfig) or config.role != "prefill":
+            raise ValueError(f"{where}: needs a PDConfig with role='prefill', got {config!r:.120}")
+        self.config = config
+        self.p_rank = check_int(where, "p_rank", p_rank, minimum=0, maximum=config.p_tp_size - 1)
+        self.d_rank, self.member = decode_rank_of(p_rank, config.p_tp_size, config.d_tp_size)
+        self.buffers, self.transport, self.compat = buffers, transport, compat
+        self.slots = slot_regions(buffers)
+        sizes = transport.local_sizes
+        missing = [r for s in self.slots for r in (*s["main"], *s["indexer"]) if r not in sizes]
+        if missing:
+            raise ValueError(
+                f"{where}: buffers are not exported by the transport (regions {missing[:3]}...); allocate "
+                "them with export_layer_buffers(plan, transport)"
+            )
+        plan = buffers.plan
+        if compat.num_layers != plan.num_layers:
+            raise ValueError(
+                f"{where}: compat.num_layers {compat.num_layers} != the plan's {plan.num_layers}"
+            )
+        self.num_layers = plan.num_layers
+        self.num_blocks = buffers.main[0][0].shape[0]
+        self.rendezvous = rendezvous if rendezvous is not None else make_rendezvous(config)
+        self.counters = Counters(COUNTER_NAMES)
+        self._lock = threading.Lock()
+        self._peers: dict[int, _DecodePeer] = {}
+        self._seq = itertools.count()
+        self._pending: dict[tuple[int, int], _Pending] = {}
+        self._trackers: dict[int, _Tracker] = {}
+        self._shares: list[_Share] | None = None
+        #: one entry per acknowledged batch: layer, decode DP rank, seconds from LAYER_READY to READ_DONE, bytes
+        self.layer_log: list[dict] = []
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        return f"pd-prefill[tp{self.p_rank}]"
+
+    # ------------------------------------------------------------------------------ handshake
+    def connect(self, dp_rank: int = 0) -> None:
+        """Find decode rank ``(dp_rank, p_rank // ratio)`` in the rendezvous and handshake with it.
+
+        Raises :class:`HandshakeError` if no accepted HELLO_ACK arrives within ``handshake_timeout_s``
+        (rendezvous lookup included) or decode rejects the pairing (the reason says what differs).
+        """
+        dp_rank = check_int(
+            "PrefillSender.connect", "dp_rank", dp_rank, minimum=0, maximum=self.config.d_dp_size - 1
+        )
+        with self._lock:
+            old = self._peers.get(dp_rank)
+            if old is not None and old.dead is None:
+                return
+        if old is not None and old.control is not None:  # a dead peer's endpoint: reconnect afresh
+            old.control.close()
+        timeout = self.config.handshake_timeout_s
+        deadline = time.monotonic() + timeout
+        key = decode_key(self.config.kv_port, dp_rank, self.d_rank)
+        try:
+            record = self.rendezvous.lookup(key, timeout)
+        except TimeoutError as exc:
+            raise HandshakeError(
+                f"{self.name}: decode rank (dp {dp_rank}, tp {self.d_rank}) never advertised: {exc}"
+            ) from exc
+        peer = _DecodePeer(dp_rank, record["endpoint"])
+        peer.control = ControlEndpoint(
+            "dealer",
+            peer.endpoint,
+            on_message=lambda _id, msg, p=peer: self._on_message(p, msg),
+            on_tick=lambda p=peer: self._on_tick(p),
+            name=f"{self.name}->dp{dp_rank}",
+        )
+        peer.control.send(
+            Hello(self.compat, self.p_rank, self.config.p_tp_size, self.config.d_tp_size, self.transport.name,
+                  self.transport.describe(), self.slots, self.num_blocks)
+        )  # fmt: skip
+        if not peer.acked.wait(max(0.0, deadline - time.monotonic())):
+            peer.control.close()
+            raise HandshakeError(
+                f"{self.name}: no HELLO_ACK from decode rank (dp {dp_rank}, tp {self.d_rank}) at {peer.endpoint} "
+                f"within {timeout:.1f} s (handshake_timeout_s)"
+            )
+        assert peer.ack is not None
+        if not peer.ack.ok:
+            peer.control.close()
+            raise HandshakeError(f"{self.name}: decode rejected the handshake: {peer.ack.reason}")
+        peer.last_seen = time.monotonic()
+        with self._lock:
+            self._peers[dp_rank] = peer
+        logger.info("%s: connected to decode %s", self.name, peer.endpoint)
+
+    # ------------------------------------------------------------------------------- forward
+    def begin_forward(
+        self, tickets: Sequence[TransferTicket], block_tables: Sequence[Sequence[int]] | torch.Tensor
+    ) -> None:
+        """Set the requests whose layers the next :meth:`provider` calls publish: ``tickets[r]`` (from
+        decode, through the router) and ``block_tables[r]``, request ``r``'s prefill block ids (the ones
+        given to the layerwise runtime). Connects to new decode DP ranks. Validates everything first."""
+        where = "PrefillSender.begin_forward"
+        if self._shares is not None:
+            raise RuntimeError(f"{where}: a forward is running; call end_forward()")
+        if isinstance(block_tables, torch.Tensor):
+            block_tables = block_tables.tolist()
+        if len(tickets) != len(block_tables):
+            raise ValueError(f"{where}: {len(tickets)} tickets for {len(block_tables)} block tables")
+        has_idx = any(i is not None for i in self.buffers.indexer)
+        shares = []
+        seen = set()
+        for r, (t, table) in enumerate(zip(tickets, block_tables, strict=True)):
+            if not isinstance(t, TransferTicket):
+                raise TypeError(f"{where}: tickets[{r}] must be a TransferTicket, got {type(t).__name__}")
+            if t.request_id in seen:
+                raise ValueError(f"{where}: request {t.request_id} appears twice")
+            seen.add(t.request_id)
+            n = len(t.main_blocks)
+            src = [int(b) for b in table[:n]]
+            if len(src) != n or any(not 0 <= b < self.num_blocks for b in src):
+                raise ValueError(
+                    f"{where}: request {t.request_id} needs {n} prefill blocks in [0, {self.num_blocks}), "
+                    f"block table row {r} gives {src}"
+                )
+            if len(t.parts) != self.config.d_tp_size or not 0 <= t.dp_rank < self.config.d_dp_size:
+                raise ValueError(
+                    f"{where}: ticket of request {t.request_id} has {len(t.parts)} parts for dp {t.dp_rank}; "
+                    f"expected {self.config.d_tp_size} parts and dp in [0, {self.config.d_dp_size})"
+                )
+            part = t.parts[self.d_rank]
+            if has_idx and len(part.indexer_blocks) != n:
+                raise ValueError(
+                    f"{where}: ticket of request {t.request_id} has no indexer blocks for decode rank {self.d_rank}"
+                )
+            lo, hi = split_range(n, self.config.d_tp_size, self.d_rank) if self.member == 0 else (0, 0)
+            ilo, ihi = split_range(n, self.config.ratio, self.member) if has_idx else (0, 0)
+            shares.append(_Share(t.request_id, t.dp_rank, part.generation, src[lo:hi], list(t.main_blocks[lo:hi]),
+                                 src[ilo:ihi], list(part.indexer_blocks[ilo:ihi])))  # fmt: skip
+        for dp in sorted({s.dp_rank for s in shares}):
+            self.connect(dp)
+        with self._lock:
+            for s in shares:
+                self._trackers[s.request_id] = _Tracker(set(range(self.num_layers)))
+        self._shares = shares
+
+    def end_forward(self) -> None:
+        """Close the forward (acknowledgements still outstanding keep gating their buffers)."""
+        self._shares = None
+
+    def provider(self, slot: int, layer: int) -> TransferEvent:
+        """The completion provider: publish ``layer`` (in physical buffer ``slot``) to the decode peers;
+        the returned event completes when every peer read it."""
+        shares = self._shares
+        if not shares:
+            return TransferEvent.completed()
+        main = self.buffers.layer_main(layer)
+        idx = self.buffers.layer_indexer(layer)
+        main_bytes = [t[0].nbytes for t in main]
+        idx_bytes = [t[0].nbytes for t in idx] if idx is not None else []
+        compute = record_compute_event()  # decode must not read before the layer's writes finished
+        events = []
+        for dp in sorted({s.dp_rank for s in shares}):
+            entries = [
+                LayerEntry(s.request_id, s.generation, s.main_src, s.main_dst,
+                           s.indexer_src if idx is not None else [], s.indexer_dst if idx is not None else [])
+                for s in shares if s.dp_rank == dp
+            ]  # fmt: skip
+            msg = LayerReady(
+                next(self._seq), layer, slot, self.member, self.config.ratio, main_bytes, idx_bytes, entries
+            )
+            events.append(self._publish(dp, self._layer_ready(msg), compute))
+        if len(events) == 1:
+            return events[0]
+        return _all_of(events)
+
+    def _layer_ready(self, msg: LayerReady) -> LayerReady:
+        """The batch about to be sent (a seam tests and the example use to corrupt metadata)."""
+        return msg
+
+    def _publish(self, dp: int, msg: LayerReady, compute: TransferEvent) -> TransferEvent:
+        ids = [e.request_id for e in msg.entries]
+        with self._lock:
+            peer = self._peers.get(dp)
+        event = TransferEvent()
+        if peer is None or peer.dead is not None:
+            err = PeerDeadError(
+                f"{self.name}: layer {msg.layer} of requests {ids}: decode peer dp {dp} is "
+                f"{'not connected' if peer is None else 'dead: ' + str(peer.dead)}"
+            )
+            self._fail_requests(ids, err)
+            event._set_error(err)
+            return event
+        now = time.monotonic()
+        nbytes = sum(
+            len(e.main_src) * sum(msg.main_block_bytes) + len(e.indexer_src) * sum(msg.indexer_block_bytes)
+            for e in msg.entries
+        )
+        with self._lock:
+            self._pending[(dp, msg.seq)] = _Pending(
+                dp, msg.layer, ids, event, now, now + self.config.layer_ack_timeout_s, nbytes
+            )
+        self.counters.add("layers_sent")
+        assert peer.control is not None
+        if compute.succeeded():
+            peer.control.send(msg)
+        else:
+            threading.Thread(target=self._send_after, args=(peer, msg, compute), daemon=True).start()
+        return event
+
+    @staticmethod
+    def _send_after(peer: _DecodePeer, msg: LayerReady, compute: TransferEvent) -> None:
+        compute.wait()
+        assert peer.control is not None
+        peer.control.send(msg)
+
+    # ----------------------------------------------------------------------- control messages
+    def _on_message(self, peer: _DecodePeer, msg: Message) -> None:
+        peer.last_seen = time.monotonic()
+        if isinstance(msg, HelloAck):
+            peer.ack = msg
+            peer.acked.set()
+        elif isinstance(msg, ReadDone):
+            with self._lock:
+                p = self._pending.pop((peer.dp_rank, msg.seq), None)
+            if p is None:
+                return
+            seconds = time.monotonic() - p.sent
+            self.counters.add("layers_acked")
+            self.counters.add("ack_wait_seconds", seconds)
+            self.counters.add("bytes_read_by_decode", p.nbytes)
+            with self._lock:
+                self.layer_log.append(
+                    {"layer": p.layer, "dp_rank": p.dp_rank, "seconds": seconds, "bytes": p.nbytes}
+                )
+            p.event._set_done()
+            self._layer_done(p)
+        elif isinstance(msg, ReadFailed):
+            with self._lock:
+                p = self._pending.pop((peer.dp_rank, msg.seq), None)
+            if p is None:
+                logger.error("%s: READ_FAILED for an unknown batch: %s", self.name, msg.reason)
+                return
+            self._fail(p, ReadFailedError(
+                f"{self.name}: decode dp {peer.dp_rank} ({peer.endpoint}) failed layer {p.layer} of requests "
+                f"{p.request_ids}: {msg.reason}"
+            ))  # fmt: skip
+        elif isinstance(msg, Bye):
+            self._peer_dead(peer, f"said BYE ({msg.reason})")
+
+    def _on_tick(self, peer: _DecodePeer) -> None:
+        now = time.monotonic()
+        if peer.dead is not None:
+            return
+        if now - peer.last_beat >= self.config.heartbeat_interval_s:
+            peer.last_beat = now
+            assert peer.control is not None
+            peer.control.send(Heartbeat(time.time()))
+        silent = now - peer.last_seen
+        if peer.acked.is_set() and silent > self.config.dead_after_s:
+            self._peer_dead(peer, f"silent for {silent:.1f} s (no heartbeat)")
+            return
+        with self._lock:
+            late = [k for k, p in self._pending.items() if k[0] == peer.dp_rank and p.deadline <= now]
+            expired = [self._pending.pop(k) for k in late]
+        for p in expired:
+            self._fail(p, AckTimeoutError(
+                f"{self.name}: layer {p.layer} of requests {p.request_ids}: no READ_DONE / READ_FAILED from "
+                f"decode dp {peer.dp_rank} ({peer.endpoint}) within {self.config.layer_ack_timeout_s:.1f} s"
+            ))  # fmt: skip
+
+    def _peer_dead(self, peer: _DecodePeer, why: str) -> None:
+        peer.dead = why
+        with self._lock:
+            keys = [k for k in self._pending if k[0] == peer.dp_rank]
+            lost = [self._pending.pop(k) for k in keys]
+        if lost:
+            logger.error("%s: decode dp %d (%s) %s; failing %d outstanding layers", self.name, peer.dp_rank,
+                         peer.endpoint, why, len(lost))  # fmt: skip
+        for p in lost:
+            self._fail(p, PeerDeadError(
+                f"{self.name}: layer {p.layer} of requests {p.request_ids}: decode dp {peer.dp_rank} "
+                f"({peer.endpoint}) {why}"
+            ))  # fmt: skip
+
+    def _fail(self, p: _Pending, err: PDTransferError) -> None:
+        logger.error("%s", err)
+        self.counters.add("layers_failed")
+        p.event._set_error(err)
+        self._fail_requests(p.request_ids, err)
+
+    def _fail_requests(self, ids: list[int], err: BaseException) -> None:
+        with self._lock:
+            trackers = [self._trackers.get(r) for r in ids]
+        for t in trackers:
+            if t is not None and not t.done.is_set():
+                t.error = err
+                self.counters.add("requests_failed")
+                t.done.set()
+
+    def _layer_done(self, p: _Pending) -> None:
+        with self._lock:
+            trackers = [self._trackers.get(r) for r in p.request_ids]
+        for t in trackers:
+            if t is None or t.done.is_set():
+                continue
+            t.remaining.discard(p.layer)
+            if not t.remaining:
+                self.counters.add("requests_done")
+                t.done.set()
+
+    # ------------------------------------------------------------------------------ requests
+    def request_state(self, request_id: int) -> str:
+        """``"pending"``, ``"done"`` (every layer acknowledged) or ``"failed"``."""
+        with self._lock:
+            t = self._trackers.get(request_id)
+        if t is None:
+            raise KeyError(f"{self.name}: unknown request {request_id}")
+        if not t.done.is_set():
+            return "pending"
+        return "failed" if t.error is not None else "done"
+
+    def wait_request(self, request_id: int, timeout: float | None = None) -> None:
+        """Block until every layer of the request was acknowledged; raise its transfer error if one
+        failed, ``TimeoutError`` after ``timeout``."""
+        with self._lock:
+            t = self._trackers.get(request_id)
+        if t is None:
+            raise KeyError(f"{self.name}: unknown request {request_id}")
+        if not t.done.wait(timeout):
+            raise TimeoutError(
+                f"{self.name}: request {request_id}: layers {sorted(t.remaining)} not acknowledged after {timeout} s"
+            )
+        if t.error is not None:
+            raise PDTransferError(f"{self.name}: request {request_id} failed: {t.error}") from t.error
+
+    def forget(self, request_id: int) -> None:
+        with self._lock:
+            self._trackers.pop(request_id, None)
+
+    def close(self) -> None:
+        """Say BYE, fail what is outstanding, stop the control threads; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            peers = list(self._peers.values())
+        for peer in peers:
+            if peer.control is not None:
+                peer.control.send(Bye(f"{self.name} closing"))
+            self._peer_dead(peer, "closed by prefill")
+            if peer.control is not None:
+                peer.control.close()
+
+    def __enter__(self) -> PrefillSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _all_of(events: list[TransferEvent]) -> TransferEvent:
+    """An event that completes when all of ``events`` did (the first failure wins)."""
+    out = TransferEvent()
+    remaining = [len(events)]
+    lock = threading.Lock()
+
+    def watch(ev: TransferEvent) -> None:
+        ev._wait_finished()
+        if ev.error is not None:
+            out._set_error(ev.error)
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            out._set_done()
+
+    for ev in events:
+        threading.Thread(target=watch, args=(ev,), daemon=True).start()
+    return out
+
+
+class PrefillMultiConnector:
+    """The layerwise store connector (a :class:`LayerwiseOffloadRuntime`) plus remote senders.
+
+    ``connectors`` in any order: exactly one runtime and one or more :class:`PrefillSender`. The senders'
+    providers are registered with the runtime, which calls them when a layer's KV is written *before* it
+    starts the host save; a physical buffer's next user waits for the save and every read.
+    """
+
+    def __init__(self, connectors: Sequence[LayerwiseOffloadRuntime | PrefillSender]) -> None:
+        runtimes = [c for c in connectors if isinstance(c, LayerwiseOffloadRuntime)]
+        senders = [c for c in connectors if isinstance(c, PrefillSender)]
+        other = [
+            type(c).__name__ for c in connectors if not isinstance(c, LayerwiseOffloadRuntime | PrefillSender)
+        ]
+        if len(runtimes) != 1 or not senders or other:
+            raise ValueError(
+                f"PrefillMultiConnector: needs one LayerwiseOffloadRuntime and at least one PrefillSender, got "
+                f"{len(runtimes)} runtime(s), {len(senders)} sender(s) and {other or 'nothing else'}"
+            )
+        self.runtime, self.senders = runtimes[0], senders
+        self.order = [*senders, self.runtime]  # completion providers first, whatever the given order
+        for s in senders:
+            self.runtime.register_completion_provider(s.provider)
+
+    def begin_forward(
+        self, token_ids, block_tables, tickets: Sequence[TransferTicket], **kwargs
+    ) -> list[int]:
+        """Start a forward on every connector; returns the runtime's cached-token counts."""
+        if isinstance(block_tables, torch.Tensor):
+            block_tables = block_tables.tolist()
+        started = []
+        try:
+            for s in self.senders:
+                s.begin_forward(tickets, block_tables)
+                started.append(s)
+            return self.runtime.begin_forward(token_ids, block_tables, **kwargs)
+        except BaseException:
+            for s in started:
+                s.end_forward()
+            raise
+
+    def wait(self, layer: int, caches=None) -> None:
+        """The runtime's ``wait``: block until ``layer`` may use its buffer (previous user's save and
+        remote reads done) and its prefix is loaded."""
+        self.runtime.wait(layer, caches)
+
+    def save(self, layer: int, caches=None) -> None:
+        """The runtime's ``save``: publish ``layer`` to the decode peers (providers first), then start its
+        host save."""
+        self.runtime.save(layer, caches)
+
+    def layer_caches(self, layer: int) -> tuple[torch.Tensor, ...]:
+        return self.runtime.layer_caches(layer)
+
+    def end_forward(self) -> None:
+        try:
+            self.runtime.end_forward()
+        finally:
+            for s in self.senders:
+                s.end_forward()
+
+    def wait_request(self, request_id: int, timeout: float | None = None) -> None:
+        """Request completion: every sender's layers of the request acknowledged."""
+        for s in self.senders:
+            s.wait_request(request_id, timeout)

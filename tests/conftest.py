@@ -28,24 +28,34 @@ requires_cpp = pytest.mark.skipif(
 )
 
 #: Implementations an op suite runs against: the dispatcher's kernel for the tensors' device (the C++
-#: kernel on CPU, the registered device kernel on an accelerator) and the Triton kernel called directly.
+#: kernel on CPU, the registered device kernel on an accelerator) and the Triton kernel called directly
+#: (on the CPU tensors under the interpreter, on CUDA copies of them when a CUDA device is present).
 OP_IMPLS = ("dispatch", "triton")
 
 
-def _skip_unusable(impl: str) -> None:
-    if impl != "triton":
-        return
+def triton_device() -> torch.device | None:
+    """Where the ``"triton"`` variant runs the kernels: ``None`` for the CPU tensors themselves (under
+    ``TRITON_INTERPRET=1``), ``cuda`` for CUDA copies of them (interpreter off, a CUDA device present).
+
+    Raises ``pytest.skip.Exception`` when the Triton kernels cannot run here at all.
+    """
     if not triton_available():
         pytest.skip("triton is not importable (install the test extra)")
-    if not interpreting():
-        # With a CUDA device the interpreter is off: the Triton kernels are then the dispatch kernels of
-        # CUDA tensors, and these CPU-tensor suites cannot call them directly.
-        pytest.skip("Triton kernels take CPU tensors only under TRITON_INTERPRET=1")
+    if interpreting():
+        return None
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    pytest.skip("the Triton kernels need a CUDA device or TRITON_INTERPRET=1 (CPU tensors)")
+
+
+def _skip_unusable(impl: str) -> None:
+    if impl == "triton":
+        triton_device()
 
 
 @pytest.fixture(params=OP_IMPLS)
 def op_impl(request: pytest.FixtureRequest) -> str:
-    """``"dispatch"`` or ``"triton"`` (skipped when triton does not import or cannot take CPU tensors)."""
+    """``"dispatch"`` or ``"triton"`` (skipped when triton does not import or has nowhere to run)."""
     _skip_unusable(request.param)
     return request.param
 
@@ -57,13 +67,76 @@ def any_impl(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+class _DeviceMirror:
+    """Device copies of CPU tensors that keep their layout and aliasing: each distinct CPU storage is
+    copied once, whole, and every tensor on it becomes a view with the same offset, sizes and strides
+    (overlapping views, a source that aliases the destination, odd storage offsets stay as they were)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._storages: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def to_device(self, value):
+        if isinstance(value, torch.Tensor):
+            if value.device.type != "cpu":
+                return value
+            storage = value.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if key not in self._storages:
+                host = torch.empty(0, dtype=torch.uint8).set_(storage)
+                self._storages[key] = (host, host.to(self.device, copy=True))
+            dev_bytes = self._storages[key][1]
+            view = torch.empty(0, dtype=value.dtype, device=self.device)
+            return view.set_(dev_bytes.untyped_storage(), value.storage_offset(), value.shape, value.stride())
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.to_device(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self.to_device(v) for k, v in value.items()}
+        return value
+
+    def copy_back(self) -> None:
+        """Write every device storage back over its CPU storage (the outputs; inputs come back unchanged)."""
+        for host, dev_bytes in self._storages.values():
+            host.copy_(dev_bytes)
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def run_triton(fn, *args, **kwargs):
+    """Call the Triton wrapper ``fn`` on CPU arguments: directly under the interpreter, or on CUDA copies
+    whose mutations come back into the CPU tensors (also after an error, so a rejected call that wrote
+    anything is caught) and whose results come back as CPU tensors; errors propagate unchanged."""
+    device = triton_device()
+    if device is None:
+        return fn(*args, **kwargs)
+    mirror = _DeviceMirror(device)
+    dev_args, dev_kwargs = mirror.to_device(args), mirror.to_device(kwargs)
+    try:
+        result = fn(*dev_args, **dev_kwargs)
+        torch.cuda.synchronize(device)
+    finally:
+        mirror.copy_back()
+    return _to_cpu(result)
+
+
 def call_op(op_impl: str, name: str, *args, **kwargs):
     """Run op ``name`` through ``op_impl``: ``torch.ops.kvoffload.<name>``, its Triton kernel, or (for
-    ``"reference"``) its pure-PyTorch reference kernel."""
+    ``"reference"``) its pure-PyTorch reference kernel.
+
+    Arguments are CPU tensors. The Triton kernel takes them as they are under ``TRITON_INTERPRET=1``;
+    otherwise (a CUDA device) it runs on device copies with the same layout and aliasing, and every CPU
+    tensor argument then holds what the kernel left in its copy.
+    """
     if op_impl == "dispatch":
         return getattr(torch.ops.kvoffload, name)(*args, **kwargs)
     if op_impl == "triton":
-        return triton_kernel(name)(*args, **kwargs)
+        return run_triton(triton_kernel(name), *args, **kwargs)
     if op_impl == "reference":
         return reference_kernel(name)(*args, **kwargs)
     raise ValueError(f"call_op: unknown op_impl {op_impl!r}; expected one of {(*OP_IMPLS, 'reference')}")

@@ -13,12 +13,11 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from conftest import call_op, cpp_kernel_available
+from conftest import call_op, cpp_kernel_available, triton_device
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torch_kvoffload.ops import new_residency_outputs, new_residency_state, reference_kernel, residency_update
-from torch_kvoffload.ops.triton import interpreting, triton_available
 
 requires_residency_cpp = pytest.mark.skipif(
     not cpp_kernel_available("residency_update"), reason="C++ residency kernel not built"
@@ -57,8 +56,7 @@ def _is_cpp(kernel: str) -> bool:
 
 def _op(kernel: str, name: str = "residency_update"):
     if kernel == "triton":
-        if not (triton_available() and interpreting()):
-            pytest.skip("the Triton kernel takes these CPU tensors only under TRITON_INTERPRET=1")
+        triton_device()  # skips when the Triton kernels cannot run here
         return lambda *args, **kwargs: call_op("triton", name, *args, **kwargs)
     if _is_cpp(kernel):
         return _with_simd(getattr(torch.ops.kvoffload, name), kernel == "dispatch")

@@ -12,7 +12,9 @@
   a tile whose best key beats the list's worst is sorted ascending and taken element-wise ``max`` with
   the list (a bitonic split: the result holds exactly the ``KP`` largest of both), which is then merged
   back into descending order. Positions past the visible length never enter; slots left empty decode to
-  ``−1``. The top-k ops score at most ``SCORE_BUFFER`` floats at a time (chunks of query tokens).
+  ``−1``. The top-k ops score at most ``SCORE_BUFFER`` floats at a time (chunks of query tokens);
+  :func:`lightning_indexer_scores_topk` keeps the whole score matrix and returns it with the top-k (one
+  scoring pass for callers that need both, such as the residency ``"score"`` policy).
 * ``hadamard_quant_int8``: one program per row; the fast Walsh–Hadamard butterflies run in registers in
   the same stage order as the reference (bit-identical fp32), then the row's scale and round-half-to-even
   quantisation.
@@ -38,6 +40,7 @@ from torch_kvoffload.ops.triton import device_guard, interpreting, require_launc
 
 __all__ = [
     "KERNELS",
+    "lightning_indexer_scores_topk",
     "triton_hadamard_quant_int8",
     "triton_lightning_indexer",
     "triton_lightning_indexer_scores",
@@ -359,6 +362,32 @@ def triton_lightning_indexer(
     validate_lightning_indexer(q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k, top_k)
     op = "lightning_indexer"
     return _indexer(op, q, weights, None, k_cache, None, block_table, cu_seqlens_q, seq_lens_k, top_k)
+
+
+def lightning_indexer_scores_topk(
+    q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lightning_indexer_scores`` and ``lightning_indexer`` of the same input from one scoring pass.
+
+    Validates once (``lightning_indexer``'s checks and messages), runs the scores kernel into one fp32
+    ``[T, max_blocks * block_size]`` buffer and the top-k kernel on that buffer. Returns
+    ``(scores fp32 [T, W], topk int32 [T, top_k])``, each equal to what its op returns. Unlike
+    ``lightning_indexer`` the scores are held whole (``T × W`` floats), which suits decode-sized ``T``.
+    """
+    validate_lightning_indexer(q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k, top_k)
+    require_launchable("lightning_indexer", q.device)
+    num_tokens = q.shape[0]
+    width = block_table.shape[1] * k_cache.shape[1]
+    scores = torch.empty((num_tokens, width), dtype=torch.float32, device=q.device)
+    topk = torch.full((num_tokens, top_k), -1, dtype=torch.int32, device=q.device)
+    if scores.numel():
+        req, visible = _requests(cu_seqlens_q, seq_lens_k, num_tokens, q.device)
+        table = block_table.to(q.device)
+        _launch_scores(q, weights, None, k_cache, None, table, req, visible, scores)
+        k = min(top_k, width)
+        if k:
+            _launch_topk(scores, visible, topk, k)
+    return scores, topk
 
 
 def triton_quant_lightning_indexer(

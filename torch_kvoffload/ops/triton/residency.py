@@ -22,12 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
+from torch_kvoffload.ops import _checks
 from torch_kvoffload.ops import residency as _res
 from torch_kvoffload.ops.triton import device_guard, require_launchable, triton_kernel
+from torch_kvoffload.ops.triton.indexer import lightning_indexer_scores_topk
 
-__all__ = ["KERNELS", "launch_residency_rows", "lightning_indexer_manage", "residency_update"]
+__all__ = ["KERNELS", "MAX_CAPACITY", "launch_residency_rows", "lightning_indexer_manage", "residency_update"]
 
 _SLOT_SHIFT = tl.constexpr(4294967296)  # 2**32: (token, slot) keys pack the slot in the low 32 bits
+#: Largest capacity ``C``: the score policy's victim keys pack the LRU position in 28 bits.
+MAX_CAPACITY = 1 << 28
 
 
 @triton.jit
@@ -158,6 +162,14 @@ def _residency_rows_kernel(
     tl.store(row_req_ptr + r, tl.load(rid_ptr + r))
 
 
+def _check_capacity(op: str, slot_to_token: torch.Tensor) -> None:
+    C = slot_to_token.shape[1]
+    if C > MAX_CAPACITY:
+        _checks.fail(
+            op, f"argument 'slot_to_token' has capacity C = {C}; the Triton kernel takes at most 2^28 slots"
+        )
+
+
 def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(max(n, 1)))
 
@@ -212,6 +224,7 @@ def residency_update(
         op, slot_to_token, lru_order, row_request, topk, request_ids, stable_len, scores, policy,
         slots, miss_tokens, miss_slots, miss_count, evictions,
     )  # fmt: skip
+    _check_capacity(op, slot_to_token)
     require_launchable(op, slot_to_token.device)
     _res.check_residency_values(op, slot_to_token, lru_order, row_request, topk, request_ids, stable_len)
     launch_residency_rows(
@@ -225,25 +238,24 @@ def lightning_indexer_manage(
     slot_to_token, lru_order, row_request, request_ids, stable_len, policy,
     topk, slots, miss_tokens, miss_slots, miss_count, evictions,
 ) -> None:  # fmt: skip
-    """Triton ``kvoffload::lightning_indexer_manage``: the Triton lightning indexer's top-k (and, with
-    ``policy="score"``, its scores: a second indexer pass), then the residency kernel on that top-k;
-    Triton end to end, validated before the first write like the op."""
+    """Triton ``kvoffload::lightning_indexer_manage``: the Triton lightning indexer's top-k (with
+    ``policy="score"`` its scores too, from the same scoring pass), then the residency kernel on that
+    top-k; Triton end to end, validated before the first write like the op."""
     op = "lightning_indexer_manage"
     _res._lim_structure(
         q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k, slot_to_token, lru_order,
         row_request, request_ids, stable_len, policy, topk, slots, miss_tokens, miss_slots, miss_count,
         evictions,
     )  # fmt: skip
+    _check_capacity(op, slot_to_token)
     require_launchable(op, slot_to_token.device)
     K = topk.shape[1]
-    new_topk = triton_kernel("lightning_indexer")(
-        q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k, K
-    )
+    idx = (q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k)
     scores = None
-    if policy == "score":
-        scores = triton_kernel("lightning_indexer_scores")(
-            q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k
-        )
+    if policy == "score":  # one indexer pass: the top-k is taken from the scores the policy reads
+        scores, new_topk = lightning_indexer_scores_topk(*idx, K)
+    else:
+        new_topk = triton_kernel("lightning_indexer")(*idx, K)
     _res.check_residency_values(op, slot_to_token, lru_order, row_request, new_topk, request_ids, stable_len)
     launch_residency_rows(
         slot_to_token, lru_order, row_request, new_topk, request_ids, stable_len, scores, policy,

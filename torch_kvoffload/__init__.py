@@ -2,8 +2,22 @@
 
 from torch_kvoffload import device, ops
 from torch_kvoffload._extension import extension_available, extension_load_error
+from torch_kvoffload.api import OffloadConfig, offload, stats
+from torch_kvoffload.backend import compile, explain
 from torch_kvoffload.ops import registered_ops
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "device", "extension_available", "extension_load_error", "ops", "registered_ops"]
+__all__ = [
+    "OffloadConfig",
+    "__version__",
+    "compile",
+    "device",
+    "explain",
+    "extension_available",
+    "extension_load_error",
+    "offload",
+    "ops",
+    "registered_ops",
+    "stats",
+]

@@ -7,7 +7,7 @@ accelerators present (CUDA; Ascend through triton-ascend) when ``triton`` import
 
 import logging as _logging
 
-from torch_kvoffload.ops import copy, indexer, kvpp, layer_hooks, residency, sparse_attention
+from torch_kvoffload.ops import copy, indexer, kvpp, layer_hooks, mla_runtime, residency, sparse_attention
 from torch_kvoffload.ops._registry import (
     OpInfo,
     format_registered_ops,
@@ -64,6 +64,7 @@ __all__ = [
     "lightning_indexer",
     "lightning_indexer_manage",
     "lightning_indexer_scores",
+    "mla_runtime",
     "new_residency_outputs",
     "new_residency_state",
     "quant_lightning_indexer",

@@ -1,0 +1,138 @@
+"""``torch_kvoffload.compile`` end to end on the tiny Hugging Face models: greedy tokens equal the
+unmodified model's, a bounded number of graphs, ``explain``, the backend entry point and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hf_models import build_model, left_padded_batch
+
+import torch_kvoffload
+from torch_kvoffload.backend import kvoffload_backend
+
+NEW_TOKENS = 32
+LENGTHS = [9, 13]
+# Two layers (one dense, one MoE) and narrow widths keep the run short; index_topk (8) stays well below
+# the context, so the V3.2 selection is really sparse.
+SMALL = dict(
+    num_hidden_layers=2, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4,
+    num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
+    qk_nope_head_dim=16, v_head_dim=16,
+)  # fmt: skip
+
+CONFIGS = {
+    "layerwise": {"layerwise": {}},
+    "sparse": {"sparse": {}},
+    "both": {"layerwise": {}, "sparse": {}},
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _generate(model, ids, mask):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+
+
+@pytest.mark.parametrize(
+    ("family", "mode"),
+    [("deepseek_v3", "layerwise"), ("deepseek_v32", "layerwise"), ("deepseek_v32", "sparse"),
+     ("deepseek_v32", "both")],
+)  # fmt: skip
+def test_compiled_generate_matches_the_model(family, mode):
+    ids, mask = left_padded_batch(LENGTHS)
+    want = _generate(build_model(family, **SMALL), ids, mask)
+
+    # fullgraph=True (passed through to torch.compile) for one case: the rewritten graph has no break
+    kwargs = {"fullgraph": True} if mode == "both" else {}
+    model = torch_kvoffload.compile(build_model(family, **SMALL), CONFIGS[mode], **kwargs)
+    got = _generate(model, ids, mask)
+    assert torch.equal(got, want), f"{(got != want).sum().item()} tokens differ"
+
+    # prefill + decode graphs only: the cached length is dynamic, so 32 steps do not recompile
+    graphs = model._kvoffload_compile_reports
+    assert 1 <= len(graphs) <= 3
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3
+
+    text = torch_kvoffload.explain(model)
+    for layer in range(SMALL["num_hidden_layers"]):
+        assert f"layer {layer}:" in text
+    assert "mla_cache_attention" in text
+    assert ("indexer top-k" in text) == (family == "deepseek_v32")
+    assert ("layer_wait" in text) == (mode != "sparse")
+
+    stats = torch_kvoffload.stats(model)
+    assert stats["forwards"] == NEW_TOKENS
+    if mode != "layerwise":
+        assert stats["misses"] > 0 and stats["bytes_h2d"] > 0  # decode read the host pool
+
+    # a second generate with the same prompt width reuses the graphs
+    with torch.no_grad():
+        again = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(again, want[:, : ids.shape[1] + 4])
+    assert len(model._kvoffload_compile_reports) == len(graphs)
+
+
+def test_explain_runs_a_forward_when_nothing_is_compiled():
+    model = torch_kvoffload.compile(build_model("deepseek_v3", **SMALL), CONFIGS["layerwise"])
+    ids, mask = left_padded_batch([5, 5])
+    text = torch_kvoffload.explain(model, ids, attention_mask=mask)
+    assert text.startswith("DeepseekV3ForCausalLM: 1 graph(s)")
+    assert "replaced" in text and "layer_save" in text
+    with pytest.raises(ValueError, match=r"was not compiled with torch_kvoffload\.compile"):
+        torch_kvoffload.explain(build_model("deepseek_v3", **SMALL))
+
+
+def test_backend_is_registered_by_entry_point():
+    from torch._dynamo.backends.registry import list_backends, lookup_backend
+
+    assert "kvoffload" in list_backends(exclude_tags=())
+    assert lookup_backend("kvoffload") is kvoffload_backend
+
+
+def test_entry_point_backend_with_a_config():
+    """``torch.compile(model, backend="kvoffload", options={"config": ...})``: no package call needed; the
+    backend builds the session and brackets each compiled call (each a fresh sequence here)."""
+    ids, mask = left_padded_batch([5, 7], seed=1)
+    with torch.no_grad():
+        want = build_model("deepseek_v32", **SMALL)(ids, attention_mask=mask).logits
+        model = build_model("deepseek_v32", **SMALL)
+        compiled = torch.compile(model, backend="kvoffload", options={"config": CONFIGS["both"]})
+        for _ in range(2):
+            got = compiled(ids, attention_mask=mask).logits
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert torch_kvoffload.stats(model)["forwards"] == 2
+
+
+def test_compile_rejects_bad_input_and_leaves_the_model_alone():
+    model = build_model("deepseek_v3", **SMALL)
+    forward = model.forward
+    with pytest.raises(ValueError, match="'backend' is set by the library"):
+        torch_kvoffload.compile(model, None, backend="inductor")
+    with pytest.raises(ValueError, match="sparse decode offload needs a lightning indexer"):
+        torch_kvoffload.compile(model, CONFIGS["sparse"])
+    assert model.forward == forward and getattr(model, "_kvoffload_session", None) is None
+
+    class NotMLA(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    with pytest.raises(ValueError, match="NotMLA"):
+        torch_kvoffload.compile(NotMLA())
+
+
+def test_backend_needs_a_session():
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="unknown options"):
+        kvoffload_backend(gm, [], options={"sesion": None})
+    with pytest.raises(ValueError, match="no offload session"):
+        kvoffload_backend(gm, [], options={})

@@ -1,0 +1,135 @@
+"""The user surface for a model: :class:`OffloadConfig`, :func:`offload` and :func:`stats`.
+
+``offload(model, config)`` inspects a Hugging Face MLA / SFA model, builds an
+:class:`~torch_kvoffload.integrations.hf.session.OffloadSession` and replaces each MLA attention's forward
+by the library's (the model's own weights are reused); afterwards ``model.generate(...)`` works unchanged.
+``stats(model)`` reports what the session holds and moved.
+
+``OffloadConfig`` groups the feature configs. Each is ``None`` (off) or the capability's own config, given
+as a model or a dict (``{}``: on, with defaults). Fields the model determines are filled in when the
+session is built: the sparse top-k from the model's ``index_topk``, row widths and layer count from its
+attention, the host pool size from the generation length. ``OffloadConfig.default()`` (what ``config=None``
+means): layerwise offload on, plus sparse decode offload when the model has a lightning indexer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field, field_validator, model_validator
+
+from torch_kvoffload.config import ConfigModel
+from torch_kvoffload.kvpp.config import KVPPConfig
+from torch_kvoffload.layerwise.config import LayerwiseConfig
+from torch_kvoffload.sparse.config import SparseDecodeConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from torch_kvoffload.integrations.hf.inspect import ModelSpec
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "OffloadConfig", "offload", "stats"]
+
+#: Tokens per block when neither ``OffloadConfig.block_size`` nor ``sparse.block_size`` is given.
+DEFAULT_BLOCK_SIZE = 128
+
+
+class OffloadConfig(ConfigModel):
+    """What to offload and how.
+
+    ``layerwise``: :class:`~torch_kvoffload.layerwise.LayerwiseConfig` (shared layer buffers + host store).
+    ``sparse``: the fields of :class:`~torch_kvoffload.sparse.config.SparseDecodeConfig` to set (a
+    ``SparseDecodeConfig`` or a dict; ``top_k`` defaults to the model's ``index_topk``,
+    ``host_pool_blocks`` to what the generation needs, ``kv_dtype`` to the model's dtype).
+    ``kvpp``: :class:`~torch_kvoffload.kvpp.KVPPConfig`.
+    ``block_size``: tokens per block of every cache the session pages (layer buffers, store records, host
+    pool, indexer cache); default ``sparse.block_size`` if given, else 128.
+    """
+
+    layerwise: LayerwiseConfig | None = None
+    sparse: dict[str, Any] | None = None
+    kvpp: KVPPConfig | None = None
+    block_size: int | None = Field(default=None, ge=1)
+
+    @field_validator("sparse", mode="before")
+    @classmethod
+    def _sparse_fields(cls, value: Any) -> Any:
+        if isinstance(value, SparseDecodeConfig):
+            return value.model_dump(exclude_unset=True)
+        if value is None or not isinstance(value, dict):
+            return value
+        unknown = sorted(set(value) - set(SparseDecodeConfig.model_fields))
+        if unknown:
+            raise ValueError(
+                f"sparse: unknown fields {unknown}; expected fields of SparseDecodeConfig "
+                f"{sorted(SparseDecodeConfig.model_fields)}"
+            )
+        # validate the given fields now (placeholders for the ones the model determines)
+        trial = dict(value)
+        trial.setdefault("top_k", trial.get("capacity") or 1)
+        trial.setdefault("host_pool_blocks", 1)
+        SparseDecodeConfig.model_validate(trial)
+        return dict(value)
+
+    @model_validator(mode="after")
+    def _check(self) -> OffloadConfig:
+        sparse_bs = (self.sparse or {}).get("block_size")
+        if sparse_bs is not None and self.block_size is not None and sparse_bs != self.block_size:
+            raise ValueError(
+                f"OffloadConfig: block_size {self.block_size} and sparse.block_size {sparse_bs} differ; "
+                "every cache of a session is paged in the same blocks"
+            )
+        if self.layerwise is None and self.sparse is None and self.kvpp is None:
+            raise ValueError(
+                "OffloadConfig: nothing is enabled; set layerwise, sparse and/or kvpp (use {} for the defaults) "
+                "or pass config=None for the model's default"
+            )
+        return self
+
+    @classmethod
+    def default(cls, has_indexer: bool) -> OffloadConfig:
+        """Layerwise offload, plus sparse decode offload for a model with a lightning indexer."""
+        return cls(layerwise=LayerwiseConfig(), sparse={} if has_indexer else None)
+
+    @property
+    def resolved_block_size(self) -> int:
+        """``block_size`` with its default applied."""
+        if self.block_size is not None:
+            return self.block_size
+        return int((self.sparse or {}).get("block_size", DEFAULT_BLOCK_SIZE))
+
+    def sparse_config(self, spec: ModelSpec, *, host_pool_blocks: int) -> SparseDecodeConfig:
+        """The full :class:`SparseDecodeConfig` for ``spec`` (``ValueError`` if sparse is off)."""
+        if self.sparse is None:
+            raise ValueError("OffloadConfig.sparse_config: sparse decode offload is off")
+        from torch_kvoffload._utils import dtype_name
+
+        fields = {
+            "top_k": spec.index_topk,
+            "host_pool_blocks": host_pool_blocks,
+            "kv_dtype": dtype_name(spec.dtype),
+            **self.sparse,
+            "block_size": self.resolved_block_size,
+        }
+        return SparseDecodeConfig.model_validate(fields)
+
+
+def offload(model: torch.nn.Module, config: OffloadConfig | dict[str, Any] | None = None) -> torch.nn.Module:
+    """Offload ``model``'s KV cache with the library's eager attention; return ``model``.
+
+    ``config``: an :class:`OffloadConfig` (or its dict form); ``None`` = :meth:`OffloadConfig.default`.
+    Raises ``ValueError`` (naming the model class and the reason) for a model the library cannot handle,
+    before anything is allocated.
+    """
+    from torch_kvoffload.integrations.hf.install import offload as _offload
+
+    return _offload(model, config)
+
+
+def stats(model: torch.nn.Module) -> dict[str, float]:
+    """What the offloaded ``model`` holds and moved: ``device_kv_bytes``, ``dense_kv_bytes``,
+    ``bytes_h2d``, ``bytes_d2h``, ``hits``, ``misses``, ``layer_loads``, ``layer_saves``, ``broadcasts``
+    and more (see :meth:`OffloadSession.stats`)."""
+    from torch_kvoffload.integrations.hf.install import session_of
+
+    return session_of(model).stats()

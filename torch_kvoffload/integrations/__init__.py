@@ -1,0 +1,1 @@
+"""Adapters that bring the library's runtimes to model libraries (Hugging Face ``transformers``)."""

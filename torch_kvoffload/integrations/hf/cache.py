@@ -1,0 +1,128 @@
+"""``OffloadCache``: the ``transformers.Cache`` an offloaded model generates with.
+
+It holds no per-layer KV. Each layer keeps zero-length placeholders ``keys [B, 1, 0, Dc]``, ``values
+[B, 1, 0, Dr]`` (and ``indexer_keys [B, 0, Di]`` for indexed layers); ``update`` / ``update_indexer``
+return ``cat(placeholder, new)`` without storing it, so a Dynamo graph shows the usual cache-append pattern
+on cache inputs while the KV itself lives where the session keeps it. ``get_seq_length`` reports the
+tokens seen so far (padding included, as Hugging Face counts them), advanced by the session at the end of
+every forward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from torch_kvoffload.integrations.hf.session import OffloadSession
+
+__all__ = ["new_offload_cache"]
+
+_CLASSES: dict[str, type] = {}
+
+
+def _classes() -> tuple[type, type]:
+    """The cache and layer classes (built on first use: ``transformers`` is optional)."""
+    if _CLASSES:
+        return _CLASSES["cache"], _CLASSES["layer"]
+    try:
+        from transformers.cache_utils import Cache, CacheLayerMixin
+    except ImportError as exc:  # pragma: no cover - exercised only without transformers
+        raise ImportError(
+            "torch_kvoffload's Hugging Face integration needs transformers: pip install 'torch_kvoffload[hf]'"
+        ) from exc
+
+    class OffloadCacheLayer(CacheLayerMixin):
+        """One layer's placeholders; the cached length is the owning cache's."""
+
+        is_sliding = False
+        is_croppable = False
+
+        def __init__(self, owner: Any, indexed: bool) -> None:
+            super().__init__()
+            self._owner = owner
+            self._indexed = indexed
+            self.indexer_keys: torch.Tensor | None = None
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            b = key_states.shape[0]
+            self.device = key_states.device
+            self.keys = key_states.new_zeros((b, 1, 0, key_states.shape[-1]))
+            self.values = value_states.new_zeros((b, 1, 0, value_states.shape[-1]))
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+        def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+            if self.indexer_keys is None:
+                k = indexer_key_states
+                self.indexer_keys = k.new_zeros((k.shape[0], 0, k.shape[-1]))
+            return torch.cat([self.indexer_keys, indexer_key_states], dim=1)
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self._owner.get_seq_length() + query_length, 0
+
+        def get_seq_length(self) -> int:
+            return self._owner.seen_tokens
+
+        def get_max_length(self) -> int:
+            return -1
+
+        def reset(self) -> None:
+            self.keys = self.values = self.indexer_keys = None
+            self.is_initialized = False
+
+        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+            raise NotImplementedError("OffloadCache: beam search (cache reordering) is not supported")
+
+    class OffloadCache(Cache):
+        """A cache that stores nothing itself: the session keeps the KV (see the module docstring)."""
+
+        def __init__(self, session: OffloadSession) -> None:
+            self.session = session
+            self.seen_tokens = 0
+            indexed = session.spec.has_indexer
+            super().__init__(
+                layers=[OffloadCacheLayer(self, indexed) for _ in range(session.spec.num_layers)]
+            )
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return self.seen_tokens
+
+        def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+            return self.seen_tokens + query_length, 0
+
+        def reset(self) -> None:
+            super().reset()
+            self.seen_tokens = 0
+
+        def crop(self, tokens_to_remove: int) -> None:
+            raise NotImplementedError("OffloadCache: cropping (assisted decoding) is not supported")
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            if repeats != 1:
+                raise NotImplementedError(
+                    "OffloadCache: expanding the batch (num_return_sequences) is not supported"
+                )
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            raise NotImplementedError("OffloadCache: selecting batch rows is not supported")
+
+    _CLASSES["cache"], _CLASSES["layer"] = OffloadCache, OffloadCacheLayer
+    return OffloadCache, OffloadCacheLayer
+
+
+def new_offload_cache(session: OffloadSession) -> Any:
+    """A fresh :class:`OffloadCache` bound to ``session`` (a ``transformers.Cache``)."""
+    cache_cls, _ = _classes()
+    return cache_cls(session)
+
+
+def is_offload_cache(obj: Any) -> bool:
+    """Whether ``obj`` is an :class:`OffloadCache`."""
+    cache_cls, _ = _classes()
+    return isinstance(obj, cache_cls)

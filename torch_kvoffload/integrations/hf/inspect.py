@@ -1,0 +1,145 @@
+"""Find the MLA / SFA attention of a Hugging Face model by structure and describe it (:class:`ModelSpec`).
+
+An attention module is MLA when it has ``kv_a_proj_with_mqa``, ``kv_a_layernorm`` and ``kv_b_proj`` and the
+model config gives ``kv_lora_rank``, ``qk_rope_head_dim``, ``qk_nope_head_dim`` and ``v_head_dim``; it has a
+lightning indexer when it holds an ``indexer`` with ``wq_b``, ``wk``, ``k_norm`` and ``weights_proj`` and the
+config gives ``index_topk``, ``index_head_dim`` and ``index_n_heads``. Nothing is allocated here: a model the
+library cannot handle raises ``ValueError`` naming its class and the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["ModelSpec", "inspect_model"]
+
+_MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "num_attention_heads")
+_INDEXER_FIELDS = ("index_topk", "index_head_dim", "index_n_heads")
+# cache layer types whose per-layer KV is the MLA latent (and, for "indexed_attention", the indexer key)
+_SUPPORTED_LAYER_TYPES = {"full_attention", "indexed_attention"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the library needs to know about an MLA / SFA model.
+
+    ``kv_lora_rank`` (Dc), ``rope_dim`` (Dr), ``qk_nope_head_dim``, ``v_head_dim``, ``num_heads`` (H);
+    ``index_head_dim`` / ``index_n_heads`` / ``index_topk`` are 0 without an indexer; ``scale`` is the
+    attention softmax scale; ``attention_modules[i]`` is the attention of layer ``i``.
+    """
+
+    model_class: str
+    num_layers: int
+    kv_lora_rank: int
+    rope_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    num_heads: int
+    dtype: torch.dtype
+    device: torch.device
+    scale: float
+    has_indexer: bool
+    index_topk: int
+    index_head_dim: int
+    index_n_heads: int
+    fingerprint: str
+    attention_modules: tuple[torch.nn.Module, ...] = field(repr=False, compare=False)
+
+    @property
+    def main_row_bytes(self) -> int:
+        """Bytes of one token's main KV (latent + rotary key) in one layer."""
+        return (self.kv_lora_rank + self.rope_dim) * self.dtype.itemsize
+
+    @property
+    def indexer_row_bytes(self) -> int:
+        """Bytes of one token's floating indexer key in one layer (0 without an indexer)."""
+        return self.index_head_dim * self.dtype.itemsize
+
+
+def _fail(model: torch.nn.Module, reason: str) -> None:
+    raise ValueError(f"torch_kvoffload cannot offload {type(model).__name__}: {reason}")
+
+
+def _is_mla(module: torch.nn.Module) -> bool:
+    return all(hasattr(module, a) for a in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj"))
+
+
+def _has_indexer(module: torch.nn.Module) -> bool:
+    idx = getattr(module, "indexer", None)
+    return idx is not None and all(hasattr(idx, a) for a in ("wq_b", "wk", "k_norm", "weights_proj"))
+
+
+def inspect_model(model: torch.nn.Module) -> ModelSpec:
+    """Describe ``model``'s MLA attention; ``ValueError`` naming the class and the reason if unsupported."""
+    config = getattr(model, "config", None)
+    if config is None:
+        _fail(model, "it has no Hugging Face 'config'")
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    attn = [m for m in model.modules() if _is_mla(m)]
+    if not attn:
+        _fail(
+            model,
+            "no MLA attention found (no module with kv_a_proj_with_mqa, kv_a_layernorm and kv_b_proj); "
+            "only multi-head latent attention models are supported",
+        )
+    missing = [f for f in _MLA_FIELDS if getattr(config, f, None) is None]
+    if missing:
+        _fail(model, f"its config lacks the MLA fields {missing}")
+    num_layers = getattr(config, "num_hidden_layers", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        other = sorted(set(layer_types) - _SUPPORTED_LAYER_TYPES)
+        if other:
+            _fail(model, f"hybrid KV layout: layer types {other} besides MLA attention are not supported")
+    if num_layers is not None and len(attn) != num_layers:
+        _fail(
+            model,
+            f"hybrid layout: {len(attn)} MLA attention modules for {num_layers} layers; every layer must be MLA",
+        )
+    idx = [getattr(m, "layer_idx", None) for m in attn]
+    if sorted(i for i in idx if i is not None) != list(range(len(attn))):
+        _fail(model, f"the MLA attention modules carry layer indices {idx}, expected 0..{len(attn) - 1}")
+    attn.sort(key=lambda m: m.layer_idx)
+    indexed = [_has_indexer(m) for m in attn]
+    if any(indexed) and not all(indexed):
+        _fail(model, "hybrid layout: only some layers have a lightning indexer")
+    has_indexer = all(indexed)
+    if has_indexer:
+        missing = [f for f in _INDEXER_FIELDS if getattr(config, f, None) is None]
+        if missing:
+            _fail(model, f"its attention has an indexer but the config lacks {missing}")
+    if getattr(config, "num_key_value_heads", config.num_attention_heads) not in (
+        None,
+        config.num_attention_heads,
+    ):
+        _fail(model, "num_key_value_heads differs from num_attention_heads (not a plain MLA layout)")
+    first = attn[0]
+    param = first.kv_b_proj.weight
+    dims = {f: int(getattr(config, f)) for f in _MLA_FIELDS}
+    extra = {f: int(getattr(config, f)) for f in _INDEXER_FIELDS} if has_indexer else {}
+    scale = float(getattr(first, "scaling", (dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"]) ** -0.5))
+    desc = {"class": type(model).__name__, "layers": len(attn), "dtype": str(param.dtype), **dims, **extra}
+    fingerprint = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+    return ModelSpec(
+        model_class=type(model).__name__,
+        num_layers=len(attn),
+        kv_lora_rank=dims["kv_lora_rank"],
+        rope_dim=dims["qk_rope_head_dim"],
+        qk_nope_head_dim=dims["qk_nope_head_dim"],
+        v_head_dim=dims["v_head_dim"],
+        num_heads=dims["num_attention_heads"],
+        dtype=param.dtype,
+        device=param.device,
+        scale=scale,
+        has_indexer=has_indexer,
+        index_topk=extra.get("index_topk", 0),
+        index_head_dim=extra.get("index_head_dim", 0),
+        index_n_heads=extra.get("index_n_heads", 0),
+        fingerprint=fingerprint,
+        attention_modules=tuple(attn),
+    )

@@ -1,0 +1,781 @@
+"""``OffloadSession``: where an offloaded Hugging Face model keeps its KV, and the attention over it.
+
+A session is built from a :class:`~torch_kvoffload.integrations.hf.inspect.ModelSpec` and an
+:class:`~torch_kvoffload.api.OffloadConfig`. It registers itself in ``ops.mla_runtime.runtimes`` under
+:attr:`OffloadSession.name` (the ``mla_cache_write`` / ``mla_cache_attention`` ops call it) and, with
+layerwise offload on, a hook object in ``ops.layer_hooks.runtimes`` under :attr:`layerwise_runtime`.
+
+Around every model forward the caller runs ``begin_forward(input_ids, attention_mask, cache_position,
+past=..., owner=cache)`` and ``end_forward()``; in between, per layer: projections → ``layer_wait`` +
+``layer_prefetch`` → ``mla_cache_write`` → ``layer_save`` → ``mla_cache_attention`` → W_UV → ``o_proj``,
+every op taking ``layer_caches(layer)`` as its ``caches``.
+
+Requests. Batch row ``r`` of a sequence is request ``r``: its tokens are the row's real tokens (left
+padding, ``attention_mask == 0``, is dropped; only left padding is accepted), at logical positions
+``0 .. len-1``. One sequence (one ``OffloadCache``) is served at a time; a forward with an empty cache
+starts a new one. Every cache is paged in ``block_size`` blocks; request ``r`` owns device blocks
+``r*M .. r*M+M-1`` (``M`` = blocks per request), so its rows are contiguous.
+
+Where the KV lives.
+
+* Layerwise (``layerwise`` on): every forward, prefill and decode alike, runs the layerwise pipeline over
+  the planned physical buffers (``num_shared_buffers`` buffers shared by the reusable layers). Full blocks
+  are saved to the host store and loaded back by the next forward. The partial last block of each request
+  survives between forwards in a small per-layer device *tail* (``[batch, block_size, ·]`` per component,
+  counted in ``device_kv_bytes``): after a layer's write its partial block is copied into the tail, and the
+  next forward copies it back into the buffer after ``layer_wait``. A prompt prefix found in the store is
+  loaded instead of written: the model still computes its projections, its attention reads the loaded KV.
+  Attention reads the layer's buffer (dense causal, or the indexer's top-k over the buffer's indexer keys).
+* Sparse decode (``sparse`` on; models with a lightning indexer): every new row goes to the host pool
+  (``SparseDecodeOffload.append``); the indexer keys go to a device indexer cache (floating, or int8 +
+  fp32 scale with ``indexer_dtype="int8"``). A decode step (one new token per request) runs the fused
+  indexer + residency + Copy-SFA path (``SparseDecodeOffload.attend``); a multi-token forward (prefill)
+  selects with the indexer over the device indexer cache and attends over the forward's own rows plus,
+  for a chunked prefill, the request's earlier rows read from the host pool for that layer only.
+* Both: prefill runs the layerwise pipeline (its attention over the buffer, top-k from the device indexer
+  cache) and appends the rows to the host pool; decode steps run the sparse path only. The layer buffers
+  are released at the sequence's first decode step (decode holds only the hot buffers and the indexer
+  cache) and allocated again for the next sequence; a multi-token forward after decode steps takes the
+  sparse prefill path.
+
+Sizing: buffers, host pool and indexer cache are sized for ``batch × max_tokens`` by :meth:`reserve`
+(``generate`` calls it with the prompt width plus ``max_new_tokens``; a forward on a fresh cache reserves
+at least its own width). Layerwise-only sessions grow on demand (buffers hold no state between forwards);
+with sparse offload a sequence may not outgrow its reservation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torch_kvoffload.counters import Counters
+from torch_kvoffload.layerwise.planner import LayerCacheSpec, TensorSpec
+from torch_kvoffload.ops import layer_hooks, mla_runtime
+from torch_kvoffload.ops.indexer import hadamard_quant_int8, lightning_indexer, quant_lightning_indexer
+from torch_kvoffload.ops.sparse_attention import sparse_mla_attention
+
+if TYPE_CHECKING:
+    from torch_kvoffload.api import OffloadConfig
+    from torch_kvoffload.integrations.hf.inspect import ModelSpec
+    from torch_kvoffload.layerwise.runtime import LayerwiseOffloadRuntime
+    from torch_kvoffload.sparse.runtime import SparseDecodeOffload
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OffloadSession"]
+
+_ids = itertools.count()
+_LAYERWISE_TOTALS = ("bytes_loaded", "bytes_saved", "loads", "saves", "store_hits", "store_misses")
+_SESSION_COUNTERS = ("forwards", "prefill_forwards", "decode_forwards", "prefill_host_bytes_h2d")
+# queries per chunk of the dense attention (bounds the [Q, H, L] score tensor)
+_DENSE_CHUNK = 256
+
+
+class _LayerHooks:
+    """What ``layer_wait`` / ``layer_prefetch`` / ``layer_save`` call: the session's layerwise runtime
+    during forwards that run the layerwise pipeline, nothing during sparse decode steps. ``caches`` is the
+    session's ``layer_caches(layer)``, whose first tensors are the runtime's own."""
+
+    def __init__(self, session: OffloadSession) -> None:
+        self._session = session
+
+    def _target(self, caches):
+        s = self._session
+        if s._fwd is None or not s._fwd.layerwise:
+            return None, None
+        rt = s._rt
+        assert rt is not None
+        n = s._lw_components
+        return rt, (None if caches is None else list(caches)[:n])
+
+    def _call(self, method: str, old: str, layer, caches) -> None:
+        rt, own = self._target(caches)
+        if rt is not None:
+            (getattr(rt, method, None) or getattr(rt, old))(layer, own)
+
+    def wait(self, layer, caches=None) -> None:
+        self._call("wait", "before_attention", layer, caches)
+
+    def prefetch(self, layer, caches=None) -> None:
+        self._call("prefetch", "prefetch", layer, caches)
+
+    def save(self, layer, caches=None) -> None:
+        self._call("save", "after_cache_write", layer, caches)
+
+    before_attention, after_cache_write = wait, save
+
+
+@dataclass
+class _Forward:
+    """Index tensors of one forward (device tensors unless noted)."""
+
+    B: int
+    S: int
+    past: int
+    decode: bool  # a sparse decode step
+    layerwise: bool  # runs the layerwise pipeline
+    old_len: list[int]  # per request, tokens before this forward (host ints)
+    new_len: list[int]
+    sel: torch.Tensor  # int64 [N]: flat (b * S + s) of the real positions, request-major
+    pos: torch.Tensor  # int64 [N]: their logical positions
+    row: torch.Tensor  # int64 [N]: their request
+    phys: torch.Tensor  # int64 [N]: their paged row (row * M * bs + pos)
+    block_table: torch.Tensor  # int32 [B, M]
+    cu_seqlens_q: torch.Tensor  # int32 [B + 1]
+    seq_lens_k: torch.Tensor  # int32 [B]
+    cached: list[int] = field(default_factory=list)  # layerwise: prefix tokens loaded per request
+    write: torch.Tensor | None = None  # bool [N]: rows written into the layer buffer
+    tail_restore: tuple[torch.Tensor, torch.Tensor] | None = None  # (tail rows, paged rows)
+    tail_keep: tuple[torch.Tensor, torch.Tensor] | None = None  # (paged rows, tail rows)
+    new_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def _nbytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+class OffloadSession:
+    """The KV store and attention of one offloaded model (see the module docstring).
+
+    Parameters
+    ----------
+    spec : ModelSpec
+    config : OffloadConfig
+        Resolved (``None`` fields off). Sparse offload needs ``spec.has_indexer``.
+    name : str, optional
+        Registry name (default: unique per session).
+    """
+
+    def __init__(self, spec: ModelSpec, config: OffloadConfig, *, name: str | None = None) -> None:
+        if config.sparse is not None and not spec.has_indexer:
+            raise ValueError(
+                f"torch_kvoffload cannot offload {spec.model_class}: sparse decode offload needs a lightning "
+                "indexer (index_topk / indexer module), which this model does not have"
+            )
+        if config.kvpp is not None and config.kvpp.active:
+            raise ValueError(
+                f"torch_kvoffload cannot offload {spec.model_class}: KVPP is not available on the Hugging Face "
+                "path yet; use the KVPP runtime directly"
+            )
+        self.spec = spec
+        self.config = config
+        self.name = name or f"hf-{spec.model_class}-{next(_ids)}"
+        self.block_size = config.resolved_block_size
+        self.layerwise_on = config.layerwise is not None
+        self.sparse_on = config.sparse is not None
+        self.int8_indexer = self.sparse_on and config.sparse.get("indexer_dtype") == "int8"
+        # the layer buffers carry the indexer keys only when no separate device indexer cache exists
+        self._lw_indexer = self.layerwise_on and spec.has_indexer and not self.sparse_on
+        self._lw_components = 2 + (1 if self._lw_indexer else 0)
+        self.counters = Counters(_SESSION_COUNTERS)
+        self._lw_totals = Counters(_LAYERWISE_TOTALS)
+        self._store = config.layerwise.store.build() if self.layerwise_on else None
+        self._rt: LayerwiseOffloadRuntime | None = None
+        self._sparse: SparseDecodeOffload | None = None
+        self._index_cache: list[tuple[torch.Tensor, ...]] = []
+        self._tails: list[tuple[torch.Tensor, ...]] = []
+        self._batch = 0
+        self._max_tokens = 0
+        self._planned: tuple[int, int] | None = None
+        self._tokens: list[list[int]] = []
+        self._request_ids: list[int] = []
+        self._reserved: list[int] = []  # request ids holding host-pool blocks
+        self._next_request = 0
+        self._seen = 0
+        self._owner: Any = None
+        self._broken = False
+        self._fwd: _Forward | None = None
+        self._closed = False
+        mla_runtime.runtimes.register(self.name, self)
+        self.layerwise_runtime: str | None = None
+        if self.layerwise_on:
+            self.layerwise_runtime = f"{self.name}/layerwise"
+            layer_hooks.runtimes.register(self.layerwise_runtime, _LayerHooks(self))
+        self.kvpp_runtime: str | None = None
+
+    # ------------------------------------------------------------------------------------ sizing
+    @property
+    def blocks_per_request(self) -> int:
+        return -(-self._max_tokens // self.block_size) if self._max_tokens else 0
+
+    def plan_generation(self, batch: int, max_tokens: int) -> None:
+        """The next sequence will have ``batch`` requests of at most ``max_tokens`` tokens (padding
+        included); the next forward on a fresh cache reserves that much."""
+        self._planned = (int(batch), int(max_tokens))
+
+    def reserve(self, batch: int, max_tokens: int) -> None:
+        """Size the buffers, host pool and indexer cache for ``batch`` requests of ``max_tokens`` tokens.
+
+        Only between sequences (or to grow a layerwise-only session). Existing sizes that suffice are kept.
+        """
+        if self._fwd is not None:
+            raise RuntimeError("OffloadSession.reserve: a forward is running")
+        if batch == self._batch and max_tokens <= self._max_tokens:
+            if self.layerwise_on and self._rt is None:
+                self._build_layerwise()
+            return
+        in_sequence = bool(self._tokens) and self._seen > 0
+        if in_sequence and (self.sparse_on or batch != self._batch):
+            raise ValueError(
+                f"OffloadSession: the running sequence needs {max_tokens} tokens per request but "
+                f"{self._max_tokens} were reserved; pass max_new_tokens to generate() (or call "
+                "reserve() before the first forward)"
+            )
+        max_tokens = max(max_tokens, self.block_size)
+        self._build(batch, max_tokens)
+
+    def _build(self, batch: int, max_tokens: int) -> None:
+        spec, bs = self.spec, self.block_size
+        dev, dt = spec.device, spec.dtype
+        M = -(-max_tokens // bs)
+        nb = batch * M
+        old_rt, old_sparse = self._rt, self._sparse
+        self._rt = self._sparse = None
+        if old_rt is not None:
+            self._retire_layerwise(old_rt)
+        if old_sparse is not None:
+            old_sparse.close()
+            self._reserved = []
+        self._batch, self._max_tokens = batch, M * bs
+        if self.layerwise_on:
+            self._build_layerwise()
+        if self.sparse_on:
+            from torch_kvoffload.sparse.runtime import SparseDecodeOffload
+
+            scfg = self.config.sparse_config(spec, host_pool_blocks=nb)
+            self._sparse = SparseDecodeOffload(
+                scfg, num_layers=spec.num_layers, max_rows=batch, kv_lora_rank=spec.kv_lora_rank,
+                rope_dim=spec.rope_dim, device=dev,
+            )  # fmt: skip
+            if self.int8_indexer:
+                self._index_cache = [
+                    (
+                        torch.zeros(nb, bs, spec.index_head_dim, dtype=torch.int8, device=dev),
+                        torch.zeros(nb, bs, dtype=torch.float32, device=dev),
+                    )
+                    for _ in range(spec.num_layers)
+                ]
+            else:
+                self._index_cache = [
+                    (torch.zeros(nb, bs, spec.index_head_dim, dtype=dt, device=dev),)
+                    for _ in range(spec.num_layers)
+                ]
+        logger.info(
+            "offload session %s: %d requests x %d tokens, device KV %d bytes",
+            self.name, batch, self._max_tokens, self.device_kv_bytes(),
+        )  # fmt: skip
+
+    def _build_layerwise(self) -> None:
+        """The layerwise runtime (physical layer buffers) and tails for the reserved sizes."""
+        spec, bs, batch = self.spec, self.block_size, self._batch
+        dev, dt = spec.device, spec.dtype
+        nb = batch * self.blocks_per_request
+        idx = (TensorSpec((nb, bs, spec.index_head_dim), dt),) if self._lw_indexer else None
+        main = (TensorSpec((nb, bs, spec.kv_lora_rank), dt), TensorSpec((nb, bs, spec.rope_dim), dt))
+        specs = [LayerCacheSpec(main, idx) for _ in range(spec.num_layers)]
+        lw = self.config.layerwise
+        model_id = "/".join(p for p in (lw.model_id, spec.fingerprint, "i" if self._lw_indexer else "m") if p)
+        self._rt = lw.model_copy(update={"model_id": model_id}).build_runtime(
+            specs, device=dev, store=self._store
+        )
+        if not self._tails or self._tails[0][0].shape[0] != batch:
+            widths = [spec.kv_lora_rank, spec.rope_dim] + ([spec.index_head_dim] if self._lw_indexer else [])
+            self._tails = [
+                tuple(torch.zeros(batch, bs, w, dtype=dt, device=dev) for w in widths)
+                for _ in range(spec.num_layers)
+            ]
+
+    def _retire_layerwise(self, rt: LayerwiseOffloadRuntime) -> None:
+        snap = rt.counters.snapshot()
+        for k in _LAYERWISE_TOTALS:
+            self._lw_totals.add(k, snap.get(k, 0))
+        rt.close()
+
+    # ---------------------------------------------------------------------------------- the cache
+    def new_cache(self) -> Any:
+        """A fresh ``transformers.Cache`` bound to this session (holds no KV itself)."""
+        from torch_kvoffload.integrations.hf.cache import new_offload_cache
+
+        return new_offload_cache(self)
+
+    def layer_caches(self, layer: int) -> list[torch.Tensor]:
+        """The tensors passed as ``caches`` to every op of ``layer``: the layer buffer's components
+        (layerwise), then the indexer cache and the hot buffers (sparse). Empty before the first forward."""
+        self._check_layer("layer_caches", layer)
+        out: list[torch.Tensor] = []
+        if self._rt is not None:
+            out += list(self._rt.layer_caches(layer))
+        if self._sparse is not None:
+            out += [*self._index_cache[layer], self._sparse.hot_kv_c[layer], self._sparse.hot_k_pe[layer]]
+        return out
+
+    def _check_layer(self, fn: str, layer: object) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.spec.num_layers:
+            raise ValueError(
+                f"OffloadSession.{fn}: layer must be an int in [0, {self.spec.num_layers}), got {layer!r}"
+            )
+        return layer
+
+    # --------------------------------------------------------------------------------- forwards
+    def begin_forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache_position: torch.Tensor | None = None,
+        *,
+        past: int | None = None,
+        owner: Any = None,
+    ) -> None:
+        """Start a forward of ``input_ids int64 [B, S]``.
+
+        ``attention_mask [B, past + S]`` (0 = padding; only left padding) or ``None`` (no padding).
+        ``past`` (tokens already seen, padding included) defaults to ``cache_position[0]``, else the
+        session's count; ``past == 0`` starts a new sequence. ``owner``: the cache object of the
+        sequence (a later forward with another owner and ``past > 0`` is an error).
+        """
+        if self._closed:
+            raise RuntimeError("OffloadSession.begin_forward: the session is closed")
+        if self._fwd is not None:
+            raise RuntimeError("OffloadSession.begin_forward: a forward is running; call end_forward()")
+        if (
+            not isinstance(input_ids, torch.Tensor)
+            or input_ids.dim() != 2
+            or input_ids.dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"OffloadSession.begin_forward: 'input_ids' must be an int tensor [B, S], got "
+                f"{getattr(input_ids, 'dtype', type(input_ids))} {list(getattr(input_ids, 'shape', []))}"
+            )
+        B, S = input_ids.shape
+        if S == 0:
+            raise ValueError("OffloadSession.begin_forward: 'input_ids' has no positions")
+        if past is None:
+            past = (
+                int(cache_position[0]) if cache_position is not None else (self._seen if self._tokens else 0)
+            )
+        if past < 0:
+            raise ValueError(f"OffloadSession.begin_forward: past must be >= 0, got {past}")
+        if past > 0:
+            if self._broken:
+                raise RuntimeError(
+                    "OffloadSession.begin_forward: an earlier forward of this sequence failed; start a new one"
+                )
+            if owner is not None and owner is not self._owner:
+                raise ValueError(
+                    "OffloadSession.begin_forward: this cache's sequence is not the one the session holds "
+                    "(a session serves one sequence at a time)"
+                )
+            if past != self._seen or len(self._tokens) != B:
+                raise ValueError(
+                    f"OffloadSession.begin_forward: the sequence has {len(self._tokens)} requests and {self._seen} "
+                    f"positions, got a batch of {B} with past={past}"
+                )
+        if attention_mask is None:
+            new_mask = torch.ones(B, S, dtype=torch.bool)
+        else:
+            if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != (B, past + S):
+                raise ValueError(
+                    f"OffloadSession.begin_forward: 'attention_mask' must be a 2-D tensor [B, past + S] = "
+                    f"[{B}, {past + S}], got {getattr(attention_mask, 'shape', type(attention_mask))}"
+                )
+            new_mask = attention_mask[:, past:].to("cpu").bool()
+        if past > 0 and not bool(new_mask.all()):
+            raise ValueError(
+                "OffloadSession.begin_forward: padding after the first forward is not supported (only left "
+                "padding of the prompt)"
+            )
+        if past == 0:
+            monotone = bool((new_mask[:, 1:].int() >= new_mask[:, :-1].int()).all()) if S > 1 else True
+            if not monotone or not bool(new_mask[:, -1].all()):
+                raise ValueError(
+                    "OffloadSession.begin_forward: 'attention_mask' must be left padding (zeros, then ones, "
+                    "every row ending with a real token)"
+                )
+        ids_cpu = input_ids.to("cpu")
+        n_new = new_mask.sum(dim=1).tolist()
+        old_len = [0] * B if past == 0 else [len(t) for t in self._tokens]
+        new_len = [o + n for o, n in zip(old_len, n_new, strict=True)]
+        # sizing (validated before any state changes)
+        if past == 0:
+            want = max(new_len)
+            if self._planned is not None and self._planned[0] == B:
+                want = max(want, self._planned[1])
+            self.reserve(B, want)
+        elif max(new_len) > self._max_tokens:
+            self.reserve(B, max(new_len))
+        decode = self.sparse_on and past > 0 and S == 1
+        if decode and self._rt is not None:
+            # prefill is over: decode reads the host pool and the hot buffers only
+            self._retire_layerwise(self._rt)
+            self._rt, self._tails = None, []
+        layerwise = self.layerwise_on and not decode and self._rt is not None
+        if past == 0:
+            self._start_sequence(B, owner)
+        for b in range(B):
+            self._tokens[b].extend(ids_cpu[b][new_mask[b]].tolist())
+        self._fwd = self._plan_forward(B, S, past, decode, layerwise, new_mask, old_len, new_len)
+        self.counters.add("forwards")
+        self.counters.add("decode_forwards" if decode else "prefill_forwards")
+        if layerwise:
+            try:
+                self._begin_layerwise(self._fwd)
+            except BaseException:
+                self._fwd = None
+                self._broken = True
+                raise
+
+    def _start_sequence(self, B: int, owner: Any) -> None:
+        if self._sparse is not None:
+            for rid in self._reserved:
+                self._sparse.release(rid)
+        self._reserved = []
+        self._tokens = [[] for _ in range(B)]
+        self._request_ids = list(range(self._next_request, self._next_request + B))
+        self._next_request += B
+        self._seen = 0
+        self._owner = owner
+        self._broken = False
+        self._planned = None
+        if self._sparse is not None:
+            for rid in self._request_ids:
+                self._sparse.reserve(rid, self._max_tokens)
+                self._reserved.append(rid)
+
+    def _plan_forward(self, B, S, past, decode, layerwise, new_mask, old_len, new_len) -> _Forward:
+        dev, bs = self.spec.device, self.block_size
+        M = self.blocks_per_request
+        flat = new_mask.reshape(-1)
+        sel = torch.nonzero(flat).reshape(-1)
+        row = sel // S
+        rank = torch.cumsum(new_mask.int(), dim=1) - 1  # index among the row's new tokens
+        pos = torch.tensor(old_len, dtype=torch.int64)[row] + rank.reshape(-1)[sel].to(torch.int64)
+        phys = row * (M * bs) + pos
+        n_new = [n - o for o, n in zip(old_len, new_len, strict=True)]
+        cu = torch.tensor([0, *itertools.accumulate(n_new)], dtype=torch.int32)
+        table = torch.arange(B, dtype=torch.int32)[:, None] * M + torch.arange(M, dtype=torch.int32)[None, :]
+        return _Forward(
+            B=B, S=S, past=past, decode=decode, layerwise=layerwise, old_len=old_len, new_len=new_len,
+            sel=sel.to(dev), pos=pos.to(dev), row=row.to(dev), phys=phys.to(dev),
+            block_table=table.to(dev), cu_seqlens_q=cu.to(dev),
+            seq_lens_k=torch.tensor(new_len, dtype=torch.int32).to(dev),
+        )  # fmt: skip
+
+    def _begin_layerwise(self, f: _Forward) -> None:
+        rt = self._rt
+        assert rt is not None
+        bs, M = self.block_size, self.blocks_per_request
+        cached = rt.begin_forward([list(t) for t in self._tokens], f.block_table.cpu().tolist())
+        restore_src, restore_dst, keep_src, keep_dst = [], [], [], []
+        for r, (c, old, new) in enumerate(zip(cached, f.old_len, f.new_len, strict=True)):
+            full_old = old // bs * bs
+            if old > 0 and c < full_old:
+                rt.end_forward()
+                raise RuntimeError(
+                    f"OffloadSession: the host store no longer holds blocks of request {r} ({c} of {full_old} "
+                    "cached tokens found); raise the store capacity (layerwise.store.capacity_bytes)"
+                )
+            for p in range(max(c, full_old), old):  # rows of the partial block kept in the tail
+                restore_src.append(r * bs + p - full_old)
+                restore_dst.append(r * M * bs + p)
+            full_new = new // bs * bs
+            for p in range(full_new, new):
+                keep_src.append(r * M * bs + p)
+                keep_dst.append(r * bs + p - full_new)
+        dev = self.spec.device
+        f.cached = cached
+        f.write = f.pos >= torch.tensor(cached, dtype=torch.int64, device=dev)[f.row]
+        if restore_src:
+            f.tail_restore = (torch.tensor(restore_src, device=dev), torch.tensor(restore_dst, device=dev))
+        if keep_src:
+            f.tail_keep = (torch.tensor(keep_src, device=dev), torch.tensor(keep_dst, device=dev))
+
+    def end_forward(self) -> None:
+        """Finish the forward: wait for its layerwise transfers (raising the first failure)."""
+        f = self._fwd
+        if f is None:
+            raise RuntimeError("OffloadSession.end_forward: no forward is running")
+        self._fwd = None
+        try:
+            if f.layerwise and self._rt is not None:
+                self._rt.end_forward()
+        except BaseException:
+            self._broken = True
+            raise
+        self._seen = f.past + f.S
+
+    def abort_forward(self) -> None:
+        """Close a forward that raised; the sequence cannot continue (the next forward must start anew)."""
+        f, self._fwd = self._fwd, None
+        self._broken = True
+        if f is not None and f.layerwise and self._rt is not None:
+            try:
+                self._rt.end_forward()
+            except Exception as exc:  # the forward's own error is the one reported
+                logger.warning("offload session %s: closing a failed forward: %s", self.name, exc)
+
+    def _need(self, fn: str, layer: int) -> _Forward:
+        if self._fwd is None:
+            raise RuntimeError(f"OffloadSession.{fn}: no forward is running; call begin_forward()")
+        self._check_layer(fn, layer)
+        return self._fwd
+
+    # ------------------------------------------------------------------------------- cache write
+    def cache_write(
+        self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, index_k: torch.Tensor | None
+    ) -> None:
+        """Store this forward's new rows of ``layer`` (``kv_c [B,S,Dc]``, ``k_pe [B,S,Dr]``,
+        ``index_k [B,S,Di]`` or None) where the configuration keeps them."""
+        f = self._need("cache_write", layer)
+        spec = self.spec
+        if kv_c.shape != (f.B, f.S, spec.kv_lora_rank) or k_pe.shape != (f.B, f.S, spec.rope_dim):
+            raise ValueError(
+                f"kvoffload::mla_cache_write: 'kv_c' / 'k_pe' must be [{f.B}, {f.S}, {spec.kv_lora_rank}] / "
+                f"[{f.B}, {f.S}, {spec.rope_dim}], got {list(kv_c.shape)} / {list(k_pe.shape)}"
+            )
+        needs_index = spec.has_indexer
+        if needs_index and (index_k is None or index_k.shape != (f.B, f.S, spec.index_head_dim)):
+            raise ValueError(
+                f"kvoffload::mla_cache_write: 'index_k' must be [{f.B}, {f.S}, {spec.index_head_dim}] for "
+                f"{spec.model_class}, got {None if index_k is None else list(index_k.shape)}"
+            )
+        rows_c = kv_c.reshape(-1, spec.kv_lora_rank)[f.sel].to(spec.dtype)
+        rows_pe = k_pe.reshape(-1, spec.rope_dim)[f.sel].to(spec.dtype)
+        rows_i = index_k.reshape(-1, spec.index_head_dim)[f.sel] if needs_index else None
+        if f.layerwise:
+            assert self._rt is not None
+            comps = [c.view(-1, c.shape[-1]) for c in self._rt.layer_caches(layer)]
+            tails = [t.view(-1, t.shape[-1]) for t in self._tails[layer]]
+            news = [rows_c, rows_pe] + ([rows_i.to(spec.dtype)] if self._lw_indexer else [])
+            assert f.write is not None
+            w = f.write
+            for comp, tail, new in zip(comps, tails, news, strict=True):
+                if f.tail_restore is not None:
+                    comp.index_copy_(0, f.tail_restore[1], tail[f.tail_restore[0]])
+                comp.index_copy_(0, f.phys[w], new[w])
+                if f.tail_keep is not None:
+                    tail.index_copy_(0, f.tail_keep[1], comp[f.tail_keep[0]])
+        if self._sparse is not None:
+            ids = [self._request_ids[r] for r in f.row.tolist()]
+            self._sparse.append(layer, ids, f.pos, rows_c, rows_pe)
+            assert rows_i is not None
+            cache = self._index_cache[layer]
+            if self.int8_indexer:
+                q8, sc = hadamard_quant_int8(rows_i)
+                cache[0].view(-1, spec.index_head_dim).index_copy_(0, f.phys, q8)
+                cache[1].view(-1).index_copy_(0, f.phys, sc)
+            else:
+                cache[0].view(-1, spec.index_head_dim).index_copy_(0, f.phys, rows_i.to(cache[0].dtype))
+            if not f.decode and not f.layerwise:
+                f.new_rows[layer] = (rows_c, rows_pe)
+
+    # --------------------------------------------------------------------------------- attention
+    def cache_attention(
+        self,
+        layer: int,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        index_q: torch.Tensor | None,
+        index_weights: torch.Tensor | None,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Absorbed MLA attention of ``layer`` (see ``kvoffload::mla_cache_attention``)."""
+        f = self._need("cache_attention", layer)
+        spec = self.spec
+        B, S, H = f.B, f.S, spec.num_heads
+        if q_nope.shape != (B, S, H, spec.kv_lora_rank) or q_pe.shape != (B, S, H, spec.rope_dim):
+            raise ValueError(
+                f"kvoffload::mla_cache_attention: 'q_nope' / 'q_pe' must be [{B}, {S}, {H}, {spec.kv_lora_rank}] / "
+                f"[{B}, {S}, {H}, {spec.rope_dim}], got {list(q_nope.shape)} / {list(q_pe.shape)}"
+            )
+        if spec.has_indexer and index_q is None:
+            raise ValueError(
+                f"kvoffload::mla_cache_attention: {spec.model_class} needs 'index_q' and 'index_weights'"
+            )
+        qn = q_nope.reshape(B * S, H, -1)[f.sel]
+        qp = q_pe.reshape(B * S, H, -1)[f.sel]
+        iq = iw = None
+        if index_q is not None and index_weights is not None:
+            iq = index_q.reshape(B * S, *index_q.shape[2:])[f.sel]
+            iw = index_weights.reshape(B * S, -1)[f.sel].float()
+        if f.decode:
+            res = self._decode_attention(layer, f, qn, qp, iq, iw, scale)
+        else:
+            kv_c, k_pe, base = self._key_rows(layer, f)
+            if iq is not None:
+                topk = self._select(layer, f, iq, iw)
+                starts = torch.tensor(base, dtype=torch.int64, device=topk.device)
+                req = torch.repeat_interleave(
+                    torch.arange(B, device=topk.device),
+                    f.cu_seqlens_q[1:].long() - f.cu_seqlens_q[:-1].long(),
+                )
+                idx = torch.where(topk >= 0, topk.long() + starts[req][:, None], -1).to(torch.int32)
+                res = sparse_mla_attention(qn, qp, kv_c, k_pe, idx, scale)[0]
+            else:
+                res = self._dense_attention(f, qn, qp, kv_c, k_pe, base, scale)
+        out.zero_()
+        out.view(B * S, H, -1).index_copy_(0, f.sel, res.to(out.dtype))
+
+    def _key_rows(self, layer: int, f: _Forward) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """``(kv_c [N, Dc], k_pe [N, Dr], start of each request's row 0)`` for a multi-token forward."""
+        spec, bs, M = self.spec, self.block_size, self.blocks_per_request
+        if f.layerwise:
+            assert self._rt is not None
+            c, pe = self._rt.layer_caches(layer)[:2]
+            return c.view(-1, spec.kv_lora_rank), pe.view(-1, spec.rope_dim), [r * M * bs for r in range(f.B)]
+        # sparse only: the forward's own rows, after each request's earlier rows read from the host pool
+        assert self._sparse is not None
+        rows_c, rows_pe = f.new_rows[layer]
+        if f.past == 0:
+            starts = [0, *itertools.accumulate(n - o for o, n in zip(f.old_len, f.new_len, strict=True))][:-1]
+            return rows_c, rows_pe, starts
+        self._sparse.sync()
+        pool = self._sparse.pool
+        host_c = pool.kv_c(layer).reshape(-1, spec.kv_lora_rank)
+        host_pe = pool.k_pe(layer).reshape(-1, spec.rope_dim)
+        parts_c, parts_pe, starts, off, pos = [], [], [], 0, 0
+        for r, (old, new) in enumerate(zip(f.old_len, f.new_len, strict=True)):
+            slots = pool.slots(self._request_ids[r], torch.arange(old))
+            parts_c += [host_c[slots].to(spec.device), rows_c[pos : pos + new - old]]
+            parts_pe += [host_pe[slots].to(spec.device), rows_pe[pos : pos + new - old]]
+            self.counters.add("prefill_host_bytes_h2d", old * pool.row_bytes)
+            starts.append(off)
+            off += new
+            pos += new - old
+        return torch.cat(parts_c), torch.cat(parts_pe), starts
+
+    def _index_cache_of(self, layer: int) -> tuple[torch.Tensor, ...]:
+        if self._sparse is not None:
+            return self._index_cache[layer]
+        assert self._rt is not None and self._lw_indexer
+        return (self._rt.layer_caches(layer)[2],)
+
+    def _select(self, layer: int, f: _Forward, iq: torch.Tensor, iw: torch.Tensor) -> torch.Tensor:
+        """Top-k logical positions ``int32 [N, K]`` of a multi-token forward (−1 padded)."""
+        top_k = self._sparse.top_k if self._sparse is not None else self.spec.index_topk
+        cache = self._index_cache_of(layer)
+        args = (f.block_table, f.cu_seqlens_q, f.seq_lens_k)
+        if self.int8_indexer:
+            q8, qs = hadamard_quant_int8(iq)
+            return quant_lightning_indexer(q8, qs, iw, cache[0], cache[1], *args, top_k)
+        return lightning_indexer(iq.to(cache[0].dtype), iw, cache[0], *args, top_k)
+
+    def _decode_attention(self, layer, f, qn, qp, iq, iw, scale) -> torch.Tensor:
+        from torch_kvoffload.sparse.runtime import DecodeRows, IndexerInputs
+
+        sp = self._sparse
+        assert sp is not None and iq is not None and iw is not None
+        cache = self._index_cache[layer]
+        common = dict(q=iq, weights=iw, block_table=f.block_table, cu_seqlens_q=f.cu_seqlens_q,
+                      seq_lens_k=f.seq_lens_k)  # fmt: skip
+        if self.int8_indexer:
+            indexer = IndexerInputs(**common, k_int8_cache=cache[0], k_scale_cache=cache[1])
+        else:
+            common["q"] = iq.to(cache[0].dtype)
+            indexer = IndexerInputs(**common, k_cache=cache[0])
+        ids = torch.tensor(self._request_ids, dtype=torch.int64)
+        rows = DecodeRows(
+            request_ids=ids,
+            stable_len=torch.tensor(f.new_len, dtype=torch.int64),
+            host_block_table=sp.pool.block_table(self._request_ids, max_blocks=self.blocks_per_request),
+        )
+        return sp.attend(layer, qn.contiguous(), qp.contiguous(), scale, indexer, rows).out
+
+    def _dense_attention(self, f, qn, qp, kv_c, k_pe, base, scale) -> torch.Tensor:
+        """Causal absorbed attention over each request's rows ``[base, base + len)`` (fp32 softmax)."""
+        out = torch.empty_like(qn)
+        cu = f.cu_seqlens_q.tolist()
+        for r in range(f.B):
+            old, new = f.old_len[r], f.new_len[r]
+            keys_c = kv_c[base[r] : base[r] + new].float()
+            keys_pe = k_pe[base[r] : base[r] + new].float()
+            kpos = torch.arange(new, device=qn.device)
+            for q0 in range(cu[r], cu[r + 1], _DENSE_CHUNK):
+                q1 = min(q0 + _DENSE_CHUNK, cu[r + 1])
+                qpos = old + torch.arange(q0 - cu[r], q1 - cu[r], device=qn.device)
+                s = torch.einsum("qhc,kc->qhk", qn[q0:q1].float(), keys_c)
+                s = (s + torch.einsum("qhr,kr->qhk", qp[q0:q1].float(), keys_pe)) * scale
+                s = s.masked_fill((kpos[None, :] > qpos[:, None])[:, None, :], -math.inf)
+                out[q0:q1] = torch.einsum("qhk,kc->qhc", torch.softmax(s, dim=-1), keys_c).to(out.dtype)
+        return out
+
+    # ------------------------------------------------------------------------------ observability
+    def device_kv_bytes(self) -> int:
+        """Bytes of KV the session holds on the compute device now (from the allocated tensors): layer
+        buffers and tails, hot buffers, indexer cache."""
+        tensors: list[torch.Tensor] = []
+        if self._rt is not None:
+            for layer in range(self.spec.num_layers):
+                tensors += list(self._rt.layer_caches(layer))
+            for t in self._tails:
+                tensors += list(t)
+        if self._sparse is not None:
+            tensors += [*self._sparse.hot_kv_c, *self._sparse.hot_k_pe]
+            for t in self._index_cache:
+                tensors += list(t)
+        return _nbytes(t for t in tensors if t.device.type == self.spec.device.type)
+
+    def dense_kv_bytes(self) -> int:
+        """What the unmodified model's cache holds for the tokens seen (padding included, as it counts)."""
+        spec = self.spec
+        per_token = spec.kv_lora_rank + spec.rope_dim + spec.index_head_dim
+        return spec.num_layers * len(self._tokens) * self._seen * per_token * spec.dtype.itemsize
+
+    def stats(self) -> dict[str, float]:
+        """Counters and memory figures.
+
+        ``device_kv_bytes``, ``dense_kv_bytes``; ``bytes_h2d`` / ``bytes_d2h`` (everything the session's
+        copies moved: layer loads / saves, sparse misses / appends, chunked-prefill host reads);
+        ``hits`` / ``misses`` / ``evictions`` (sparse residency); ``layer_loads`` / ``layer_saves``
+        (layerwise per-layer transfers), ``store_hits`` / ``store_misses`` (blocks found / not found);
+        ``broadcasts`` (KVPP); ``forwards``, ``prefill_forwards``, ``decode_forwards``.
+        """
+        lw = self._lw_totals.snapshot()
+        if self._rt is not None:
+            snap = self._rt.counters.snapshot()
+            lw = {k: lw[k] + snap.get(k, 0) for k in _LAYERWISE_TOTALS}
+        sp = self._sparse.counters.snapshot() if self._sparse is not None else {}
+        own = self.counters.snapshot()
+        return {
+            "device_kv_bytes": self.device_kv_bytes(),
+            "dense_kv_bytes": self.dense_kv_bytes(),
+            "bytes_h2d": lw["bytes_loaded"] + sp.get("bytes_h2d", 0) + own["prefill_host_bytes_h2d"],
+            "bytes_d2h": lw["bytes_saved"] + sp.get("bytes_d2h", 0),
+            "hits": sp.get("hits", 0),
+            "misses": sp.get("misses", 0),
+            "evictions": sp.get("evictions", 0),
+            "layer_loads": lw["loads"],
+            "layer_saves": lw["saves"],
+            "store_hits": lw["store_hits"],
+            "store_misses": lw["store_misses"],
+            "broadcasts": 0,
+            "forwards": own["forwards"],
+            "prefill_forwards": own["prefill_forwards"],
+            "decode_forwards": own["decode_forwards"],
+        }
+
+    def close(self) -> None:
+        """Stop the runtimes and unregister. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        mla_runtime.runtimes.unregister(self.name)
+        if self.layerwise_runtime is not None:
+            layer_hooks.runtimes.unregister(self.layerwise_runtime)
+        if self._rt is not None:
+            self._retire_layerwise(self._rt)
+            self._rt = None
+        if self._sparse is not None:
+            self._sparse.close()
+        if self._store is not None and hasattr(self._store, "close"):
+            self._store.close()

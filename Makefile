@@ -48,12 +48,16 @@ format: $(INSTALLED)
 test: lint $(BUILT)
 	$(PY) -m pytest -q tests
 
-DEMOS := examples/ops_demo.py examples/layerwise_prefill_demo.py examples/sparse_decode_demo.py examples/kvpp_demo.py
-BENCHES := copy_bench store_bench layerwise_bench layerwise_store_python sparse_ops_bench sparse_decode_bench kvpp_bench
+# The Hugging Face demo first (a tiny DeepseekV32 with layerwise + sparse decode offload), then the others.
+DEMOS := "examples/generate.py --model deepseek_v32 --mode both" \
+	examples/ops_demo.py examples/layerwise_prefill_demo.py examples/sparse_decode_demo.py \
+	examples/kvpp_demo.py examples/disaggregated.py
+BENCHES := copy_bench store_bench layerwise_bench layerwise_store_python sparse_ops_bench sparse_decode_bench kvpp_bench \
+	hf_generate_bench pd_bench triton_compile_check device_bench
 
 demo: $(BUILT)
 	@for demo in $(DEMOS); do \
-		if [ -f $$demo ]; then echo "== $$demo"; $(PY) $$demo || exit 1; fi; \
+		echo "== $$demo"; $(PY) $$demo || exit 1; \
 	done
 
 bench: $(BUILT)

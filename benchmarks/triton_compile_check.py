@@ -180,7 +180,10 @@ def launched_kernels() -> set[str]:
         source = inspect.getsource(module)
         for name, value in vars(module).items():
             if isinstance(value, triton.runtime.jit.KernelInterface) and re.search(rf"\b{name}\[", source):
-                found.add(f"{family}.{name}")
+                # named by the module that defines it: a kernel another family imports is the same kernel
+                fn = getattr(value, "fn", None)
+                home = getattr(fn, "__module__", module.__name__).rsplit(".", 1)[-1]
+                found.add(f"{home}.{getattr(fn, '__name__', name)}")
     return found
 
 

@@ -78,10 +78,20 @@ class ResidencyTable:
                 f"{list(rows.shape)} on {rows.device}"
             )
 
-    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Scratch copies ``(slot_to_token [T, C], lru_order [T, C], row_request [T])`` of ``rows``."""
+    def gather(
+        self, rows: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Scratch copies ``(slot_to_token [T, C], lru_order [T, C], row_request [T])`` of ``rows``.
+
+        ``out``: preallocated contiguous scratch of those shapes and dtypes, written and returned (a step
+        that must not allocate, e.g. one captured in a CUDA graph).
+        """
         self._check_rows("gather", rows)
-        return tuple(t.index_select(0, rows) for t in self.state)  # type: ignore[return-value]
+        if out is None:
+            return tuple(t.index_select(0, rows) for t in self.state)  # type: ignore[return-value]
+        for src, dst in zip(self.state, out, strict=True):
+            torch.index_select(src, 0, rows, out=dst)
+        return out
 
     def commit(self, rows: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
         """Write the (updated) scratch ``state`` of :meth:`gather` back to ``rows`` (distinct)."""

@@ -27,7 +27,7 @@ from torch_kvoffload.ops._registry import reference_kernel
 from torch_kvoffload.ops.copy import validate_copy_blocks, validate_copy_rows
 from torch_kvoffload.ops.triton import device_guard, require_launchable
 
-__all__ = ["KERNELS", "triton_copy_blocks", "triton_copy_rows"]
+__all__ = ["KERNELS", "launch_copy_rows", "triton_copy_blocks", "triton_copy_rows"]
 
 #: Inner (per-unit) dims the kernel walks; layouts that do not coalesce to this many use the reference.
 MAX_INNER_DIMS = 4
@@ -244,6 +244,22 @@ def triton_copy_rows(
     if src_slots.shape[0] == 0 or src[0, 0].numel() == 0:
         return
     src = _checks.unaliased_source(src, dst)
+    if not _launch("copy_rows", src, dst, src_slots, dst_slots, src.shape[1], dst.shape[1], lead=2):
+        reference_kernel("copy_rows")(src, dst, src_slots, dst_slots)
+
+
+def launch_copy_rows(
+    src: torch.Tensor, dst: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor
+) -> None:
+    """``copy_rows`` without the value checks, for callers that built valid slots themselves.
+
+    Same contract as :func:`triton_copy_rows`, but the slots are not read back (no host
+    synchronisation): ``src_slots`` / ``dst_slots`` must be in range, distinct in ``dst`` and on the kernel's
+    device, and ``src`` must not overlap ``dst``. Layouts the kernel does not walk go through the op's
+    reference kernel (which synchronises).
+    """
+    if src_slots.shape[0] == 0 or src[0, 0].numel() == 0:
+        return
     if not _launch("copy_rows", src, dst, src_slots, dst_slots, src.shape[1], dst.shape[1], lead=2):
         reference_kernel("copy_rows")(src, dst, src_slots, dst_slots)
 

@@ -13,7 +13,9 @@ victims; only the residents' indexer scores are gathered from global memory.
 
 Validation runs before the launch: the structural checks of the op, then
 :func:`torch_kvoffload.ops.residency.check_residency_values` (vectorised on the device; one host
-synchronisation), so the kernel can assume valid input and bad input leaves every tensor untouched.
+synchronisation), so the kernel can assume valid input and bad input leaves every tensor untouched. The ``launch_*``
+entry points skip the value checks (no host synchronisation) for callers whose input is valid by
+construction, such as the sparse decode runtime's device step.
 """
 
 from __future__ import annotations
@@ -25,9 +27,24 @@ import triton.language as tl
 from torch_kvoffload.ops import _checks
 from torch_kvoffload.ops import residency as _res
 from torch_kvoffload.ops.triton import device_guard, require_launchable, triton_kernel
-from torch_kvoffload.ops.triton.indexer import lightning_indexer_scores_topk
+from torch_kvoffload.ops.triton.indexer import (
+    _hadamard_kernel,
+    _launch_scores,
+    _launch_topk,
+    _requests,
+    lightning_indexer_scores_topk,
+)
 
-__all__ = ["KERNELS", "MAX_CAPACITY", "launch_residency_rows", "lightning_indexer_manage", "residency_update"]
+__all__ = [
+    "KERNELS",
+    "MAX_CAPACITY",
+    "launch_hadamard_quant_int8",
+    "launch_indexer_manage",
+    "launch_indexer_topk",
+    "launch_residency_rows",
+    "lightning_indexer_manage",
+    "residency_update",
+]
 
 _SLOT_SHIFT = tl.constexpr(4294967296)  # 2**32: (token, slot) keys pack the slot in the low 32 bits
 #: Largest capacity ``C``: the score policy's victim keys pack the LRU position in 28 bits.
@@ -212,6 +229,76 @@ def launch_residency_rows(
             USE_SCORE=use_score, BC=bc, LOG_BC=bc.bit_length() - 1, BK=bk, LOG_BK=bk.bit_length() - 1,
             num_warps=4 if bc <= 1024 else 8,
         )  # fmt: skip
+
+
+def launch_indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    topk: torch.Tensor,
+    *,
+    q_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The lightning indexer's top-k of validated input written into ``topk int32 [T, K]`` (unit last stride).
+
+    The floating path (``q [T, H, D]``, ``k_cache [num_blocks, block_size, D]``), or the int8 path with
+    ``q_scale fp32 [T, H]`` and ``k_scale fp32 [num_blocks, block_size]`` (``q`` / ``k_cache`` int8).
+    Returns the fp32 ``[T, max_blocks * block_size]`` scores the top-k was taken from (held whole: meant
+    for decode-sized ``T``). Nothing is read back to the host; the request description must be valid
+    (the checked ops verify it with a host synchronisation).
+    """
+    T, K = topk.shape
+    width = block_table.shape[1] * k_cache.shape[1]
+    scores = torch.empty((T, width), dtype=torch.float32, device=q.device)
+    k = min(K, width)
+    if k < K:
+        topk[:, k:].fill_(-1)
+    if T == 0 or k == 0:
+        scores.fill_(float("-inf"))
+        return scores
+    req, visible = _requests(cu_seqlens_q, seq_lens_k, T, q.device)
+    table = block_table.to(q.device)
+    _launch_scores(q, weights, q_scale, k_cache, k_scale, table, req, visible, scores)
+    _launch_topk(scores, visible, topk, k)
+    return scores
+
+
+def launch_hadamard_quant_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, norm: float) -> None:
+    """``hadamard_quant_int8`` of ``x [..., D]`` (``D`` a power of two) into int8 ``q [..., D]`` and fp32
+    ``scale [...]`` (contiguous), without the finiteness check (a host synchronisation). ``norm`` is
+    :func:`torch_kvoffload.ops.indexer.hadamard_norm` of ``D``, computed once by the caller."""
+    dim = x.shape[-1]
+    rows = x.reshape(-1, dim)
+    if rows.shape[0] == 0:
+        return
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    with device_guard(x.device):
+        _hadamard_kernel[(rows.shape[0],)](
+            rows, q, scale, rows.stride(0), dim, norm, D=dim, LOG_D=dim.bit_length() - 1
+        )
+
+
+def launch_indexer_manage(
+    q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k,
+    slot_to_token, lru_order, row_request, request_ids, stable_len, policy,
+    topk, slots, miss_tokens, miss_slots, miss_count, evictions,
+    *, q_scale=None, k_scale=None,
+) -> None:  # fmt: skip
+    """``lightning_indexer_manage`` of validated input without its checks: the indexer's top-k written
+    into ``topk``, then the residency kernel over it (``policy="score"`` reads the same scores). With
+    ``q_scale`` / ``k_scale`` the int8 indexer (``quant_lightning_indexer``) selects instead."""
+    scores = launch_indexer_topk(
+        q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k, topk, q_scale=q_scale, k_scale=k_scale
+    )
+    launch_residency_rows(
+        slot_to_token, lru_order, row_request, topk, request_ids, stable_len,
+        scores if policy == "score" else None, policy, slots, miss_tokens, miss_slots, miss_count, evictions,
+    )  # fmt: skip
 
 
 def residency_update(

@@ -18,6 +18,8 @@ bus); a pool in pageable memory goes through ``kvoffload::copy_rows`` instead.
 
 Validation runs before any launch with the op's own checks (structure, then the vectorised miss-list and
 index checks of ``torch_kvoffload.ops.sparse_attention``), so bad input leaves every tensor untouched.
+The ``launch_*`` entry points skip those checks (they read the indices back, a host synchronisation):
+they are for a caller that built the indices itself, such as the sparse decode runtime's device step.
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ from torch_kvoffload.ops import _checks
 from torch_kvoffload.ops import sparse_attention as _sa
 from torch_kvoffload.ops.triton import device_guard, interpreting, require_launchable
 
-__all__ = ["KERNELS", "scatter_copy_sparse_mla_attention", "sparse_mla_attention"]
+__all__ = [
+    "KERNELS",
+    "launch_scatter_copy_sparse_mla_attention",
+    "launch_sparse_mla_attention",
+    "scatter_copy_sparse_mla_attention",
+    "sparse_mla_attention",
+]
 
 
 @triton.jit
@@ -265,6 +273,14 @@ def sparse_mla_attention(q_nope, q_pe, kv_c, k_pe, indices, scale):
     return out, lse
 
 
+def launch_sparse_mla_attention(q_nope, q_pe, kv_c, k_pe, indices, scale, out, lse) -> None:
+    """Sparse MLA attention of validated input into ``out [T, H, Dc]`` / ``lse fp32 [T, H]`` (no checks).
+
+    ``indices int32 [T, K]`` must lie in ``[-1, kv_c.shape[0])``; nothing is read back to the host.
+    """
+    _attend(q_nope, q_pe, kv_c, 0, k_pe, 0, indices, scale, out, lse)
+
+
 def _launch_miss_copy(
     host_kv_c, host_k_pe, block_table, hot_kv_c, hot_k_pe, miss_tokens, miss_slots, miss_count
 ):
@@ -329,6 +345,31 @@ def scatter_copy_sparse_mla_attention(
         if src.numel():
             torch.ops.kvoffload.copy_rows(host_kv_c, hot_kv_c, src, dst)
             torch.ops.kvoffload.copy_rows(host_k_pe, hot_k_pe, src, dst)
+    _attend(q_nope, q_pe, hot_kv_c, hot_kv_c.stride(0), hot_k_pe, hot_k_pe.stride(0), slots, scale, out, lse)
+
+
+def launch_scatter_copy_sparse_mla_attention(
+    q_nope, q_pe, host_kv_c, host_k_pe, block_table, hot_kv_c, hot_k_pe, miss_tokens, miss_slots, miss_count,
+    slots, scale, out, lse,
+) -> None:  # fmt: skip
+    """Copy-SFA of validated, unaliased input (the op's contract, none of its checks or snapshots).
+
+    For a caller that built the miss lists and slots itself (a residency kernel's outputs): nothing is
+    read back to the host when the host pool is readable in place (pinned memory on CUDA, or CPU tensors
+    under the interpreter). ``hot_kv_c [T, C, Dc]`` / ``hot_k_pe [T, C, Dr]`` may be any strided view,
+    e.g. one flat buffer expanded over the rows (row stride 0) with ``miss_slots`` and ``slots`` already
+    offset into it. A pool the kernel cannot read in place (pageable memory) is a ``RuntimeError``.
+    """
+    device = hot_kv_c.device
+    if not (_device_readable(host_kv_c, device) and _device_readable(host_k_pe, device)):
+        raise RuntimeError(
+            "kvoffload::scatter_copy_sparse_mla_attention (unchecked launch): the host pool must be readable "
+            f"in place from {device} (pinned memory on CUDA), got {host_kv_c.device} tensors "
+            f"(pinned: {host_kv_c.is_pinned()}); use the op itself for a pageable pool"
+        )
+    _launch_miss_copy(
+        host_kv_c, host_k_pe, block_table, hot_kv_c, hot_k_pe, miss_tokens, miss_slots, miss_count
+    )
     _attend(q_nope, q_pe, hot_kv_c, hot_kv_c.stride(0), hot_k_pe, hot_k_pe.stride(0), slots, scale, out, lse)
 
 

@@ -255,8 +255,9 @@ class DenseReference:
     indexer, only the ``top_k`` keys of ``Σ_h w[t,h] · relu(index_q[t,h] · index_k[s])`` are kept.
     """
 
-    def __init__(self, top_k: int | None) -> None:
+    def __init__(self, top_k: int | None, caches: list[torch.Tensor]) -> None:
         self.top_k = top_k
+        self.caches = caches  # what the graph is given as every layer's cache inputs
         self.rows: dict[int, list[torch.Tensor | None]] = {}
         self.calls: list[tuple[str, int]] = []
         self.hook_calls: list[tuple[str, int]] = []
@@ -268,6 +269,9 @@ class DenseReference:
         if old is not None:
             new = [None if o is None else torch.cat([o, n], dim=1) for o, n in zip(old, new, strict=True)]
         self.rows[layer] = new
+
+    def layer_caches(self, layer):
+        return self.caches
 
     def cache_attention(self, layer, q_nope, q_pe, index_q, index_weights, scale, out):
         self.calls.append(("attention", layer))
@@ -307,10 +311,10 @@ def test_rewritten_graphs_match_the_model(captured):
     logits when the runtime ops are served by a dense reference."""
     _, _, model, graphs = captured
     name = f"passes-ref-{next(_names)}"
-    ref = DenseReference(getattr(model.config, "index_topk", None))
+    caches = [torch.zeros(1) for _ in range(2)]
+    ref = DenseReference(getattr(model.config, "index_topk", None), caches)
     mla_runtime.runtimes.register(name, ref)
     layer_hooks.runtimes.register(name + "/lw", ref)
-    caches = [torch.zeros(1) for _ in range(2)]
     ctx = PassContext(
         runtime=name, num_caches=lambda layer: 2, layerwise_runtime=name + "/lw", num_layers=LAYERS
     )

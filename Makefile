@@ -48,8 +48,9 @@ format: $(INSTALLED)
 test: lint $(BUILT)
 	$(PY) -m pytest -q tests
 
-# The Hugging Face demo first (a tiny DeepseekV32 with layerwise + sparse decode offload), then the others.
-DEMOS := "examples/generate.py --model deepseek_v32 --mode both" \
+# The Hugging Face demos first (a tiny DeepseekV32 with layerwise + sparse decode offload; a 2-rank KVPP run
+# of a tiny DeepseekV3), then the others.
+DEMOS := "examples/generate.py --model deepseek_v32 --mode both" "examples/generate.py --model deepseek_v3 --mode kvpp" \
 	examples/ops_demo.py examples/layerwise_prefill_demo.py examples/sparse_decode_demo.py \
 	examples/kvpp_demo.py examples/disaggregated.py
 BENCHES := copy_bench store_bench layerwise_bench layerwise_store_python sparse_ops_bench sparse_decode_bench kvpp_bench \

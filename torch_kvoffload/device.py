@@ -188,6 +188,14 @@ class TransferEvent:
         return ev
 
     @classmethod
+    def issued(cls, device_event: Any) -> TransferEvent:
+        """Work already enqueued on a device stream, ``device_event`` recorded after it: done on the host,
+        ``wait_on_compute`` makes the compute stream wait on the device event."""
+        ev = cls(device_event=device_event)
+        ev._set_done()
+        return ev
+
+    @classmethod
     def failed(cls, error: BaseException) -> TransferEvent:
         ev = cls()
         ev._set_error(error)
@@ -271,9 +279,7 @@ def record_compute_event() -> TransferEvent:
         return TransferEvent.completed()
     ev = torch.Event(default_device())
     ev.record(torch.accelerator.current_stream())
-    out = TransferEvent(device_event=ev)
-    out._set_done()
-    return out
+    return TransferEvent.issued(ev)
 
 
 # ------------------------------------------------------------------------------------------- streams

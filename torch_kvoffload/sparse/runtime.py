@@ -475,8 +475,7 @@ class SparseDecodeOffload:
             raise
         finally:
             torch.accelerator.set_stream(compute)
-        event = kv_device.TransferEvent(device_event=done)
-        event._set_done()  # issued; the device event orders the rest
+        event = kv_device.TransferEvent.issued(done)
         # the compute stream's allocator may reuse the sources once compute waited on ``event``
         self._append_keep[layer].extend((kv_src, pe_src, dst_dev, src_dev))
         self._finish_append_later(layer, seq, n, event)

@@ -1,12 +1,16 @@
 """Disaggregated prefill -> decode on one host: two processes, the KV of every layer moving as it is written.
 
-The prefill process runs a layerwise-offload forward (shared layer buffers exported through the chosen
-transport, host save to a store) and publishes each layer; the decode process pulls it into its host KV
-pool (main KV) and its indexer cache, then greedily decodes a few tokens with a small fixed readout over
-that KV (latent attention of a fixed query per layer, then a projection to a vocabulary). The same
-readout over the KV prefill computed (the colocated run) must give the same tokens.
+With ``transformers`` installed the two processes serve a tiny random DeepseekV32 (DSA) model through the
+Hugging Face path: prefill runs the prompt with layerwise offload (``OffloadConfig(layerwise=...,
+pd=PDConfig(role="prefill"))``; its shared layer buffers are exported through the transport) and publishes
+each layer as it is written; decode (``OffloadConfig(sparse=..., pd=PDConfig(role="decode"))``) pulls it
+into its sparse host KV pool (main KV) and indexer cache, then continues greedy generation from prefill's
+first token with sparse decode offload. The tokens must equal a colocated ``generate`` of the unmodified
+model. Without ``transformers`` (or with ``--synthetic``) prefill writes deterministic KV into the layer
+buffers and decode runs a small fixed readout over what it received (latent attention of a fixed query
+per layer, then a projection to a vocabulary), compared with the same readout over the KV prefill wrote.
 
-    python examples/disaggregated.py [--transport shm|mooncake] [--tokens 2048] [--layers 8]
+    python examples/disaggregated.py [--transport shm|mooncake] [--tokens 512] [--layers 8] [--synthetic]
                                      [--fault none|kill-decode|drop-ack|bad-metadata]
 
 With a fault the run ends with the error each side reports, in bounded time: ``kill-decode`` (decode
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import multiprocessing as mp
 import os
 import tempfile
@@ -74,6 +79,115 @@ def _config(role: str, a: dict):
 
     return PDConfig(role=role, transport=a["transport"], kv_port=a["port"], rendezvous=a["rdv"],
                     layer_ack_timeout_s=2.0)  # fmt: skip
+
+
+NEW_TOKENS = 8
+
+
+def tiny_model(layers: int, seed: int = 0):
+    """A seeded random DeepseekV32 causal LM (fp32, CPU): the same weights in every process."""
+    from transformers import AutoModelForCausalLM, DeepseekV32Config
+
+    cfg = DeepseekV32Config(
+        vocab_size=1000, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+        kv_lora_rank=64, q_lora_rank=96, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+        max_position_embeddings=4096, index_topk=32, index_head_dim=32, index_n_heads=32,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+
+
+def prompt(tokens: int) -> torch.Tensor:
+    return torch.randint(3, 1000, (1, tokens), generator=torch.Generator().manual_seed(1))
+
+
+def _hf_pd(role: str, a: dict) -> dict:
+    return dict(
+        role=role, transport=a["transport"], kv_port=a["port"], rendezvous=a["rdv"], layer_ack_timeout_s=2.0
+    )
+
+
+def hf_decode(a: dict, tickets_q, result_q, stop) -> None:
+    import torch_kvoffload
+    from torch_kvoffload import OffloadConfig
+    from torch_kvoffload.integrations.hf.pd import decode_role
+    from torch_kvoffload.pd import PDTransferError
+    from torch_kvoffload.pd.messages import ReadDone
+
+    model = torch_kvoffload.offload(
+        tiny_model(a["layers"]), OffloadConfig(sparse={}, block_size=BS, pd=_hf_pd("decode", a))
+    )
+    role = decode_role(model)
+    ids = prompt(a["tokens"])
+    role.reserve(1, a["tokens"] + NEW_TOKENS)
+    reply = role.receiver._reply
+
+    def faulty_reply(peer, msg):
+        if isinstance(msg, ReadDone) and msg.layer == 2:
+            if a["fault"] == "kill-decode":
+                print(f"[decode] exiting after reading layer 2 (at {time.strftime('%X')})", flush=True)
+                os._exit(1)
+            if a["fault"] == "drop-ack":
+                return
+        reply(peer, msg)
+
+    role.receiver._reply = faulty_reply
+    tickets = role.expect(ids, max_tokens=a["tokens"] + NEW_TOKENS)
+    tickets_q.put([t.to_dict() for t in tickets])
+    try:
+        cache = role.wait(timeout=60)
+        first = a["first_q"].get(timeout=60)  # prefill's first token, handed over with the request
+        if first is None:
+            raise PDTransferError("prefill failed after decode received the KV; nothing to continue")
+        full = torch.cat([ids, first.view(1, 1)], dim=1)
+        out = model.generate(input_ids=full, cache=cache, max_new_tokens=NEW_TOKENS - 1, do_sample=False)
+        result_q.put(
+            {"tokens": out[0, a["tokens"] :].tolist(), "counters": role.receiver.counters.snapshot()}
+        )
+    except PDTransferError as exc:
+        result_q.put({"error": str(exc), "state": role.receiver.state(tickets[0].request_id)})
+    stop.wait(30)
+    torch_kvoffload.integrations.hf.install.detach(model)
+
+
+def hf_prefill(a: dict, tickets_q, result_q) -> None:
+    import torch_kvoffload
+    from torch_kvoffload import OffloadConfig
+    from torch_kvoffload.integrations.hf import session_of
+    from torch_kvoffload.integrations.hf.pd import prefill_role
+    from torch_kvoffload.pd import TransferTicket
+
+    cfg = OffloadConfig(layerwise={"num_shared_buffers": 2}, block_size=BS, pd=_hf_pd("prefill", a))
+    model = torch_kvoffload.offload(tiny_model(a["layers"]), cfg)
+    role = prefill_role(model)
+    ids = prompt(a["tokens"])
+    session_of(model).reserve(
+        1, a["tokens"] + 1
+    )  # what generate(max_new_tokens=1) needs: buffers + sender now
+    ready = role.sender._layer_ready
+    if a["fault"] == "bad-metadata":
+        role.sender._layer_ready = lambda msg: (
+            dataclasses.replace(msg, main_block_bytes=[msg.main_block_bytes[0] // 2, *msg.main_block_bytes[1:]])
+            if msg.layer == 2 else ready(msg)
+        )  # fmt: skip
+    role.submit([TransferTicket.from_dict(d) for d in tickets_q.get(timeout=60)])
+    out: dict = {}
+    start = time.perf_counter()
+    try:
+        first = model.generate(input_ids=ids, max_new_tokens=1, do_sample=False)[0, -1]
+        role.wait(timeout=30)
+        a["first_q"].put(first)
+        out["first"] = int(first)
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        a["first_q"].put(None)
+    out["seconds"] = time.perf_counter() - start
+    out["layers"] = sorted(role.sender.layer_log, key=lambda e: e["layer"]) if role.sender else []
+    result_q.put(out)
+    torch_kvoffload.integrations.hf.install.detach(model)
 
 
 def decode(a: dict, tickets_q, result_q, stop) -> None:
@@ -173,17 +287,19 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--transport", default="shm", choices=["shm", "mooncake"])
-    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--fault", default="none", choices=["none", "kill-decode", "drop-ack", "bad-metadata"])
+    ap.add_argument("--synthetic", action="store_true", help="fixed readout instead of the tiny HF model")
     args = ap.parse_args()
+    hf = not args.synthetic and importlib.util.find_spec("transformers") is not None
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as rdv:
         a = dict(transport=args.transport, port=free_port(), rdv=rdv, tokens=args.tokens, layers=args.layers,
-                 fault=args.fault)  # fmt: skip
+                 fault=args.fault, first_q=ctx.Queue())  # fmt: skip
         tickets_q, pre_q, dec_q, stop = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
-        dec = ctx.Process(target=decode, args=(a, tickets_q, dec_q, stop), daemon=True)
-        pre = ctx.Process(target=prefill, args=(a, tickets_q, pre_q), daemon=True)
+        dec = ctx.Process(target=hf_decode if hf else decode, args=(a, tickets_q, dec_q, stop), daemon=True)
+        pre = ctx.Process(target=hf_prefill if hf else prefill, args=(a, tickets_q, pre_q), daemon=True)
         dec.start()
         pre.start()
         p_out = pre_q.get(timeout=120)
@@ -194,8 +310,10 @@ def main() -> None:
         stop.set()
         for proc in (pre, dec):
             proc.join(10)
+    what = "tiny DeepseekV32" if hf else "synthetic KV"
     print(
-        f"prefill -> decode over {args.transport}, {args.tokens} tokens, {args.layers} layers, fault={args.fault}"
+        f"prefill -> decode over {args.transport} ({what}), {args.tokens} tokens, {args.layers} layers, "
+        f"fault={args.fault}"
     )
     for e in p_out["layers"]:
         print(f"  layer {e['layer']}: {e['bytes'] / 2**20:6.2f} MiB in {e['seconds'] * 1e3:7.2f} ms "
@@ -206,10 +324,16 @@ def main() -> None:
     if "error" in d_out:
         print(f"decode error: {d_out['error']}")
         return
-    nb = -(-args.tokens // BS)
-    colocated = readout(
-        [(layer_kv(layer, 0, nb), layer_kv(layer, 1, nb)) for layer in range(args.layers)], args.tokens
-    )
+    if hf:
+        ref = tiny_model(args.layers)
+        ids = prompt(args.tokens)
+        colocated = ref.generate(input_ids=ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, args.tokens :]
+        colocated = colocated.tolist()
+    else:
+        nb = -(-args.tokens // BS)
+        colocated = readout(
+            [(layer_kv(layer, 0, nb), layer_kv(layer, 1, nb)) for layer in range(args.layers)], args.tokens
+        )
     print(f"decode tokens    : {d_out['tokens']}")
     print(f"colocated tokens : {colocated}")
     print(f"equal: {d_out['tokens'] == colocated}")

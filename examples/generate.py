@@ -8,12 +8,18 @@ the unmodified model, then with ``torch_kvoffload.offload`` (``--eager``, the de
 unmodified model's cache, bytes moved each way, the sparse hit rate, and whether the tokens are equal.
 
 Modes: ``none`` (unmodified model only), ``layerwise``, ``sparse`` (DeepseekV32 only), ``both``,
-``kvpp`` (not available on the Hugging Face path yet: the script says so and exits).
+``kvpp``: ``--ranks`` processes (default 2, spawned, gloo on 127.0.0.1) each run the same model replica
+with KVPP (each rank stores only the layers it owns; the owner broadcasts a layer just before it runs)
+and the table gets a row per rank with its broadcasts, bytes broadcast and the KV bytes it stores.
+
+    python examples/generate.py --model deepseek_v3 --mode kvpp
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
 import sys
 import time
 
@@ -81,21 +87,23 @@ def prompts(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
 class _Progress:
     """A logits processor that only advances a tqdm bar (one step per generated token)."""
 
-    def __init__(self, total: int, desc: str) -> None:
+    def __init__(self, total: int, desc: str, disable: bool = False) -> None:
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, desc=desc, unit="tok", leave=False)
+        self.bar = tqdm(total=total, desc=desc, unit="tok", leave=False, disable=disable)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self.bar.update(1)
         return scores
 
 
-def run(model: torch.nn.Module, ids, mask, args, desc: str) -> tuple[torch.Tensor, float]:
+def run(
+    model: torch.nn.Module, ids, mask, args, desc: str, quiet: bool = False
+) -> tuple[torch.Tensor, float]:
     """Greedy tokens and decode tokens/s (prefill excluded: timed from the second step on)."""
     from transformers import LogitsProcessorList
 
-    progress = _Progress(args.new_tokens, desc)
+    progress = _Progress(args.new_tokens, desc, disable=quiet)
     stamps: list[float] = []
 
     def stamp(input_ids, scores):
@@ -114,6 +122,79 @@ def run(model: torch.nn.Module, ids, mask, args, desc: str) -> tuple[torch.Tenso
     steps = len(stamps) - 1
     rate = steps * ids.shape[0] / (stamps[-1] - stamps[0]) if steps > 0 else float("nan")
     return out, rate
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    for r in (header, *rows):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+
+
+def _kvpp_rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    """One KVPP rank: the unmodified model, then the same replica with KVPP; rank 0 prints the table."""
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        quiet = rank != 0
+        ids, mask = prompts(args)
+        want, base_rate = run(build(args), ids, mask, args, "unmodified", quiet=quiet)
+        model = build(args)
+        cfg = {"kvpp": {}, "block_size": args.block_size}
+        model = torch_kvoffload.compile(model, cfg) if args.compile else torch_kvoffload.offload(model, cfg)
+        got, rate = run(model, ids, mask, args, "kvpp", quiet=quiet)
+        s = torch_kvoffload.stats(model)
+        mine = (rank, rate, s, bool(torch.equal(got, want)))
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mine)
+        if rank == 0:
+            kind = "compile" if args.compile else "eager"
+            rows = [("unmodified", f"{base_rate:.1f}", "-", "-", "-", "-", "-", "-")]
+            for r, rate_r, st, equal in everyone:
+                rows.append(
+                    (
+                        f"kvpp rank {r} ({kind})",
+                        f"{rate_r:.1f}",
+                        str(int(st["kvpp_owned_layers"])),
+                        f"{int(st['kvpp_persistent_bytes']):,}",
+                        f"{int(st['kvpp_scratch_bytes']):,}",
+                        f"{int(st['device_kv_bytes']):,} / {int(st['dense_kv_bytes']):,}",
+                        f"{int(st['broadcasts'])} / {int(st['bytes_broadcast']):,}",
+                        str(equal),
+                    )
+                )
+            header = (
+                "run",
+                "decode tok/s",
+                "owned layers",
+                "owned KV B",
+                "scratch KV B",
+                "device KV B (ours / dense)",
+                "broadcasts / bytes",
+                "tokens equal",
+            )
+            _table(header, rows)
+        from torch_kvoffload.integrations.hf import session_of
+
+        session_of(model).close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_kvpp(args: argparse.Namespace) -> int:
+    import torch.multiprocessing as mp
+
+    from torch_kvoffload._utils import free_port
+
+    if args.ranks < 2:
+        print("--mode kvpp needs --ranks >= 2")
+        return 2
+    mp.start_processes(
+        _kvpp_rank, args=(args.ranks, free_port(), args), nprocs=args.ranks, join=True, start_method="spawn"
+    )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,14 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=1000)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ranks", type=int, default=2, help="--mode kvpp: processes in the KVPP group")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--compile", action="store_true", help="torch_kvoffload.compile (Dynamo + passes)")
     g.add_argument("--eager", action="store_true", help="torch_kvoffload.offload (default)")
     args = p.parse_args(argv)
 
     if args.mode == "kvpp":
-        print("KVPP is not available on the Hugging Face path yet (see docs/huggingface.md, Limits).")
-        return 2
+        return _run_kvpp(args)
     if args.mode in ("sparse", "both") and args.model != "deepseek_v32":
         print(f"--mode {args.mode} needs a model with a lightning indexer (--model deepseek_v32)")
         return 2
@@ -189,9 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "hit rate",
         "tokens equal",
     )
-    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-    for r in (header, *rows):
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+    _table(header, rows)
     return 0
 
 

@@ -21,6 +21,7 @@ from pydantic import Field, field_validator, model_validator
 from torch_kvoffload.config import ConfigModel
 from torch_kvoffload.kvpp.config import KVPPConfig
 from torch_kvoffload.layerwise.config import LayerwiseConfig
+from torch_kvoffload.pd.config import PDConfig
 from torch_kvoffload.sparse.config import SparseDecodeConfig
 
 if TYPE_CHECKING:
@@ -41,7 +42,15 @@ class OffloadConfig(ConfigModel):
     ``sparse``: the fields of :class:`~torch_kvoffload.sparse.config.SparseDecodeConfig` to set (a
     ``SparseDecodeConfig`` or a dict; ``top_k`` defaults to the model's ``index_topk``,
     ``host_pool_blocks`` to what the generation needs, ``kv_dtype`` to the model's dtype).
-    ``kvpp``: :class:`~torch_kvoffload.kvpp.KVPPConfig`.
+    ``kvpp``: :class:`~torch_kvoffload.kvpp.KVPPConfig` (or a dict); given, it is on unless it sets
+    ``enable_kvpp=False``. Fields it leaves unset are resolved by :meth:`kvpp_config` when the session is
+    built: ``tp_size`` from the world size of the default process group, ``attention`` from the model
+    (``"sfa"`` with a lightning indexer, else ``"mla"``). KVPP cannot be combined with ``layerwise`` or
+    ``sparse``.
+    ``pd``: :class:`~torch_kvoffload.pd.PDConfig`, the session's role in a disaggregated deployment
+    (:mod:`torch_kvoffload.integrations.hf.pd`): ``role="prefill"`` needs ``layerwise`` (its layer
+    buffers are exported to the decode peer), ``role="decode"`` needs ``sparse`` (the KV arrives in the
+    sparse host pool and indexer cache) and excludes KVPP.
     ``block_size``: tokens per block of every cache the session pages (layer buffers, store records, host
     pool, indexer cache); default ``sparse.block_size`` if given, else 128.
     """
@@ -49,6 +58,7 @@ class OffloadConfig(ConfigModel):
     layerwise: LayerwiseConfig | None = None
     sparse: dict[str, Any] | None = None
     kvpp: KVPPConfig | None = None
+    pd: PDConfig | None = None
     block_size: int | None = Field(default=None, ge=1)
 
     @field_validator("sparse", mode="before")
@@ -79,7 +89,26 @@ class OffloadConfig(ConfigModel):
                 f"OffloadConfig: block_size {self.block_size} and sparse.block_size {sparse_bs} differ; "
                 "every cache of a session is paged in the same blocks"
             )
-        if self.layerwise is None and self.sparse is None and self.kvpp is None:
+        if self.pd is not None:
+            if self.pd.role == "decode" and self.kvpp is not None and self.kvpp.active:
+                raise ValueError(
+                    "OffloadConfig: pd.role='decode' with KVPP on; a decode-only node cannot run KVPP"
+                )
+            if self.pd.role == "prefill" and self.layerwise is None:
+                raise ValueError(
+                    "OffloadConfig: pd.role='prefill' needs layerwise offload (its layer buffers are sent)"
+                )
+            if self.pd.role == "decode" and self.sparse is None:
+                raise ValueError(
+                    "OffloadConfig: pd.role='decode' needs sparse decode offload (the KV lands in its host pool)"
+                )
+        if self.kvpp_requested and (self.layerwise is not None or self.sparse is not None):
+            both = [n for n in ("layerwise", "sparse") if getattr(self, n) is not None]
+            raise ValueError(
+                f"OffloadConfig: kvpp cannot be combined with {' and '.join(both)} offload; KVPP keeps each "
+                "rank's owned layers in a persistent device pool (use kvpp alone, or kvpp={'enable_kvpp': False})"
+            )
+        if self.layerwise is None and self.sparse is None and not self.kvpp_requested:
             raise ValueError(
                 "OffloadConfig: nothing is enabled; set layerwise, sparse and/or kvpp (use {} for the defaults) "
                 "or pass config=None for the model's default"
@@ -90,6 +119,51 @@ class OffloadConfig(ConfigModel):
     def default(cls, has_indexer: bool) -> OffloadConfig:
         """Layerwise offload, plus sparse decode offload for a model with a lightning indexer."""
         return cls(layerwise=LayerwiseConfig(), sparse={} if has_indexer else None)
+
+    @property
+    def kvpp_requested(self) -> bool:
+        """Whether KVPP is asked for: ``kvpp`` given and not explicitly ``enable_kvpp=False``."""
+        kv = self.kvpp
+        return kv is not None and (kv.enable_kvpp or "enable_kvpp" not in kv.model_fields_set)
+
+    def kvpp_config(self, spec: ModelSpec, *, world_size: int) -> KVPPConfig:
+        """The full :class:`KVPPConfig` for ``spec`` in a process group of ``world_size`` ranks.
+
+        Unset fields: ``enable_kvpp=True``, ``tp_size = world_size // pcp_size``, ``attention`` = ``"sfa"``
+        for a model with a lightning indexer, else ``"mla"``. ``ValueError`` if KVPP is not requested, the
+        group cannot be split into KVPP groups of ``tp_size * pcp_size`` ranks, the group size is 1 (KVPP
+        off), or ``attention`` contradicts the model.
+        """
+        if not self.kvpp_requested:
+            raise ValueError("OffloadConfig.kvpp_config: KVPP is off")
+        from torch_kvoffload._utils import check_int
+
+        world_size = check_int("OffloadConfig.kvpp_config", "world_size", world_size, minimum=1)
+        assert self.kvpp is not None
+        fields = self.kvpp.model_dump(exclude_unset=True)
+        fields["enable_kvpp"] = True
+        pcp = int(fields.get("pcp_size", 1))
+        fields.setdefault("tp_size", max(1, world_size // pcp))
+        model_attention = "sfa" if spec.has_indexer else "mla"
+        attention = str(fields.setdefault("attention", model_attention)).strip().lower()
+        if attention != model_attention:
+            raise ValueError(
+                f"kvpp.attention={attention!r} but {spec.model_class} is {model_attention!r} "
+                f"({'with' if spec.has_indexer else 'without'} a lightning indexer)"
+            )
+        cfg = KVPPConfig.model_validate(fields)
+        size = cfg.tp_size * cfg.pcp_size
+        if size < 2:
+            raise ValueError(
+                f"KVPP needs a group of at least 2 ranks; tp_size * pcp_size = {cfg.tp_size} * {cfg.pcp_size} "
+                f"with a process group of {world_size} rank(s)"
+            )
+        if world_size % size:
+            raise ValueError(
+                f"KVPP: the process group of {world_size} ranks cannot be split into groups of "
+                f"tp_size * pcp_size = {cfg.tp_size} * {cfg.pcp_size} = {size} ranks"
+            )
+        return cfg
 
     @property
     def resolved_block_size(self) -> int:

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from torch_kvoffload.ops import _checks
 from torch_kvoffload.ops._hook_registry import HookRegistry, sync_copies
 from torch_kvoffload.ops._registry import define_op
 
@@ -52,40 +53,38 @@ runtimes: HookRegistry[MLACacheRuntime] = HookRegistry(
 )
 
 
-def _fail(op: str, message: str, exc: type[Exception] = ValueError) -> None:
-    raise exc(f"kvoffload::{op}: {message}")
-
-
 def _check_write(kv_c, k_pe, index_k) -> None:
     op = "mla_cache_write"
     if kv_c.dim() != 3 or k_pe.dim() != 3 or kv_c.shape[:2] != k_pe.shape[:2]:
-        _fail(
+        _checks.fail(
             op,
             f"'kv_c' [B,S,Dc] and 'k_pe' [B,S,Dr] must share B,S; got {list(kv_c.shape)}, {list(k_pe.shape)}",
         )
     if index_k is not None and (index_k.dim() != 3 or index_k.shape[:2] != kv_c.shape[:2]):
-        _fail(op, f"'index_k' must be [B,S,Di] with B,S of 'kv_c', got {list(index_k.shape)}")
+        _checks.fail(op, f"'index_k' must be [B,S,Di] with B,S of 'kv_c', got {list(index_k.shape)}")
     if k_pe.dtype != kv_c.dtype:
-        _fail(op, f"'k_pe' must have dtype {kv_c.dtype} (as 'kv_c'), got {k_pe.dtype}", TypeError)
+        _checks.fail(op, f"'k_pe' must have dtype {kv_c.dtype} (as 'kv_c'), got {k_pe.dtype}", TypeError)
 
 
 def _check_attention(q_nope, q_pe, index_q, index_weights, out) -> None:
     op = "mla_cache_attention"
     if q_nope.dim() != 4 or q_pe.dim() != 4 or q_nope.shape[:3] != q_pe.shape[:3]:
-        _fail(
+        _checks.fail(
             op,
             f"'q_nope' [B,S,H,Dc] and 'q_pe' [B,S,H,Dr] must share B,S,H; got {list(q_nope.shape)}, "
             f"{list(q_pe.shape)}",
         )
     if out.shape != q_nope.shape or out.dtype != q_nope.dtype:
-        _fail(op, f"'out' must be {q_nope.dtype} {list(q_nope.shape)}, got {out.dtype} {list(out.shape)}")
+        _checks.fail(
+            op, f"'out' must be {q_nope.dtype} {list(q_nope.shape)}, got {out.dtype} {list(out.shape)}"
+        )
     if (index_q is None) != (index_weights is None):
-        _fail(op, "'index_q' and 'index_weights' must both be given or both be None")
+        _checks.fail(op, "'index_q' and 'index_weights' must both be given or both be None")
     if index_q is not None:
         if index_q.dim() != 4 or index_q.shape[:2] != q_nope.shape[:2]:
-            _fail(op, f"'index_q' must be [B,S,Hi,Di] with B,S of 'q_nope', got {list(index_q.shape)}")
+            _checks.fail(op, f"'index_q' must be [B,S,Hi,Di] with B,S of 'q_nope', got {list(index_q.shape)}")
         if tuple(index_weights.shape) != tuple(index_q.shape[:3]):
-            _fail(
+            _checks.fail(
                 op,
                 f"'index_weights' must be {list(index_q.shape[:3])} ([B,S,Hi]), got {list(index_weights.shape)}",
             )

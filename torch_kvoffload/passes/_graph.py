@@ -179,6 +179,34 @@ def layer_kv_accesses(gm: fx.GraphModule) -> dict[int, tuple[fx.Node, fx.Node]]:
     return dict(sorted(out.items()))
 
 
+def insert_layer_hooks(
+    gm: fx.GraphModule,
+    pass_name: str,
+    marker: object,
+    insert: Callable[[int, fx.Node, fx.Node, int | None], tuple[list[fx.Node], str]],
+) -> list[PassRecord]:
+    """Insert hook nodes around each layer's KV accesses, once per layer.
+
+    For every layer of :func:`layer_kv_accesses` that has no ``marker`` op node yet,
+    ``insert(layer, first, last, next_layer)`` adds the layer's nodes (``next_layer``: the next layer with
+    KV accesses, ``None`` for the last) and returns them with the record's detail. The new nodes get
+    ``first``'s meta, each layer one ``"inserted"`` record; the graph is finished when anything changed.
+    """
+    accesses = layer_kv_accesses(gm)
+    layers = list(accesses)
+    done = []
+    for i, layer in enumerate(layers):
+        if op_nodes(gm.graph, marker, layer):
+            continue
+        first, last = accesses[layer]
+        new, detail = insert(layer, first, last, layers[i + 1] if i + 1 < len(layers) else None)
+        copy_meta(new, first)
+        done.append(record(gm, PassRecord(pass_name, layer, "inserted", detail)))
+    if done:
+        finish(gm)
+    return done
+
+
 def copy_meta(new_nodes: list[fx.Node], like: fx.Node) -> None:
     """Give inserted nodes the module stack of the node they sit next to (explain groups by it)."""
     for key in ("nn_module_stack", "stack_trace"):

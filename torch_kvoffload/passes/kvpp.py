@@ -31,35 +31,15 @@ class KVPPHooksPass:
             return []
         wait, prefetch = op("kvpp_wait_layer"), op("kvpp_prefetch_layer")
         graph = gm.graph
-        accesses = g.layer_kv_accesses(gm)
-        layers = list(accesses)
-        done = []
-        for i, layer in enumerate(layers):
-            if g.op_nodes(graph, wait, layer):
-                continue
-            first = accesses[layer][0]
+
+        def insert(layer: int, first: fx.Node, last: fx.Node, nxt: int | None) -> tuple[list[fx.Node], str]:
             caches = g.layer_cache_nodes(gm, layer, ctx.caches_of(layer))
             with graph.inserting_before(first):
                 new = [graph.call_function(wait, (ctx.kvpp_scheduler, layer, caches))]
-                if i + 1 < len(layers):
-                    nxt = layers[i + 1]
+                if nxt is not None:
                     nxt_caches = g.layer_cache_nodes(gm, nxt, ctx.caches_of(nxt))
                     new.append(graph.call_function(prefetch, (ctx.kvpp_scheduler, nxt, nxt_caches)))
-            g.copy_meta(new, first)
-            what = "kvpp_wait_layer" + (
-                f" + kvpp_prefetch_layer({layers[i + 1]})" if i + 1 < len(layers) else ""
-            )
-            done.append(
-                g.record(
-                    gm,
-                    g.PassRecord(
-                        self.name,
-                        layer,
-                        "inserted",
-                        f"{what} before {first.name} (scheduler {ctx.kvpp_scheduler!r})",
-                    ),
-                )
-            )
-        if done:
-            g.finish(gm)
-        return done
+            what = "kvpp_wait_layer" + (f" + kvpp_prefetch_layer({nxt})" if nxt is not None else "")
+            return new, f"{what} before {first.name} (scheduler {ctx.kvpp_scheduler!r})"
+
+        return g.insert_layer_hooks(gm, self.name, wait, insert)

@@ -32,29 +32,18 @@ class LayerwiseHooksPass:
             return []
         wait, prefetch, save = op("layer_wait"), op("layer_prefetch"), op("layer_save")
         graph = gm.graph
-        done = []
-        for layer, (first, last) in g.layer_kv_accesses(gm).items():
-            if g.op_nodes(graph, wait, layer):
-                continue
+
+        def insert(layer: int, first: fx.Node, last: fx.Node, nxt: int | None) -> tuple[list[fx.Node], str]:
             caches = g.layer_cache_nodes(gm, layer, ctx.caches_of(layer))
             args = (ctx.layerwise_runtime, layer, caches)
             with graph.inserting_before(first):
                 new = [graph.call_function(wait, args), graph.call_function(prefetch, args)]
             with graph.inserting_after(last):
                 new.append(graph.call_function(save, args))
-            g.copy_meta(new, first)
-            done.append(
-                g.record(
-                    gm,
-                    g.PassRecord(
-                        self.name,
-                        layer,
-                        "inserted",
-                        f"layer_wait + layer_prefetch before {first.name}, layer_save after {last.name} "
-                        f"(runtime {ctx.layerwise_runtime!r})",
-                    ),
-                )
+            detail = (
+                f"layer_wait + layer_prefetch before {first.name}, layer_save after {last.name} "
+                f"(runtime {ctx.layerwise_runtime!r})"
             )
-        if done:
-            g.finish(gm)
-        return done
+            return new, detail
+
+        return g.insert_layer_hooks(gm, self.name, wait, insert)

@@ -579,11 +579,24 @@ class SparseDecodeOffload:
         state = table.gather(rows_t)
         out, lse, topk, res = self._outputs(layer, T, H, q_nope.dtype)
         self._manage(indexer, state, ids_t, stable, topk, res)
+        return self._finish_attend(
+            layer, plan, rows_t, state, out, lse, topk, res,
+            lambda: self._copy_and_attend(layer, plan, rows_t, q_nope, q_pe, scale, host_bt, res, out, lse),
+        )  # fmt: skip
+
+    def _finish_attend(self, layer, plan: RowPlan, rows_t, state, out, lse, topk, res, copy_and_attend):
+        """Steps 5–7 and the commit, after the residency update wrote ``state`` and ``res``.
+
+        Waits for the rows appended to ``layer``, then runs ``copy_and_attend()`` (returns the rows copied:
+        an int, or an int64 device scalar). If that fails, the slots given to this step's misses are
+        emptied (their copies may have started) and nothing is committed.
+        """
+        table = self.tables[layer]
         copying = False
         try:
             self._await_rows(layer)
             copying = True
-            copied = self._copy_and_attend(layer, plan, rows_t, q_nope, q_pe, scale, host_bt, res, out, lse)
+            copied = copy_and_attend()
         except BaseException:
             if copying:
                 table.drop_slots(rows_t, res.miss_slots)
@@ -776,20 +789,11 @@ class SparseDecodeOffload:
                                          hot_kv, hot_pe, out, lse)  # fmt: skip
         table.gather(rows_t, out=state)
         self._manage_device(indexer, q_int8, state, ids_t, stable_t, topk, res)
-        copying = False
-        try:
-            self._await_rows(layer)
-            copying = True
-            copied = self._copy_and_attend_device(layer, q_nope, q_pe, scale, bt, hot_kv, hot_pe, offset, res,
-                                                  out, lse)  # fmt: skip
-        except BaseException:
-            if copying:
-                table.drop_slots(rows_t, res.miss_slots)
-            raise
-        table.commit(rows_t, state)
-        self.rows.commit(plan)
-        self._record(layer, topk, res, copied)
-        return StepResult(out, lse, topk, res, plan.rows)
+        return self._finish_attend(
+            layer, plan, rows_t, state, out, lse, topk, res,
+            lambda: self._copy_and_attend_device(layer, q_nope, q_pe, scale, bt, hot_kv, hot_pe, offset, res,
+                                                 out, lse),
+        )  # fmt: skip
 
     def _stage_rows(self, layer: int, rows: list[int], ids: list[int], stable: torch.Tensor, host_bt):
         """``rows int64 [T]``, ``request ids int64 [T]``, ``stable_len int64 [T]`` and the host block table
@@ -893,7 +897,8 @@ class SparseDecodeOffload:
 
     def _manage_device(self, indexer: IndexerInputs, q_int8, state, ids, stable, topk, res) -> None:
         """Steps 3–4 with the unchecked Triton launches (the int8 path quantises the query first)."""
-        from torch_kvoffload.ops.triton.residency import launch_hadamard_quant_int8, launch_indexer_manage
+        from torch_kvoffload.ops.triton.indexer import launch_hadamard_quant_int8
+        from torch_kvoffload.ops.triton.residency import launch_indexer_manage
 
         idx = (indexer.block_table, indexer.cu_seqlens_q, indexer.seq_lens_k)
         if q_int8 is not None:

@@ -4,7 +4,8 @@
 runs the module's own projections (``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj`` or ``q_proj``,
 ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, the indexer's ``wq_b`` / ``wk`` / ``k_norm`` /
 ``weights_proj``) and the rotary functions of the module's own modeling file, then the op sequence of the
-contract: layer hooks → ``mla_cache_write`` → ``layer_save`` → ``mla_cache_attention`` → W_UV → ``o_proj``.
+contract: layer hooks (layerwise ``layer_wait`` + ``layer_prefetch``; KVPP ``kvpp_wait_layer`` + ``kvpp_prefetch_layer``
+of the next layer) → ``mla_cache_write`` → ``layer_save`` → ``mla_cache_attention`` → W_UV → ``o_proj``.
 
 Absorption: with ``W = kv_b_proj.weight.view(H, qk_nope + v, Dc)``, ``W_UK = W[:, :qk_nope]`` and
 ``W_UV = W[:, qk_nope:]``, the query is folded into the latent space (``q_nope[h] = q_pass[h] @ W_UK[h]``)
@@ -21,14 +22,30 @@ import torch
 
 from torch_kvoffload.ops import mla_runtime
 
-__all__ = ["indexer_inputs", "mla_attention_forward"]
+__all__ = ["indexer_inputs", "mla_attention_forward", "rope_functions"]
 
 
-def _rope_functions(module: torch.nn.Module):
+def rope_functions(module: torch.nn.Module):
+    """``(main, half)``: the rotary functions of the module's own modeling file, for the latent key /
+    query (interleaved when ``config.rope_interleave``) and for the indexer (half split).
+
+    Raises ``ValueError`` naming the attention class when its modeling file does not define them (the
+    eager attention reproduces the DeepSeek-V3 attention code; other layouts need ``compile``).
+    """
     mod = sys.modules[type(module).__module__]
     interleave = getattr(module.config, "rope_interleave", True)
-    main = mod.apply_rotary_pos_emb_interleave if interleave else mod.apply_rotary_pos_emb
-    return main, mod.apply_rotary_pos_emb
+    names = (
+        "apply_rotary_pos_emb_interleave" if interleave else "apply_rotary_pos_emb",
+        "apply_rotary_pos_emb",
+    )
+    missing = [n for n in names if not callable(getattr(mod, n, None))]
+    if missing:
+        raise ValueError(
+            f"torch_kvoffload.offload cannot run {type(module).__name__} eagerly: {mod.__name__} has no "
+            f"{' / '.join(missing)} (the eager attention follows the DeepSeek-V3 attention code); "
+            "torch_kvoffload.compile rewrites the model's own graph and may serve it"
+        )
+    return getattr(mod, names[0]), getattr(mod, names[1])
 
 
 def indexer_inputs(
@@ -70,7 +87,7 @@ def mla_attention_forward(
     B, S, _ = hidden_states.shape
     H, nope, rope, v = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
     Dc = self.kv_lora_rank
-    rope_main, rope_half = _rope_functions(self)
+    rope_main, rope_half = rope_functions(self)
 
     q_resid = None
     if getattr(self, "q_lora_rank", None) is None:
@@ -102,6 +119,12 @@ def mla_attention_forward(
     if lw is not None:
         ops.layer_wait(lw, layer, caches)
         ops.layer_prefetch(lw, layer, caches)
+    kv = session.kvpp_runtime
+    if kv is not None:
+        # the owner's broadcast of this layer lands before the first KV access; the next one overlaps it
+        ops.kvpp_wait_layer(kv, layer, caches)
+        if layer + 1 < session.spec.num_layers:
+            ops.kvpp_prefetch_layer(kv, layer + 1, session.layer_caches(layer + 1))
     mla_runtime.mla_cache_write(session.name, layer, kv_c, k_pe, index_k, caches)
     if lw is not None:
         ops.layer_save(lw, layer, caches)

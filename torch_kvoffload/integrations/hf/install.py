@@ -121,8 +121,10 @@ def attach(model: torch.nn.Module, config: Any = None) -> OffloadSession:
 
 def offload(model: torch.nn.Module, config: Any = None) -> torch.nn.Module:
     """:func:`attach` + replace every MLA attention's ``forward`` by the library's eager attention."""
-    from torch_kvoffload.integrations.hf.attention import mla_attention_forward
+    from torch_kvoffload.integrations.hf.attention import mla_attention_forward, rope_functions
 
+    for module in inspect_model(model).attention_modules:  # before anything is allocated
+        rope_functions(module)
     session = attach(model, config)
     for module in session.spec.attention_modules:
         module._kvoffload_session = session

@@ -37,6 +37,17 @@ Where the KV lives.
   are released at the sequence's first decode step (decode holds only the hot buffers and the indexer
   cache) and allocated again for the next sequence; a multi-token forward after decode steps takes the
   sparse prefill path.
+* KVPP (``kvpp`` on, alone; every rank of the group runs the same model replica and the same forwards):
+  each layer's bundle (``c_kv``, ``k_pe`` [, indexer key]) is paged ``[num_blocks, block_size, D]`` in
+  the KVPP runtime's views — an owned layer's persistent buffer, another layer's scratch buffer.
+  ``begin_forward`` schedules the forward with the blocks holding each request's earlier tokens,
+  ``kvpp_wait_layer`` / ``kvpp_prefetch_layer`` before each layer's first KV access bring the owner's
+  broadcast, every rank writes the new rows itself and attends over the view (dense causal, or the
+  indexer's top-k); ``end_forward`` completes the forward. Sizes are fixed per sequence, as with sparse.
+
+P/D (``config.pd``): the session's role (:mod:`torch_kvoffload.integrations.hf.pd`) is :attr:`pd`. On a
+prefill node the layer buffers come from the role's transport and always carry the indexer keys; on a
+decode node :meth:`begin_external_sequence` starts a sequence whose prompt KV is placed from outside.
 
 Sizing: buffers, host pool and indexer cache are sized for ``batch × max_tokens`` by :meth:`reserve`
 (``generate`` calls it with the prompt width plus ``max_new_tokens``; a forward on a fresh cache reserves
@@ -63,6 +74,7 @@ from torch_kvoffload.ops.sparse_attention import sparse_mla_attention
 if TYPE_CHECKING:
     from torch_kvoffload.api import OffloadConfig
     from torch_kvoffload.integrations.hf.inspect import ModelSpec
+    from torch_kvoffload.kvpp import KVPPConfig, KVPPGroup, KVPPRuntime
     from torch_kvoffload.layerwise.runtime import LayerwiseOffloadRuntime
     from torch_kvoffload.sparse.runtime import SparseDecodeOffload
 
@@ -73,6 +85,7 @@ __all__ = ["OffloadSession"]
 _ids = itertools.count()
 _LAYERWISE_TOTALS = ("bytes_loaded", "bytes_saved", "loads", "saves", "store_hits", "store_misses")
 _SESSION_COUNTERS = ("forwards", "prefill_forwards", "decode_forwards", "prefill_host_bytes_h2d")
+_KVPP_TOTALS = ("broadcasts", "broadcast_spans", "bytes_broadcast", "waits", "wait_seconds")
 # queries per chunk of the dense attention (bounds the [Q, H, L] score tensor)
 _DENSE_CHUNK = 256
 
@@ -136,6 +149,18 @@ class _Forward:
     new_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
+def _world_size() -> int:
+    """World size of the default process group (``ValueError`` when torch.distributed is not initialised)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "KVPP needs torch.distributed initialised (init_process_group) on every rank of its group before "
+            "the model is offloaded"
+        )
+    return dist.get_world_size()
+
+
 def _nbytes(tensors) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
@@ -162,11 +187,13 @@ class OffloadSession:
                 f"torch_kvoffload cannot offload {spec.model_class}: sparse decode offload needs a lightning "
                 "indexer (index_topk / indexer module), which this model does not have"
             )
-        if config.kvpp is not None and config.kvpp.active:
-            raise ValueError(
-                f"torch_kvoffload cannot offload {spec.model_class}: KVPP is not available on the Hugging Face "
-                "path yet; use the KVPP runtime directly"
-            )
+        self.kvpp_on = config.kvpp_requested
+        self._kvpp_cfg: KVPPConfig | None = None
+        if self.kvpp_on:
+            try:
+                self._kvpp_cfg = config.kvpp_config(spec, world_size=_world_size())
+            except ValueError as exc:
+                raise ValueError(f"torch_kvoffload cannot offload {spec.model_class}: {exc}") from exc
         self.spec = spec
         self.config = config
         self.name = name or f"hf-{spec.model_class}-{next(_ids)}"
@@ -174,8 +201,10 @@ class OffloadSession:
         self.layerwise_on = config.layerwise is not None
         self.sparse_on = config.sparse is not None
         self.int8_indexer = self.sparse_on and config.sparse.get("indexer_dtype") == "int8"
-        # the layer buffers carry the indexer keys only when no separate device indexer cache exists
-        self._lw_indexer = self.layerwise_on and spec.has_indexer and not self.sparse_on
+        pd_prefill = config.pd is not None and config.pd.role == "prefill"
+        # the layer buffers carry the indexer keys when no separate device indexer cache exists, and on a
+        # P/D prefill node (the decode peer reads the indexer from them)
+        self._lw_indexer = self.layerwise_on and spec.has_indexer and (not self.sparse_on or pd_prefill)
         self._lw_components = 2 + (1 if self._lw_indexer else 0)
         self.counters = Counters(_SESSION_COUNTERS)
         self._lw_totals = Counters(_LAYERWISE_TOTALS)
@@ -202,6 +231,31 @@ class OffloadSession:
             self.layerwise_runtime = f"{self.name}/layerwise"
             layer_hooks.runtimes.register(self.layerwise_runtime, _LayerHooks(self))
         self.kvpp_runtime: str | None = None
+        self._kvpp: KVPPRuntime | None = None
+        self._kvpp_totals = Counters(_KVPP_TOTALS)
+        self._kvpp_group: KVPPGroup | None = None
+        if self._kvpp_cfg is not None:
+            from torch_kvoffload.kvpp import create_kvpp_group
+
+            cfg = self._kvpp_cfg
+            try:
+                self._kvpp_group = create_kvpp_group(
+                    dp=1, pp=1, pcp=cfg.pcp_size, tp=cfg.tp_size, device=spec.device
+                )
+            except BaseException:
+                self.close()
+                raise
+            self.kvpp_runtime = f"{self.name}/kvpp"
+        #: the P/D role (``integrations.hf.pd``) when ``config.pd`` is set
+        self.pd: Any = None
+        if config.pd is not None:
+            from torch_kvoffload.integrations.hf.pd import make_role
+
+            try:
+                self.pd = make_role(self, config.pd)
+            except BaseException:
+                self.close()
+                raise
 
     # ------------------------------------------------------------------------------------ sizing
     @property
@@ -225,7 +279,7 @@ class OffloadSession:
                 self._build_layerwise()
             return
         in_sequence = bool(self._tokens) and self._seen > 0
-        if in_sequence and (self.sparse_on or batch != self._batch):
+        if in_sequence and (self.sparse_on or self.kvpp_on or batch != self._batch):
             raise ValueError(
                 f"OffloadSession: the running sequence needs {max_tokens} tokens per request but "
                 f"{self._max_tokens} were reserved; pass max_new_tokens to generate() (or call "
@@ -249,6 +303,8 @@ class OffloadSession:
         self._batch, self._max_tokens = batch, M * bs
         if self.layerwise_on:
             self._build_layerwise()
+        if self.kvpp_on:
+            self._build_kvpp(nb)
         if self.sparse_on:
             from torch_kvoffload.sparse.runtime import SparseDecodeOffload
 
@@ -285,15 +341,43 @@ class OffloadSession:
         specs = [LayerCacheSpec(main, idx) for _ in range(spec.num_layers)]
         lw = self.config.layerwise
         model_id = "/".join(p for p in (lw.model_id, spec.fingerprint, "i" if self._lw_indexer else "m") if p)
-        self._rt = lw.model_copy(update={"model_id": model_id}).build_runtime(
-            specs, device=dev, store=self._store
-        )
+        lw = lw.model_copy(update={"model_id": model_id})
+        if self.pd is not None and hasattr(self.pd, "build_runtime"):
+            self._rt = self.pd.build_runtime(lw, specs, store=self._store)
+        else:
+            self._rt = lw.build_runtime(specs, device=dev, store=self._store)
         if not self._tails or self._tails[0][0].shape[0] != batch:
             widths = [spec.kv_lora_rank, spec.rope_dim] + ([spec.index_head_dim] if self._lw_indexer else [])
             self._tails = [
                 tuple(torch.zeros(batch, bs, w, dtype=dt, device=dev) for w in widths)
                 for _ in range(spec.num_layers)
             ]
+
+    def _build_kvpp(self, num_blocks: int) -> None:
+        """This rank's KVPP runtime: one bundle per layer (``c_kv``, ``k_pe`` [, ``index_k``], the model's
+        dtype, ``[num_blocks, block_size, D]`` each), owned layers persistent, the others in scratch."""
+        from torch_kvoffload.kvpp import BundleSpec
+
+        self._retire_kvpp()
+        spec = self.spec
+        assert self._kvpp_cfg is not None and self._kvpp_group is not None
+        bundle = BundleSpec.mla(
+            self.block_size, spec.kv_lora_rank, spec.rope_dim, spec.dtype,
+            index_dim=spec.index_head_dim if spec.has_indexer else 0, index_dtype=spec.dtype,
+        )  # fmt: skip
+        self._kvpp = self._kvpp_cfg.build_runtime(
+            self._kvpp_group, dict.fromkeys(range(spec.num_layers), bundle), num_blocks=num_blocks,
+            device=spec.device, name=self.kvpp_runtime,
+        )  # fmt: skip
+
+    def _retire_kvpp(self) -> None:
+        rt, self._kvpp = getattr(self, "_kvpp", None), None
+        if rt is None:
+            return
+        snap = rt.counters.snapshot()
+        for k in _KVPP_TOTALS:
+            self._kvpp_totals.add(k, snap.get(k, 0))
+        rt.close()
 
     def _retire_layerwise(self, rt: LayerwiseOffloadRuntime) -> None:
         snap = rt.counters.snapshot()
@@ -315,9 +399,19 @@ class OffloadSession:
         out: list[torch.Tensor] = []
         if self._rt is not None:
             out += list(self._rt.layer_caches(layer))
+        if self._kvpp is not None:
+            out += self._kvpp.caches(layer)
         if self._sparse is not None:
             out += [*self._index_cache[layer], self._sparse.hot_kv_c[layer], self._sparse.hot_k_pe[layer]]
         return out
+
+    def _paged(self, layer: int) -> list[torch.Tensor]:
+        """The layer's paged ``[num_blocks, block_size, D]`` components this forward reads and writes:
+        the layerwise buffer, or the KVPP view (owned: persistent; otherwise a scratch buffer)."""
+        if self._kvpp is not None:
+            return self._kvpp.caches(layer)
+        assert self._rt is not None
+        return list(self._rt.layer_caches(layer))
 
     def _check_layer(self, fn: str, layer: object) -> int:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.spec.num_layers:
@@ -433,6 +527,23 @@ class OffloadSession:
                 self._fwd = None
                 self._broken = True
                 raise
+        if self._kvpp is not None:
+            try:
+                self._kvpp.scheduler.schedule_forward(any(old_len), self._history_blocks(old_len))
+            except BaseException:
+                self._fwd = None
+                self._broken = True
+                raise
+
+    def _history_blocks(self, old_len: list[int]) -> torch.Tensor:
+        """``int64 [B, M]``: per request the blocks holding its tokens before this forward, ``-1`` padded:
+        what a KVPP broadcast must bring (every rank writes the forward's new rows itself)."""
+        bs, M = self.block_size, self.blocks_per_request
+        table = torch.full((len(old_len), M), -1, dtype=torch.int64)
+        for r, old in enumerate(old_len):
+            n = -(-old // bs)
+            table[r, :n] = torch.arange(r * M, r * M + n)
+        return table
 
     def _start_sequence(self, B: int, owner: Any) -> None:
         if self._sparse is not None:
@@ -474,7 +585,15 @@ class OffloadSession:
         rt = self._rt
         assert rt is not None
         bs, M = self.block_size, self.blocks_per_request
-        cached = rt.begin_forward([list(t) for t in self._tokens], f.block_table.cpu().tolist())
+        table = f.block_table.cpu().tolist()
+        if self.pd is not None and hasattr(self.pd, "begin_forward"):
+            self.pd.begin_forward(table)
+        try:
+            cached = rt.begin_forward([list(t) for t in self._tokens], table)
+        except BaseException:
+            if self.pd is not None and hasattr(self.pd, "end_forward"):
+                self.pd.end_forward()
+            raise
         restore_src, restore_dst, keep_src, keep_dst = [], [], [], []
         for r, (c, old, new) in enumerate(zip(cached, f.old_len, f.new_len, strict=True)):
             full_old = old // bs * bs
@@ -508,9 +627,14 @@ class OffloadSession:
         try:
             if f.layerwise and self._rt is not None:
                 self._rt.end_forward()
+            if self._kvpp is not None:
+                self._kvpp.scheduler.complete_forward()
         except BaseException:
             self._broken = True
             raise
+        finally:
+            if f.layerwise and self.pd is not None and hasattr(self.pd, "end_forward"):
+                self.pd.end_forward()
         self._seen = f.past + f.S
 
     def abort_forward(self) -> None:
@@ -522,6 +646,13 @@ class OffloadSession:
                 self._rt.end_forward()
             except Exception as exc:  # the forward's own error is the one reported
                 logger.warning("offload session %s: closing a failed forward: %s", self.name, exc)
+        if f is not None and self._kvpp is not None:
+            try:
+                self._kvpp.scheduler.complete_forward()
+            except Exception as exc:
+                logger.warning("offload session %s: closing a failed KVPP forward: %s", self.name, exc)
+            if self.pd is not None and hasattr(self.pd, "end_forward"):
+                self.pd.end_forward()
 
     def _need(self, fn: str, layer: int) -> _Forward:
         if self._fwd is None:
@@ -564,6 +695,10 @@ class OffloadSession:
                 comp.index_copy_(0, f.phys[w], new[w])
                 if f.tail_keep is not None:
                     tail.index_copy_(0, f.tail_keep[1], comp[f.tail_keep[0]])
+        elif self._kvpp is not None:
+            news = [rows_c, rows_pe] + ([rows_i.to(spec.dtype)] if needs_index else [])
+            for comp, new in zip(self._kvpp.caches(layer), news, strict=True):
+                comp.view(-1, comp.shape[-1]).index_copy_(0, f.phys, new)
         if self._sparse is not None:
             ids = [self._request_ids[r] for r in f.row.tolist()]
             self._sparse.append(layer, ids, f.pos, rows_c, rows_pe)
@@ -629,9 +764,8 @@ class OffloadSession:
     def _key_rows(self, layer: int, f: _Forward) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """``(kv_c [N, Dc], k_pe [N, Dr], start of each request's row 0)`` for a multi-token forward."""
         spec, bs, M = self.spec, self.block_size, self.blocks_per_request
-        if f.layerwise:
-            assert self._rt is not None
-            c, pe = self._rt.layer_caches(layer)[:2]
+        if f.layerwise or self._kvpp is not None:
+            c, pe = self._paged(layer)[:2]
             return c.view(-1, spec.kv_lora_rank), pe.view(-1, spec.rope_dim), [r * M * bs for r in range(f.B)]
         # sparse only: the forward's own rows, after each request's earlier rows read from the host pool
         assert self._sparse is not None
@@ -657,6 +791,8 @@ class OffloadSession:
     def _index_cache_of(self, layer: int) -> tuple[torch.Tensor, ...]:
         if self._sparse is not None:
             return self._index_cache[layer]
+        if self._kvpp is not None:
+            return (self._kvpp.caches(layer)[2],)
         assert self._rt is not None and self._lw_indexer
         return (self._rt.layer_caches(layer)[2],)
 
@@ -709,6 +845,63 @@ class OffloadSession:
                 out[q0:q1] = torch.einsum("qhk,kc->qhc", torch.softmax(s, dim=-1), keys_c).to(out.dtype)
         return out
 
+    # ------------------------------------------------------------------------ KV placed from outside
+    @property
+    def layerwise_offload(self) -> LayerwiseOffloadRuntime | None:
+        """The layerwise runtime over the current layer buffers (``None`` when off or released)."""
+        return self._rt
+
+    @property
+    def sparse_offload(self) -> SparseDecodeOffload | None:
+        """The sparse decode runtime (its ``pool`` is the host KV pool); ``None`` when off or not sized."""
+        return self._sparse
+
+    def indexer_caches(self) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer, the device indexer cache of sparse offload: ``([num_blocks, block_size, index_dim],)``
+        in the model dtype, or int8 keys and fp32 scales ``[num_blocks, block_size]``. Request ``r`` of the
+        sequence owns blocks ``r * M .. r * M + M - 1`` (``M`` = :attr:`blocks_per_request`)."""
+        return list(self._index_cache)
+
+    @property
+    def request_ids(self) -> list[int]:
+        """The host-pool request id of each batch row of the running sequence."""
+        return list(self._request_ids)
+
+    def begin_external_sequence(self, tokens: list[list[int]], width: int, owner: Any) -> list[int]:
+        """Start a sequence whose first ``width`` positions (padding included) were computed elsewhere.
+
+        ``tokens[r]``: request ``r``'s real tokens (at most ``width``); ``owner``: the sequence's cache,
+        whose ``seen_tokens`` the caller sets to ``width``. The caller places every request's main KV in the
+        host pool (blocks ``sparse_offload.pool.blocks_of(request_ids[r])``) and indexer keys in
+        :meth:`indexer_caches` before the next forward, which continues at ``past = width``. Needs sparse
+        offload sized by :meth:`reserve`; returns :attr:`request_ids`.
+        """
+        where = "OffloadSession.begin_external_sequence"
+        if self._fwd is not None:
+            raise RuntimeError(f"{where}: a forward is running")
+        if self._sparse is None:
+            raise ValueError(f"{where}: needs sparse decode offload, sized by reserve(batch, max_tokens)")
+        if len(tokens) != self._batch:
+            raise ValueError(f"{where}: {len(tokens)} requests, {self._batch} were reserved")
+        lens = [len(t) for t in tokens]
+        if (
+            not isinstance(width, int)
+            or width < max(lens, default=0)
+            or width >= self._max_tokens
+            or min(lens) < 1
+        ):
+            raise ValueError(
+                f"{where}: every request needs 1..width tokens and width < the reserved {self._max_tokens}; "
+                f"got width={width!r}, lengths {lens}"
+            )
+        if self._rt is not None:  # decode continues on the sparse path only
+            self._retire_layerwise(self._rt)
+            self._rt, self._tails = None, []
+        self._start_sequence(len(tokens), owner)
+        self._tokens = [[int(x) for x in t] for t in tokens]
+        self._seen = width
+        return self.request_ids
+
     # ------------------------------------------------------------------------------ observability
     def device_kv_bytes(self) -> int:
         """Bytes of KV the session holds on the compute device now (from the allocated tensors): layer
@@ -719,6 +912,9 @@ class OffloadSession:
                 tensors += list(self._rt.layer_caches(layer))
             for t in self._tails:
                 tensors += list(t)
+        if self._kvpp is not None:
+            alloc = self._kvpp.allocation
+            tensors += [*alloc.persistent.values(), *alloc.draft.values(), *alloc.scratch]
         if self._sparse is not None:
             tensors += [*self._sparse.hot_kv_c, *self._sparse.hot_k_pe]
             for t in self._index_cache:
@@ -738,7 +934,10 @@ class OffloadSession:
         copies moved: layer loads / saves, sparse misses / appends, chunked-prefill host reads);
         ``hits`` / ``misses`` / ``evictions`` (sparse residency); ``layer_loads`` / ``layer_saves``
         (layerwise per-layer transfers), ``store_hits`` / ``store_misses`` (blocks found / not found);
-        ``broadcasts`` (KVPP); ``forwards``, ``prefill_forwards``, ``decode_forwards``.
+        ``forwards``, ``prefill_forwards``, ``decode_forwards``. KVPP: ``broadcasts`` (layer broadcasts
+        issued), ``bytes_broadcast``, ``kvpp_owned_layers`` (layers this rank stores persistently),
+        ``kvpp_persistent_bytes`` / ``kvpp_scratch_bytes`` (this rank's owned bundles / its two scratch
+        buffers; their sum is in ``device_kv_bytes``).
         """
         lw = self._lw_totals.snapshot()
         if self._rt is not None:
@@ -746,7 +945,12 @@ class OffloadSession:
             lw = {k: lw[k] + snap.get(k, 0) for k in _LAYERWISE_TOTALS}
         sp = self._sparse.counters.snapshot() if self._sparse is not None else {}
         own = self.counters.snapshot()
-        return {
+        kv = self._kvpp_totals.snapshot()
+        if self._kvpp is not None:
+            snap = self._kvpp.counters.snapshot()
+            kv = {k: kv[k] + snap.get(k, 0) for k in _KVPP_TOTALS}
+        alloc = self._kvpp.allocation if self._kvpp is not None else None
+        out = {
             "device_kv_bytes": self.device_kv_bytes(),
             "dense_kv_bytes": self.dense_kv_bytes(),
             "bytes_h2d": lw["bytes_loaded"] + sp.get("bytes_h2d", 0) + own["prefill_host_bytes_h2d"],
@@ -758,11 +962,19 @@ class OffloadSession:
             "layer_saves": lw["saves"],
             "store_hits": lw["store_hits"],
             "store_misses": lw["store_misses"],
-            "broadcasts": 0,
+            "broadcasts": kv["broadcasts"],
             "forwards": own["forwards"],
             "prefill_forwards": own["prefill_forwards"],
             "decode_forwards": own["decode_forwards"],
         }
+        if self.kvpp_on:
+            out.update(
+                bytes_broadcast=kv["bytes_broadcast"],
+                kvpp_owned_layers=len(alloc.plan.owned) if alloc is not None else 0,
+                kvpp_persistent_bytes=alloc.persistent_bytes if alloc is not None else 0,
+                kvpp_scratch_bytes=alloc.scratch_bytes if alloc is not None else 0,
+            )
+        return out
 
     def close(self) -> None:
         """Stop the runtimes and unregister. Idempotent."""
@@ -772,10 +984,16 @@ class OffloadSession:
         mla_runtime.runtimes.unregister(self.name)
         if self.layerwise_runtime is not None:
             layer_hooks.runtimes.unregister(self.layerwise_runtime)
+        pd = getattr(self, "pd", None)
+        if pd is not None:
+            pd.stop()  # endpoints first: outstanding transfers fail instead of holding the buffers
         if self._rt is not None:
             self._retire_layerwise(self._rt)
             self._rt = None
         if self._sparse is not None:
             self._sparse.close()
+        self._retire_kvpp()
+        if pd is not None:
+            pd.close()
         if self._store is not None and hasattr(self._store, "close"):
             self._store.close()

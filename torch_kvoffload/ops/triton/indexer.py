@@ -18,11 +18,13 @@
 * ``hadamard_quant_int8``: one program per row; the fast Walsh–Hadamard butterflies run in registers in
   the same stage order as the reference (bit-identical fp32), then the row's scale and round-half-to-even
   quantisation.
+
+The ``launch_*`` entry points run the top-k and ``hadamard_quant_int8`` kernels without the checks that
+need a host synchronisation, for callers whose input is valid by construction (the sparse decode
+runtime's device step, and ``lightning_indexer_manage``'s unchecked launch in ``residency``).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
@@ -40,6 +42,8 @@ from torch_kvoffload.ops.triton import device_guard, interpreting, require_launc
 
 __all__ = [
     "KERNELS",
+    "launch_hadamard_quant_int8",
+    "launch_indexer_topk",
     "lightning_indexer_scores_topk",
     "triton_hadamard_quant_int8",
     "triton_lightning_indexer",
@@ -415,19 +419,65 @@ def triton_hadamard_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     """Triton ``hadamard_quant_int8``: int8 ``[..., D]`` values and fp32 ``[...]`` scales (op contract)."""
     validate_hadamard_quant_int8(x)
     require_launchable("hadamard_quant_int8", x.device)
-    dim = x.shape[-1]
     q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     scale = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    launch_hadamard_quant_int8(x, q, scale, hadamard_norm(x.shape[-1]))
+    return q, scale
+
+
+# ------------------------------------------------------------------------------- unchecked launches
+
+
+def launch_indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    topk: torch.Tensor,
+    *,
+    q_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The lightning indexer's top-k of validated input written into ``topk int32 [T, K]`` (unit last stride).
+
+    The floating path (``q [T, H, D]``, ``k_cache [num_blocks, block_size, D]``), or the int8 path with
+    ``q_scale fp32 [T, H]`` and ``k_scale fp32 [num_blocks, block_size]`` (``q`` / ``k_cache`` int8).
+    Returns the fp32 ``[T, max_blocks * block_size]`` scores the top-k was taken from (held whole: meant
+    for decode-sized ``T``). Nothing is read back to the host; the request description must be valid
+    (the checked ops verify it with a host synchronisation).
+    """
+    T, K = topk.shape
+    width = block_table.shape[1] * k_cache.shape[1]
+    scores = torch.empty((T, width), dtype=torch.float32, device=q.device)
+    k = min(K, width)
+    if k < K:
+        topk[:, k:].fill_(-1)
+    if T == 0 or k == 0:
+        scores.fill_(float("-inf"))
+        return scores
+    req, visible = _requests(cu_seqlens_q, seq_lens_k, T, q.device)
+    table = block_table.to(q.device)
+    _launch_scores(q, weights, q_scale, k_cache, k_scale, table, req, visible, scores)
+    _launch_topk(scores, visible, topk, k)
+    return scores
+
+
+def launch_hadamard_quant_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, norm: float) -> None:
+    """``hadamard_quant_int8`` of ``x [..., D]`` (``D`` a power of two) into int8 ``q [..., D]`` and fp32
+    ``scale [...]`` (contiguous), without the finiteness check (a host synchronisation). ``norm`` is
+    :func:`torch_kvoffload.ops.indexer.hadamard_norm` of ``D``, computed once by the caller."""
+    dim = x.shape[-1]
     rows = x.reshape(-1, dim)
     if rows.shape[0] == 0:
-        return q, scale
+        return
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     with device_guard(x.device):
         _hadamard_kernel[(rows.shape[0],)](
-            rows, q, scale, rows.stride(0), dim, hadamard_norm(dim), D=dim, LOG_D=int(math.log2(dim))
+            rows, q, scale, rows.stride(0), dim, norm, D=dim, LOG_D=dim.bit_length() - 1
         )
-    return q, scale
 
 
 KERNELS = {

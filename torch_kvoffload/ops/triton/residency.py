@@ -27,11 +27,9 @@ import triton.language as tl
 from torch_kvoffload.ops import _checks
 from torch_kvoffload.ops import residency as _res
 from torch_kvoffload.ops.triton import device_guard, require_launchable, triton_kernel
-from torch_kvoffload.ops.triton.indexer import (
-    _hadamard_kernel,
-    _launch_scores,
-    _launch_topk,
-    _requests,
+from torch_kvoffload.ops.triton.indexer import (  # the two indexer launchers are also exported here
+    launch_hadamard_quant_int8,
+    launch_indexer_topk,
     lightning_indexer_scores_topk,
 )
 
@@ -229,58 +227,6 @@ def launch_residency_rows(
             USE_SCORE=use_score, BC=bc, LOG_BC=bc.bit_length() - 1, BK=bk, LOG_BK=bk.bit_length() - 1,
             num_warps=4 if bc <= 1024 else 8,
         )  # fmt: skip
-
-
-def launch_indexer_topk(
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    k_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens_k: torch.Tensor,
-    topk: torch.Tensor,
-    *,
-    q_scale: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The lightning indexer's top-k of validated input written into ``topk int32 [T, K]`` (unit last stride).
-
-    The floating path (``q [T, H, D]``, ``k_cache [num_blocks, block_size, D]``), or the int8 path with
-    ``q_scale fp32 [T, H]`` and ``k_scale fp32 [num_blocks, block_size]`` (``q`` / ``k_cache`` int8).
-    Returns the fp32 ``[T, max_blocks * block_size]`` scores the top-k was taken from (held whole: meant
-    for decode-sized ``T``). Nothing is read back to the host; the request description must be valid
-    (the checked ops verify it with a host synchronisation).
-    """
-    T, K = topk.shape
-    width = block_table.shape[1] * k_cache.shape[1]
-    scores = torch.empty((T, width), dtype=torch.float32, device=q.device)
-    k = min(K, width)
-    if k < K:
-        topk[:, k:].fill_(-1)
-    if T == 0 or k == 0:
-        scores.fill_(float("-inf"))
-        return scores
-    req, visible = _requests(cu_seqlens_q, seq_lens_k, T, q.device)
-    table = block_table.to(q.device)
-    _launch_scores(q, weights, q_scale, k_cache, k_scale, table, req, visible, scores)
-    _launch_topk(scores, visible, topk, k)
-    return scores
-
-
-def launch_hadamard_quant_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, norm: float) -> None:
-    """``hadamard_quant_int8`` of ``x [..., D]`` (``D`` a power of two) into int8 ``q [..., D]`` and fp32
-    ``scale [...]`` (contiguous), without the finiteness check (a host synchronisation). ``norm`` is
-    :func:`torch_kvoffload.ops.indexer.hadamard_norm` of ``D``, computed once by the caller."""
-    dim = x.shape[-1]
-    rows = x.reshape(-1, dim)
-    if rows.shape[0] == 0:
-        return
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
-    with device_guard(x.device):
-        _hadamard_kernel[(rows.shape[0],)](
-            rows, q, scale, rows.stride(0), dim, norm, D=dim, LOG_D=dim.bit_length() - 1
-        )
 
 
 def launch_indexer_manage(

@@ -1,0 +1,340 @@
+"""The P/D roles of an :class:`~torch_kvoffload.integrations.hf.session.OffloadSession` (DESIGN §9).
+
+``OffloadConfig(pd=PDConfig(role=...))`` gives the session a role, reachable as ``session.pd``
+(:func:`prefill_role` / :func:`decode_role` check and return it):
+
+* :class:`PrefillRole` (``role="prefill"``, layerwise offload on): the session's layer buffers are
+  allocated by the transport (:func:`~torch_kvoffload.pd.export_layer_buffers` for ``shm``, registered
+  with :func:`~torch_kvoffload.pd.register_layer_buffers` otherwise) and always carry the indexer keys;
+  a :class:`~torch_kvoffload.pd.PrefillSender` over them is the layerwise runtime's completion provider.
+  :meth:`PrefillRole.submit` hands the tickets of the next prefill forward: during that forward every
+  layer is published to the decode peer as soon as it is written, and its physical buffer is reused only
+  after the decode read (and the host save) finished.
+* :class:`DecodeRole` (``role="decode"``, sparse decode offload on): a
+  :class:`~torch_kvoffload.pd.DecodeReceiver` over the session's host KV pool (main KV) and device indexer
+  cache. :meth:`DecodeRole.expect` starts a sequence whose prompt is computed by the prefill node and
+  returns its tickets; once :meth:`DecodeRole.wait` returned, the sequence continues at ``past =
+  prompt width`` (``model.generate`` with the prompt plus prefill's first token and
+  :attr:`DecodeRole.cache`).
+
+The Hugging Face path is one process per side: ``p_tp_size == d_tp_size == 1``, one DP rank (``dp_rank``
+0). Requests are the batch rows (left padding dropped), each paged from block 0 of its own block range.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torch_kvoffload.pd.config import PDConfig
+
+if TYPE_CHECKING:
+    from torch_kvoffload.integrations.hf.session import OffloadSession
+    from torch_kvoffload.layerwise import LayerCacheSpec, LayerwiseConfig, LayerwiseOffloadRuntime
+    from torch_kvoffload.pd import DecodeReceiver, PrefillSender, TransferTicket
+    from torch_kvoffload.store.base import KVStore
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DecodeRole", "PrefillRole", "decode_role", "make_role", "prefill_role"]
+
+
+def make_role(session: OffloadSession, config: PDConfig) -> PrefillRole | DecodeRole:
+    """The role ``config.role`` names for ``session`` (checked before anything is built)."""
+    where = f"OffloadSession(pd.role={config.role!r})"
+    if config.p_tp_size != 1 or config.d_tp_size != 1 or config.d_dp_size != 1 or config.p_dp_size != 1:
+        raise ValueError(
+            f"{where}: the Hugging Face path runs one process per side; got p_tp_size={config.p_tp_size}, "
+            f"d_tp_size={config.d_tp_size}, p_dp_size={config.p_dp_size}, d_dp_size={config.d_dp_size} "
+            "(use the torch_kvoffload.pd runtimes directly for TP / DP deployments)"
+        )
+    if config.transport == "shm" and session.spec.device.type != "cpu":
+        raise ValueError(
+            f"{where}: transport 'shm' shares host memory only; the model is on {session.spec.device} "
+            "(use transport='mooncake' or 'memfabric')"
+        )
+    if config.role == "prefill":
+        return PrefillRole(session, config)
+    return DecodeRole(session, config)
+
+
+def _role(model_or_session: Any, cls: type, role: str):
+    from torch_kvoffload.integrations.hf.install import session_of
+    from torch_kvoffload.integrations.hf.session import OffloadSession
+
+    session = (
+        model_or_session if isinstance(model_or_session, OffloadSession) else session_of(model_or_session)
+    )
+    if not isinstance(session.pd, cls):
+        raise ValueError(
+            f"{session.name}: not a P/D {role} session (OffloadConfig.pd.role is "
+            f"{None if session.config.pd is None else session.config.pd.role!r})"
+        )
+    return session.pd
+
+
+def prefill_role(model_or_session: Any) -> PrefillRole:
+    """The :class:`PrefillRole` of an offloaded model (or session); ``ValueError`` if it has none."""
+    return _role(model_or_session, PrefillRole, "prefill")
+
+
+def decode_role(model_or_session: Any) -> DecodeRole:
+    """The :class:`DecodeRole` of an offloaded model (or session); ``ValueError`` if it has none."""
+    return _role(model_or_session, DecodeRole, "decode")
+
+
+def _compatibility(session: OffloadSession, main: Sequence[torch.Tensor], indexer: Sequence[torch.Tensor]):
+    from torch_kvoffload.pd import make_compatibility
+
+    return make_compatibility(
+        model_fingerprint=session.spec.fingerprint, num_layers=session.spec.num_layers,
+        block_size=session.block_size, main=main, indexer=indexer,
+    )  # fmt: skip
+
+
+class PrefillRole:
+    """The prefill side of a session (see the module docstring). Built by the session."""
+
+    def __init__(self, session: OffloadSession, config: PDConfig) -> None:
+        if session.config.layerwise is None:
+            raise ValueError("OffloadSession(pd.role='prefill'): needs layerwise offload")
+        self.session, self.config = session, config
+        self.sender: PrefillSender | None = None
+        self._transport: Any = None
+        self._tickets: list[TransferTicket] | None = None
+        self._forward: list[int] = []  # request ids of the running forward
+        #: the ticket request ids of the last prefill forward that published its layers
+        self.last_requests: list[int] = []
+
+    @property
+    def runtime(self) -> LayerwiseOffloadRuntime | None:
+        """The layerwise runtime whose buffers the sender publishes."""
+        return self.session.layerwise_offload
+
+    # -------------------------------------------------------------------------- session hooks
+    def build_runtime(
+        self, lw: LayerwiseConfig, specs: Sequence[LayerCacheSpec], *, store: KVStore | None
+    ) -> LayerwiseOffloadRuntime:
+        """What ``LayerwiseConfig.build_runtime`` does, with the buffers exported through a fresh
+        transport and a :class:`PrefillSender` over them registered as completion provider."""
+        from torch_kvoffload.layerwise.allocation import allocate_layer_buffers
+        from torch_kvoffload.layerwise.planner import plan_layer_buffers
+        from torch_kvoffload.layerwise.runtime import LayerwiseOffloadRuntime
+        from torch_kvoffload.pd import (
+            PrefillSender,
+            export_layer_buffers,
+            make_transport,
+            register_layer_buffers,
+        )
+
+        self.stop()
+        self._close_transport()
+        plan = plan_layer_buffers(specs, lw.num_shared_buffers, lw.independent_layers)
+        transport = make_transport(self.config, rank_name=f"hf-prefill-{os.getpid()}")
+        try:
+            if transport.name == "shm":
+                buffers = export_layer_buffers(plan, transport)
+            else:
+                buffers = register_layer_buffers(
+                    allocate_layer_buffers(plan, self.session.spec.device), transport
+                )
+            rt = LayerwiseOffloadRuntime(
+                plan, buffers, store if store is not None else lw.store.build(),
+                prefetch_depth=lw.prefetch_depth, model_id=lw.model_id,
+            )  # fmt: skip
+            compat = _compatibility(self.session, buffers.layer_main(0), buffers.layer_indexer(0) or ())
+            sender = PrefillSender(self.config, p_rank=0, buffers=buffers, transport=transport, compat=compat)
+        except BaseException:
+            transport.close()
+            raise
+        rt.register_completion_provider(sender.provider)
+        self._transport, self.sender = transport, sender
+        return rt
+
+    def begin_forward(self, block_table: list[list[int]]) -> None:
+        """Before a layerwise forward: start publishing it when tickets were submitted."""
+        tickets, self._tickets = self._tickets, None
+        self._forward = []
+        if tickets is None:
+            return
+        where = "PrefillRole.begin_forward"
+        tokens = self.session._tokens
+        if len(tickets) != len(tokens):
+            raise ValueError(f"{where}: {len(tickets)} tickets were submitted for a batch of {len(tokens)}")
+        for r, (t, toks) in enumerate(zip(tickets, tokens, strict=True)):
+            if t.num_tokens != len(toks):
+                raise ValueError(
+                    f"{where}: the ticket of request {t.request_id} (batch row {r}) is for {t.num_tokens} tokens, "
+                    f"the row has {len(toks)} (padding dropped)"
+                )
+        assert self.sender is not None
+        self.sender.begin_forward(tickets, block_table)
+        self._forward = [t.request_id for t in tickets]
+
+    def end_forward(self) -> None:
+        if self.sender is not None and self._forward:
+            self.sender.end_forward()
+            self.last_requests, self._forward = self._forward, []
+
+    # --------------------------------------------------------------------------------- user API
+    def submit(self, tickets: Sequence[TransferTicket]) -> None:
+        """Publish the next prefill forward (a fresh sequence: ``past == 0``) to decode: ``tickets[r]``
+        (from :meth:`DecodeRole.expect`, through the router) holds batch row ``r``'s destinations."""
+        from torch_kvoffload.pd import TransferTicket
+
+        if self.session._fwd is not None:
+            raise RuntimeError("PrefillRole.submit: a forward is running")
+        tickets = list(tickets)
+        bad = [type(t).__name__ for t in tickets if not isinstance(t, TransferTicket)]
+        if not tickets or bad:
+            raise ValueError(
+                f"PrefillRole.submit: expected a non-empty list of TransferTicket, got {bad or 'none'}"
+            )
+        self._tickets = tickets
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until decode acknowledged every layer of the last published forward; raises its
+        :class:`~torch_kvoffload.pd.PDTransferError`, ``TimeoutError`` after ``timeout`` seconds."""
+        if self.sender is None or not self.last_requests:
+            raise RuntimeError("PrefillRole.wait: no forward was published (submit() tickets first)")
+        for rid in self.last_requests:
+            self.sender.wait_request(rid, timeout)
+
+    def stop(self) -> None:
+        """Close the sender (outstanding transfers fail, their buffers are released)."""
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+
+    def _close_transport(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
+    def close(self) -> None:
+        self.stop()
+        self._close_transport()
+
+
+class DecodeRole:
+    """The decode side of a session (see the module docstring). Built by the session."""
+
+    def __init__(self, session: OffloadSession, config: PDConfig) -> None:
+        sparse = session.config.sparse
+        if sparse is None:
+            raise ValueError("OffloadSession(pd.role='decode'): needs sparse decode offload")
+        if sparse.get("indexer_dtype") == "int8":
+            raise ValueError(
+                "OffloadSession(pd.role='decode'): prefill sends the floating indexer keys of its layer buffers; "
+                "sparse.indexer_dtype='int8' is not supported with P/D on the Hugging Face path"
+            )
+        self.session, self.config = session, config
+        self.receiver: DecodeReceiver | None = None
+        self._sparse: Any = None  # the sparse runtime the receiver writes into
+        #: the cache of the sequence started by :meth:`expect`
+        self.cache: Any = None
+        self._requests: list[int] = []
+
+    def reserve(self, batch: int, max_tokens: int) -> None:
+        """Size the session for ``batch`` requests of ``max_tokens`` tokens (prompt + generation) and
+        listen for prefill (the receiver binds ``kv_port`` and advertises it)."""
+        from torch_kvoffload.pd import DecodeReceiver
+
+        s = self.session
+        s.reserve(batch, max_tokens)
+        if self.receiver is not None and self._sparse is s.sparse_offload:
+            return
+        self.stop()
+        sp = s.sparse_offload
+        assert sp is not None
+        indexer = s.indexer_caches()
+        compat = _compatibility(s, [sp.pool.kv_c(0), sp.pool.k_pe(0)], indexer[0])
+        self.receiver = DecodeReceiver(self.config, pool=sp.pool, compat=compat, indexer=indexer)
+        self._sparse = sp
+
+    def expect(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, max_tokens: int
+    ) -> list[TransferTicket]:
+        """Start the sequence of prompt ``input_ids int64 [B, S]`` (``attention_mask [B, S]``, 0 = left
+        padding) whose KV prefill computes; reserve ``max_tokens`` (≥ ``S + 1``, padding included) per
+        request; return one ticket per batch row for :meth:`PrefillRole.submit`."""
+        from torch_kvoffload.pd import TransferTicket
+
+        where = "DecodeRole.expect"
+        if (
+            not isinstance(input_ids, torch.Tensor)
+            or input_ids.dim() != 2
+            or input_ids.dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"{where}: 'input_ids' must be an int tensor [B, S], got {getattr(input_ids, 'shape', input_ids)}"
+            )
+        B, S = input_ids.shape
+        if attention_mask is None:
+            mask = torch.ones(B, S, dtype=torch.bool)
+        elif not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != (B, S):
+            raise ValueError(
+                f"{where}: 'attention_mask' must be [{B}, {S}], got {getattr(attention_mask, 'shape', attention_mask)}"
+            )
+        else:
+            mask = attention_mask.to("cpu").bool()
+        if (S > 1 and not bool((mask[:, 1:].int() >= mask[:, :-1].int()).all())) or not bool(
+            mask[:, -1].all()
+        ):
+            raise ValueError(f"{where}: 'attention_mask' must be left padding (zeros, then ones)")
+        if not isinstance(max_tokens, int) or max_tokens <= S:
+            raise ValueError(f"{where}: max_tokens must be an int > the prompt width {S}, got {max_tokens!r}")
+        self.reserve(B, max_tokens)
+        s, recv = self.session, self.receiver
+        assert recv is not None
+        self._release()
+        ids = input_ids.to("cpu")
+        tokens = [ids[b][mask[b]].tolist() for b in range(B)]
+        self.cache = s.new_cache()
+        rids = s.begin_external_sequence(tokens, S, self.cache)
+        self.cache.seen_tokens = S
+        pool, bs, M = self._sparse.pool, s.block_size, s.blocks_per_request
+        tickets = []
+        for r, (rid, toks) in enumerate(zip(rids, tokens, strict=True)):
+            nb = math.ceil(len(toks) / bs)
+            main = pool.blocks_of(rid)[:nb]
+            part = recv.expect(rid, len(toks), main, list(range(r * M, r * M + nb)))
+            tickets.append(TransferTicket.combine(rid, len(toks), 0, main, [part]))
+            self._requests.append(rid)
+        return tickets
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until every request of the sequence was received on every decode rank; return
+        :attr:`cache`. Raises :class:`~torch_kvoffload.pd.PDTransferError` when a transfer failed (the
+        sequence must be recomputed), ``TimeoutError`` after ``timeout`` seconds."""
+        from torch_kvoffload.pd import all_ranks_ready
+
+        if self.receiver is None or not self._requests:
+            raise RuntimeError("DecodeRole.wait: no sequence is expected (call expect() first)")
+        for rid in self._requests:
+            self.receiver.wait_request(rid, timeout)
+        ready = all_ranks_ready([self.receiver.state(rid) for rid in self._requests])
+        assert ready
+        return self.cache
+
+    def _release(self) -> None:
+        if self.receiver is not None:
+            for rid in self._requests:
+                self.receiver.release(rid)
+        self._requests = []
+
+    def stop(self) -> None:
+        """Close the receiver (BYE to prefill, advertisement withdrawn)."""
+        if self.receiver is not None:
+            self._release()
+            self.receiver.close()
+            self.receiver = None
+            self._sparse = None
+
+    def close(self) -> None:
+        self.stop()

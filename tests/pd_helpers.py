@@ -63,11 +63,17 @@ def compat(fingerprint: str = "tiny-dsa"):
     )
 
 
+#: The heartbeat settings of the tests that time a dead peer's detection: dead after 4 missed 0.25 s beats.
+DEAD_PEER = dict(heartbeat_interval_s=0.25, heartbeat_misses=4)
+
+
 def config(role: str, **kw: Any):
     from torch_kvoffload.pd import PDConfig
 
+    # A 3 s dead-peer window: wide enough that a test whose two sides share one process (and its GIL) on
+    # a loaded machine never sees a live peer as dead; the tests about dead peers pass DEAD_PEER.
     base = dict(
-        heartbeat_interval_s=0.25, heartbeat_misses=4, layer_ack_timeout_s=5.0, handshake_timeout_s=20.0
+        heartbeat_interval_s=0.25, heartbeat_misses=12, layer_ack_timeout_s=5.0, handshake_timeout_s=20.0
     )
     base.update(kw)
     return PDConfig(role=role, **base)

@@ -8,7 +8,7 @@ prefill ranks wrote, computed independently of the transfer code.
 from __future__ import annotations
 
 import pytest
-from pd_helpers import run_pair
+from pd_helpers import DEAD_PEER, run_pair
 
 
 def _mooncake_missing() -> str | None:
@@ -86,7 +86,13 @@ def test_decode_killed_mid_transfer_fails_prefill_within_the_heartbeat_window(
     tmp_path, transport: str
 ) -> None:
     pre, dec = run_pair(
-        tmp_path, transport=transport, p_tp=2, d_tp=1, decode_fault="die-at:3", layer_sleep=0.1
+        tmp_path,
+        transport=transport,
+        p_tp=2,
+        d_tp=1,
+        decode_fault="die-at:3",
+        layer_sleep=0.1,
+        **DEAD_PEER,
     )
     assert dec.get("exitcode") == 3
     killed_at = float((tmp_path / "killed_at").read_text())
@@ -101,7 +107,13 @@ def test_decode_killed_mid_transfer_fails_prefill_within_the_heartbeat_window(
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_prefill_killed_mid_transfer_invalidates_decode(tmp_path, transport: str) -> None:
     pre, dec = run_pair(
-        tmp_path, transport=transport, p_tp=2, d_tp=1, prefill_fault="die-after:2", layer_sleep=0.1
+        tmp_path,
+        transport=transport,
+        p_tp=2,
+        d_tp=1,
+        prefill_fault="die-after:2",
+        layer_sleep=0.1,
+        **DEAD_PEER,
     )
     assert pre.get("exitcode") == 3
     assert all(s == ["failed"] for s in dec["states"].values()), dec

@@ -9,12 +9,23 @@ checked against the region bounds before the first byte moves.
 from __future__ import annotations
 
 import abc
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["ReadOp", "RemotePeer", "Transport", "TransportError", "check_ops", "flat_bytes"]
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "EngineTransport",
+    "ReadOp",
+    "RemotePeer",
+    "Transport",
+    "TransportError",
+    "check_ops",
+    "flat_bytes",
+]
 
 
 class TransportError(RuntimeError):
@@ -128,3 +139,75 @@ class Transport(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release the transport's resources; idempotent."""
+
+
+class EngineTransport(Transport):
+    """A transport over a transfer engine with ``register_memory(addr, nbytes) -> int``,
+    ``batch_transfer_sync_read(target, local_addrs, remote_addrs, lengths) -> int`` (0 = ok) and
+    ``unregister_memory(addr)`` — the API Mooncake's and MemFabric's engines share.
+
+    Subclasses set ``self._engine`` and ``self._target`` (the name a peer reads this instance by), and
+    ``target_key`` (the key of that name in :meth:`describe`).
+    """
+
+    target_key: str = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._engine: Any = None
+        self._target = ""
+        self._addrs: dict[str, int] = {}
+
+    def _register(self, region: str, data: torch.Tensor) -> None:
+        ptr = data.data_ptr()
+        rc = self._engine.register_memory(ptr, max(data.numel(), 1))
+        if rc != 0:
+            raise TransportError(f"{type(self).__name__}.register({region!r}): register_memory returned {rc}")
+        self._addrs[region] = ptr
+
+    def describe(self) -> dict:
+        return {
+            "kind": self.name,
+            self.target_key: self._target,
+            "regions": {r: {"addr": self._addrs[r], "nbytes": self._local[r].numel()} for r in self._addrs},
+        }
+
+    def _peer(self, description: dict, peer_name: str) -> RemotePeer:
+        """The peer a :meth:`describe` map names (its state: ``(target, region -> address)``)."""
+        target = description.get(self.target_key)
+        if description.get("kind") != self.name or not isinstance(target, str):
+            raise TransportError(
+                f"{type(self).__name__}.connect: peer {peer_name} does not describe {self.name} regions: "
+                f"{description.get('kind')!r}"
+            )
+        regions = description.get("regions", {})
+        addrs = {r: int(info["addr"]) for r, info in regions.items()}
+        sizes = {r: int(info["nbytes"]) for r, info in regions.items()}
+        return RemotePeer(f"{peer_name} ({target})", sizes, (target, addrs))
+
+    def connect(self, description: dict, peer_name: str) -> RemotePeer:
+        return self._peer(description, peer_name)
+
+    def _read(self, peer: RemotePeer, ops: list[ReadOp]) -> None:
+        target, addrs = peer.state
+        ops = [op for op in ops if op.nbytes]
+        lengths = [op.nbytes for op in ops]
+        rc = self._engine.batch_transfer_sync_read(
+            target,
+            [self._local[op.local].data_ptr() + op.local_offset for op in ops],
+            [addrs[op.remote] + op.remote_offset for op in ops],
+            lengths,
+        )
+        if rc != 0:
+            raise TransportError(
+                f"{type(self).__name__}.read: batch_transfer_sync_read of {len(lengths)} ranges "
+                f"({sum(lengths)} bytes) from peer {peer.name} returned {rc}"
+            )
+
+    def close(self) -> None:
+        for ptr in self._addrs.values():
+            try:
+                self._engine.unregister_memory(ptr)
+            except (RuntimeError, AttributeError) as exc:
+                logger.debug("unregister_memory failed: %s", exc)
+        self._addrs.clear()

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from torch_kvoffload.pd.transports.base import ReadOp, RemotePeer, Transport, TransportError
+from torch_kvoffload.pd.transports.base import EngineTransport, ReadOp, RemotePeer, TransportError
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +45,11 @@ def _probe_pattern(session: str) -> torch.Tensor:
     return torch.frombuffer(bytearray((digest * 2)[:_PROBE_BYTES]), dtype=torch.uint8)
 
 
-class MooncakeTransport(Transport):
+class MooncakeTransport(EngineTransport):
     """Host regions registered with a TransferEngine; reads pull from the peer's engine."""
 
     name = "mooncake"
+    target_key = "session"
 
     def __init__(
         self, hostname: str = "127.0.0.1", metadata_server: str = "P2PHANDSHAKE", protocol: str = "tcp"
@@ -67,10 +68,9 @@ class MooncakeTransport(Transport):
                 f"MooncakeTransport: TransferEngine.initialize({hostname!r}, {metadata_server!r}, "
                 f"{protocol!r}) returned {rc}"
             )
-        self.session = (
+        self.session = self._target = (
             f"{hostname}:{self._engine.get_rpc_port()}" if metadata_server == "P2PHANDSHAKE" else hostname
         )
-        self._addrs: dict[str, int] = {}
         self._probe = _probe_pattern(self.session).clone()
         self.register(_PROBE, self._probe)
 
@@ -79,30 +79,11 @@ class MooncakeTransport(Transport):
             raise TransportError(
                 f"MooncakeTransport.register({region!r}): this wheel moves host memory only, got {data.device}"
             )
-        ptr = data.data_ptr()
-        rc = self._engine.register_memory(ptr, max(data.numel(), 1))
-        if rc != 0:
-            raise TransportError(f"MooncakeTransport.register({region!r}): register_memory returned {rc}")
-        self._addrs[region] = ptr
-
-    def describe(self) -> dict:
-        return {
-            "kind": self.name,
-            "session": self.session,
-            "regions": {r: {"addr": self._addrs[r], "nbytes": self._local[r].numel()} for r in self._addrs},
-        }
+        super()._register(region, data)
 
     def connect(self, description: dict, peer_name: str) -> RemotePeer:
-        if description.get("kind") != self.name or not isinstance(description.get("session"), str):
-            raise TransportError(
-                f"MooncakeTransport.connect: peer {peer_name} does not describe Mooncake regions: "
-                f"{description.get('kind')!r}"
-            )
-        regions = description.get("regions", {})
-        addrs = {r: int(info["addr"]) for r, info in regions.items()}
-        sizes = {r: int(info["nbytes"]) for r, info in regions.items()}
-        peer = RemotePeer(f"{peer_name} ({description['session']})", sizes, (description["session"], addrs))
-        if _PROBE not in regions:
+        peer = self._peer(description, peer_name)
+        if _PROBE not in peer.sizes:
             raise TransportError(f"MooncakeTransport.connect: peer {peer_name} exports no probe region")
         # initialize() says 0 even for a transport that cannot move data: prove it with a real read
         scratch_name = f"{_PROBE}:{description['session']}"
@@ -118,23 +99,3 @@ class MooncakeTransport(Transport):
                 "the transport does not move data"
             )
         return peer
-
-    def _read(self, peer: RemotePeer, ops: list[ReadOp]) -> None:
-        session, addrs = peer.state
-        local = [self._local[op.local].data_ptr() + op.local_offset for op in ops if op.nbytes]
-        remote = [addrs[op.remote] + op.remote_offset for op in ops if op.nbytes]
-        lengths = [op.nbytes for op in ops if op.nbytes]
-        rc = self._engine.batch_transfer_sync_read(session, local, remote, lengths)
-        if rc != 0:
-            raise TransportError(
-                f"MooncakeTransport.read: batch_transfer_sync_read of {len(lengths)} ranges "
-                f"({sum(lengths)} bytes) from peer {peer.name} returned {rc}"
-            )
-
-    def close(self) -> None:
-        for ptr in self._addrs.values():
-            try:
-                self._engine.unregister_memory(ptr)
-            except (RuntimeError, AttributeError) as exc:
-                logger.debug("unregister_memory failed: %s", exc)
-        self._addrs.clear()

@@ -161,3 +161,44 @@ def test_compatibility_mismatches_name_each_field() -> None:
     assert {d.split(":")[0] for d in diffs} == {"num_layers", "indexer_layout", "model_fingerprint"}
     # a wire round trip (lists for tuples) does not make a difference
     assert a.mismatches(Compatibility.from_wire(msgpack.unpackb(msgpack.packb(a.to_wire())))) == []
+
+
+# ------------------------------------------------------------------- secret and message-size fields
+def test_secret_is_hidden_from_repr_and_json_but_kept_where_the_config_travels() -> None:
+    import pickle
+
+    from torch_kvoffload import OffloadConfig
+
+    value = f"s3cr3t-{random.getrandbits(32):08x}"
+    cfg = PDConfig(role="decode", secret=value)
+    assert cfg.secret.get_secret_value() == value
+    for text in (repr(cfg), str(cfg), cfg.model_dump_json(), repr(cfg.model_dump())):
+        assert value not in text
+    # to another process (pickle), through a python dump and inside an OffloadConfig it survives
+    assert pickle.loads(pickle.dumps(cfg)).secret.get_secret_value() == value
+    assert PDConfig(**cfg.model_dump()).secret.get_secret_value() == value
+    assert OffloadConfig(sparse={}, pd=cfg).pd.secret.get_secret_value() == value
+    # a JSON dump holds the mask: reloading it is an error, not a config with a wrong secret
+    with pytest.raises(ValueError, match="mask"):
+        PDConfig.model_validate_json(cfg.model_dump_json())
+    assert PDConfig(role="decode", secret_file="/etc/kv.key").secret_file == "/etc/kv.key"
+    assert PDConfig(role="decode").max_message_bytes == 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(secret=""), "secret is empty"),
+        (dict(secret="**********"), "mask"),
+        (dict(secret="a", secret_file="/k"), "not both"),
+        (dict(secret_file=""), "secret_file must be a path"),
+        (dict(max_message_bytes=1024), "max_message_bytes"),
+        (dict(max_message_bytes=(1 << 30) + 1), "max_message_bytes"),
+        (dict(max_message_bytes=-1), "max_message_bytes"),
+    ],
+)
+def test_secret_and_message_size_rejections(kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        PDConfig(role="decode", **kw)
+    PDConfig(role="decode", max_message_bytes=1025)
+    PDConfig(role="decode", max_message_bytes=1 << 30)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from torch_kvoffload._utils import check_int
 from torch_kvoffload.config import ConfigModel, parse_lax_bool
 from torch_kvoffload.sparse.config import control_plane_port
 
 __all__ = ["TRANSPORTS", "PDConfig", "decode_rank_of", "endpoint_port", "split_range"]
+
+_MASK = str(SecretStr("x"))  # what str() and JSON dumps write instead of a secret
 
 #: Bulk-data transports: same-host shared memory, Mooncake TransferEngine (TCP / RDMA), MemFabric (Ascend).
 TRANSPORTS = ("shm", "mooncake", "memfabric")
@@ -71,6 +73,11 @@ class PDConfig(ConfigModel):
         ``"rdma"``) and metadata server (``"P2PHANDSHAKE"``: none needed).
     memfabric_store_url : ``tcp://ip:port`` of the MemFabric config store (``"memfabric"`` transport).
     kvpp_enabled : whether KVPP is on for this node; a decode-only node cannot run KVPP.
+    secret, secret_file : the shared secret every control-plane peer proves before it is heard — the
+        value itself (kept out of ``repr``, ``str`` and JSON dumps) or the path of a key file holding it
+        (its owner and mode are checked where it is read); at most one of them.
+    max_message_bytes : the largest control-plane message a socket accepts (ZMQ ``MAXMSGSIZE``); a
+        bigger one drops the connection. 1 KiB < value <= 1 GiB (default 1 MiB).
     """
 
     role: Literal["prefill", "decode"]
@@ -91,11 +98,37 @@ class PDConfig(ConfigModel):
     mooncake_metadata_server: str = "P2PHANDSHAKE"
     memfabric_store_url: str | None = None
     kvpp_enabled: bool = False
+    secret: SecretStr | None = None
+    secret_file: str | None = None
+    max_message_bytes: int = Field(default=1 << 20, gt=1 << 10, le=1 << 30)
 
     @field_validator("kvpp_enabled", mode="before")
     @classmethod
     def _lax_bool(cls, value: Any, info: Any) -> bool:
         return parse_lax_bool(info.field_name, value)
+
+    @field_validator("secret")
+    @classmethod
+    def _secret(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:
+            return value
+        text = value.get_secret_value()
+        if not text:
+            raise ValueError("pd: secret is empty; expected a non-empty shared secret (or use secret_file)")
+        if text == _MASK:
+            # a JSON dump writes the mask in place of the secret: reloading it must not pass for a secret
+            raise ValueError(
+                f"pd: secret is the mask {_MASK!r} a JSON dump writes in its place; pass the secret itself "
+                "or secret_file"
+            )
+        return value
+
+    @field_validator("secret_file")
+    @classmethod
+    def _secret_file(cls, value: str | None) -> str | None:
+        if value is not None and (not value.strip() or "\0" in value):
+            raise ValueError(f"pd: secret_file must be a path, got {value!r}")
+        return value
 
     @field_validator("transport", mode="before")
     @classmethod
@@ -124,6 +157,8 @@ class PDConfig(ConfigModel):
             )
         if self.kvpp_enabled and self.role == "decode":
             raise ValueError("pd: KVPP cannot be enabled on a decode-only node (role='decode')")
+        if self.secret is not None and self.secret_file is not None:
+            raise ValueError("pd: give secret or secret_file, not both")
         if self.transport == "memfabric" and not self.memfabric_store_url:
             raise ValueError("pd: transport 'memfabric' needs memfabric_store_url ('tcp://ip:port')")
         return self

@@ -43,8 +43,8 @@ def test_defaults_detect_a_dead_peer_in_about_two_seconds() -> None:
         (dict(transport="rdma-magic"), "unknown transport"),
         (dict(kvpp_enabled="true"), "KVPP"),
         (dict(transport="memfabric"), "memfabric_store_url"),
-        (dict(heartbeat_interval_s=0), "greater than 0"),
-        (dict(read_retries=-1), "greater than or equal to 0"),
+        (dict(heartbeat_interval_s=0), "heartbeat_interval_s expected a finite number of seconds"),
+        (dict(read_retries=-1), r"read_retries expected an int in 0\.\.100"),
         (dict(unknown_field=1), "unknown_field"),
     ],
 )
@@ -202,3 +202,105 @@ def test_secret_and_message_size_rejections(kw: dict, match: str) -> None:
         PDConfig(role="decode", **kw)
     PDConfig(role="decode", max_message_bytes=1025)
     PDConfig(role="decode", max_message_bytes=1 << 30)
+
+
+# ---------------------------------------------------------------- values that are not what they claim
+_TIME_FIELDS = ["handshake_timeout_s", "layer_ack_timeout_s", "heartbeat_interval_s"]
+
+
+@pytest.mark.parametrize("field", _TIME_FIELDS)
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), "inf", "nan", 0, -1.0, 1e9])
+def test_time_fields_must_be_finite_positive_seconds(field: str, value) -> None:
+    with pytest.raises(ValueError, match=rf"{field}.*expected.*got"):
+        PDConfig(role="decode", **{field: value})
+
+
+@pytest.mark.parametrize("field", _TIME_FIELDS)
+def test_time_fields_accept_sane_values(field: str) -> None:
+    assert getattr(PDConfig(role="decode", **{field: 0.05}), field) == 0.05
+    assert getattr(PDConfig(role="decode", **{field: "2.5"}), field) == 2.5
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("read_retries", -1), ("read_retries", 101), ("read_retries", 10**9),
+     ("heartbeat_misses", 0), ("heartbeat_misses", 101), ("heartbeat_misses", -3)],
+)  # fmt: skip
+def test_retry_counts_are_bounded(field: str, value: int) -> None:
+    with pytest.raises(ValueError, match=rf"{field}.*expected.*got {value}"):
+        PDConfig(role="decode", **{field: value})
+    PDConfig(role="decode", **{field: 100})
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["", " ", "127.0.0.1 ", "local host", "*", "0.0.0.0", "tcp://127.0.0.1", "127.0.0.1:5555",
+     "http://example.com", "host/path", "-bad.example", "bad-.example", "a" * 64 + ".example",
+     "x." * 127 + "y", "256.1.1.1", "1.2.3", "224.0.0.1", "255.255.255.255", "::1", "[::1]", "h\x00st",
+     "under_score.example"],
+)  # fmt: skip
+def test_host_must_be_an_ipv4_address_or_a_host_name(host: str) -> None:
+    with pytest.raises(ValueError, match=r"host.*expected.*got"):
+        PDConfig(role="decode", host=host)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "10.1.2.3", "localhost", "node-7.cluster.local", "eth0", "a1"])
+def test_good_hosts_are_kept(host: str) -> None:
+    assert PDConfig(role="decode", host=host).host == host
+
+
+@pytest.mark.parametrize("protocol", ["", "udp", "rdma-magic", "tcp://", "nvlink ", "*"])
+def test_unknown_mooncake_protocol_rejected(protocol: str) -> None:
+    with pytest.raises(ValueError, match=r"mooncake_protocol.*expected.*got"):
+        PDConfig(role="decode", mooncake_protocol=protocol)
+
+
+@pytest.mark.parametrize(("given", "kept"), [("tcp", "tcp"), ("rdma", "rdma"), ("RDMA", "rdma")])
+def test_mooncake_protocols_accepted(given: str, kept: str) -> None:
+    assert PDConfig(role="decode", mooncake_protocol=given).mooncake_protocol == kept
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["", "   ", "ftp://host/x", "file:///tmp/rdv", "zmq://h:1", "http://", "http:///metadata",
+     "http://host:0/metadata", "http://host:99999/metadata", "http://host:port/metadata",
+     "http://ho st/metadata", "https://*/metadata", "http://u:p@host/metadata", "/tmp/a\x00b",
+     "http:/host/metadata", "HTTPS:host"],
+)  # fmt: skip
+def test_rendezvous_must_be_a_directory_or_an_http_url(where: str) -> None:
+    with pytest.raises(ValueError, match=r"rendezvous.*expected.*got"):
+        PDConfig(role="decode", rendezvous=where)
+
+
+@pytest.mark.parametrize(
+    "where", [None, "/tmp/kv-rdv", "relative/dir", "http://127.0.0.1:8080/metadata", "https://meta.example/m"]
+)
+def test_good_rendezvous_kept(where) -> None:
+    assert PDConfig(role="decode", rendezvous=where).rendezvous == where
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("mooncake_metadata_server", ""), ("mooncake_metadata_server", "p2p"),
+     ("mooncake_metadata_server", "ftp://h:1"), ("mooncake_metadata_server", "http://"),
+     ("memfabric_store_url", "http://127.0.0.1:1"), ("memfabric_store_url", "tcp://127.0.0.1"),
+     ("memfabric_store_url", "tcp://*:5"), ("memfabric_store_url", "tcp://127.0.0.1:70000"),
+     ("memfabric_store_url", "127.0.0.1:5")],
+)  # fmt: skip
+def test_service_addresses_rejected(field: str, value: str) -> None:
+    with pytest.raises(ValueError, match=rf"{field}.*expected.*got"):
+        PDConfig(role="decode", **{field: value})
+
+
+def test_service_addresses_accepted() -> None:
+    for server in ("P2PHANDSHAKE", "http://10.0.0.1:8080/metadata", "etcd://10.0.0.1:2379",
+                   "redis://meta.example:6379"):  # fmt: skip
+        assert PDConfig(role="decode", mooncake_metadata_server=server).mooncake_metadata_server == server
+    cfg = PDConfig(role="decode", transport="memfabric", memfabric_store_url="tcp://10.0.0.2:7000")
+    assert cfg.memfabric_store_url == "tcp://10.0.0.2:7000"
+
+
+def test_a_rejection_then_a_good_config() -> None:
+    with pytest.raises(ValueError, match="handshake_timeout_s"):
+        PDConfig(role="decode", handshake_timeout_s=float("nan"))
+    assert PDConfig(role="decode", handshake_timeout_s=3.0).handshake_timeout_s == 3.0

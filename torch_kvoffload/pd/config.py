@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ipaddress
+import math
+import re
+import urllib.parse
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -12,6 +16,16 @@ from torch_kvoffload.sparse.config import control_plane_port
 
 __all__ = ["TRANSPORTS", "PDConfig", "decode_rank_of", "endpoint_port", "split_range"]
 
+#: Mooncake TransferEngine protocols a P/D deployment may ask for (the TCP / RDMA engines of the wheel).
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+#: Schemes of a Mooncake metadata server URL (besides ``"P2PHANDSHAKE"``: no server).
+MOONCAKE_METADATA_SCHEMES = ("http", "https", "etcd", "redis")
+#: Upper bound of every timeout / interval: far beyond any useful wait, far below ``threading.TIMEOUT_MAX``.
+MAX_SECONDS = 86400.0
+#: Upper bound of retry / miss counts.
+MAX_RETRIES = 100
+
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 _MASK = str(SecretStr("x"))  # what str() and JSON dumps write instead of a secret
 
 #: Bulk-data transports: same-host shared memory, Mooncake TransferEngine (TCP / RDMA), MemFabric (Ascend).
@@ -47,6 +61,53 @@ def split_range(n: int, parts: int, index: int) -> tuple[int, int]:
     return begin, begin + base + (1 if index < extra else 0)
 
 
+def check_host(field: str, value: Any) -> str:
+    """``value`` if it is a concrete IPv4 address or an RFC 1123 host name (it becomes the host of a
+    ``tcp://host:port`` endpoint that is both bound and advertised); ``ValueError`` naming ``field``
+    otherwise."""
+    expected = "an IPv4 address (not 0.0.0.0, multicast or broadcast) or an RFC 1123 host name"
+    if not isinstance(value, str):
+        raise ValueError(f"pd: {field} expected {expected}, got {value!r}")
+    try:
+        addr = ipaddress.ip_address(value)
+    except ValueError:
+        addr = None
+    if addr is not None:
+        if addr.version != 4:
+            raise ValueError(
+                f"pd: {field} expected {expected}, got {value!r} (IPv6 endpoints are not supported)"
+            )
+        if addr.is_unspecified or addr.is_multicast or value == "255.255.255.255":
+            raise ValueError(f"pd: {field} expected {expected}, got {value!r} (peers cannot connect to it)")
+        return value
+    labels = value[:-1].split(".") if value.endswith(".") else value.split(".")
+    if (
+        not value
+        or len(value) > 253
+        or not all(_LABEL.fullmatch(label) for label in labels)
+        or labels[-1].isdigit()  # a malformed dotted IPv4 address, not a name
+    ):
+        raise ValueError(f"pd: {field} expected {expected}, got {value!r}")
+    return value
+
+
+def _check_url(field: str, value: str, schemes: tuple[str, ...], *, need_port: bool = False) -> str:
+    """``value`` if it is ``scheme://host[:port][/path]`` with ``scheme`` in ``schemes``, a valid host,
+    a port in 1..65535 (required with ``need_port``) and no credentials."""
+    expected = f"a URL {'|'.join(schemes)}://host{':port' if need_port else '[:port]'}[/path]"
+    try:
+        url = urllib.parse.urlsplit(value)
+        port = url.port
+    except ValueError as exc:
+        raise ValueError(f"pd: {field} expected {expected}, got {value!r} ({exc})") from None
+    if url.scheme not in schemes or not url.hostname or url.username is not None or url.password is not None:
+        raise ValueError(f"pd: {field} expected {expected}, got {value!r}")
+    if (need_port and port is None) or port == 0 or any(c.isspace() for c in value):
+        raise ValueError(f"pd: {field} expected {expected}, got {value!r}")
+    check_host(f"{field} host", url.hostname)
+    return value
+
+
 class PDConfig(ConfigModel):
     """Disaggregated prefill -> decode KV transfer.
 
@@ -55,7 +116,8 @@ class PDConfig(ConfigModel):
     role : ``"prefill"`` (sends KV) or ``"decode"`` (pulls it).
     transport : ``"shm"`` (same host, default), ``"mooncake"`` (Mooncake TransferEngine) or
         ``"memfabric"`` (``memfabric_hybrid``, Ascend).
-    host : the address decode endpoints bind and advertise (loopback by default).
+    host : the address decode endpoints bind and advertise (loopback by default): an IPv4 address other
+        than 0.0.0.0 / multicast / broadcast, or an RFC 1123 host name.
     kv_port : base control-plane port; decode rank ``(dp, tp)`` listens on
         :func:`endpoint_port` ``(kv_port, dp, tp, d_tp_size)``, which must lie in 1..65535 for every rank.
     p_tp_size, p_dp_size, d_tp_size, d_dp_size : parallel sizes of both sides; ``p_tp_size >= d_tp_size``
@@ -66,11 +128,15 @@ class PDConfig(ConfigModel):
     read_retries : extra attempts of a failed bulk read before READ_FAILED.
     heartbeat_interval_s, heartbeat_misses : both sides send a heartbeat every interval; a peer silent
         for ``interval * misses`` (default 0.4 s * 4 = 1.6 s) is dead.
+        Every ``*_s`` field is a finite number of seconds in (0, 86400]; ``read_retries`` is in 0..100,
+        ``heartbeat_misses`` in 1..100.
     rendezvous : where decode advertises its endpoints — a directory (embedded default; one host) or a
-        Mooncake HTTP metadata server URL ``http://host:port/metadata``; ``None``: a directory under the
-        system temp dir named after ``kv_port``.
+        Mooncake HTTP metadata server URL ``http(s)://host[:port]/path``; ``None``: a directory under the
+        system temp dir named after ``kv_port``. The directory and its records must belong to the user
+        and not be group / world writable.
     mooncake_protocol, mooncake_metadata_server : Mooncake TransferEngine protocol (``"tcp"`` /
-        ``"rdma"``) and metadata server (``"P2PHANDSHAKE"``: none needed).
+        ``"rdma"``) and metadata server (``"P2PHANDSHAKE"``: none needed; else an
+        ``http(s)`` / ``etcd`` / ``redis`` ``://host[:port]`` URL).
     memfabric_store_url : ``tcp://ip:port`` of the MemFabric config store (``"memfabric"`` transport).
     kvpp_enabled : whether KVPP is on for this node; a decode-only node cannot run KVPP.
     secret, secret_file : the shared secret every control-plane peer proves before it is heard — the
@@ -88,11 +154,11 @@ class PDConfig(ConfigModel):
     p_dp_size: int = Field(default=1, ge=1)
     d_tp_size: int = Field(default=1, ge=1)
     d_dp_size: int = Field(default=1, ge=1)
-    handshake_timeout_s: float = Field(default=100.0, gt=0)
-    layer_ack_timeout_s: float = Field(default=10.0, gt=0)
-    read_retries: int = Field(default=2, ge=0)
-    heartbeat_interval_s: float = Field(default=0.4, gt=0)
-    heartbeat_misses: int = Field(default=4, ge=1)
+    handshake_timeout_s: float = 100.0
+    layer_ack_timeout_s: float = 10.0
+    read_retries: int = 2
+    heartbeat_interval_s: float = 0.4
+    heartbeat_misses: int = 4
     rendezvous: str | None = None
     mooncake_protocol: str = "tcp"
     mooncake_metadata_server: str = "P2PHANDSHAKE"
@@ -106,6 +172,62 @@ class PDConfig(ConfigModel):
     @classmethod
     def _lax_bool(cls, value: Any, info: Any) -> bool:
         return parse_lax_bool(info.field_name, value)
+
+    @field_validator("handshake_timeout_s", "layer_ack_timeout_s", "heartbeat_interval_s")
+    @classmethod
+    def _seconds(cls, value: float, info: Any) -> float:
+        if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
+            raise ValueError(
+                f"pd: {info.field_name} expected a finite number of seconds in (0, {MAX_SECONDS:g}], got {value!r}"
+            )
+        return value
+
+    @field_validator("read_retries", "heartbeat_misses")
+    @classmethod
+    def _count(cls, value: int, info: Any) -> int:
+        low = 0 if info.field_name == "read_retries" else 1
+        if not low <= value <= MAX_RETRIES:
+            raise ValueError(f"pd: {info.field_name} expected an int in {low}..{MAX_RETRIES}, got {value!r}")
+        return value
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, value: str, info: Any) -> str:
+        return check_host(info.field_name, value)
+
+    @field_validator("mooncake_protocol", mode="before")
+    @classmethod
+    def _mooncake_protocol(cls, value: Any) -> str:
+        name = value.lower() if isinstance(value, str) else value
+        if name not in MOONCAKE_PROTOCOLS:
+            raise ValueError(
+                f"pd: mooncake_protocol expected one of {list(MOONCAKE_PROTOCOLS)}, got {value!r}"
+            )
+        return name
+
+    @field_validator("mooncake_metadata_server")
+    @classmethod
+    def _metadata_server(cls, value: str, info: Any) -> str:
+        if value == "P2PHANDSHAKE":
+            return value
+        return _check_url(info.field_name, value, MOONCAKE_METADATA_SCHEMES)
+
+    @field_validator("memfabric_store_url")
+    @classmethod
+    def _store_url(cls, value: str | None, info: Any) -> str | None:
+        return value if value is None else _check_url(info.field_name, value, ("tcp",), need_port=True)
+
+    @field_validator("rendezvous")
+    @classmethod
+    def _rendezvous(cls, value: str | None, info: Any) -> str | None:
+        if value is None:
+            return value
+        expected = "a directory path or an http(s)://host[:port]/path URL of a Mooncake metadata server"
+        if "://" in value or value.lower().startswith(("http:", "https:")):
+            return _check_url(info.field_name, value, ("http", "https"))
+        if not value.strip() or "\0" in value or re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:/", value):
+            raise ValueError(f"pd: rendezvous expected {expected}, got {value!r}")
+        return value
 
     @field_validator("secret")
     @classmethod

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, StrictInt, field_validator, model_validator
 
 from torch_kvoffload.config import ConfigModel
 from torch_kvoffload.kvpp.config import KVPPConfig
 from torch_kvoffload.layerwise.config import LayerwiseConfig
 from torch_kvoffload.pd.config import PDConfig
-from torch_kvoffload.sparse.config import SparseDecodeConfig
+from torch_kvoffload.sparse.config import MAX_BLOCK_SIZE, SparseDecodeConfig
 
 if TYPE_CHECKING:
     import torch
@@ -52,14 +52,21 @@ class OffloadConfig(ConfigModel):
     buffers are exported to the decode peer), ``role="decode"`` needs ``sparse`` (the KV arrives in the
     sparse host pool and indexer cache) and excludes KVPP.
     ``block_size``: tokens per block of every cache the session pages (layer buffers, store records, host
-    pool, indexer cache); default ``sparse.block_size`` if given, else 128.
+    pool, indexer cache); default ``sparse.block_size`` if given, else 128; an int in
+    ``[1, MAX_BLOCK_SIZE]`` (a bool is rejected).
+
+    Sizes are checked before anything is allocated, each ``ValueError`` naming the field: the store's at
+    configuration (:class:`~torch_kvoffload.store.factory.StoreConfig`), the sparse ones' bounds at
+    configuration (:class:`~torch_kvoffload.sparse.config.SparseDecodeConfig`), and the host pool the
+    model and the generation imply against the machine's physical memory when it is sized
+    (:meth:`sparse_config`).
     """
 
     layerwise: LayerwiseConfig | None = None
     sparse: dict[str, Any] | None = None
     kvpp: KVPPConfig | None = None
     pd: PDConfig | None = None
-    block_size: int | None = Field(default=None, ge=1)
+    block_size: StrictInt | None = Field(default=None, ge=1, le=MAX_BLOCK_SIZE)
 
     @field_validator("sparse", mode="before")
     @classmethod
@@ -78,6 +85,9 @@ class OffloadConfig(ConfigModel):
         trial = dict(value)
         trial.setdefault("top_k", trial.get("capacity") or 1)
         trial.setdefault("host_pool_blocks", 1)
+        trial.setdefault(
+            "block_size", 1
+        )  # OffloadConfig.block_size is checked with the pool in sparse_config
         SparseDecodeConfig.model_validate(trial)
         return dict(value)
 
@@ -173,10 +183,16 @@ class OffloadConfig(ConfigModel):
         return int((self.sparse or {}).get("block_size", DEFAULT_BLOCK_SIZE))
 
     def sparse_config(self, spec: ModelSpec, *, host_pool_blocks: int) -> SparseDecodeConfig:
-        """The full :class:`SparseDecodeConfig` for ``spec`` (``ValueError`` if sparse is off)."""
+        """The full :class:`SparseDecodeConfig` for ``spec``.
+
+        ``ValueError`` if sparse is off, a field is out of bounds, or the host pool it sizes (``spec``'s
+        layers x ``host_pool_blocks`` x ``block_size`` rows of the main KV) exceeds this machine's physical
+        memory (naming ``host_pool_blocks``).
+        """
         if self.sparse is None:
             raise ValueError("OffloadConfig.sparse_config: sparse decode offload is off")
         from torch_kvoffload._utils import dtype_name
+        from torch_kvoffload.store.factory import check_host_bytes
 
         fields = {
             "top_k": spec.index_topk,
@@ -185,7 +201,13 @@ class OffloadConfig(ConfigModel):
             **self.sparse,
             "block_size": self.resolved_block_size,
         }
-        return SparseDecodeConfig.model_validate(fields)
+        cfg = SparseDecodeConfig.model_validate(fields)
+        row_bytes = (spec.kv_lora_rank + spec.rope_dim) * cfg.torch_kv_dtype.itemsize
+        pool = spec.num_layers * cfg.host_pool_blocks * cfg.block_size * row_bytes
+        check_host_bytes(
+            f"sparse decode offload of {spec.model_class}", "host_pool_blocks (the host pool)", pool
+        )
+        return cfg
 
 
 def offload(model: torch.nn.Module, config: OffloadConfig | dict[str, Any] | None = None) -> torch.nn.Module:

@@ -5,16 +5,34 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, StrictInt, field_validator, model_validator
 
 from torch_kvoffload._utils import dtype_name, parse_dtype
 from torch_kvoffload.config import ConfigModel, parse_lax_bool
 
-__all__ = ["MAIN_KV_DTYPES", "SparseDecodeConfig", "control_plane_port"]
+__all__ = [
+    "MAIN_KV_DTYPES",
+    "MAX_BLOCK_SIZE",
+    "MAX_CAPACITY",
+    "MAX_POOL_ROWS",
+    "MAX_TOP_K",
+    "SparseDecodeConfig",
+    "control_plane_port",
+]
 
 #: Main-KV dtypes the sparse ops (``sparse_mla_attention``, Copy-SFA) run: bf16 in production, fp32 for
 #: testing. fp16 is a plain floating type too, but no sparse kernel computes in it.
 MAIN_KV_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
+
+#: Largest tokens per block of any paged cache (a block is the unit of every transfer and allocation).
+MAX_BLOCK_SIZE = 1 << 16
+#: Largest sparse top-k (rows selected per query and layer).
+MAX_TOP_K = 1 << 16
+#: Largest hot-buffer capacity (rows per decode row and layer).
+MAX_CAPACITY = 1 << 18
+#: Largest host pool, in rows per layer (``host_pool_blocks * block_size``): positions and block ids are
+#: int32 in the sparse ops' tables.
+MAX_POOL_ROWS = (1 << 31) - 1
 
 
 class SparseDecodeConfig(ConfigModel):
@@ -34,20 +52,25 @@ class SparseDecodeConfig(ConfigModel):
     is not a plain floating type (packed / quantised main caches such as int8, fp8, C8, TQ4) or that no
     sparse op runs (fp16);
     ``context_parallel_size > 1``; ``pipeline_parallel_size > 1``; ``hybrid_kv_layout``.
+
+    Sizes are plain ints (a bool, a float or a string is rejected) within bounds: ``1 <= top_k <=
+    MAX_TOP_K``, ``1 <= capacity <= MAX_CAPACITY``, ``1 <= block_size <= MAX_BLOCK_SIZE`` and
+    ``host_pool_blocks * block_size <= MAX_POOL_ROWS``; a size out of bounds is a ``ValueError`` naming
+    the field.
     """
 
-    top_k: int = Field(gt=0)
-    capacity: int | None = Field(default=None, gt=0)
-    host_pool_blocks: int = Field(gt=0)
-    block_size: int = Field(default=128, gt=0)
+    top_k: StrictInt = Field(gt=0, le=MAX_TOP_K)
+    capacity: StrictInt | None = Field(default=None, gt=0, le=MAX_CAPACITY)
+    host_pool_blocks: StrictInt = Field(gt=0)
+    block_size: StrictInt = Field(default=128, gt=0, le=MAX_BLOCK_SIZE)
     policy: Literal["lru", "score"] = "lru"
     indexer_dtype: Literal["bf16", "int8"] = "bf16"
     kv_dtype: str = "bf16"
     fused: bool = True
-    tensor_parallel_size: int = Field(default=1, gt=0)
-    data_parallel_size: int = Field(default=1, gt=0)
-    context_parallel_size: int = Field(default=1, gt=0)
-    pipeline_parallel_size: int = Field(default=1, gt=0)
+    tensor_parallel_size: StrictInt = Field(default=1, gt=0)
+    data_parallel_size: StrictInt = Field(default=1, gt=0)
+    context_parallel_size: StrictInt = Field(default=1, gt=0)
+    pipeline_parallel_size: StrictInt = Field(default=1, gt=0)
     hybrid_kv_layout: bool = False
 
     @field_validator("fused", "hybrid_kv_layout", mode="before")
@@ -83,6 +106,12 @@ class SparseDecodeConfig(ConfigModel):
             raise ValueError(
                 f"sparse decode offload: hot-buffer capacity {self.capacity} is smaller than top_k "
                 f"{self.top_k}; every selected row must fit (capacity >= top_k, default 2 * top_k)"
+            )
+        if self.host_pool_blocks * self.block_size > MAX_POOL_ROWS:
+            raise ValueError(
+                f"sparse decode offload: host_pool_blocks {self.host_pool_blocks} x block_size {self.block_size} "
+                f"= {self.host_pool_blocks * self.block_size} rows per layer exceeds {MAX_POOL_ROWS} (positions "
+                "and block ids are int32)"
             )
         if self.policy == "score" and self.indexer_dtype == "int8":
             raise ValueError(

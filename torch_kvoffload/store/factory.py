@@ -7,15 +7,17 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, StrictInt, field_validator, model_validator
 
 from torch_kvoffload.config import ConfigModel
 from torch_kvoffload.store.base import KVStore
 
-__all__ = ["StoreConfig", "build_store", "create_store", "parse_bytes"]
+__all__ = ["StoreConfig", "build_store", "create_store", "parse_bytes", "physical_memory_bytes"]
 
 _UNITS = {
     "": 1,
@@ -51,6 +53,25 @@ def parse_bytes(name: str, value: Any) -> int:
     raise ValueError(f"{name}: expected a byte count such as 1073741824 or '1GiB', got {value!r}")
 
 
+@functools.cache
+def physical_memory_bytes() -> int:
+    """This machine's physical memory (``SC_PHYS_PAGES * SC_PAGE_SIZE``); ``0`` where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def check_host_bytes(where: str, name: str, nbytes: int) -> None:
+    """``ValueError`` naming ``name`` when ``nbytes`` of host memory exceed the machine's physical memory."""
+    ram = physical_memory_bytes()
+    if ram and nbytes > ram:
+        raise ValueError(
+            f"{where}: {name} = {nbytes} bytes exceeds this machine's physical memory ({ram} bytes); "
+            "it could never be allocated"
+        )
+
+
 _LOCAL = {"alignment", "pin_memory"}
 _MOONCAKE = {
     "master_server_addr",
@@ -76,12 +97,18 @@ class StoreConfig(ConfigModel):
 
     ``capacity_bytes`` applies to every kind (for the remote kinds: this client's share). Every other
     option belongs to one kind; setting it for another kind is an error.
+
+    Sizes are checked against what this machine can allocate: the host memory a store takes here — the
+    ``local`` arena (``capacity_bytes``), the segment a ``mooncake`` client lends (``global_segment_size``,
+    by default ``max(capacity_bytes, 16 MiB)``) and its ``local_buffer_size`` — may not exceed the
+    physical memory (:func:`physical_memory_bytes`); a ``ValueError`` names the field. Integer options
+    are plain ints (a bool is rejected); byte sizes also take strings such as ``"4GiB"``.
     """
 
     kind: Literal["local", "mooncake", "memcache"] = "local"
     capacity_bytes: int = Field(default=1 << 30, gt=0)
     # local
-    alignment: int = Field(default=1, ge=1)
+    alignment: StrictInt = Field(default=1, ge=1)
     pin_memory: bool | None = None
     # mooncake
     master_server_addr: str | None = None
@@ -91,10 +118,10 @@ class StoreConfig(ConfigModel):
     rdma_devices: str = ""
     global_segment_size: int | None = Field(default=None, ge=0)
     local_buffer_size: int = Field(default=16 << 20, ge=0)
-    replica_num: int = Field(default=1, ge=1)
-    setup_retries: int | None = Field(default=None, ge=1)
+    replica_num: StrictInt = Field(default=1, ge=1)
+    setup_retries: StrictInt | None = Field(default=None, ge=1)
     # memcache
-    device_id: int = Field(default=0, ge=0)
+    device_id: StrictInt = Field(default=0, ge=0)
     config_path: str | None = None
     init_bm: bool = True
 
@@ -118,6 +145,16 @@ class StoreConfig(ConfigModel):
             raise ValueError(f"store kind {self.kind!r} does not take: {owners}")
         if self.kind == "mooncake" and (not self.master_server_addr or not self.metadata_server):
             raise ValueError("store kind 'mooncake' needs master_server_addr and metadata_server")
+        if self.kind == "local":
+            check_host_bytes("StoreConfig", "capacity_bytes", self.capacity_bytes)
+        if self.kind == "mooncake":
+            if self.global_segment_size is None:
+                check_host_bytes(
+                    "StoreConfig", "capacity_bytes (the default global_segment_size)", self.capacity_bytes
+                )
+            else:
+                check_host_bytes("StoreConfig", "global_segment_size", self.global_segment_size)
+            check_host_bytes("StoreConfig", "local_buffer_size", self.local_buffer_size)
         return self
 
     def build(self) -> KVStore:

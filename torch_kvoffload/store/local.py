@@ -52,6 +52,7 @@ from torch_kvoffload.store.base import (
     leased_keys,
     tensor_bytes,
 )
+from torch_kvoffload.store.factory import check_host_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class LocalKVStore(KVStore):
 
     def __init__(self, capacity_bytes: int, *, alignment: int = 1, pin_memory: bool | None = None) -> None:
         capacity_bytes = check_int("LocalKVStore", "capacity_bytes", capacity_bytes, minimum=1)
+        check_host_bytes("LocalKVStore", "capacity_bytes", capacity_bytes)
         if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
             raise ValueError(f"LocalKVStore: alignment must be an int >= 1, got {alignment!r}")
         if alignment & (alignment - 1):

@@ -32,6 +32,7 @@ import torch
 
 from torch_kvoffload.store._remote import RemoteKVStore
 from torch_kvoffload.store.base import StoreError, StoreUnavailableError, check_host_tensor
+from torch_kvoffload.store.factory import check_host_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,8 @@ class MooncakeKVStore(RemoteKVStore):
             raise ValueError(f"MooncakeKVStore: protocol must be 'tcp' or 'rdma', got {protocol!r}")
         if global_segment_size is None:
             global_segment_size = max(capacity_bytes, MIN_SEGMENT)
+        check_host_bytes("MooncakeKVStore", "global_segment_size", global_segment_size)
+        check_host_bytes("MooncakeKVStore", "local_buffer_size", local_buffer_size)
         if 0 < global_segment_size < MIN_SEGMENT:
             raise ValueError(
                 f"MooncakeKVStore: global_segment_size must be 0 or >= {MIN_SEGMENT} bytes, got {global_segment_size}"

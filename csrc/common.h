@@ -74,6 +74,13 @@ inline void check_index_tensor(
       " dimensions, got shape ", shape_str(t));
 }
 
+// Checks that `t` can be written in place by an op addressing its units (blocks, rows) by the first
+// `lead_dims` dims, as the Python kernels check it: no dim of stride 0 (at::has_internal_overlap), no unit
+// whose own elements overlap (sorted by stride, each dim steps past what the smaller dims reach), and no
+// tensor that requires grad while grad mode is on (the ops have no derivative). Distinct units may
+// overlap each other (a byte arena viewed with a row starting at every byte).
+void check_destination(const char* op, const char* arg, const at::Tensor& t, int64_t lead_dims);
+
 // Whether src and dst may share bytes (same storage and intersecting byte ranges).
 bool may_overlap(const at::Tensor& src, const at::Tensor& dst);
 

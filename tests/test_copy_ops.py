@@ -384,3 +384,97 @@ def test_large_copy_rows_streaming_paths(offset_elems: int) -> None:
     copy_rows(src, dst, s, d)
     assert torch.equal(dst.view(n, 64)[d], src.view(n, 64)[s])
     assert not flat[:offset_elems].any()
+
+
+# ------------------------------------------------------------------------ destinations and index devices
+
+
+def _copy_args(name: str, src: torch.Tensor, dst: torch.Tensor):
+    if name == "copy_blocks":
+        return (src, dst, torch.tensor([[0, 1], [2, 3]]))
+    return (src, dst, torch.tensor([0, 5, 9]), torch.tensor([1, 6, 14]))
+
+
+@pytest.mark.parametrize("name", ["copy_blocks", "copy_rows"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("expanded", lambda: torch.randn(1, 4, 5).expand(4, 4, 5), "internal overlap"),
+        ("stride0-block-dim", lambda: torch.randn(20).as_strided((4, 4, 5), (0, 5, 1)), "internal overlap"),
+        ("stride0-row-dim", lambda: torch.randn(20).as_strided((4, 4, 5), (5, 0, 1)), "internal overlap"),
+        # a row's elements overlap each other (as_strided over too little memory): a copy would smear
+        (
+            "overlapping-elements",
+            lambda: torch.randn(96).as_strided((4, 4, 2, 3), (24, 6, 2, 1)),
+            "internal overlap",
+        ),
+        (
+            "leaf-requires-grad",
+            lambda: torch.zeros(4, 4, 5, requires_grad=True),
+            "is a leaf tensor that requires grad",
+        ),
+        ("requires-grad", lambda: torch.zeros(4, 4, 5, requires_grad=True) * 2, "requires grad"),
+    ],
+    ids=lambda c: c[0],
+)
+def test_bad_destination_raises_and_is_untouched(name: str, case, any_impl: str) -> None:
+    """Destinations an in-place op cannot write correctly: several elements on one memory location
+    (expanded / stride-0 / overlapping ``as_strided`` views) or a tensor autograd tracks (the op has no
+    derivative). Every kernel refuses them before writing, naming the op and the argument."""
+    _, make, fragment = case
+    dst = make()
+    src = torch.randn(8, *dst.shape[1:])
+    args = _copy_args(name, src, dst)
+    before = dst.detach().clone()
+    with pytest.raises(ValueError, match=f"kvoffload::{name}: argument 'dst' .*{fragment}"):
+        call_op(any_impl, name, *args)
+    assert torch.equal(dst.detach(), before), "destination modified by a rejected call"
+    # then a good call: the same copy into a plain tensor (or, for autograd, into the same one under no_grad)
+    target = dst if dst.requires_grad else torch.zeros(dst.shape)
+    with torch.no_grad():
+        call_op(any_impl, name, *_copy_args(name, src, target))
+    if name == "copy_blocks":
+        assert torch.equal(target[1].detach(), src[0]) and torch.equal(target[3].detach(), src[2])
+    else:
+        assert torch.equal(target[0, 1].detach(), src[0, 0]) and torch.equal(target[3, 2].detach(), src[2, 1])
+
+
+def test_leaf_destination_written_under_no_grad(any_impl: str) -> None:
+    """As for PyTorch's in-place ops, a leaf that requires grad may be written with autograd off."""
+    dst = torch.zeros(4, 4, 5, requires_grad=True)
+    src = torch.randn(8, 4, 5)
+    with torch.no_grad():
+        call_op(any_impl, "copy_blocks", src, dst, torch.tensor([[5, 2]]))
+        call_op(any_impl, "copy_rows", src, dst, torch.tensor([3]), torch.tensor([0]))
+    assert torch.equal(dst[2].detach(), src[5]) and torch.equal(dst[0, 0].detach(), src[0, 3])
+    assert dst.is_leaf and dst.requires_grad
+
+
+def test_overlapping_units_named_by_distinct_indices_are_accepted(any_impl: str) -> None:
+    """Units that overlap each other (a byte arena viewed with a row starting at every byte) are a valid
+    destination: only the elements inside one unit must be distinct; the caller keeps written units apart."""
+    raw = torch.zeros(64, dtype=torch.uint8)
+    rows = raw.as_strided((57, 8), (1, 1))
+    src = torch.randint(1, 256, (3, 8), dtype=torch.uint8)
+    call_op(any_impl, "copy_blocks", src, rows, torch.tensor([[0, 0], [1, 8], [2, 40]]))
+    assert torch.equal(raw[:16], torch.cat([src[0], src[1]])) and torch.equal(raw[40:48], src[2])
+
+
+@pytest.mark.parametrize(
+    ("name", "pos", "arg"),
+    [("copy_blocks", 2, "mapping"), ("copy_rows", 2, "src_slots"), ("copy_rows", 3, "dst_slots")],
+)
+def test_index_tensor_on_another_device_raises(name: str, pos: int, arg: str, any_impl: str) -> None:
+    """An index tensor on a device that is neither 'src''s, 'dst''s nor the CPU ('meta' here: with CPU
+    data the dispatcher would otherwise pick the meta kernel and copy nothing) is refused by name."""
+    src, dst = torch.randn(8, 4, 5), torch.randn(4, 4, 5)
+    args = list(_copy_args(name, src, dst))
+    args[pos] = args[pos].to("meta")
+    before = dst.clone()
+    with pytest.raises(
+        ValueError, match=f"kvoffload::{name}: argument '{arg}' must be on the cpu .*got meta"
+    ):
+        call_op(any_impl, name, *args)
+    assert torch.equal(dst, before)
+    call_op(any_impl, name, *_copy_args(name, src, dst))  # the same call with CPU indices works
+    assert not torch.equal(dst, before)

@@ -209,6 +209,7 @@ void check_pair(const char* op, int64_t lead_dims, const at::Tensor& src, const 
       src.scalar_type() == dst.scalar_type(), "kvoffload::", op,
       ": 'src' and 'dst' must have the same dtype, got ", dtype_str(src.scalar_type()), " and ",
       dtype_str(dst.scalar_type()));
+  check_destination(op, "dst", dst, lead_dims);
 }
 
 // Checks 0 <= idx[i * step] < limit for every i.

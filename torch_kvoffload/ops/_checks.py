@@ -59,6 +59,65 @@ def check_unique(op: str, arg: str, idx: torch.Tensor) -> None:
         )
 
 
+def _symbolic(t: torch.Tensor) -> bool:
+    return any(isinstance(x, torch.SymInt) for x in (*t.shape, *t.stride()))
+
+
+def units_self_overlap(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether two elements of a ``(sizes, strides)`` layout may share memory.
+
+    Sorted by stride, each dim must step past everything the smaller dims reach; every slice and
+    permutation of a dense tensor passes, so only ``as_strided`` views over too little memory fail.
+    """
+    if 0 in sizes:
+        return False
+    reach = 0
+    for stride, size in sorted((abs(st), n) for n, st in zip(sizes, strides, strict=True) if n > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
+def check_destination(op: str, arg: str, t: torch.Tensor, lead_dims: int) -> None:
+    """``t`` can be written in place by an op that addresses its units (blocks, rows) by the first
+    ``lead_dims`` dims.
+
+    Refused, as PyTorch's in-place ops refuse them: a dim of stride 0 (an expanded tensor: several
+    elements on one memory location, ``at::has_internal_overlap``), and a tensor that requires grad while
+    grad mode is on (the ops have no derivative: autograd would silently ignore the write). Also refused:
+    units whose own elements overlap. Distinct units may overlap each other (a byte arena viewed with a row
+    starting at every byte): the caller keeps the units it writes apart.
+    """
+    if not _symbolic(t) and (
+        torch._debug_has_internal_overlap(t) == 1
+        or units_self_overlap(tuple(t.shape[lead_dims:]), t.stride()[lead_dims:])
+    ):
+        fail(
+            op,
+            f"argument '{arg}' has internal overlap: more than one of its elements refers to the same memory "
+            f"location (shape {list(t.shape)}, strides {list(t.stride())}), so writes into it would "
+            "overwrite each other; clone() it first",
+        )
+    if t.requires_grad and torch.is_grad_enabled():
+        what = "is a leaf tensor that requires grad" if t.is_leaf else "requires grad"
+        fail(
+            op,
+            f"argument '{arg}' {what}; the op writes it in place and has no derivative: write under "
+            "torch.no_grad() or into a tensor that does not require grad",
+        )
+
+
+def check_index_device(op: str, arg: str, idx: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """An index tensor lives on the CPU or on the device of ``src`` or ``dst`` (a kernel reads it there)."""
+    if idx.device not in (torch.device("cpu"), src.device, dst.device):
+        fail(
+            op,
+            f"argument '{arg}' must be on the cpu or on the device of 'src' ({src.device}) or 'dst' "
+            f"({dst.device}), got {idx.device}",
+        )
+
+
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
     return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()

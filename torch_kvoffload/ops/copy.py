@@ -26,6 +26,7 @@ def _check_pair(op: str, lead_dims: int, src: torch.Tensor, dst: torch.Tensor) -
             f"got {list(src.shape)} and {list(dst.shape)}",
         )
     _checks.check_same_dtype(op, "src", src, "dst", dst)
+    _checks.check_destination(op, "dst", dst, lead_dims)
 
 
 # ----------------------------------------------------------------------------------------- copy_blocks
@@ -41,6 +42,7 @@ def _copy_blocks_structure(src: torch.Tensor, dst: torch.Tensor, mapping: torch.
             op,
             f"argument 'mapping' must have shape [n, 2] of (src_block, dst_block), got {list(mapping.shape)}",
         )
+    _checks.check_index_device(op, "mapping", mapping, src, dst)
 
 
 def validate_copy_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> None:
@@ -98,7 +100,9 @@ def copy_blocks(
         lines first nor evicts what other threads keep in the cache. The result is the same.
 
     Raises ``ValueError`` / ``TypeError`` / ``IndexError`` naming the argument when shapes, dtypes or
-    indices are wrong; ``dst`` is then left untouched. A ``src`` that shares memory with ``dst`` is read
+    indices are wrong, when ``dst`` has internal overlap (a stride-0 / expanded dim, or a unit whose own
+    elements share memory) or requires grad while grad mode is on (the op has no derivative), or when an
+    index tensor is on another device than the CPU, ``src``'s or ``dst``'s; ``dst`` is then left untouched. A ``src`` that shares memory with ``dst`` is read
     as it was before the call (the kernel snapshots it), never while being written.
 
     Example
@@ -121,6 +125,7 @@ def _copy_rows_structure(
     for arg, t in (("src_slots", src_slots), ("dst_slots", dst_slots)):
         _checks.check_dtype(op, arg, t, (torch.int64,))
         _checks.check_dim(op, arg, t, 1)
+        _checks.check_index_device(op, arg, t, src, dst)
     if src_slots.shape[0] != dst_slots.shape[0]:
         _checks.fail(
             op,
@@ -184,7 +189,9 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_slots: torch.Tensor, dst
         ``int64 [n]``; destination slots must be distinct.
 
     Raises ``ValueError`` / ``TypeError`` / ``IndexError`` naming the argument when shapes, dtypes or
-    indices are wrong; ``dst`` is then left untouched. A ``src`` that shares memory with ``dst`` is read
+    indices are wrong, when ``dst`` has internal overlap (a stride-0 / expanded dim, or a unit whose own
+    elements share memory) or requires grad while grad mode is on (the op has no derivative), or when an
+    index tensor is on another device than the CPU, ``src``'s or ``dst``'s; ``dst`` is then left untouched. A ``src`` that shares memory with ``dst`` is read
     as it was before the call (the kernel snapshots it), never while being written.
 
     Example

@@ -130,6 +130,34 @@ def test_rows_without_valid_index(dtype, any_impl: str) -> None:
         assert bool((out == 0).all()) and bool((lse == -math.inf).all())
 
 
+@pytest.mark.parametrize("poison", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unselected_rows_never_reach_the_output(poison: float, dtype, any_impl: str) -> None:
+    """Rows no query selects (row 0 included, which a ``-1`` entry must not read) hold NaN / ±inf: a query
+    whose indices are all ``-1`` gets out = 0 and lse = -inf, a partially ``-1`` query equals the formula
+    over its selected rows only, for every kernel."""
+    q_nope, q_pe, kv_c, k_pe, _ = _sparse_case(4, 3, 16, 8, 12, 5, dtype)
+    idx = _i32([[-1, -1, -1, -1, -1], [3, -1, 5, -1, 3], [-1, -1, -1, -1, 7], [4, 5, 6, 7, 8]])
+    selected = {3, 4, 5, 6, 7, 8}
+    for i in range(kv_c.shape[0]):
+        if i not in selected:
+            kv_c[i, i % kv_c.shape[1]] = poison
+            k_pe[i, i % k_pe.shape[1]] = poison
+    assert not torch.isfinite(kv_c[0]).all()
+    out, lse = _impl(any_impl, SPARSE)(q_nope, q_pe, kv_c, k_pe, idx, 0.25)
+    f_out, f_lse = dense_mla_attention(q_nope, q_pe, kv_c, k_pe, idx, 0.25)
+    assert bool((out[0] == 0).all()) and bool((lse[0] == -math.inf).all())
+    assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse[1:]).all())
+    torch.testing.assert_close(out, f_out, **_tol(dtype))
+    torch.testing.assert_close(lse, f_lse, atol=1e-4, rtol=1e-5)
+    # the same op then runs on clean rows, with other shapes
+    args = _sparse_case(2, 5, 24, 4, 9, 3, dtype)
+    out, lse = _impl(any_impl, SPARSE)(*args, 0.2)
+    f_out, f_lse = dense_mla_attention(*args, 0.2)
+    torch.testing.assert_close(out, f_out, **_tol(dtype))
+    torch.testing.assert_close(lse, f_lse, atol=1e-4, rtol=1e-5)
+
+
 def test_empty_tokens_and_strided_rows(op_impl) -> None:
     fn = _impl(op_impl, SPARSE)
     q_nope, q_pe, kv_c, k_pe, idx = _sparse_case(0, 4, 16, 8, 10, 6, torch.float32)
@@ -270,6 +298,43 @@ def test_copy_sfa_equals_copy_rows_then_sparse_attention(dtype, shape, op_impl) 
         assert torch.equal(ref[name], expected[name]), name
     torch.testing.assert_close(ref["out"], expected["out"], **_tol(dtype))
     torch.testing.assert_close(ref["lse"], expected["lse"], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("poison", [math.nan, math.inf])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_copy_sfa_unattended_slots_never_reach_the_output(poison: float, dtype, any_impl: str) -> None:
+    """Hot-buffer slots no row attends (slot 0 included) hold NaN / inf: a row whose slots are all ``-1``
+    gets out = 0 and lse = -inf, a partially ``-1`` row equals the formula over its attended slots (the
+    freshly loaded miss included), for every kernel."""
+    c = _copy_sfa_case(3, 4, 16, 8, 8, 4, dtype, block_size=4, blocks_per_row=3)
+    c["miss_count"] = _i32([1, 0, 1])
+    c["miss_tokens"] = _i32([[5], [-1], [2]])
+    c["miss_slots"] = _i32([[6], [-1], [1]])
+    c["slots"] = _i32([[-1, 6, -1, 2], [-1, -1, -1, -1], [1, 3, 3, -1]])
+    attended = [{6, 2}, set(), {1, 3}]
+    for r in range(3):
+        for slot in range(8):
+            if slot not in attended[r]:
+                c["hot_kv_c"][r, slot, slot % 16] = poison
+                c["hot_k_pe"][r, slot] = poison
+    expected = _clone(c)
+    _composed(expected)  # copy_rows, then the op over clean hot buffers below
+    got = _clone(c)
+    _impl(any_impl, COPY_SFA)(**got)
+    for name in ("hot_kv_c", "hot_k_pe"):  # the missed rows landed, the poison stayed where it was
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, equal_nan=True)
+    assert bool((got["out"][1] == 0).all()) and bool((got["lse"][1] == -math.inf).all())
+    assert bool(torch.isfinite(got["out"]).all())
+    rows, cap = 3, 8
+    flat = torch.where(
+        got["slots"] >= 0, got["slots"] + torch.arange(rows, dtype=torch.int32)[:, None] * cap, -1
+    )
+    d_out, d_lse = dense_mla_attention(
+        c["q_nope"], c["q_pe"], got["hot_kv_c"].reshape(rows * cap, -1), got["hot_k_pe"].reshape(rows * cap, -1),
+        flat, c["scale"],
+    )  # fmt: skip
+    torch.testing.assert_close(got["out"], d_out, **_tol(dtype))
+    torch.testing.assert_close(got["lse"], d_lse, atol=1e-4, rtol=1e-5)
 
 
 def test_copy_sfa_production_shape_bf16(op_impl) -> None:

@@ -98,7 +98,13 @@ def _attend_reference(
     valid: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 attention of ``[T, H, *]`` queries over gathered rows ``[T, K, *]`` where ``valid [T, K]``."""
+    """fp32 attention of ``[T, H, *]`` queries over gathered rows ``[T, K, *]`` where ``valid [T, K]``.
+
+    Rows where ``valid`` is false (``−1`` entries, gathered from a placeholder row) are replaced by zeros
+    before use, so NaN / inf in rows no query selected never reach a product: ``0 · NaN`` is NaN.
+    """
+    skip = ~valid[..., None]
+    rows_c, rows_pe = rows_c.masked_fill(skip, 0), rows_pe.masked_fill(skip, 0)
     s = torch.einsum("thd,tkd->thk", q_nope.float(), rows_c.float())
     s = s + torch.einsum("thd,tkd->thk", q_pe.float(), rows_pe.float())
     s = (s * scale).masked_fill(~valid[:, None, :], -math.inf)

@@ -9,13 +9,20 @@ library cannot handle raises ``ValueError`` naming its class and the reason.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ModelSpec", "inspect_model"]
+__all__ = ["ModelSpec", "inspect_model", "weights_fingerprint"]
+
+_WEIGHTS_DOMAIN = b"torch_kvoffload/weights/v1"
+_HASH_CHUNK = 64 << 20  # bytes of a device tensor copied to the host at a time
 
 _MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "num_attention_heads")
 _INDEXER_FIELDS = ("index_topk", "index_head_dim", "index_n_heads")
@@ -29,7 +36,8 @@ class ModelSpec:
 
     ``kv_lora_rank`` (Dc), ``rope_dim`` (Dr), ``qk_nope_head_dim``, ``v_head_dim``, ``num_heads`` (H);
     ``index_head_dim`` / ``index_n_heads`` / ``index_topk`` are 0 without an indexer; ``scale`` is the
-    attention softmax scale; ``attention_modules[i]`` is the attention of layer ``i``.
+    attention softmax scale; ``attention_modules[i]`` is the attention of layer ``i``. ``fingerprint``
+    names the architecture and KV layout; :attr:`weights_fingerprint` the weights.
     """
 
     model_class: str
@@ -48,6 +56,15 @@ class ModelSpec:
     index_n_heads: int
     fingerprint: str
     attention_modules: tuple[torch.nn.Module, ...] = field(repr=False, compare=False)
+    weights: Callable[[], str] | None = field(default=None, repr=False, compare=False)
+
+    @functools.cached_property
+    def weights_fingerprint(self) -> str:
+        """:func:`weights_fingerprint` of the model, computed on first use and kept (``""`` without one).
+
+        Taken once: weights changed in place afterwards are not noticed (offload the model again).
+        """
+        return self.weights() if self.weights is not None else ""
 
     @property
     def main_row_bytes(self) -> int:
@@ -58,6 +75,39 @@ class ModelSpec:
     def indexer_row_bytes(self) -> int:
         """Bytes of one token's floating indexer key in one layer (0 without an indexer)."""
         return self.index_head_dim * self.dtype.itemsize
+
+
+def _tensor_digest(name: str, t: torch.Tensor) -> bytes:
+    """SHA-256 of ``t``'s bytes (device tensors are copied to the host in chunks)."""
+    if t.device.type == "meta":
+        raise ValueError(
+            f"weights_fingerprint: {name!r} is on the meta device (not materialised); its weights cannot be "
+            "fingerprinted, so KV of other weights could not be told apart"
+        )
+    raw = t.detach().contiguous().reshape(-1)
+    raw = raw.view(torch.uint8) if raw.numel() else torch.empty(0, dtype=torch.uint8)
+    h = hashlib.sha256()
+    for start in range(0, raw.numel(), _HASH_CHUNK):
+        h.update(raw[start : start + _HASH_CHUNK].cpu().numpy().data)  # releases the GIL
+    return h.digest()
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """16 hex characters of SHA-256 over every parameter and buffer of ``model``: name, dtype, shape and
+    bytes, in ``named_parameters`` / ``named_buffers`` order.
+
+    Two models of one architecture with different weights (fine-tunes) get different fingerprints, the
+    same weights in another process the same one. Reads every byte once (the tensors are hashed on a
+    thread pool); ``ValueError`` for a tensor on the meta device.
+    """
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(tensors)))) as pool:
+        digests = list(pool.map(lambda item: _tensor_digest(*item), tensors))
+    h = hashlib.sha256(_WEIGHTS_DOMAIN)
+    for (name, t), digest in zip(tensors, digests, strict=True):
+        h.update(f"{name}:{str(t.dtype).removeprefix('torch.')}:{list(t.shape)}".encode())
+        h.update(digest)
+    return h.hexdigest()[:16]
 
 
 def _fail(model: torch.nn.Module, reason: str) -> None:
@@ -142,4 +192,12 @@ def inspect_model(model: torch.nn.Module) -> ModelSpec:
         index_n_heads=extra.get("index_n_heads", 0),
         fingerprint=fingerprint,
         attention_modules=tuple(attn),
+        weights=functools.partial(_weights_of, weakref.ref(model)),
     )
+
+
+def _weights_of(ref: weakref.ref[torch.nn.Module]) -> str:
+    model = ref()
+    if model is None:
+        raise RuntimeError("ModelSpec.weights_fingerprint: the model was garbage collected")
+    return weights_fingerprint(model)

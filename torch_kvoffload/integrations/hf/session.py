@@ -340,7 +340,9 @@ class OffloadSession:
         main = (TensorSpec((nb, bs, spec.kv_lora_rank), dt), TensorSpec((nb, bs, spec.rope_dim), dt))
         specs = [LayerCacheSpec(main, idx) for _ in range(spec.num_layers)]
         lw = self.config.layerwise
-        model_id = "/".join(p for p in (lw.model_id, spec.fingerprint, "i" if self._lw_indexer else "m") if p)
+        # the architecture, the weights (fine-tunes of one architecture never share KV) and the components
+        parts = (lw.model_id, spec.fingerprint, spec.weights_fingerprint, "i" if self._lw_indexer else "m")
+        model_id = "/".join(p for p in parts if p)
         lw = lw.model_copy(update={"model_id": model_id})
         if self.pd is not None and hasattr(self.pd, "build_runtime"):
             self._rt = self.pd.build_runtime(lw, specs, store=self._store)

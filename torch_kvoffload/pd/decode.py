@@ -10,22 +10,26 @@ rank's contribution group (``ratio = p_tp // d_tp`` members; a member with nothi
 empty batch). A request is schedulable only when it is complete on every TP rank of its DP rank
 (:func:`all_ranks_ready`).
 
-Safety: a batch is validated completely before any read (main tensor count and block sizes, indexer
-presence and sizes — the int8 scale included —, destination blocks equal to the ones allocated, source
-blocks inside the peer's buffers). A failed validation, a read failing after ``read_retries`` retries,
-a peer silent for ``heartbeat_interval_s * heartbeat_misses`` or saying BYE mid-transfer invalidates the
-request: its destinations are zeroed, its waiters raise, and prefill gets READ_FAILED. Destinations
-carry a generation; a batch for an older generation is refused, and :meth:`DecodeReceiver.release` waits
-for a read in flight, so a late write can never land in a destination that was handed out again.
+Safety: only peers that proved the shared secret are heard (:mod:`torch_kvoffload.pd.control`). A batch
+is validated completely before any read (main tensor count and block sizes, indexer presence and sizes —
+the int8 scale included —, destination blocks equal to the ones allocated, source blocks inside the
+peer's buffers). A failed validation, a read failing after ``read_retries`` retries, a peer silent for
+``heartbeat_interval_s * heartbeat_misses`` or saying BYE mid-transfer invalidates the request: its
+destinations are zeroed, its waiters raise, and prefill gets READ_FAILED. A batch that does not belong to
+the live request it names — another (random) generation, a request no longer pending, a layer already
+received, a physical buffer the peer never exported, a connection other than the one that delivered the
+request's earlier layers — is refused (READ_FAILED to its sender) and leaves the request alone.
+:meth:`DecodeReceiver.release` waits for a read in flight, so a late write can never land in a destination
+that was handed out again. If the control thread stops, every pending request fails at once.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -35,6 +39,7 @@ import torch
 
 from torch_kvoffload._utils import check_int
 from torch_kvoffload.counters import Counters
+from torch_kvoffload.pd.auth import resolve_secret
 from torch_kvoffload.pd.compat import row_layout
 from torch_kvoffload.pd.config import PDConfig, decode_rank_of, split_range
 from torch_kvoffload.pd.control import ControlEndpoint
@@ -65,7 +70,8 @@ COUNTER_NAMES = (
     "bytes_received",
     "read_seconds",
     "read_retries",
-    "read_failures",  # batches answered with READ_FAILED
+    "read_failures",  # batches answered with READ_FAILED that failed their requests
+    "batches_refused",  # batches answered with READ_FAILED that named no live request of the sender
     "requests_done",
     "requests_failed",
     "handshakes",
@@ -110,12 +116,17 @@ class _Request:
     error: str = ""
     done: set = field(default_factory=set)  # {(layer, member)}
     peers: set = field(default_factory=set)
+    sources: dict = field(default_factory=dict)  # member -> identity of the connection that delivered it
     lock: threading.Lock = field(default_factory=threading.Lock)
     finished: threading.Event = field(default_factory=threading.Event)
 
 
 class _Reject(Exception):
-    pass
+    """The batch fails the requests it names."""
+
+
+class _Refuse(_Reject):
+    """The batch is not the named live requests' own (stale, replayed, foreign): refuse it, fail nothing."""
 
 
 class DecodeReceiver:
@@ -180,7 +191,6 @@ class DecodeReceiver:
         self._lock = threading.Lock()
         self._peers: dict[bytes, _Peer] = {}
         self._requests: dict[int, _Request] = {}
-        self._generations = itertools.count(1)
         self.handshake_errors: list[str] = []
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
@@ -192,12 +202,16 @@ class DecodeReceiver:
         )
         self._worker.start()
         try:
+            self.rendezvous = rendezvous if rendezvous is not None else make_rendezvous(config)
             self._control = ControlEndpoint(
                 "router",
                 self.endpoint,
+                secret=resolve_secret(config, self.rendezvous),
                 on_message=self._on_message,
                 on_tick=self._on_tick,
                 on_protocol_error=self._on_protocol_error,
+                on_down=self._on_control_down,
+                max_message_bytes=config.max_message_bytes,
                 name=self.name,
             )
         except BaseException:
@@ -205,7 +219,6 @@ class DecodeReceiver:
             if self._own_transport:
                 self.transport.close()
             raise
-        self.rendezvous = rendezvous if rendezvous is not None else make_rendezvous(config)
         self._key = decode_key(config.kv_port, self.dp_rank, self.tp_rank)
         self.rendezvous.publish(
             self._key,
@@ -274,12 +287,17 @@ class DecodeReceiver:
         elif indexer_blocks:
             raise ValueError(f"{where}: this rank has no indexer destinations, got indexer blocks")
         lo, hi = split_range(nb, self.config.d_tp_size, self.tp_rank)
+        if self._control.error is not None:
+            raise PDTransferError(f"{self.name}: cannot receive request {request_id}: {self._control.error}")
         with self._lock:
             old = self._requests.get(request_id)
             if old is not None and old.state == PENDING:
                 raise ValueError(f"{where}: request {request_id} is already expected; release() it first")
-            req = _Request(request_id, next(self._generations), num_tokens, main_blocks[lo:hi], (lo, hi),
-                           indexer_blocks)  # fmt: skip
+            # random, not counted: a peer cannot name a generation it was not given in the ticket
+            generation = secrets.randbits(62)
+            while old is not None and generation == old.generation:
+                generation = secrets.randbits(62)
+            req = _Request(request_id, generation, num_tokens, main_blocks[lo:hi], (lo, hi), indexer_blocks)
             self._requests[request_id] = req
         return TicketPart(self.tp_rank, req.generation, tuple(indexer_blocks))
 
@@ -329,6 +347,12 @@ class DecodeReceiver:
     def _on_protocol_error(self, peer: bytes, exc: ProtocolError) -> None:
         self._reply(peer, ReadFailed(-1, -1, [], f"{self.name}: undecodable message: {exc}"))
 
+    def _on_control_down(self, reason: str) -> None:
+        with self._lock:
+            victims = [r for r in self._requests.values() if r.state == PENDING]
+        for req in victims:
+            self._invalidate(req, f"{self.name}: {reason}; request {req.request_id} cannot be received")
+
     def _on_message(self, peer: bytes, msg: Message) -> None:
         known = self._peers.get(peer)
         if known is not None:
@@ -358,8 +382,8 @@ class DecodeReceiver:
         if not reasons:
             try:
                 remote = self.transport.connect(msg.regions, f"prefill rank {msg.p_rank}")
-            except (TransportError, KeyError, ValueError, TypeError) as exc:
-                reasons.append(f"cannot open its regions: {exc}")
+            except Exception as exc:  # whatever a peer's description makes the transport raise
+                reasons.append(f"cannot open its regions: {type(exc).__name__}: {exc}")
         if reasons:
             reason = f"{self.name} rejects prefill rank {msg.p_rank}: " + "; ".join(reasons)
             logger.error("%s", reason)
@@ -389,6 +413,7 @@ class DecodeReceiver:
     def _peer_gone(self, peer: _Peer, why: str) -> None:
         peer.alive = False
         self._peers.pop(peer.identity, None)
+        self._control.forget(peer.identity)
         self.counters.add("peers_dead")
         with self._lock:
             # a peer that already delivered every layer of its part is no longer needed by the request
@@ -460,7 +485,10 @@ class DecodeReceiver:
             r.lock.acquire()
         try:
             try:
-                ops, staged = self._validate(peer, msg, reqs)
+                ops, staged = self._validate(identity, peer, msg, reqs)
+            except _Refuse as exc:
+                self._refuse_batch(identity, peer, msg, str(exc))
+                return
             except _Reject as exc:
                 self._fail_batch(identity, peer, msg, reqs, str(exc))
                 return
@@ -482,6 +510,7 @@ class DecodeReceiver:
                 assert req is not None
                 req.done.add((msg.layer, peer.member))
                 req.peers.add(identity)
+                req.sources.setdefault(peer.member, identity)
                 if req.state == PENDING and len(req.done) == self.num_layers * self.config.ratio:
                     req.state = DONE
                     self.counters.add("requests_done")
@@ -500,14 +529,42 @@ class DecodeReceiver:
                 self._invalidate(req, full)
         self._reply(identity, ReadFailed(msg.seq, msg.layer, [e.request_id for e in msg.entries], full))
 
-    def _validate(self, peer: _Peer, msg: LayerReady, reqs: list) -> tuple[list[ReadOp], list]:
+    def _refuse_batch(self, identity: bytes, peer: _Peer, msg: LayerReady, reason: str) -> None:
+        full = (
+            f"{self.name}: refused layer {msg.layer} from prefill rank {peer.p_rank} ({identity!r}): {reason}"
+        )
+        logger.warning("%s", full)
+        self.counters.add("batches_refused")
+        self._reply(identity, ReadFailed(msg.seq, msg.layer, [e.request_id for e in msg.entries], full))
+
+    def _validate(
+        self, identity: bytes, peer: _Peer, msg: LayerReady, reqs: list
+    ) -> tuple[list[ReadOp], list]:
+        """The reads of the batch; :class:`_Refuse` if it is not the named live requests' own, :class:`_Reject`
+        if it is but cannot be read (it fails them)."""
         cfg = self.config
+        if len({e.request_id for e in msg.entries}) != len(msg.entries):
+            raise _Refuse(f"a request appears twice in the batch: {[e.request_id for e in msg.entries]}")
+        for entry, req in zip(msg.entries, reqs, strict=True):
+            rid = entry.request_id
+            if req is None or req.generation != entry.generation:
+                raise _Refuse(
+                    f"request {rid} generation {entry.generation} is not expected here (stale or unknown)"
+                )
+            if req.state != PENDING:
+                raise _Refuse(f"request {rid} is {req.state} ({req.error})")
+            if (msg.layer, peer.member) in req.done:
+                raise _Refuse(f"request {rid}: layer {msg.layer} of member {peer.member} arrived twice")
+            if req.sources.get(peer.member, identity) != identity:
+                raise _Refuse(
+                    f"request {rid}: member {peer.member}'s earlier layers came over another connection"
+                )
+        if not 0 <= msg.slot < len(peer.slots):
+            raise _Refuse(f"physical buffer {msg.slot} out of range [0, {len(peer.slots)})")
         if msg.member != peer.member or msg.ratio != cfg.ratio:
             raise _Reject(f"member {msg.member} / ratio {msg.ratio}, expected {peer.member} / {cfg.ratio}")
         if not 0 <= msg.layer < self.num_layers:
             raise _Reject(f"layer {msg.layer} out of range [0, {self.num_layers})")
-        if not 0 <= msg.slot < len(peer.slots):
-            raise _Reject(f"physical buffer {msg.slot} out of range [0, {len(peer.slots)})")
         if list(msg.main_block_bytes) != self._main_bytes:
             raise _Reject(
                 f"main KV metadata: {len(msg.main_block_bytes)} tensors of block bytes {msg.main_block_bytes}, "
@@ -529,14 +586,6 @@ class DecodeReceiver:
         staged: list = []
         for entry, req in zip(msg.entries, reqs, strict=True):
             rid = entry.request_id
-            if req is None or req.generation != entry.generation:
-                raise _Reject(
-                    f"request {rid} generation {entry.generation} is not expected here (stale or unknown)"
-                )
-            if req.state != PENDING:
-                raise _Reject(f"request {rid} is {req.state} ({req.error})")
-            if (msg.layer, peer.member) in req.done:
-                raise _Reject(f"request {rid}: layer {msg.layer} of member {peer.member} arrived twice")
             want_main = req.main_share if peer.member == 0 else []
             if list(entry.main_dst) != want_main or len(entry.main_src) != len(entry.main_dst):
                 raise _Reject(

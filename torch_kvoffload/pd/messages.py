@@ -7,7 +7,13 @@ peer speaking another version fails loudly instead of being misread.
 Messages: ``HELLO`` (prefill -> decode: compatibility record, topology, exported regions) and
 ``HELLO_ACK`` (decode -> prefill: accepted or the mismatch); ``LAYER_READY`` (one batch per layer:
 requests, source blocks, destination blocks, member, TP ratio, the source block sizes); ``READ_DONE`` /
-``READ_FAILED`` (with the reason); ``HEARTBEAT`` both ways; ``BYE`` on orderly close.
+``READ_FAILED`` (with the reason); ``HEARTBEAT`` both ways; ``BYE`` on orderly close. Before any of
+them, the authentication handshake (:mod:`torch_kvoffload.pd.auth`): ``AUTH_START``, ``AUTH_CHALLENGE``,
+``AUTH_RESPONSE`` and ``AUTH_REFUSED``.
+
+Every field is checked for its type (``bool`` is not an ``int``, ``bytes`` not a ``str``), ints for the
+signed 64-bit range, the nested layouts and slot tables for their structure; anything else a peer can
+put in a message ends in :class:`ProtocolError`, never in another exception.
 """
 
 from __future__ import annotations
@@ -18,6 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 __all__ = [
+    "AuthChallenge",
+    "AuthRefused",
+    "AuthResponse",
+    "AuthStart",
     "Bye",
     "Compatibility",
     "Heartbeat",
@@ -60,21 +70,54 @@ def import_zmq() -> Any:
         ) from exc
 
 
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and _INT_MIN <= v <= _INT_MAX
+
+
 def _field(msg: str, data: dict, key: str, kind: Any) -> Any:
     if key not in data:
         raise ProtocolError(f"{msg}: missing field {key!r}")
     value = data[key]
     if kind == "ints":
-        if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
-            raise ProtocolError(f"{msg}: field {key!r} must be a list of ints, got {value!r:.80}")
+        if not isinstance(value, list) or not all(_is_int(v) for v in value):
+            raise ProtocolError(
+                f"{msg}: field {key!r} must be a list of ints (signed 64-bit), got {_short(value)}"
+            )
         return value
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+    if kind is float and _is_int(value):
         return float(value)
-    if kind is int and isinstance(value, bool):
-        raise ProtocolError(f"{msg}: field {key!r} must be int, got bool")
+    if kind is int and not _is_int(value):
+        raise ProtocolError(f"{msg}: field {key!r} must be int, got {_short(value)} (a signed 64-bit int)")
     if kind is not None and not isinstance(value, kind):
         names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
         raise ProtocolError(f"{msg}: field {key!r} must be {names}, got {type(value).__name__}")
+    return value
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return f"{type(value).__name__} {str(value)[:60]}"
+    return type(value).__name__
+
+
+def _layout(msg: str, key: str, value: list) -> list:
+    """``[[row_shape ints], dtype_name], ...`` or a ProtocolError."""
+    for item in value:
+        if (
+            not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], list)
+            or not all(_is_int(d) for d in item[0]) or not isinstance(item[1], str)
+        ):  # fmt: skip
+            raise ProtocolError(f"{msg}: {key!r} must be a list of [row shape ints, dtype name] pairs")
+    return value
+
+
+def _bytes(msg: str, data: dict, key: str, size: int) -> bytes:
+    value = _field(msg, data, key, bytes)
+    if len(value) != size:
+        raise ProtocolError(f"{msg}: field {key!r} must be {size} bytes, got {len(value)}")
     return value
 
 
@@ -104,7 +147,10 @@ class Compatibility:
             raise ProtocolError(f"HELLO: 'compat' must be a map, got {type(data).__name__}")
         kinds = {"library_version": str, "model_fingerprint": str, "kv_dtype": str, "num_layers": int,
                  "block_size": int, "main_layout": list, "indexer_layout": list}  # fmt: skip
-        return cls(**{k: _field("compat", data, k, t) for k, t in kinds.items()})
+        kw = {k: _field("compat", data, k, t) for k, t in kinds.items()}
+        for key in ("main_layout", "indexer_layout"):
+            _layout("HELLO compat", key, kw[key])
+        return cls(**kw)
 
     def mismatches(self, other: Compatibility) -> list[str]:
         """One line per differing field, ``"field: ours != theirs"``."""
@@ -164,6 +210,14 @@ class Hello(Message):
     @classmethod
     def from_wire(cls, data: dict) -> Hello:
         kw = {k: _field(cls.TYPE, data, k, t) for k, t in cls._kinds.items()}
+        for slot in kw["slots"]:
+            if not (
+                isinstance(slot, dict) and set(slot) <= {"main", "indexer"}
+                and all(isinstance(v, list) and all(isinstance(r, str) for r in v) for v in slot.values())
+            ):  # fmt: skip
+                raise ProtocolError(
+                    "HELLO: 'slots' must be maps {'main': [region ids], 'indexer': [region ids]}"
+                )
         return cls(compat=Compatibility.from_wire(_field(cls.TYPE, data, "compat", dict)), **kw)
 
 
@@ -268,8 +322,57 @@ class Bye(Message):
     _kinds: ClassVar[dict[str, Any]] = {"reason": str}
 
 
+@dataclass(frozen=True)
+class AuthStart(Message):
+    """Dealer -> router: the dealer's fresh nonce (:mod:`torch_kvoffload.pd.auth`)."""
+
+    TYPE: ClassVar[str] = "AUTH_START"
+    nonce: bytes
+
+    @classmethod
+    def from_wire(cls, data: dict) -> AuthStart:
+        return cls(_bytes(cls.TYPE, data, "nonce", _NONCE))
+
+
+@dataclass(frozen=True)
+class AuthChallenge(Message):
+    """Router -> dealer: the router's fresh nonce and its proof of the secret."""
+
+    TYPE: ClassVar[str] = "AUTH_CHALLENGE"
+    nonce: bytes
+    proof: bytes
+
+    @classmethod
+    def from_wire(cls, data: dict) -> AuthChallenge:
+        return cls(_bytes(cls.TYPE, data, "nonce", _NONCE), _bytes(cls.TYPE, data, "proof", _PROOF))
+
+
+@dataclass(frozen=True)
+class AuthResponse(Message):
+    """Dealer -> router: the dealer's proof of the secret."""
+
+    TYPE: ClassVar[str] = "AUTH_RESPONSE"
+    proof: bytes
+
+    @classmethod
+    def from_wire(cls, data: dict) -> AuthResponse:
+        return cls(_bytes(cls.TYPE, data, "proof", _PROOF))
+
+
+@dataclass(frozen=True)
+class AuthRefused(Message):
+    """Either side: authentication failed, nothing this connection sends is heard."""
+
+    TYPE: ClassVar[str] = "AUTH_REFUSED"
+    reason: str
+    _kinds: ClassVar[dict[str, Any]] = {"reason": str}
+
+
+_NONCE, _PROOF = 32, 32  # auth.NONCE_BYTES, SHA-256 digest size
+
+_ALL = (Hello, HelloAck, LayerReady, ReadDone, ReadFailed, Heartbeat, Bye)
 _TYPES: dict[str, type[Message]] = {
-    c.TYPE: c for c in (Hello, HelloAck, LayerReady, ReadDone, ReadFailed, Heartbeat, Bye)
+    c.TYPE: c for c in (*_ALL, AuthStart, AuthChallenge, AuthResponse, AuthRefused)
 }
 
 
@@ -278,16 +381,27 @@ def encode_message(msg: Message) -> bytes:
 
 
 def decode_message(raw: bytes) -> Message:
-    """The message in ``raw``; :class:`ProtocolError` if it is not one."""
+    """The message in ``raw``; :class:`ProtocolError` — and no other exception — if it is not one."""
     msgpack = import_msgpack()
     try:
-        data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise ProtocolError(f"control plane: undecodable message ({len(raw)} bytes): {exc}") from exc
+        # map keys must be str: no unhashable or odd keys reach the field checks
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises ValueError, TypeError, StackError, ExtraData, ...
+        raise ProtocolError(
+            f"control plane: undecodable message ({len(raw)} bytes): {type(exc).__name__}: {exc}"
+        ) from exc
     if not isinstance(data, dict):
         raise ProtocolError(f"control plane: a message must be a map, got {type(data).__name__}")
     kind = data.get("type")
-    cls = _TYPES.get(kind)  # type: ignore[arg-type]
+    cls = _TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise ProtocolError(f"control plane: unknown message type {kind!r}; expected one of {sorted(_TYPES)}")
-    return cls.from_wire(data)
+        raise ProtocolError(
+            f"control plane: unknown message type {_short(kind) if not isinstance(kind, str) else repr(kind[:40])}; "
+            f"expected one of {sorted(_TYPES)}"
+        )
+    try:
+        return cls.from_wire(data)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # a check this module forgot: still the peer's fault, never the endpoint's
+        raise ProtocolError(f"{kind}: malformed message: {type(exc).__name__}: {exc}") from exc

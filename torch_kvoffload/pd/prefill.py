@@ -10,6 +10,10 @@ The event fails with :class:`~torch_kvoffload.pd.errors.ReadFailedError` (READ_F
 :class:`~torch_kvoffload.pd.errors.PeerDeadError` (no heartbeat for ``heartbeat_interval_s *
 heartbeat_misses``, or BYE), each naming the layer, requests and peer.
 
+Only a decode endpoint that proves the shared secret is talked to (:mod:`torch_kvoffload.pd.control`);
+an acknowledgement counts only for the batch it names (sequence number, layer and requests). If the
+control thread stops, every outstanding layer fails at once.
+
 Request completion (every layer of a request acknowledged) is tracked apart from buffer completion:
 :meth:`PrefillSender.wait_request`. :class:`PrefillMultiConnector` combines the layerwise store connector
 (the :class:`~torch_kvoffload.layerwise.LayerwiseOffloadRuntime`) with senders, providers first whatever
@@ -36,6 +40,7 @@ from torch_kvoffload._utils import check_int
 from torch_kvoffload.counters import Counters
 from torch_kvoffload.device import TransferEvent, record_compute_event
 from torch_kvoffload.layerwise import LayerBufferPlan, LayerBuffers, LayerwiseOffloadRuntime
+from torch_kvoffload.pd.auth import resolve_secret
 from torch_kvoffload.pd.config import PDConfig, decode_rank_of, split_range
 from torch_kvoffload.pd.control import ControlEndpoint
 from torch_kvoffload.pd.errors import (
@@ -209,6 +214,7 @@ class PrefillSender:
         self.num_layers = plan.num_layers
         self.num_blocks = buffers.main[0][0].shape[0]
         self.rendezvous = rendezvous if rendezvous is not None else make_rendezvous(config)
+        self._secret = resolve_secret(config, self.rendezvous)
         self.counters = Counters(COUNTER_NAMES)
         self._lock = threading.Lock()
         self._peers: dict[int, _DecodePeer] = {}
@@ -229,7 +235,8 @@ class PrefillSender:
         """Find decode rank ``(dp_rank, p_rank // ratio)`` in the rendezvous and handshake with it.
 
         Raises :class:`HandshakeError` if no accepted HELLO_ACK arrives within ``handshake_timeout_s``
-        (rendezvous lookup included) or decode rejects the pairing (the reason says what differs).
+        (rendezvous lookup included), the endpoint fails to prove the shared secret or refuses ours, or
+        decode rejects the pairing (the reason says what differs).
         """
         dp_rank = check_int(
             "PrefillSender.connect", "dp_rank", dp_rank, minimum=0, maximum=self.config.d_dp_size - 1
@@ -253,8 +260,11 @@ class PrefillSender:
         peer.control = ControlEndpoint(
             "dealer",
             peer.endpoint,
+            secret=self._secret,
             on_message=lambda _id, msg, p=peer: self._on_message(p, msg),
             on_tick=lambda p=peer: self._on_tick(p),
+            on_down=lambda reason, p=peer: self._on_control_down(p, reason),
+            max_message_bytes=self.config.max_message_bytes,
             name=f"{self.name}->dp{dp_rank}",
         )
         peer.control.send(
@@ -267,7 +277,12 @@ class PrefillSender:
                 f"{self.name}: no HELLO_ACK from decode rank (dp {dp_rank}, tp {self.d_rank}) at {peer.endpoint} "
                 f"within {timeout:.1f} s (handshake_timeout_s)"
             )
-        assert peer.ack is not None
+        if peer.ack is None:  # woken by the control endpoint going down
+            peer.control.close()
+            raise HandshakeError(
+                f"{self.name}: handshake with decode rank (dp {dp_rank}, tp {self.d_rank}) at {peer.endpoint} "
+                f"failed: {peer.dead}"
+            )
         if not peer.ack.ok:
             peer.control.close()
             raise HandshakeError(f"{self.name}: decode rejected the handshake: {peer.ack.reason}")
@@ -398,14 +413,26 @@ class PrefillSender:
         peer.control.send(msg)
 
     # ----------------------------------------------------------------------- control messages
+    def _on_control_down(self, peer: _DecodePeer, reason: str) -> None:
+        self._peer_dead(peer, reason)
+        peer.acked.set()  # wake a handshake waiting for an answer that cannot come
+
     def _on_message(self, peer: _DecodePeer, msg: Message) -> None:
         peer.last_seen = time.monotonic()
         if isinstance(msg, HelloAck):
-            peer.ack = msg
-            peer.acked.set()
+            if not peer.acked.is_set():
+                peer.ack = msg
+                peer.acked.set()
         elif isinstance(msg, ReadDone):
             with self._lock:
-                p = self._pending.pop((peer.dp_rank, msg.seq), None)
+                p = self._pending.get((peer.dp_rank, msg.seq))
+                if p is not None and (p.layer, sorted(p.request_ids)) == (msg.layer, sorted(msg.request_ids)):
+                    del self._pending[(peer.dp_rank, msg.seq)]
+                elif p is not None:
+                    logger.error("%s: READ_DONE %d names layer %d of requests %s, the batch was layer %d of %s; "
+                                 "ignored", self.name, msg.seq, msg.layer, msg.request_ids, p.layer,
+                                 p.request_ids)  # fmt: skip
+                    p = None
             if p is None:
                 return
             seconds = time.monotonic() - p.sent

@@ -9,7 +9,9 @@ zero. Its outputs must equal the writer's exactly.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import os
 import time
 
 import pytest
@@ -139,3 +141,59 @@ def test_reader_times_out_with_a_clear_error_and_nothing_changed() -> None:
         reader.close()
         pool.close()
         writer.close()
+
+
+# ------------------------------------------------------------------------------------ attach checks
+
+POOL_DIMS = {"num_layers": 2, "num_blocks": 5, "block_size": 4, "kv_lora_rank": 8, "rope_dim": 2}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("num_layers", 3), ("num_blocks", 6), ("block_size", 8), ("kv_lora_rank", 16), ("rope_dim", 4),
+     ("dtype", torch.float32), ("dtype", torch.float16)],
+)  # fmt: skip
+def test_attach_with_other_dims_raises(field: str, value) -> None:
+    """A rank attaching with the dims it expects gets a ValueError naming the field that differs."""
+    with HostKVPool.create(**POOL_DIMS, dtype=torch.bfloat16, shared=True) as pool:
+        expected = {**POOL_DIMS, "dtype": torch.bfloat16}
+        pool.kv_c(1)[2, 3].fill_(5.0)
+        with pytest.raises(ValueError, match=f"HostKVPool.attach: .*{field}.*"):
+            HostKVPool.attach(pool.name, **{**expected, field: value})
+        with HostKVPool.attach(pool.name, **expected) as same:  # the pool's own dims: attached
+            assert same.kv_c(1).shape == (5, 4, 8) and float(same.kv_c(1)[2, 3, 0]) == 5.0
+        with HostKVPool.attach(pool.name, dtype="bf16", num_blocks=5) as some:  # any subset
+            assert some.num_layers == 2 and some.dtype == torch.bfloat16
+
+
+def _rewrite_header(name: str, **changes) -> None:
+    path = os.path.join("/dev/shm", name)
+    with open(path, "r+b") as f:
+        raw = f.read(2048)
+        meta = json.loads(raw.rstrip(b"\0").decode())
+        meta.update(changes)
+        f.seek(0)
+        f.write(json.dumps(meta).encode().ljust(2048, b"\0"))
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"num_blocks": 4}, {"num_blocks": 6}, {"num_layers": 1}, {"kv_lora_rank": 512}, {"rope_dim": 6},
+     {"block_size": 2}, {"dtype": "torch.float32"}, {"dtype": "torch.float16", "rope_dim": 1}, {"total": 1 << 40},
+     {"num_blocks": 0}, {"num_blocks": "5"}, {"dtype": "torch.int8"}, {"num_layers": None}],
+    ids=str,
+)  # fmt: skip
+def test_attach_to_a_header_that_disagrees_with_its_size_raises(changes: dict) -> None:
+    """A header whose dims do not describe the file (another version, a torn or tampered file) is refused:
+    the views would otherwise place layers / components at wrong offsets and read other rows silently."""
+    with HostKVPool.create(**POOL_DIMS, dtype=torch.bfloat16, shared=True) as pool:
+        _rewrite_header(pool.name, **changes)
+        with pytest.raises(ValueError, match=r"HostKVPool.attach: "):
+            HostKVPool.attach(pool.name)
+
+
+def test_attach_to_a_truncated_file_raises() -> None:
+    with HostKVPool.create(**POOL_DIMS, dtype=torch.bfloat16, shared=True) as pool:
+        os.truncate(os.path.join("/dev/shm", pool.name), 4096)
+        with pytest.raises(ValueError, match=r"HostKVPool.attach: .* 4096 bytes"):
+            HostKVPool.attach(pool.name)

@@ -62,6 +62,14 @@ def _header_bytes(num_layers: int) -> int:
     return round_up(_META_BYTES + 8 * num_layers, _ALIGN)
 
 
+def _shared_bytes(
+    num_layers: int, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype
+) -> int:
+    """Size of a shared pool's file: the header, the ``kv_c`` rows (aligned), the ``k_pe`` rows."""
+    kv_bytes, pe_bytes = _part_bytes(num_layers, num_blocks, block_size, kv_lora_rank, rope_dim, dtype)
+    return _header_bytes(num_layers) + round_up(kv_bytes, _ALIGN) + pe_bytes
+
+
 class HostKVPool:
     """Paged host storage of the latent ``kv_c`` and rotary ``k_pe`` rows of ``num_layers`` layers.
 
@@ -141,7 +149,7 @@ class HostKVPool:
         if "/" in name:
             raise ValueError(f"HostKVPool.create: name must not contain '/', got {name!r}")
         path = os.path.join(_SHM_DIR, name)
-        total = _header_bytes(num_layers) + round_up(kv_bytes, _ALIGN) + pe_bytes
+        total = _shared_bytes(**dims, dtype=dtype)
         header = json.dumps({"magic": _MAGIC, **dims, "dtype": str(dtype), "total": total}).encode()
         assert len(header) < _META_BYTES
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -161,27 +169,80 @@ class HostKVPool:
         return pool
 
     @classmethod
-    def attach(cls, name: str) -> HostKVPool:
-        """Map the shared pool ``name`` created by another process of this host (read its rows)."""
+    def attach(
+        cls,
+        name: str,
+        *,
+        num_layers: int | None = None,
+        num_blocks: int | None = None,
+        block_size: int | None = None,
+        kv_lora_rank: int | None = None,
+        rope_dim: int | None = None,
+        dtype: torch.dtype | str | None = None,
+    ) -> HostKVPool:
+        """Map the shared pool ``name`` created by another process of this host (read its rows).
+
+        The pool's dims come from its header. Each dim given here is what the caller expects: one that
+        differs from the header raises ``ValueError`` naming it. A header that does not describe the file
+        (dims that are not positive ints, a non-floating dtype, a size that is not the one its dims give,
+        a file shorter than that) raises ``ValueError`` too: its views would read other rows.
+        """
+        where = "HostKVPool.attach"
         path = os.path.join(_SHM_DIR, name)
         try:
             with open(path, "rb") as f:
                 raw = f.read(_META_BYTES)
+                file_bytes = os.fstat(f.fileno()).st_size
         except FileNotFoundError:
-            raise FileNotFoundError(f"HostKVPool.attach: no shared pool named {name!r} ({path})") from None
+            raise FileNotFoundError(f"{where}: no shared pool named {name!r} ({path})") from None
         try:
             meta = json.loads(raw.rstrip(b"\0").decode())
         except (UnicodeDecodeError, json.JSONDecodeError):
             meta = {}
-        if meta.get("magic") != _MAGIC:
-            raise ValueError(f"HostKVPool.attach: {path} is not a HostKVPool")
-        storage = torch.from_file(path, shared=True, size=meta["total"], dtype=torch.uint8)
-        pool = cls(num_layers=meta["num_layers"], num_blocks=meta["num_blocks"], block_size=meta["block_size"],
-                   kv_lora_rank=meta["kv_lora_rank"], rope_dim=meta["rope_dim"],
-                   dtype=parse_dtype("HostKVPool.attach: header dtype", meta["dtype"]), storage=storage, name=name,
-                   owner=False)  # fmt: skip
+        if not isinstance(meta, dict) or meta.get("magic") != _MAGIC:
+            raise ValueError(f"{where}: {path} is not a HostKVPool")
+        dims = cls._header_dims(path, meta)
+        expected = {"num_layers": num_layers, "num_blocks": num_blocks, "block_size": block_size,
+                    "kv_lora_rank": kv_lora_rank, "rope_dim": rope_dim}  # fmt: skip
+        expected = {k: None if v is None else check_int(where, k, v, minimum=1) for k, v in expected.items()}
+        if dtype is not None:
+            expected["dtype"] = parse_dtype(f"{where}: dtype", dtype)
+        for field, want in expected.items():
+            if want is not None and want != dims[field]:
+                raise ValueError(
+                    f"{where}: pool {name!r} has {field} = {dims[field]}, expected {want} "
+                    f"(the pool holds {cls._describe(dims)})"
+                )
+        total = _shared_bytes(**dims)
+        if meta.get("total") != total or file_bytes < total:
+            raise ValueError(
+                f"{where}: {path} has a header that disagrees with its size: {cls._describe(dims)} take "
+                f"{total} bytes, the header says {meta.get('total')!r} and the file has {file_bytes} bytes"
+            )
+        storage = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+        pool = cls(**dims, storage=storage, name=name, owner=False)
         pool._register_pinned()
         return pool
+
+    @staticmethod
+    def _header_dims(path: str, meta: dict) -> dict:
+        """The dims of a shared pool's header, checked: positive ints and a floating dtype."""
+        where = "HostKVPool.attach"
+        dims: dict = {}
+        for field in ("num_layers", "num_blocks", "block_size", "kv_lora_rank", "rope_dim"):
+            v = meta.get(field)
+            if type(v) is not int or v < 1:
+                raise ValueError(f"{where}: {path} has a header with {field} = {v!r}, expected an int >= 1")
+            dims[field] = v
+        dtype = parse_dtype(f"{where}: {path} header dtype", meta.get("dtype"))
+        if not dtype.is_floating_point:
+            raise ValueError(f"{where}: {path} has a header with dtype {dtype}, expected a floating dtype")
+        dims["dtype"] = dtype
+        return dims
+
+    @staticmethod
+    def _describe(dims: dict) -> str:
+        return ", ".join(f"{k}={v}" for k, v in dims.items())
 
     def _register_pinned(self) -> None:
         if kv_device.accelerator_type() != "cuda":

@@ -178,9 +178,10 @@ def write_layer(conn, layer: int, tickets, tables) -> None:
 
 
 def prefill_rank(
-    cfg, p_rank: int, tickets, rdv_dir: str, fault: str | None, layer_sleep: float, out: dict
+    cfg, p_rank: int, tickets, rdv_dir: str, fault: str | None, layer_sleep: float, out: dict, wait_s: float
 ) -> None:
-    """One prefill TP rank: layerwise runtime over exported buffers + sender; writes every layer's KV."""
+    """One prefill TP rank: layerwise runtime over exported buffers + sender; writes every layer's KV and
+    waits up to ``wait_s`` (:func:`verdict_s`) for every request's verdict."""
 
     t0 = time.time()
     try:
@@ -194,8 +195,9 @@ def prefill_rank(
                 time.sleep(layer_sleep)
                 conn.save(layer)
             conn.end_forward()
+            end = time.monotonic() + wait_s
             for t in tickets:
-                sender.wait_request(t.request_id, timeout=30)
+                sender.wait_request(t.request_id, timeout=max(0.0, end - time.monotonic()))
             out[p_rank] = {"ok": True, "seconds": time.time() - t0, "counters": sender.counters.snapshot()}
         finally:
             sender.close()
@@ -207,20 +209,24 @@ def prefill_rank(
 
 
 def prefill_main(
-    cfg_kw: dict, rdv_dir: str, tickets_q, result_q, fault: str | None = None, layer_sleep: float = 0.0
-) -> None:
-    """Process body: every prefill TP rank on its own thread."""
+    cfg_kw: dict, rdv_dir: str, tickets_q, result_q, fault: str | None, layer_sleep: float, wait_s: float,
+    deadline_s: float,
+) -> None:  # fmt: skip
+    """Process body: every prefill TP rank on its own thread; ``wait_s`` for the library's verdict
+    (:func:`verdict_s`), ``deadline_s`` for the whole pair (:func:`pair_deadline_s`)."""
     from torch_kvoffload.pd import TransferTicket
 
+    end = time.monotonic() + deadline_s
     cfg = config("prefill", **cfg_kw)
-    tickets = [TransferTicket.from_dict(d) for d in tickets_q.get(timeout=60)]
+    tickets = [TransferTicket.from_dict(d) for d in tickets_q.get(timeout=deadline_s)]
     out: dict = {}
-    threads = [threading.Thread(target=prefill_rank, args=(cfg, r, tickets, rdv_dir, fault, layer_sleep, out))
+    threads = [threading.Thread(target=prefill_rank,
+                                args=(cfg, r, tickets, rdv_dir, fault, layer_sleep, out, wait_s))
                for r in range(cfg.p_tp_size)]  # fmt: skip
     for th in threads:
         th.start()
     for th in threads:
-        th.join(90)
+        th.join(max(0.0, end - time.monotonic()))
     result_q.put({"side": "prefill", "ranks": out})
 
 
@@ -294,10 +300,12 @@ def make_tickets(pool, recvs, requests):
 
 
 def decode_main(
-    cfg_kw: dict, rdv_dir: str, tickets_q, result_q, stop, fault: str | None = None, fingerprint: str = "tiny-dsa",
-    wait_s: float = 30.0, kill_file: str = "",
+    cfg_kw: dict, rdv_dir: str, tickets_q, result_q, stop, fault: str | None, fingerprint: str, wait_s: float,
+    kill_file: str, deadline_s: float,
 ) -> None:  # fmt: skip
-    """Process body: every decode TP rank of DP rank 0 (one shared host pool, rank-local indexers)."""
+    """Process body: every decode TP rank of DP rank 0 (one shared host pool, rank-local indexers); waits
+    up to ``wait_s`` in all for the requests' verdicts (:func:`verdict_s`), then up to ``deadline_s``
+    (:func:`pair_deadline_s`) for ``stop``."""
     from torch_kvoffload.pd import all_ranks_ready
 
     try:
@@ -306,10 +314,11 @@ def decode_main(
         tickets = make_tickets(pool, recvs, REQUESTS)
         tickets_q.put([t.to_dict() for t in tickets])
         states, errors, mismatches = {}, {}, []
+        end = time.monotonic() + wait_s
         for t in tickets:
             for rank, rv in enumerate(recvs):
                 try:
-                    rv.wait_request(t.request_id, timeout=wait_s)
+                    rv.wait_request(t.request_id, timeout=max(0.0, end - time.monotonic()))
                 except Exception as exc:
                     errors[(t.request_id, rank)] = f"{type(exc).__name__}: {exc}"
             st = [rv.state(t.request_id) for rv in recvs]
@@ -347,7 +356,7 @@ def decode_main(
                   "handshake_errors": [e for rv in recvs for e in rv.handshake_errors],
                   "counters": [rv.counters.snapshot() for rv in recvs], "at": time.time()}  # fmt: skip
         result_q.put(result)
-        stop.wait(60)
+        stop.wait(deadline_s)
         for rv in recvs:
             rv.close()
         pool.close()
@@ -362,38 +371,111 @@ def decode_main(
 
 
 # ------------------------------------------------------------------------------------- orchestration
-_PRELOAD = ["torch", "torch_kvoffload.layerwise", "torch_kvoffload.pd", "torch_kvoffload.sparse",
-            "torch_kvoffload.store.local", "pd_helpers"]  # fmt: skip
+PRELOAD = ("torch", "torch_kvoffload.layerwise", "torch_kvoffload.pd", "torch_kvoffload.sparse",
+            "torch_kvoffload.store.local", "pd_helpers")  # fmt: skip
 
 
 def mp_context():
     """A forkserver context whose server imported torch and the package once: every child forks from it
     in milliseconds instead of importing for seconds (spawn), and no child inherits a parent's threads."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
+
+
+# ----------------------------------------------------------------------------------------- deadlines
+# Every wall-clock bound of the multi-process tests is one of these: what the configuration lets the library
+# take before it must report (success or a timeout error), plus the work itself — measured on this machine
+# as it is loaded now, never guessed.
+_MEASURED: dict[tuple[str, ...], float] = {}
+#: How many measured cold starts a process start or wind-down may take (the load can rise after the
+#: measurement).
+PROCESS_FACTOR = 3.0
+
+
+def _import_all(modules: tuple[str, ...]) -> None:
+    import importlib
+
+    for name in modules:
+        importlib.import_module(name)
+
+
+def process_s(modules: tuple[str, ...] = PRELOAD) -> float:
+    """Seconds a test process may take to start (or wind down) on this machine as loaded now:
+    ``PROCESS_FACTOR`` times a cold start — a spawned interpreter importing ``modules``, what the
+    forkserver (or a spawned test body) does before any P/D code runs — measured once per module set.
+    The one part of a multi-process test no configuration bounds."""
+    if modules not in _MEASURED:
+        t0 = time.monotonic()
+        proc = mp.get_context("spawn").Process(target=_import_all, args=(modules,), daemon=True)
+        proc.start()
+        proc.join()  # it imports and returns: no bound needed
+        if proc.exitcode != 0:
+            raise RuntimeError(f"process_s: importing {modules} in a fresh process failed ({proc.exitcode})")
+        _MEASURED[modules] = time.monotonic() - t0
+    return PROCESS_FACTOR * _MEASURED[modules]
+
+
+def verdict_s(cfg, layers: int = L, layer_work_s: float = 0.0) -> float:
+    """Seconds after both sides started within which the library reports every request of a transfer
+    done or failed, from ``cfg`` (a :class:`PDConfig`): the handshake (``handshake_timeout_s``, rendezvous
+    lookup included), then per layer its work (``layer_work_s``) and at most ``layer_ack_timeout_s`` for
+    its acknowledgement (read retries happen inside it), and the dead-peer window (``dead_after_s``) for a
+    peer that went silent."""
+    return cfg.handshake_timeout_s + layers * (layer_work_s + cfg.layer_ack_timeout_s) + cfg.dead_after_s
+
+
+def pair_deadline_s(cfg, layers: int = L, layer_work_s: float = 0.0) -> float:
+    """Seconds a prefill + decode process pair may take from start to results: both processes' starts
+    (:func:`process_s`) and the library's :func:`verdict_s`."""
+    return 2 * process_s() + verdict_s(cfg, layers, layer_work_s)
+
+
+def dead_peer_detect_s(cfg) -> float:
+    """Worst-case seconds from a peer's death to its detection: silence for ``dead_after_s`` (measured
+    from its last message, sent before it died) noticed at the next heartbeat tick (``heartbeat_interval_s``)."""
+    return cfg.dead_after_s + cfg.heartbeat_interval_s
 
 
 def run_pair(
     tmp_path, *, transport: str, p_tp: int, d_tp: int, prefill_fault: str | None = None,
     decode_fault: str | None = None, fingerprint: str = "tiny-dsa", layer_sleep: float = 0.0,
-    timeout: float = 60.0, decode_wait_s: float = 20.0, **cfg_extra: Any,
+    decode_wait_s: float | None = None, **cfg_extra: Any,
 ) -> tuple[dict, dict]:  # fmt: skip
-    """Spawn a decode and a prefill process on loopback; return their result dicts (``{}`` if none came)."""
+    """Spawn a decode and a prefill process on loopback; return their result dicts (``{}`` if none came).
+    Both sides wait :func:`verdict_s` of the configuration for the library's verdicts (decode
+    ``decode_wait_s`` if given), the pair :func:`pair_deadline_s` in all."""
     from torch_kvoffload._utils import free_port
 
     ctx = mp_context()
     rdv = str(tmp_path / "rendezvous")
     cfg_kw = dict(transport=transport, p_tp_size=p_tp, d_tp_size=d_tp, kv_port=free_port(), **cfg_extra)
+    cfg = config("decode", **cfg_kw)
+    wait_s = verdict_s(cfg, L, layer_sleep)
+    timeout = pair_deadline_s(cfg, L, layer_sleep)
+    decode_wait_s = wait_s if decode_wait_s is None else decode_wait_s
     tickets_q, pre_q, dec_q, stop = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
     kill_file = str(tmp_path / "killed_at")
     dec = ctx.Process(
         target=decode_main,
-        args=(cfg_kw, rdv, tickets_q, dec_q, stop, decode_fault, fingerprint, decode_wait_s, kill_file),
+        args=(
+            cfg_kw,
+            rdv,
+            tickets_q,
+            dec_q,
+            stop,
+            decode_fault,
+            fingerprint,
+            decode_wait_s,
+            kill_file,
+            timeout,
+        ),
         daemon=True,
     )
     pre = ctx.Process(
-        target=prefill_main, args=(cfg_kw, rdv, tickets_q, pre_q, prefill_fault, layer_sleep), daemon=True
+        target=prefill_main,
+        args=(cfg_kw, rdv, tickets_q, pre_q, prefill_fault, layer_sleep, wait_s, timeout),
+        daemon=True,
     )
     dec.start()
     pre.start()
@@ -409,25 +491,27 @@ def run_pair(
                     results[name] = q.get(timeout=0.05)
                 except queue.Empty:
                     if not proc.is_alive():
+                        # a process flushes its queue before it exits: the result is there now or never
                         try:
-                            results[name] = q.get(timeout=0.5)
+                            results[name] = q.get_nowait()
                         except queue.Empty:
                             results[name] = {"exitcode": proc.exitcode}
     finally:
         stop.set()
         for proc in (pre, dec):
-            proc.join(10)
+            proc.join(process_s())
             if proc.is_alive():
                 proc.kill()
-                proc.join(5)
+                proc.join(process_s())
         for path in glob.glob(f"/dev/shm/kvoffload-pd-{pre.pid}-*"):  # a killed prefill leaves its exports
             os.unlink(path)
     return results.get("prefill", {}), results.get("decode", {})
 
 
 # ------------------------------------------------------------------------- transport test processes
-def export_region_main(transport: str, nbytes: int, seed: int, out_q, stop) -> None:
-    """Process body: export one ``uint8`` region of random bytes and describe it; wait for ``stop``."""
+def export_region_main(transport: str, nbytes: int, seed: int, out_q, stop, deadline_s: float) -> None:
+    """Process body: export one ``uint8`` region of random bytes and describe it; wait for ``stop`` (at
+    most ``deadline_s``, the test's :func:`process_s` bound)."""
     from torch_kvoffload.pd import ShmTransport
     from torch_kvoffload.pd.transports.mooncake import MooncakeTransport
 
@@ -437,7 +521,7 @@ def export_region_main(transport: str, nbytes: int, seed: int, out_q, stop) -> N
         torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
     )
     out_q.put(tr.describe())
-    stop.wait(60)
+    stop.wait(deadline_s)
     tr.close()
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from pd_helpers import FakeMemFabric, export_region_main, mp_context
+from pd_helpers import PRELOAD, FakeMemFabric, export_region_main, mp_context, process_s
 
 from torch_kvoffload.pd import PDConfig, ShmTransport, TransportError, make_transport
 from torch_kvoffload.pd.transports import ReadOp
@@ -121,10 +121,13 @@ def test_mooncake_two_process_transfer_on_loopback() -> None:
     ctx = mp_context()
     out_q, stop = ctx.Queue(), ctx.Event()
     size, seed = 1 << 16, 5
-    proc = ctx.Process(target=export_region_main, args=("mooncake", size, seed, out_q, stop), daemon=True)
+    limit = process_s((*PRELOAD, "mooncake.engine"))  # the exporter's start, or its exit once stopped
+    proc = ctx.Process(
+        target=export_region_main, args=("mooncake", size, seed, out_q, stop, limit), daemon=True
+    )
     proc.start()
     try:
-        desc = out_q.get(timeout=60)
+        desc = out_q.get(timeout=limit)
         reader = MooncakeTransport()
         dst = torch.zeros(5000, dtype=torch.uint8)
         reader.register("d", dst)
@@ -137,13 +140,13 @@ def test_mooncake_two_process_transfer_on_loopback() -> None:
         with pytest.raises(TransportError, match="leaves region"):
             reader.read(peer, [ReadOp("r", size - 4, "d", 0, 8)])
         stop.set()
-        proc.join(20)
+        proc.join(limit)
         with pytest.raises(TransportError, match="returned"):  # the peer is gone: the read fails, loudly
             reader.read(peer, [ReadOp("r", 0, "d", 0, 8)])
         reader.close()
     finally:
         stop.set()
-        proc.join(10)
+        proc.join(limit)
         if proc.is_alive():
             proc.kill()
 

@@ -1,7 +1,10 @@
 """Where decode advertises its endpoints and topology and prefill finds them.
 
 * :class:`FileRendezvous` — the embedded default for one host: one JSON file per decode rank in a
-  directory, written atomically (temp file + rename); no service to run.
+  directory, written atomically (temp file + rename); no service to run. The directory (created ``0700``)
+  and every record (``0600``) must belong to the user and not be writable by group or others — another
+  user able to plant a record could send prefill to its own endpoint — and are opened without following
+  symbolic links; anything else is refused with :class:`PermissionError`.
 * :class:`MooncakeMetadataRendezvous` — Mooncake's HTTP metadata server (``mooncake.http_metadata_server``,
   the one a Mooncake deployment already runs): ``PUT`` / ``GET`` / ``DELETE`` ``<url>?key=<key>``.
 
@@ -12,8 +15,11 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import errno
 import json
 import os
+import secrets
+import stat
 import tempfile
 import time
 import urllib.error
@@ -23,6 +29,8 @@ import urllib.request
 __all__ = ["FileRendezvous", "MooncakeMetadataRendezvous", "Rendezvous", "decode_key", "make_rendezvous"]
 
 _POLL_S = 0.02
+#: The largest record a :class:`FileRendezvous` reads (records are a few hundred bytes).
+MAX_RECORD_BYTES = 1 << 16
 
 
 def decode_key(kv_port: int, dp_rank: int, tp_rank: int) -> str:
@@ -54,35 +62,132 @@ class Rendezvous(abc.ABC):
             time.sleep(_POLL_S)
 
 
+def check_private(what: str, path: str, st: os.stat_result, *, directory: bool) -> None:
+    """Raise :class:`PermissionError` unless ``st`` (an ``fstat`` of ``path``) is a directory / regular
+    file owned by the effective user and not writable by its group or others."""
+    kind = "directory" if directory else "regular file"
+    if not (stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)):
+        raise PermissionError(f"{what}: {path} is not a {kind} (mode {stat.filemode(st.st_mode)})")
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        raise PermissionError(
+            f"{what}: {path} is owned by uid {st.st_uid}, not by the current user (uid {uid}); another "
+            "user's file could redirect the transfer — remove it or choose another location"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(
+            f"{what}: {path} is writable by its group or others (mode {oct(stat.S_IMODE(st.st_mode))}); "
+            f"expected no group / other write permission (e.g. chmod {'0700' if directory else '0600'})"
+        )
+
+
 class FileRendezvous(Rendezvous):
+    """Records as ``<directory>/<key>.json``. The directory is created ``0700`` if missing and checked
+    (owner, mode, not a symbolic link) here and before every operation; records are written ``0600``
+    through a temp file and an atomic rename, and read with ``O_NOFOLLOW`` after an owner / mode /
+    regular-file check of the opened file. Violations raise :class:`PermissionError` naming the path."""
+
     def __init__(self, directory: str) -> None:
         self.directory = directory
-        os.makedirs(directory, exist_ok=True)
+        parent = os.path.dirname(os.path.abspath(directory))
+        os.makedirs(parent, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, 0o700)
+        os.close(self._open_dir())
 
     def __repr__(self) -> str:
         return f"FileRendezvous({self.directory!r})"
 
-    def _path(self, key: str) -> str:
-        if "/" in key or key.startswith("."):
+    def _open_dir(self) -> int:
+        """A descriptor of the checked directory (every record operation goes through it)."""
+        what = "FileRendezvous"
+        try:
+            fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            if os.path.islink(self.directory):
+                raise PermissionError(
+                    f"{what}: {self.directory} is a symbolic link; refusing to follow it (give the real "
+                    "directory)"
+                ) from None
+            raise
+        try:
+            check_private(what, self.directory, os.fstat(fd), directory=True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _name(self, key: str) -> str:
+        if not key or "/" in key or "\0" in key or key.startswith("."):
             raise ValueError(f"FileRendezvous: bad key {key!r}")
-        return os.path.join(self.directory, key + ".json")
+        return key + ".json"
 
     def publish(self, key: str, record: dict) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, self._path(key))
+        name = self._name(key)
+        data = json.dumps(record).encode()
+        dfd = self._open_dir()
+        try:
+            tmp = f".tmp-{secrets.token_hex(8)}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=dfd)  # fmt: skip
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    os.fchmod(f.fileno(), 0o600)
+                    f.write(data)
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=dfd)
+                raise
+        finally:
+            os.close(dfd)
 
     def _get(self, key: str) -> dict | None:
+        name = self._name(key)
+        path = os.path.join(self.directory, name)
+        dfd = self._open_dir()
         try:
-            with open(self._path(key)) as f:
-                return json.load(f)
-        except FileNotFoundError:
-            return None
+            try:
+                # O_NONBLOCK: a FIFO planted as the record must not block the open
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise PermissionError(
+                        f"FileRendezvous: record {path} is a symbolic link; refusing to follow it"
+                    ) from None
+                raise
+        finally:
+            os.close(dfd)
+        try:
+            check_private("FileRendezvous", f"record {path}", os.fstat(fd), directory=False)
+            with os.fdopen(fd, "rb") as f:
+                fd = -1
+                raw = f.read(MAX_RECORD_BYTES + 1)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        if len(raw) > MAX_RECORD_BYTES:
+            raise ValueError(f"FileRendezvous: record {key!r} ({path}) exceeds {MAX_RECORD_BYTES} bytes")
+        try:
+            record = json.loads(raw)
+        except ValueError as exc:
+            raise ValueError(f"FileRendezvous: record {key!r} ({path}) is not JSON: {exc}") from None
+        if not isinstance(record, dict):
+            raise ValueError(
+                f"FileRendezvous: record {key!r} ({path}) must be a JSON object, got {type(record).__name__}"
+            )
+        return record
 
     def remove(self, key: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._path(key))
+        name = self._name(key)
+        dfd = self._open_dir()
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dfd)
+        finally:
+            os.close(dfd)
 
 
 class MooncakeMetadataRendezvous(Rendezvous):

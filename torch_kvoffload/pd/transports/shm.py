@@ -4,13 +4,23 @@ Prefill allocates its layer buffers as files under ``/dev/shm`` mapped ``MAP_SHA
 (:meth:`ShmTransport.allocate`); decode maps the same files and copies from them straight into its
 destinations, one ``copy_blocks`` kernel per (source region, destination region, block size) group.
 Needs host-memory buffers on the prefill side.
+
+A region a peer names is opened ``O_RDONLY | O_NOFOLLOW`` and mapped ``PROT_READ`` only after the opened
+file is checked: a regular file owned by the current user, exactly the size the peer announced (bounded
+by :data:`MAX_REGION_BYTES`). A file that fails is refused with :class:`TransportError` and left as it
+was (never written, truncated or grown).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import mmap
 import os
+import re
+import stat
 import uuid
+import warnings
 from collections import defaultdict
 
 import torch
@@ -21,6 +31,50 @@ from torch_kvoffload.pd.transports.base import ReadOp, RemotePeer, Transport, Tr
 __all__ = ["ShmTransport", "remove_stale_exports"]
 
 _SHM_DIR = "/dev/shm"
+#: The largest region a peer may announce (1 TiB): a bound on what one mapping may claim.
+MAX_REGION_BYTES = 1 << 40
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
+
+
+def _file_size(nbytes: int) -> int:
+    """Bytes of the file backing a region of ``nbytes`` (an empty region still has a 1-byte file)."""
+    return max(nbytes, 1)
+
+
+def _map_read_only(path: str, nbytes: int, peer_name: str, region: str) -> torch.Tensor:
+    """``path``'s first ``nbytes`` bytes mapped ``PROT_READ`` as a ``uint8`` tensor, after checking the
+    opened file (no symbolic link, regular, owned by the current user, size ``_file_size(nbytes)``)."""
+    where = f"ShmTransport.connect: region {region!r} of peer {peer_name} ({path})"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise TransportError(f"{where} does not exist (is the peer on another host?)") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise TransportError(f"{where} is a symbolic link; refusing to follow it") from None
+        raise TransportError(f"{where} cannot be opened read-only: {exc}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TransportError(f"{where} is not a regular file (mode {stat.filemode(st.st_mode)})")
+        if st.st_uid != os.geteuid():
+            raise TransportError(
+                f"{where} is owned by uid {st.st_uid}, not by the current user (uid {os.geteuid()})"
+            )
+        if st.st_size != _file_size(nbytes):
+            raise TransportError(
+                f"{where} has size {st.st_size} bytes; the peer announced a {nbytes}-byte region "
+                f"(a {_file_size(nbytes)}-byte file)"
+            )
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():
+        # read-only on purpose: the peer's memory is only ever a copy source
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
 def remove_stale_exports() -> list[str]:
@@ -34,6 +88,8 @@ def remove_stale_exports() -> list[str]:
         pid = fname.split("-")[2]
         if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             with contextlib.suppress(FileNotFoundError):
+                if os.lstat(os.path.join(_SHM_DIR, fname)).st_uid != os.geteuid():
+                    continue  # another user's file: not this user's to remove
                 os.unlink(os.path.join(_SHM_DIR, fname))
                 removed.append(fname)
     return removed
@@ -83,28 +139,27 @@ class ShmTransport(Transport):
             raise TransportError(
                 f"ShmTransport.connect: peer {peer_name} exports {description.get('kind')!r} regions, not shm"
             )
+        regions = description.get("regions", {})
+        if not isinstance(regions, dict):
+            raise TransportError(f"ShmTransport.connect: bad regions from peer {peer_name}: {regions!r}")
+        checked = {}
+        for region, info in regions.items():
+            fname = info.get("file") if isinstance(info, dict) else None
+            nbytes = info.get("nbytes") if isinstance(info, dict) else None
+            if (
+                not isinstance(fname, str)
+                or not _NAME.fullmatch(fname)
+                or type(nbytes) is not int
+                or not 0 <= nbytes <= MAX_REGION_BYTES
+            ):
+                raise TransportError(
+                    f"ShmTransport.connect: bad region {region!r} from peer {peer_name}: {info!r}; expected "
+                    f"{{'file': a /dev/shm file name, 'nbytes': an int in 0..{MAX_REGION_BYTES}}}"
+                )
+            checked[region] = (os.path.join(_SHM_DIR, fname), nbytes)
         views, sizes = {}, {}
-        for region, info in description.get("regions", {}).items():
-            fname, nbytes = info.get("file"), info.get("nbytes")
-            if not isinstance(fname, str) or "/" in fname or not isinstance(nbytes, int):
-                raise TransportError(
-                    f"ShmTransport.connect: bad region {region!r} from peer {peer_name}: {info}"
-                )
-            path = os.path.join(_SHM_DIR, fname)
-            try:
-                actual = os.stat(path).st_size
-            except FileNotFoundError:
-                raise TransportError(
-                    f"ShmTransport.connect: region {region!r} of peer {peer_name} ({path}) does not exist "
-                    "(is the peer on another host?)"
-                ) from None
-            if actual < nbytes:
-                raise TransportError(
-                    f"ShmTransport.connect: {path} has {actual} bytes, peer {peer_name} says {nbytes}"
-                )
-            views[region] = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)[
-                :nbytes
-            ]
+        for region, (path, nbytes) in checked.items():
+            views[region] = _map_read_only(path, nbytes, peer_name, region)
             sizes[region] = nbytes
         return RemotePeer(peer_name, sizes, views)
 

@@ -441,8 +441,12 @@ def test_rogue_without_the_secret_is_refused_and_the_real_transfer_completes(pai
     _assert_received_exactly(s, s.tickets)
 
 
-def test_prefill_refuses_an_endpoint_that_cannot_prove_the_secret(tmp_path) -> None:
-    """A port squatter advertised as decode that acks everything: prefill refuses it before any data moves."""
+@pytest.mark.parametrize("challenge", ["forged", "none"])
+def test_prefill_refuses_an_endpoint_that_cannot_prove_the_secret(tmp_path, challenge: str) -> None:
+    """A port squatter advertised as decode that accepts the HELLO and acknowledges every batch (the
+    replies of a real decode, replayed): prefill hears none of it and fails the handshake."""
+    from torch_kvoffload.pd import TicketPart, TransferTicket
+
     port = free_port()
     rdv = str(tmp_path / "rdv")
     ctx = zmq.Context()
@@ -452,10 +456,7 @@ def test_prefill_refuses_an_endpoint_that_cannot_prove_the_secret(tmp_path) -> N
     FileRendezvous(rdv).publish(decode_key(port, 0, 0), {"endpoint": f"tcp://127.0.0.1:{port}"})
     stop = threading.Event()
 
-    def serve() -> (
-        None
-    ):  # answers every frame with an accepting HELLO_ACK, a READ_DONE and a forged challenge
-        seq = 0
+    def serve() -> None:
         while not stop.is_set():
             if not squatter.poll(10):
                 continue
@@ -464,27 +465,35 @@ def test_prefill_refuses_an_endpoint_that_cannot_prove_the_secret(tmp_path) -> N
                 msg = decode_message(raw)
             except ProtocolError:
                 msg = None
-            out = [HelloAck(True, "", 0, 1)]
+            out = [HelloAck(True, "", 0, 1), *(ReadDone(seq, seq, [5]) for seq in range(h.L))]
             if isinstance(msg, LayerReady):
                 out.append(ReadDone(msg.seq, msg.layer, [e.request_id for e in msg.entries]))
-            out += [ReadDone(seq, layer, [5]) for layer in range(h.L)]
-            if isinstance(msg, AuthStart):
+            if isinstance(msg, AuthStart) and challenge == "forged":
                 out.append(AuthChallenge(auth.new_nonce(), os.urandom(32)))
             for m in out:
                 squatter.send_multipart([ident, encode_message(m)])
-            seq += 1
 
     th = threading.Thread(target=serve, daemon=True)
     th.start()
-    cfg = h.config("prefill", transport="shm", kv_port=port, handshake_timeout_s=5.0)
-    _conn, sender, rt, tr = h.make_prefill_rank(cfg, 0, rdv)
+    cfg = h.config("prefill", transport="shm", kv_port=port, handshake_timeout_s=2.0)
+    conn, sender, rt, tr = h.make_prefill_rank(cfg, 0, rdv)
+    ticket = TransferTicket.combine(5, 8, 0, (0, 1), [TicketPart(0, 1, (0, 1))])
+    match = (
+        "did not prove the shared secret" if challenge == "forged" else "never answered the authentication"
+    )
     try:
         t0 = time.monotonic()
-        with pytest.raises(HandshakeError, match="did not prove the shared secret"):
-            sender.connect(0)
-        assert time.monotonic() - t0 < cfg.handshake_timeout_s / 2  # refused at once, not timed out
-        with pytest.raises(KeyError):
+        with pytest.raises(HandshakeError, match=match):
+            _run(conn, [ticket])
+        took = time.monotonic() - t0
+        assert (
+            took < cfg.handshake_timeout_s / 2
+            if challenge == "forged"
+            else took < 2 * cfg.handshake_timeout_s
+        )
+        with pytest.raises(KeyError):  # no request was ever tracked, let alone acknowledged
             sender.request_state(5)
+        assert sender.counters.get("layers_acked") == 0
     finally:
         stop.set()
         th.join(5)

@@ -126,8 +126,8 @@ class ControlEndpoint:
 
     def send_bytes(self, body: bytes, peer: bytes = b"") -> None:
         """Queue an encoded message body (sealed for the peer's session on the I/O thread); thread-safe."""
-        if self._stop.is_set():
-            return
+        if self._stop.is_set() or self.error is not None:
+            return  # nobody would drain the queue: a sender must never block on a dead endpoint
         push = getattr(self._local, "push", None)
         if push is None:
             push = self._ctx.socket(self._zmq.PUSH)
@@ -298,7 +298,7 @@ class ControlEndpoint:
             ):
                 self.counters.add("auth_refused")
                 why = "no challenge was issued to it" if nonces is None else "wrong shared secret"
-                logger.warning("%s: refused peer %r: authentication failed (%s)", self.name, peer, why)
+                self._warn(peer, f"refused authentication ({why})")
                 self._send_plain(peer, AuthRefused("authentication failed"))
                 return
             with self._lock:
@@ -343,13 +343,15 @@ class ControlEndpoint:
             self._unheard(b"", f"{msg.TYPE} before authenticating")
 
     def _unheard(self, peer: bytes, what: str) -> None:
-        """Drop what an unauthenticated peer sent; warn on its first few frames, then on every 1000th."""
+        """Drop what an unauthenticated peer sent."""
         self.counters.add("frames_unauthenticated")
+        self._warn(peer, f"dropped {what} from an unauthenticated peer")
+
+    def _warn(self, peer: bytes, what: str) -> None:
+        """Log a refusal on a peer's first few, then on every 1000th (a rogue cannot flood the log)."""
         n = self._refused.pop(peer, 0) + 1
         self._refused[peer] = n
         while len(self._refused) > _MAX_PENDING:
             self._refused.popitem(last=False)
         if n <= 3 or n % 1000 == 0:
-            logger.warning(
-                "%s: dropped %s from unauthenticated peer %r (%d so far)", self.name, what, peer, n
-            )
+            logger.warning("%s: peer %r: %s (refusal %d)", self.name, peer, what, n)

@@ -272,10 +272,12 @@ class PrefillSender:
                   self.transport.describe(), self.slots, self.num_blocks)
         )  # fmt: skip
         if not peer.acked.wait(max(0.0, deadline - time.monotonic())):
+            unauthenticated = not peer.control.authenticated()
             peer.control.close()
             raise HandshakeError(
                 f"{self.name}: no HELLO_ACK from decode rank (dp {dp_rank}, tp {self.d_rank}) at {peer.endpoint} "
                 f"within {timeout:.1f} s (handshake_timeout_s)"
+                + ("; it never answered the authentication challenge" if unauthenticated else "")
             )
         if peer.ack is None:  # woken by the control endpoint going down
             peer.control.close()

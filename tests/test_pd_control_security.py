@@ -778,3 +778,33 @@ def test_a_dead_prefill_io_thread_fails_the_handshake_at_once(pair) -> None:
     with pytest.raises(HandshakeError, match="control I/O thread died: _Die: injected"):
         _run(conn, s.tickets)
     assert time.monotonic() - t0 < s.cfg.handshake_timeout_s / 2
+
+
+def test_an_unexpected_error_handling_a_batch_is_answered_and_decode_keeps_serving(pair) -> None:
+    class Broken(DecodeReceiver):
+        def _read(self, peer, ops, layer):
+            if layer == 2 and not getattr(self, "broke", False):
+                self.broke = True
+                raise RuntimeError("injected")
+            return super()._read(peer, ops, layer)
+
+    s = pair(decode_cls=Broken, requests=[(5, 8)])
+    conn = s.prefill()
+    t0 = time.monotonic()
+    with pytest.raises(TransferError, match="layer 2 failed unexpectedly: RuntimeError: injected"):
+        _run(conn, s.tickets)
+        s.sender.wait_request(5, timeout=s.wait_s)
+    assert time.monotonic() - t0 < s.cfg.layer_ack_timeout_s  # answered, not left to the ack deadline
+    assert s.recv.state(5) == "failed" and "injected" in s.recv.error(5)
+    sent = s.sender.counters
+    _until(
+        lambda: sent.get("layers_failed") + sent.get("layers_acked") == sent.get("layers_sent"),
+        s.wait_s,
+        "answers",
+    )
+    s.rt.reset()
+    s.recv.release(5)
+    s.pool.free(5)
+    again = h.make_tickets(s.pool, [s.recv], [(6, 8)])
+    _run(conn, again)
+    _assert_received_exactly(s, again)

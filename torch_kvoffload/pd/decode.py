@@ -453,8 +453,21 @@ class DecodeReceiver:
                     self._handle_layer(item[1], item[2])
                 else:
                     self._zero(item[1])
-            except Exception:
+            except Exception as exc:
                 logger.exception("%s: %s work failed", self.name, item[0])
+                if item[0] == "layer":
+                    self._fail_unexpectedly(item[1], item[2], exc)
+
+    def _fail_unexpectedly(self, identity: bytes, msg: LayerReady, exc: Exception) -> None:
+        """A batch whose handling raised: its live requests may hold part of it, so they fail; the
+        sender is answered instead of waiting for its deadline."""
+        reason = f"{self.name}: layer {msg.layer} failed unexpectedly: {type(exc).__name__}: {exc}"
+        with self._lock:
+            reqs = [self._requests.get(e.request_id) for e in msg.entries]
+        for e, req in zip(msg.entries, reqs, strict=True):
+            if req is not None and req.generation == e.generation:
+                self._invalidate(req, reason)
+        self._reply(identity, ReadFailed(msg.seq, msg.layer, [e.request_id for e in msg.entries], reason))
 
     def _zero(self, req: _Request) -> None:
         with req.lock:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import time
 import traceback
 
 import pytest
@@ -17,6 +18,7 @@ pytest.importorskip("zmq")
 pytest.importorskip("msgpack")
 
 from hf_models import build_model, indexer_boundary_ties, left_padded_batch
+from pd_helpers import process_s, verdict_s
 
 import torch_kvoffload
 from torch_kvoffload import OffloadConfig
@@ -25,7 +27,10 @@ from torch_kvoffload.pd import PDConfig, TransferTicket
 
 NEW = 12
 BS = 4  # several blocks per prompt, partial last blocks
-TIMEOUT = 45.0
+LAYERS = 4  # of the tiny deepseek_v32
+#: How many times the unmodified model's build + generate one side's work may take (it builds, offloads
+#: and runs the model with its caches, on a machine it shares with the other side).
+WORK_FACTOR = 5.0
 
 
 def _pd(role: str, port: int, rdv: str) -> dict:
@@ -45,15 +50,15 @@ def _prefill(cases: list[dict], tickets_q, first_q, out_q, stop) -> None:
             model = torch_kvoffload.offload(build_model("deepseek_v32"), cfg)
             role = prefill_role(model)
             ids, mask = case["ids"], case["mask"]
-            role.submit([TransferTicket.from_dict(d) for d in tickets_q.get(timeout=TIMEOUT)])
+            role.submit([TransferTicket.from_dict(d) for d in tickets_q.get(timeout=case["deadline_s"])])
             # generate() of one token is exactly the prefill forward (position ids from the padding mask)
             first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False)[
                 :, -1
             ]
-            role.wait(timeout=TIMEOUT)
+            role.wait(timeout=case["verdict_s"])
             first_q.put(first)
             out_q.put({"sender": role.sender.counters.snapshot(), "layers": len(role.sender.layer_log)})
-            stop.wait(TIMEOUT)
+            stop.wait(case["deadline_s"])
             stop.clear()
             torch_kvoffload.integrations.hf.install.detach(model)
         except BaseException:
@@ -73,8 +78,8 @@ def _decode(cases: list[dict], tickets_q, first_q, out_q) -> None:
             S = ids.shape[1]
             tickets = role.expect(ids, mask, max_tokens=S + NEW)
             tickets_q.put([t.to_dict() for t in tickets])
-            first = first_q.get(timeout=TIMEOUT)
-            cache = role.wait(timeout=TIMEOUT)
+            first = first_q.get(timeout=case["deadline_s"])
+            cache = role.wait(timeout=case["verdict_s"])
             recv = role.receiver.counters.snapshot()
             full = torch.cat([ids, first[:, None]], dim=1)
             full_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -93,13 +98,25 @@ CASES = {"batch1": [19], "batch2-padded": [21, 10]}
 
 @pytest.fixture(scope="module")
 def pd_runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
-    """Both cases through one prefill and one decode process (one session pair per case, in turn)."""
+    """Both cases through one prefill and one decode process (one session pair per case, in turn).
+
+    Deadlines: the library's verdict (:func:`pd_helpers.verdict_s` of the P/D config) for ``role.wait``;
+    for a side waiting on the other, a cold process start (:func:`pd_helpers.process_s`), both sides' work
+    (``WORK_FACTOR`` times the unmodified model's build + generate of the case, timed here) and the verdict.
+    """
     ctx = mp.get_context("spawn")
     rdv = str(tmp_path_factory.mktemp("rendezvous"))
+    start_s = process_s(("torch", "transformers", "torch_kvoffload", "hf_models"))
     cases = []
     for i, lengths in enumerate(CASES.values()):
         ids, mask = left_padded_batch(lengths, seed=3 + i)
-        cases.append({"ids": ids, "mask": mask, "port": free_port(), "rdv": rdv})
+        t0 = time.monotonic()
+        reference = _reference(ids, mask)
+        work_s = WORK_FACTOR * (time.monotonic() - t0)
+        port = free_port()
+        wait_s = verdict_s(PDConfig(**_pd("decode", port, rdv)), LAYERS)
+        cases.append({"ids": ids, "mask": mask, "port": port, "rdv": rdv, "reference": reference,
+                      "verdict_s": wait_s, "deadline_s": start_s + 2 * work_s + wait_s})  # fmt: skip
     tickets_q, first_q, p_q, d_q, stop = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
     dec = ctx.Process(target=_decode, args=(cases, tickets_q, first_q, d_q), daemon=True)
     pre = ctx.Process(target=_prefill, args=(cases, tickets_q, first_q, p_q, stop), daemon=True)
@@ -108,9 +125,10 @@ def pd_runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
     out = {}
     try:
         for name in CASES:
+            case = cases[len(out)]
             try:
-                d_out = d_q.get(timeout=2 * TIMEOUT)
-                p_out = p_q.get(timeout=5)
+                d_out = d_q.get(timeout=case["deadline_s"])
+                p_out = p_q.get(timeout=case["deadline_s"])  # put before decode's: there by now
             except queue.Empty:
                 d_out, p_out = {"error": "decode or prefill process gave no result"}, {}
             stop.set()
@@ -120,7 +138,7 @@ def pd_runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
     finally:
         stop.set()
         for proc in (pre, dec):
-            proc.join(10)
+            proc.join(start_s)
             if proc.is_alive():
                 proc.kill()
     return {name: (out.get(name), cases[i]) for i, name in enumerate(CASES)}
@@ -142,7 +160,7 @@ def test_prefill_then_decode_tokens_equal_unmodified_generate(name, pd_runs):
     p_out, d_out = result
     assert "error" not in d_out, d_out["error"]
     assert "error" not in p_out, p_out.get("error")
-    assert torch.equal(d_out["tokens"], _reference(case["ids"], case["mask"]))
+    assert torch.equal(d_out["tokens"], case["reference"])
     # every layer of every request moved through the transfer, and nothing was recomputed on decode
     lengths = CASES[name]
     n_layers = 4

@@ -9,7 +9,7 @@ import time
 import urllib.request
 
 import pytest
-from pd_helpers import run_pair
+from pd_helpers import process_s, run_pair
 
 from torch_kvoffload._utils import free_port
 from torch_kvoffload.pd import FileRendezvous, MooncakeMetadataRendezvous, PDConfig, make_rendezvous
@@ -67,7 +67,8 @@ def metadata_server():
         stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}/metadata"
-    deadline = time.monotonic() + 30
+    start_s = process_s(("aiohttp", "mooncake.http_metadata_server"))  # a cold start of the server
+    deadline = time.monotonic() + start_s
     while True:
         try:
             urllib.request.urlopen(f"{url}?key=probe", timeout=1)
@@ -81,7 +82,7 @@ def metadata_server():
             time.sleep(0.1)
     yield url
     proc.terminate()
-    proc.wait(10)
+    proc.wait(start_s)
 
 
 @pytest.mark.skipif(_MOONCAKE is not None, reason=_MOONCAKE or "")

@@ -304,3 +304,56 @@ def test_a_rejection_then_a_good_config() -> None:
     with pytest.raises(ValueError, match="handshake_timeout_s"):
         PDConfig(role="decode", handshake_timeout_s=float("nan"))
     assert PDConfig(role="decode", handshake_timeout_s=3.0).handshake_timeout_s == 3.0
+
+
+# ------------------------------------------------------- multi-process test deadlines from the config
+def test_test_deadlines_follow_the_configured_timeouts() -> None:
+    import pd_helpers as h
+
+    rng = random.Random(5)
+    for _ in range(20):
+        kw = dict(handshake_timeout_s=rng.uniform(0.1, 200), layer_ack_timeout_s=rng.uniform(0.1, 60),
+                  heartbeat_interval_s=rng.uniform(0.01, 2), heartbeat_misses=rng.randint(1, 100))  # fmt: skip
+        cfg = PDConfig(role="decode", **kw)
+        layers, work = rng.randint(1, 64), rng.uniform(0, 3)
+        want = kw["handshake_timeout_s"] + layers * (work + kw["layer_ack_timeout_s"])
+        want += kw["heartbeat_interval_s"] * kw["heartbeat_misses"]
+        assert h.verdict_s(cfg, layers, work) == pytest.approx(want)
+        assert h.dead_peer_detect_s(cfg) == pytest.approx(
+            kw["heartbeat_interval_s"] * (kw["heartbeat_misses"] + 1)
+        )
+    # the dead-peer timing tests keep their 2.5 s bound, now a formula of their window
+    assert 2 * h.dead_peer_detect_s(h.config("prefill", **h.DEAD_PEER)) == pytest.approx(2.5)
+
+
+_DEADLINE_CALLS = {"join", "wait", "get", "wait_request", "lookup", "put"}
+
+
+def _fixed_deadlines(path) -> list[str]:
+    """``file:line call`` of every call in ``path`` that waits a hard-coded time of more than a poll."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr not in _DEADLINE_CALLS:
+            continue
+        values = [kw.value for kw in node.keywords if kw.arg == "timeout"]
+        if node.func.attr in ("join", "wait"):
+            values += node.args[:1]
+        for v in values:
+            if isinstance(v, ast.Constant) and isinstance(v.value, int | float) and v.value > 0.2:
+                found.append(f"{path.name}:{node.lineno} {node.func.attr}({v.value})")
+    return found
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["pd_helpers.py", "test_pd_hf.py", "test_pd_transfer.py", "test_pd_transports.py", "test_pd_rendezvous.py",
+     "test_pd_prefill.py", "test_pd_fs_security.py"],
+)  # fmt: skip
+def test_multi_process_tests_wait_no_fixed_wall_time(name: str) -> None:
+    import pathlib
+
+    assert _fixed_deadlines(pathlib.Path(__file__).parent / name) == []

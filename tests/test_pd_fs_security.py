@@ -47,7 +47,7 @@ def test_created_directory_is_private_and_records_are_0600(tmp_path) -> None:
     rdv.publish(KEY, RECORD)
     record = where / f"{KEY}.json"
     assert _mode(record) == 0o600 and os.lstat(record).st_uid == os.geteuid()
-    assert rdv.lookup(KEY, timeout=1) == RECORD
+    assert rdv.lookup(KEY, timeout=0) == RECORD
     assert [p.name for p in where.iterdir()] == [record.name]  # no temp file left behind
 
 
@@ -108,11 +108,11 @@ def test_directory_made_writable_after_construction_is_refused_at_use(tmp_path) 
     rdv.publish(KEY, RECORD)
     where.chmod(0o777)
     with pytest.raises(PermissionError, match="writable by its group or others"):
-        rdv.lookup(KEY, timeout=1)
+        rdv.lookup(KEY, timeout=0)
     with pytest.raises(PermissionError, match="writable by its group or others"):
         rdv.publish(KEY, RECORD)
     where.chmod(0o700)
-    assert rdv.lookup(KEY, timeout=1) == RECORD
+    assert rdv.lookup(KEY, timeout=0) == RECORD
 
 
 # ------------------------------------------------------------------------------- rendezvous records
@@ -128,10 +128,10 @@ def test_record_that_is_a_symlink_is_refused(tmp_path) -> None:
     target.chmod(0o600)
     record.symlink_to(target)
     with pytest.raises(PermissionError, match="symbolic link"):
-        rdv.lookup(KEY, timeout=1)
+        rdv.lookup(KEY, timeout=0)
     record.unlink()
     rdv.publish(KEY, RECORD)  # the honest record afterwards
-    assert rdv.lookup(KEY, timeout=1) == RECORD
+    assert rdv.lookup(KEY, timeout=0) == RECORD
 
 
 @pytest.mark.skipif(_NO_OTHER_UID is not None, reason=_NO_OTHER_UID or "")
@@ -140,9 +140,9 @@ def test_record_of_another_user_is_refused(tmp_path) -> None:
     rdv.publish(KEY, EVIL)
     os.chown(record, NOBODY, NOBODY)
     with pytest.raises(PermissionError, match=rf"owned by uid {NOBODY}"):
-        rdv.lookup(KEY, timeout=1)
+        rdv.lookup(KEY, timeout=0)
     rdv.publish(KEY, RECORD)  # replaced by the user's own record: accepted
-    assert rdv.lookup(KEY, timeout=1) == RECORD
+    assert rdv.lookup(KEY, timeout=0) == RECORD
 
 
 @pytest.mark.parametrize("mode", [0o666, 0o620, 0o602])
@@ -151,7 +151,7 @@ def test_writable_record_is_refused(tmp_path, mode: int) -> None:
     rdv.publish(KEY, RECORD)
     record.chmod(mode)
     with pytest.raises(PermissionError, match="writable by its group or others"):
-        rdv.lookup(KEY, timeout=1)
+        rdv.lookup(KEY, timeout=0)
 
 
 def test_record_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path) -> None:
@@ -170,14 +170,14 @@ def test_record_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path)
     th.start()
     try:
         with pytest.raises(PermissionError, match="not a regular file"):
-            rdv.lookup(KEY, timeout=1)
+            rdv.lookup(KEY, timeout=0)
     finally:
         done.set()
         th.join()
     record.unlink()
     record.mkdir(mode=0o700)
     with pytest.raises(PermissionError, match="not a regular file"):
-        rdv.lookup(KEY, timeout=1)
+        rdv.lookup(KEY, timeout=0)
 
 
 @pytest.mark.parametrize("body", [b"x" * (2 << 20), b"[1, 2]", b"{not json"])
@@ -187,7 +187,7 @@ def test_oversized_or_malformed_record_is_refused(tmp_path, body: bytes) -> None
     os.write(fd, body)
     os.close(fd)
     with pytest.raises(ValueError, match=KEY):
-        rdv.lookup(KEY, timeout=1)
+        rdv.lookup(KEY, timeout=0)
 
 
 # ------------------------------------------------------------------------------------- shm regions

@@ -116,6 +116,7 @@ COUNTER_NAMES = (
     "leased_blocks",  # store records pinned by begin_forward's leases (pinning stores only)
     "prefix_evictions",  # loads that found blocks of the looked-up prefix gone
     "forward_retries",  # forwards rerun by run_forward with a shorter prefix
+    "store_errors",  # lookups whose store call raised (nothing found: the forward computes the prefix)
 )
 
 T = TypeVar("T")
@@ -426,12 +427,18 @@ class LayerwiseOffloadRuntime:
         the lease covering exactly that prefix (pinning stores), or ``None`` when nothing is cached."""
         if cap == 0 or (fixed and not self.store.pins_leases):
             return cap, None  # nothing to load, or a lease that would only repeat a presence query
-        lease = self.store.lease(self._prefix_keys(hashes, cap))
+        try:
+            lease = self._lease(hashes, cap)
+        except Exception as exc:
+            if fixed:  # the caller says these blocks are cached: it must hear that they cannot be read
+                raise
+            self._store_failed("lookup", exc)  # nothing found: the forward computes the prefix
+            return 0, None
         cached = cap if fixed else self._prefix_of(lease.found, cap)
         if cached < cap and lease.pinned:
             # keep only what the forward loads; blocks past the prefix must stay evictable
             try:
-                narrowed = self.store.lease(self._prefix_keys(hashes, cached)) if cached else None
+                narrowed = self._lease(hashes, cached) if cached else None
             finally:
                 lease.release()
             lease = narrowed
@@ -439,6 +446,14 @@ class LayerwiseOffloadRuntime:
             lease.release()
             lease = None
         return cached, lease
+
+    def _lease(self, hashes: list[str], n: int) -> StoreLease:
+        """Lease blocks ``[0, n)`` of every layer; a pinning store checks their record sizes too."""
+        keys = self._prefix_keys(hashes, n)
+        if not self.store.pins_leases:
+            return self.store.lease(keys)
+        sizes = [self._layouts[layer].record_bytes for layer in range(self.plan.num_layers) for _ in range(n)]
+        return self.store.lease(keys, nbytes=sizes)
 
     def _release_leases(self) -> None:
         leases, self._leases = self._leases, []
@@ -1065,6 +1080,16 @@ class LayerwiseOffloadRuntime:
             event.record(torch.accelerator.current_stream(device))
             entry.event = event
 
+    def _store_failed(self, what: str, exc: Exception) -> None:
+        """A store call raised: counted and logged; the caller treats it as a miss."""
+        self.counters.add("store_errors")
+        logger.warning(
+            "layerwise: the store failed during a %s (%s: %s); treated as a miss",
+            what,
+            type(exc).__name__,
+            exc,
+        )
+
     def _evicted(self, layer: int, plan: _Transfers, found: list[bool]) -> PrefixEvictedError:
         """The error of a load that found its blocks (the load list of ``layer``) partly missing."""
         found_of = dict(zip(plan.load_blocks, found, strict=True))
@@ -1076,8 +1101,9 @@ class LayerwiseOffloadRuntime:
             usable.append(missing * self.block_size)
         missing = found.count(False)
         return PrefixEvictedError(
-            f"layerwise: {missing} of {len(found)} cached blocks of layer {layer} are no longer in the store "
-            f"(evicted after the lookup); usable cached tokens per request: {usable}",
+            f"layerwise: {missing} of {len(found)} cached blocks of layer {layer} could not be loaded from the "
+            f"store (evicted after the lookup, failed their checksum, or the store failed: see the store's "
+            f"counters and the log); usable cached tokens per request: {usable}",
             layer=layer,
             usable_tokens=usable,
             missing_blocks=missing,

@@ -41,7 +41,8 @@ __all__ = [
     "tensor_bytes",
 ]
 
-#: Counters every backend keeps. ``gets``/``hits``/``misses`` count keys, not calls.
+#: Counters every backend keeps. ``gets``/``hits``/``misses`` count keys, not calls; ``corrupt_records``
+#: counts values found that failed their checksum or had the wrong size (each also a miss).
 COUNTER_NAMES = (
     "puts",
     "gets",
@@ -51,6 +52,7 @@ COUNTER_NAMES = (
     "removes",
     "bytes_put",
     "bytes_got",
+    "corrupt_records",
 )
 
 
@@ -320,10 +322,13 @@ class KVStore(abc.ABC):
         return [self.exists(key) for key in keys]
 
     # ---------------------------------------------------------------------------------- leases
-    def lease(self, keys: Sequence[str]) -> StoreLease:
+    def lease(self, keys: Sequence[str], *, nbytes: Sequence[int] | None = None) -> StoreLease:
         """Pin the present ``keys`` against eviction until the lease is released.
 
-        Default (a backend that cannot pin): presence only, ``pinned=False``.
+        ``nbytes[i]``: the size the reader will read ``keys[i]`` as; a pinning store checks what it pins
+        (size and checksum) and reports an entry that fails as absent (a miss, counted in
+        ``corrupt_records``). Default (a backend that cannot pin): presence only, ``pinned=False``; the
+        values are checked when they are read.
         """
         check_keys(f"{type(self).__name__}.lease", keys)
         return StoreLease(keys, self.batch_exists(keys) if keys else [], pinned=False)

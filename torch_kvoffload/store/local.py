@@ -18,6 +18,13 @@ replaced keeps its region until the lease is released. A ``put`` that cannot fin
 held byte is leased (nothing in flight that will finish by itself) is skipped and counted in
 ``put_skipped`` — never waits for a lease, never overwrites a pinned region.
 
+Integrity: each entry keeps the checksum of its bytes (:mod:`torch_kvoffload.store.integrity`), computed
+from the arena once a put's copy completes. Reads by key verify it before copying anything out, and
+:meth:`LocalKVStore.lease` verifies every entry it finds before pinning it (a leased entry is never
+written by the store until released, so reads through the lease use what was verified). A mismatch is a
+miss: the entry is removed and counted in ``corrupt_records``; so is a record whose size differs from
+the record layout read into.
+
 Records (:meth:`LocalKVStore.batch_get_blocks` / :meth:`LocalKVStore.batch_put_blocks`) move between
 the arena and paged block tensors with one ``kvoffload::copy_blocks`` call per record part: the arena is
 viewed as overlapping ``[capacity - part_bytes + 1, part_bytes]`` rows, one starting at every byte, so
@@ -53,6 +60,7 @@ from torch_kvoffload.store.base import (
     tensor_bytes,
 )
 from torch_kvoffload.store.factory import check_host_bytes
+from torch_kvoffload.store.integrity import checksum
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +79,7 @@ class _Entry:
     readers: int = 0  # in-flight copies out of the region
     leases: int = 0  # leases pinning the entry against eviction
     retired: bool = False  # replaced / removed / evicted; region freed once readers drop to 0
+    crc: int = 0  # integrity.checksum of the bytes, set once they are written
 
 
 def _check_entry_sizes(
@@ -108,7 +117,8 @@ class LocalKVStore(KVStore):
 
     Extra counters: ``evicted_bytes``, ``put_waits`` (puts that waited for in-flight copies),
     ``put_skipped`` / ``put_skipped_bytes`` (values not stored because every held byte was leased),
-    ``leases`` (leases taken), ``leased_keys`` (keys pinned by them).
+    ``leases`` (leases taken), ``leased_keys`` (keys pinned by them), ``corrupt_records`` (entries found
+    with bytes that fail their checksum, or records of the wrong size: missed and removed).
     """
 
     pins_leases = True
@@ -345,6 +355,8 @@ class LocalKVStore(KVStore):
             return pos
         try:
             copy(arena, pending)
+            for entry, _ in pending:
+                entry.crc = checksum(entry.key, arena[entry.offset : entry.offset + entry.nbytes])
         except BaseException:
             with self._cond:
                 self._busy -= 1
@@ -368,14 +380,27 @@ class LocalKVStore(KVStore):
         return pos
 
     def _pin(
-        self, fn: str, keys: Sequence[str], sizes: Sequence[int], what: Callable[[int], str]
+        self,
+        fn: str,
+        keys: Sequence[str],
+        sizes: Sequence[int],
+        what: Callable[[int], str],
+        *,
+        records: bool = False,
     ) -> tuple[torch.Tensor, list[_Entry | None]]:
         """Look up, size-check, then pin and refresh every hit — all or nothing. Lock held.
 
-        ``what(i)`` describes the size of destination ``i`` for the size-mismatch message.
+        ``what(i)`` describes the size of destination ``i`` for the size-mismatch message. With
+        ``records`` an entry of another size is no record of the layout: a miss, dropped as corrupt.
         """
         arena = self._check_open(fn)
         found = [self._index.get(key) for key in keys]
+        if records:
+            wrong = [e for e, size in zip(found, sizes, strict=True) if e is not None and e.nbytes != size]
+            if wrong:
+                self._drop_corrupt(wrong, "a size other than the record layout's")
+                bad = set(map(id, wrong))
+                found = [None if id(e) in bad else e for e in found]
         _check_entry_sizes(fn, keys, found, sizes, what)
         for key, entry in zip(keys, found, strict=True):
             if entry is not None:
@@ -383,6 +408,34 @@ class LocalKVStore(KVStore):
                 self._index.move_to_end(key)
         self._busy += 1
         return arena, found
+
+    def _drop_corrupt(self, entries: Sequence[_Entry], why: str) -> None:
+        """Remove ``entries`` (still the live entries of their keys) as corrupt and count them. Lock held."""
+        for entry in entries:
+            if self._index.get(entry.key) is entry:
+                del self._index[entry.key]
+                self._retire(entry)
+        self.counters.add("corrupt_records", len(entries))
+        logger.warning(
+            "LocalKVStore: %d entr%s with %s treated as missing and removed (first: %s)",
+            len(entries), "y" if len(entries) == 1 else "ies", why, entries[0].key,
+        )  # fmt: skip
+        self._cond.notify_all()
+
+    def _verify(self, arena: torch.Tensor, found: list[_Entry | None]) -> list[_Entry | None]:
+        """``found`` with the entries whose bytes fail their checksum replaced by ``None`` (those are
+        dropped). The entries must be pinned (read or leased) so their regions cannot change."""
+        bad = [
+            e
+            for e in found
+            if e is not None and checksum(e.key, arena[e.offset : e.offset + e.nbytes]) != e.crc
+        ]
+        if not bad:
+            return found
+        with self._cond:
+            self._drop_corrupt(bad, "bytes that fail their checksum")
+        ids = set(map(id, bad))
+        return [None if id(e) in ids else e for e in found]
 
     def _unpin(self, found: Sequence[_Entry | None]) -> None:
         with self._cond:
@@ -408,15 +461,16 @@ class LocalKVStore(KVStore):
             return f"out has {out.nbytes} bytes (shape {tuple(out.shape)}, dtype {out.dtype})"
 
         with self._cond:
-            arena, found = self._pin(fn, keys, [out.nbytes for out in outs], what)
+            arena, pinned = self._pin(fn, keys, [out.nbytes for out in outs], what)
         got = 0
         try:
+            found = self._verify(arena, pinned)
             for entry, out in zip(found, outs, strict=True):
                 if entry is not None and entry.nbytes:
                     tensor_bytes(out).copy_(arena[entry.offset : entry.offset + entry.nbytes])
                     got += entry.nbytes
         finally:
-            self._unpin(found)
+            self._unpin(pinned)
         return self._count_gets(found, got)
 
     def get(self, key: str, out: torch.Tensor) -> bool:
@@ -500,21 +554,23 @@ class LocalKVStore(KVStore):
         if not keys:
             return []
         with self._cond:
-            arena, found = self._pin(
+            arena, pinned = self._pin(
                 fn,
                 keys,
                 [layout.record_bytes] * len(keys),
                 lambda i: f"the record layout has {layout.record_bytes} bytes",
+                records=True,
             )
         got = 0
         try:
+            found = self._verify(arena, pinned)
             hits = [i for i, entry in enumerate(found) if entry is not None]
             if hits and layout.record_bytes:
                 offsets = [found[i].offset for i in hits]  # type: ignore[union-attr]
                 self._copy_parts(arena, layout, offsets, [b[i] for i in hits], out=True)
                 got = len(hits) * layout.record_bytes
         finally:
-            self._unpin(found)
+            self._unpin(pinned)
         return self._count_gets(found, got)
 
     def batch_get_leased_blocks(
@@ -540,9 +596,11 @@ class LocalKVStore(KVStore):
         for lease, start, stop in segments:
             found += lease.entries[start:stop]  # type: ignore[attr-defined]
         size = layout.record_bytes
-        _check_entry_sizes(
-            fn, keys, found, [size] * len(keys), lambda i: f"the record layout has {size} bytes"
-        )
+        wrong = [e for e in found if e is not None and e.nbytes != size]
+        if wrong:  # verified when leased, but no record of this layout: a miss
+            with self._cond:
+                self._drop_corrupt(wrong, "a size other than the record layout's")
+            found = [None if e is not None and e.nbytes != size else e for e in found]
         hits = [i for i, entry in enumerate(found) if entry is not None]
         if hits and size:
             offsets = [found[i].offset for i in hits]  # type: ignore[union-attr]
@@ -577,17 +635,23 @@ class LocalKVStore(KVStore):
         self._put_items(fn, items, copy)
 
     # ------------------------------------------------------------------------------------- leases
-    def lease(self, keys: Sequence[str]) -> StoreLease:
+    def lease(self, keys: Sequence[str], *, nbytes: Sequence[int] | None = None) -> StoreLease:
         """Pin the present ``keys`` against eviction (``pinned=True``) until the lease is released.
 
-        Does not refresh recency. Released leases free the regions of entries removed or replaced
-        meanwhile. A lease outliving :meth:`close` is released as a no-op.
+        Every entry found is verified before it counts as found: its checksum, and its size against
+        ``nbytes[i]`` when given; one that fails is absent for the lease, removed and counted in
+        ``corrupt_records``. Reads through the lease (:meth:`batch_get_leased_blocks`) use these verified
+        bytes: the store writes no leased region. Does not refresh recency. Released leases free the
+        regions of entries removed or replaced meanwhile. A lease outliving :meth:`close` is released as
+        a no-op.
         """
         check_keys("LocalKVStore.lease", keys)
+        if nbytes is not None and len(nbytes) != len(keys):
+            raise ValueError(f"LocalKVStore.lease: got {len(keys)} keys but {len(nbytes)} sizes in 'nbytes'")
         # a forward leases every layer's prefix at once (hundreds of keys) on its critical path: the
         # loops below touch each entry once and keep only a byte total for ``leased_bytes``
         with self._cond:
-            self._check_open("lease")
+            arena = self._check_open("lease")
             entries = list(map(self._index.get, keys))
             held = [entry for entry in entries if entry is not None]
             pinned = 0
@@ -596,6 +660,16 @@ class LocalKVStore(KVStore):
                     pinned += entry.reserved
                 entry.leases += 1
             self._leased_bytes += pinned
+        # verified once pinned (the store writes no leased region, so reads through the lease use these
+        # bytes); entries that fail stay pinned (``held``) until the release, then are freed
+        if nbytes is not None:
+            wrong = [e for e, n in zip(entries, nbytes, strict=True) if e is not None and e.nbytes != n]
+            if wrong:
+                with self._cond:
+                    self._drop_corrupt(wrong, "a size other than the reader's")
+                bad = set(map(id, wrong))
+                entries = [None if id(e) in bad else e for e in entries]
+        entries = self._verify(arena, entries)
         found = [entry is not None for entry in entries]
         self.counters.add("leases")
         self.counters.add("leased_keys", len(held))

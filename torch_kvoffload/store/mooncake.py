@@ -196,6 +196,9 @@ class MooncakeKVStore(RemoteKVStore):
             return [self._client.remove(keys[0]) == 0]
         return [c == 0 for c in self._client.batch_remove(keys)]
 
+    def _remove_corrupt(self, keys: list[str]) -> list[bool]:
+        return [self._client.remove(key, True) == 0 for key in keys]  # force: no reader may use them
+
     def _write(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
         if len(keys) == 1:
             return [int(self._client.upsert_from(keys[0], ptrs[0], sizes[0], self._config))]

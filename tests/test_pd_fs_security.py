@@ -64,12 +64,12 @@ def test_precreated_writable_directory_is_refused(tmp_path, mode: int) -> None:
 
 
 def test_default_directory_precreated_by_another_user_is_refused(tmp_path) -> None:
-    """The default ``<tmp>/kvoffload-pd-<kv_port>``: another user creates it first (world writable) and
-    would receive the records; make_rendezvous refuses it."""
+    """The default ``<tmp>/kvoffload-pd-<uid>-<kv_port>``: another user creates it first (world writable)
+    and would receive the records; make_rendezvous refuses it."""
     import tempfile
 
     port = free_port()
-    where = os.path.join(tempfile.gettempdir(), f"kvoffload-pd-{port}")
+    where = os.path.join(tempfile.gettempdir(), f"kvoffload-pd-{os.geteuid()}-{port}")
     os.mkdir(where)
     try:
         os.chmod(where, 0o777)

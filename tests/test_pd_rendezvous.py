@@ -3,6 +3,7 @@ TransferEngine's metadata path — with a full P/D transfer through it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -55,7 +56,9 @@ def test_make_rendezvous_picks_by_location(tmp_path) -> None:
     http = make_rendezvous(PDConfig(role="decode", rendezvous="http://127.0.0.1:1/metadata"))
     assert isinstance(http, MooncakeMetadataRendezvous)
     default = make_rendezvous(PDConfig(role="decode", kv_port=31234))
-    assert isinstance(default, FileRendezvous) and default.directory.endswith("kvoffload-pd-31234")
+    assert isinstance(default, FileRendezvous) and default.directory.endswith(
+        f"kvoffload-pd-{os.geteuid()}-31234"
+    )
 
 
 @pytest.fixture
@@ -104,3 +107,15 @@ def test_transfer_through_mooncake_metadata_path(tmp_path, metadata_server) -> N
     )  # fmt: skip
     assert all(v["ok"] for v in pre["ranks"].values()), pre
     assert all(s == ["done"] for s in dec["states"].values()) and dec["mismatches"] == []
+
+
+@pytest.mark.skipif(_MOONCAKE is not None, reason=_MOONCAKE or "")
+def test_metadata_record_that_is_not_a_json_object_is_refused(metadata_server) -> None:
+    rdv = MooncakeMetadataRendezvous(metadata_server)
+    key = decode_key(30000, 0, 0)
+    for body, match in ((b"[1, 2]", "must be a JSON object"), (b"{oops", "is not JSON")):
+        rdv._request("PUT", key, body)
+        with pytest.raises(ValueError, match=match):
+            rdv.lookup(key, timeout=0)
+    rdv.publish(key, {"endpoint": "tcp://127.0.0.1:30000"})  # a good record afterwards
+    assert rdv.lookup(key, timeout=0) == {"endpoint": "tcp://127.0.0.1:30000"}

@@ -93,6 +93,7 @@ class FileRendezvous(Rendezvous):
         os.makedirs(parent, exist_ok=True)
         with contextlib.suppress(FileExistsError):
             os.mkdir(directory, 0o700)
+            os.chmod(directory, 0o700)  # whatever the umask
         os.close(self._open_dir())
 
     def __repr__(self) -> str:
@@ -219,7 +220,17 @@ class MooncakeMetadataRendezvous(Rendezvous):
 
     def _get(self, key: str) -> dict | None:
         raw = self._request("GET", key)
-        return None if raw is None else json.loads(raw)
+        if raw is None:
+            return None
+        try:
+            record = json.loads(raw)
+        except ValueError as exc:
+            raise ValueError(f"rendezvous: record {key!r} from {self.url} is not JSON: {exc}") from None
+        if not isinstance(record, dict):
+            raise ValueError(
+                f"rendezvous: record {key!r} from {self.url} must be a JSON object, got {type(record).__name__}"
+            )
+        return record
 
     def remove(self, key: str) -> None:
         self._request("DELETE", key)
@@ -227,10 +238,11 @@ class MooncakeMetadataRendezvous(Rendezvous):
 
 def make_rendezvous(config) -> Rendezvous:
     """The rendezvous of a :class:`~torch_kvoffload.pd.config.PDConfig`: ``rendezvous`` as an HTTP URL
-    (Mooncake metadata server) or a directory; ``None``: ``<tmp>/kvoffload-pd-<kv_port>``."""
+    (Mooncake metadata server) or a directory; ``None``: ``<tmp>/kvoffload-pd-<uid>-<kv_port>`` (one per
+    user: another user's deployment on the same port is not mistaken for this one's)."""
     where = config.rendezvous
     if where is None:
-        where = os.path.join(tempfile.gettempdir(), f"kvoffload-pd-{config.kv_port}")
+        where = os.path.join(tempfile.gettempdir(), f"kvoffload-pd-{os.geteuid()}-{config.kv_port}")
     if where.startswith(("http://", "https://")):
         return MooncakeMetadataRendezvous(where)
     return FileRendezvous(where)

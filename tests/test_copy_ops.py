@@ -439,23 +439,16 @@ def test_bad_destination_raises_and_is_untouched(name: str, case, any_impl: str)
         assert torch.equal(target[0, 1].detach(), src[0, 0]) and torch.equal(target[3, 2].detach(), src[2, 1])
 
 
-def test_leaf_destination_written_under_no_grad(any_impl: str) -> None:
-    """As for PyTorch's in-place ops, a leaf that requires grad may be written with autograd off."""
-    dst = torch.zeros(4, 4, 5, requires_grad=True)
-    src = torch.randn(8, 4, 5)
-    with torch.no_grad():
-        call_op(any_impl, "copy_blocks", src, dst, torch.tensor([[5, 2]]))
-        call_op(any_impl, "copy_rows", src, dst, torch.tensor([3]), torch.tensor([0]))
-    assert torch.equal(dst[2].detach(), src[5]) and torch.equal(dst[0, 0].detach(), src[0, 3])
-    assert dst.is_leaf and dst.requires_grad
-
-
 def test_overlapping_units_named_by_distinct_indices_are_accepted(any_impl: str) -> None:
-    """Units that overlap each other (a byte arena viewed with a row starting at every byte) are a valid
-    destination: only the elements inside one unit must be distinct; the caller keeps written units apart."""
+    """An expanded (stride-0) view of a byte arena is refused; units that overlap each other (the arena
+    viewed with a row starting at every byte) are a valid destination: only the elements inside one unit
+    must be distinct, and the caller keeps the units it writes apart."""
     raw = torch.zeros(64, dtype=torch.uint8)
-    rows = raw.as_strided((57, 8), (1, 1))
     src = torch.randint(1, 256, (3, 8), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="copy_blocks: argument 'dst' has internal overlap"):
+        call_op(any_impl, "copy_blocks", src, raw[:8].expand(57, 8), torch.tensor([[0, 0]]))  # stride 0
+    assert not raw.any()
+    rows = raw.as_strided((57, 8), (1, 1))
     call_op(any_impl, "copy_blocks", src, rows, torch.tensor([[0, 0], [1, 8], [2, 40]]))
     assert torch.equal(raw[:16], torch.cat([src[0], src[1]])) and torch.equal(raw[40:48], src[2])
 

@@ -184,8 +184,8 @@ class HostKVPool:
 
         The pool's dims come from its header. Each dim given here is what the caller expects: one that
         differs from the header raises ``ValueError`` naming it. A header that does not describe the file
-        (dims that are not positive ints, a non-floating dtype, a size that is not the one its dims give,
-        a file shorter than that) raises ``ValueError`` too: its views would read other rows.
+        (dims that are not positive ints, an unknown dtype, a size that is not the one its dims give, a
+        file shorter than that) raises ``ValueError`` too: its views would read other rows.
         """
         where = "HostKVPool.attach"
         path = os.path.join(_SHM_DIR, name)
@@ -226,7 +226,7 @@ class HostKVPool:
 
     @staticmethod
     def _header_dims(path: str, meta: dict) -> dict:
-        """The dims of a shared pool's header, checked: positive ints and a floating dtype."""
+        """The dims of a shared pool's header, checked: positive ints and a known (floating) dtype."""
         where = "HostKVPool.attach"
         dims: dict = {}
         for field in ("num_layers", "num_blocks", "block_size", "kv_lora_rank", "rope_dim"):
@@ -234,10 +234,7 @@ class HostKVPool:
             if type(v) is not int or v < 1:
                 raise ValueError(f"{where}: {path} has a header with {field} = {v!r}, expected an int >= 1")
             dims[field] = v
-        dtype = parse_dtype(f"{where}: {path} header dtype", meta.get("dtype"))
-        if not dtype.is_floating_point:
-            raise ValueError(f"{where}: {path} has a header with dtype {dtype}, expected a floating dtype")
-        dims["dtype"] = dtype
+        dims["dtype"] = parse_dtype(f"{where}: {path} header dtype", meta.get("dtype"))
         return dims
 
     @staticmethod

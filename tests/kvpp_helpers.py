@@ -55,6 +55,9 @@ class RecordingTransport:
         self.gate.set()
         self.peers_differ = peers_differ or {}
         self.wait_log: list[str] = []
+        self.exchanges: list[list[int]] = []
+        self.peer_exchange: list[int] | None = None
+        self.exchange_error: BaseException | None = None
         self.closed = False
 
     def broadcast(self, layer, spans, owner, after=()):
@@ -73,6 +76,17 @@ class RecordingTransport:
     def all_gather_object(self, obj):
         others = [{**obj, **self.peers_differ} for _ in range(self.group.size - 1)]
         return [obj, *others]
+
+    def exchange(self, values):
+        """Every peer sends what ``peer_exchange`` holds (default: the same as this rank); a set
+        ``exchange_error`` is raised instead (a peer that never joins). Records what this rank sent."""
+        self.exchanges.append(list(values))
+        if self.exchange_error is not None:
+            raise self.exchange_error
+        peer = list(values) if self.peer_exchange is None else list(self.peer_exchange)
+        out = [peer] * self.group.size
+        out[self.group.local_rank] = list(values)
+        return out
 
     def close(self) -> None:
         self.closed = True

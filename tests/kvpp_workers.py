@@ -10,6 +10,7 @@ bit (one thread per process, the same kernels).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -152,6 +153,9 @@ class _FailingTransport:
     def all_gather_object(self, obj):
         return self.inner.all_gather_object(obj)
 
+    def exchange(self, values):
+        return self.inner.exchange(values)
+
     def close(self) -> None:
         self.inner.close()
 
@@ -289,4 +293,99 @@ def kvpp_worker(rank: int, world: int, tp: int, pp: int, num_layers: int, out: s
             "later_error": later,
         }
     rt.close()
+    torch.save(result, out.format(rank=rank))
+
+
+# ------------------------------------------------------------------------------- agreement and errors
+
+AGREEMENT_LAYERS = 3
+GOOD_TABLES = [[3, 4], [20]]
+
+
+def _attempt(call: Callable[[], None]) -> dict:
+    """Run ``call``; report the exception it raised (type, message) and how long it took."""
+    start = time.perf_counter()
+    try:
+        call()
+    except BaseException as exc:
+        return {"type": type(exc).__name__, "message": str(exc), "seconds": time.perf_counter() - start}
+    return {"type": None, "message": "", "seconds": time.perf_counter() - start}
+
+
+def _good_forward(rt, name: str, tables: list[list[int]]) -> list[str]:
+    """A forward with history over ``tables``: after each wait a peer's scratch holds the owner's blocks
+    (the owner's cache is :func:`initial_cache`, the same on every rank). Returns what differed."""
+    problems = []
+    blocks = torch.tensor(sorted({b for t in tables for b in t}))
+    rt.scheduler.schedule_forward(True, tables)
+    for layer in rt.plan.target_layers:
+        kvpp_wait_layer(name, layer, rt.caches(layer))
+        if not rt.plan.is_persistent(layer):
+            for n, v in rt.views(layer).items():
+                if not torch.equal(v[blocks], initial_cache(layer)[n][blocks]):
+                    problems.append(f"layer {layer} {n}")
+            rt.allocation.bundle_span(layer).fill_(SENTINEL)
+    rt.scheduler.complete_forward()
+    return problems
+
+
+def _agreement_runtime(group, rank: int, wait_timeout: float, tag: str):
+    cfg = KVPPConfig(enable_kvpp=True, tp_size=group.size, attention="sfa", wait_timeout_s=wait_timeout)
+    name = f"kvpp-{tag}-{rank}"
+    rt = cfg.build_runtime(
+        group, dict.fromkeys(range(AGREEMENT_LAYERS), spec()), num_blocks=NUM_BLOCKS, name=name
+    )
+    for layer in rt.plan.owned:
+        for n, v in rt.views(layer).items():
+            v.copy_(initial_cache(layer)[n])
+    return rt, name
+
+
+def agreement_worker(rank: int, world: int, out: str, wait_timeout: float, short_timeout: float) -> None:
+    """Forwards whose ranks disagree or fail, each followed by a good forward; then a peer that never
+    joins a forward. Saves what each call raised and how long it took."""
+    import torch.distributed as dist
+
+    group = create_kvpp_group(dp=1, pp=1, pcp=1, tp=world, device=torch.device("cpu"))
+    rt, name = _agreement_runtime(group, rank, wait_timeout, "agree")
+    sched = rt.scheduler
+    result: dict = {"rank": rank, "first": _good_forward(rt, name, GOOD_TABLES)}
+    # different valid tables on the two ranks (each alone would be a fine forward)
+    result["tables_differ"] = _attempt(lambda: sched.schedule_forward(True, [[1 + rank, 30]]))
+    result["after_tables_differ"] = _good_forward(rt, name, GOOD_TABLES)
+    # the same tables, but only rank 0 has history (it would broadcast, rank 1 would not)
+    result["history_differs"] = _attempt(lambda: sched.schedule_forward(rank == 0, [[2]]))
+    result["after_history_differs"] = _good_forward(rt, name, [[2], [7, 8]])
+    # rank 1 raises on bad input (a block outside the pool); rank 0's input is fine
+    bad = [[NUM_BLOCKS]] if rank == 1 else [[5]]
+    result["bad_input"] = _attempt(lambda: sched.schedule_forward(True, bad))
+    result["after_bad_input"] = _good_forward(rt, name, GOOD_TABLES)
+    result["counters"] = sched.counters.snapshot()
+    rt.close()
+    # a peer that does not schedule the forward at all: rank 0 gives up after the configured timeout
+    rt, name = _agreement_runtime(group, rank, short_timeout, "absent")
+    _good_forward(rt, name, GOOD_TABLES)
+    if rank == 0:
+        result["absent_peer"] = _attempt(lambda: rt.scheduler.schedule_forward(True, GOOD_TABLES))
+        result["after_absent_peer"] = _attempt(lambda: rt.scheduler.schedule_forward(True, GOOD_TABLES))
+    dist.barrier()  # rank 1 comes back only after rank 0 gave up
+    if rank == 1:  # and joins with an error: the exchange rank 0 left behind completes, nothing is broadcast
+        result["late_peer"] = _attempt(lambda: rt.scheduler.schedule_forward(True, [[NUM_BLOCKS]]))
+    rt.close()
+    # a peer that fails in the middle of a forward (after the exchange): rank 1 stops after layer 0's
+    # broadcast; rank 0's wait for a later layer fails after the configured timeout, and so does the
+    # collective its transfer thread is in, so closing does not block either (on a fresh group)
+    group = create_kvpp_group(dp=1, pp=1, pcp=1, tp=world, device=torch.device("cpu"))
+    rt, name = _agreement_runtime(group, rank, short_timeout, "midway")
+    _good_forward(rt, name, GOOD_TABLES)
+    rt.scheduler.schedule_forward(True, GOOD_TABLES)
+    if rank == 0:
+        result["peer_gone_midway"] = _attempt(
+            lambda: [rt.scheduler.wait_layer(layer) for layer in rt.plan.target_layers]
+        )
+        # the wait itself may time out first (the broadcast stays pending) or see the transfer fail
+        result["complete_after_peer_gone"] = _attempt(rt.scheduler.complete_forward)
+        result["after_peer_gone"] = _attempt(lambda: rt.scheduler.schedule_forward(True, GOOD_TABLES))
+    result["close_after_peer_gone"] = _attempt(rt.close)
+    dist.barrier()  # rank 1 stays alive (its connections open) until rank 0 is done
     torch.save(result, out.format(rank=rank))

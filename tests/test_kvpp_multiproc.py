@@ -17,7 +17,16 @@ from __future__ import annotations
 import pytest
 import torch
 from kvpp_helpers import consecutive_runs, spawn_gloo
-from kvpp_workers import BLOCK_SIZE, DIMS, NUM_BLOCKS, SCRIPT, has_history, kvpp_worker, reference
+from kvpp_workers import (
+    BLOCK_SIZE,
+    DIMS,
+    NUM_BLOCKS,
+    SCRIPT,
+    agreement_worker,
+    has_history,
+    kvpp_worker,
+    reference,
+)
 
 FP32 = 4
 COMPONENT_BYTES_PER_BLOCK = [BLOCK_SIZE * d * FP32 for d in DIMS.values()]  # c_kv, k_pe, index_k
@@ -107,3 +116,58 @@ def test_four_ranks_tp2_pp2(tmp_path) -> None:
     assert [r["group_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["owned"] for r in results] == [[0, 1], [2, 3], [4, 5], [6]]
     assert [r["drafts"] for r in results] == [[], [], [7], [7]]
+
+
+# wait_timeout_s of the runtime whose ranks disagree or fail: their errors must arrive well before it
+AGREE_TIMEOUT_S = 30.0
+# wait_timeout_s of the runtime whose peer never joins a forward: the waiting rank gives up after it
+SHORT_TIMEOUT_S = 2.0
+# process start-up, imports and the good forwards on a loaded machine
+STARTUP_S = 90.0
+
+
+def test_ranks_that_disagree_or_fail_raise_on_every_rank_and_recover(tmp_path) -> None:
+    """Before a forward's broadcasts the ranks compare their block tables (and history flag) and whether
+    each could schedule it: different tables, or one rank's bad input, raise a clear error on every rank
+    (naming the ranks) through that exchange, well within ``wait_timeout_s`` and without issuing a
+    broadcast, so the group stays usable and the next good forward works. A peer that never joins raises
+    ``TimeoutError`` on the waiting rank after ``wait_timeout_s``."""
+    out = str(tmp_path / "agree{rank}.pt")
+    spawn_gloo(
+        agreement_worker, 2, out, AGREE_TIMEOUT_S, SHORT_TIMEOUT_S, timeout=STARTUP_S + AGREE_TIMEOUT_S * 4
+    )
+    r0, r1 = (torch.load(out.format(rank=r), weights_only=False) for r in range(2))
+    for res in (r0, r1):
+        for key in ("first", "after_tables_differ", "after_history_differs", "after_bad_input"):
+            assert res[key] == [], (res["rank"], key, res[key])
+        for key in ("tables_differ", "history_differs"):
+            got = res[key]
+            assert got["type"] == "RuntimeError", (res["rank"], key, got)
+            assert "ranks disagree on the forward's block tables" in got["message"], got
+            assert "rank 0" in got["message"] and "rank 1" in got["message"], got
+            assert got["seconds"] < AGREE_TIMEOUT_S, (res["rank"], key, got)
+        assert res["counters"]["forwards_refused"] == 3
+    got = r1["bad_input"]
+    assert got["type"] == "ValueError" and "block_tables[0] entry must be <= 39, got 40" in got["message"], (
+        got
+    )
+    got = r0["bad_input"]
+    assert got["type"] == "RuntimeError" and "rank 1 could not schedule" in got["message"], got
+    assert got["seconds"] < AGREE_TIMEOUT_S, got
+    # the absent peer: a timeout bounded by the configuration, then the scheduler refuses to go on
+    got = r0["absent_peer"]
+    assert got["type"] == "TimeoutError" and "within 2.0 s" in got["message"], got
+    assert SHORT_TIMEOUT_S <= got["seconds"] <= 2 * SHORT_TIMEOUT_S, got
+    assert r0["after_absent_peer"]["type"] == "TransferError", r0["after_absent_peer"]
+    assert r1["late_peer"]["type"] == "ValueError", r1["late_peer"]
+    # a peer gone in the middle of a forward: the wait and the transfer thread's collective give up after
+    # the configured timeout, the scheduler is failed, and closing it returns
+    got = r0["peer_gone_midway"]
+    assert got["type"] in ("TimeoutError", "TransferError"), got
+    assert got["seconds"] <= 2 * SHORT_TIMEOUT_S, got
+    got = r0["complete_after_peer_gone"]
+    assert got["type"] in (None, "TransferError") and got["seconds"] <= 2 * SHORT_TIMEOUT_S, got
+    assert r0["after_peer_gone"]["type"] == "TransferError", r0["after_peer_gone"]
+    for res in (r0, r1):
+        got = res["close_after_peer_gone"]
+        assert got["type"] is None and got["seconds"] <= 2 * SHORT_TIMEOUT_S, (res["rank"], got)

@@ -11,6 +11,7 @@ from kvpp_helpers import RecordingTransport, small_allocation
 
 from torch_kvoffload.device import TransferError
 from torch_kvoffload.kvpp import KVPPScheduler
+from torch_kvoffload.kvpp.blocks import forward_digest
 from torch_kvoffload.ops.kvpp import runtimes
 
 
@@ -219,7 +220,10 @@ def test_transport_argument_checks() -> None:
         single.broadcast(0, [torch.zeros(4, dtype=torch.uint8)], 1)
     single.broadcast(0, [torch.zeros(4, dtype=torch.uint8)], 0).wait(5)  # a group of one: nothing to move
     assert single.all_gather_object({"a": 1}) == [{"a": 1}]
+    assert single.exchange([5, 0]) == [[5, 0]]
     single.close()
+    with pytest.raises(ValueError, match="timeout must be positive or None"):
+        BroadcastTransport(KVPPGroup((3,), 0, 0), timeout=0)
     with pytest.raises(RuntimeError, match="not initialised"):
         create_kvpp_group(1, 1, 1, 2, torch.device("cpu"))
 
@@ -354,3 +358,89 @@ def test_wait_copies_the_cache_into_tensors_that_are_not_it() -> None:
             sched.schedule_forward(False)
             sched.wait_layer(0, [torch.zeros(3, 4, 16, dtype=torch.float64)])
         sched.complete_forward()
+
+
+# ------------------------------------------------------------------------ agreement before a forward
+
+
+def test_every_forward_exchanges_its_tables_fingerprint_and_status() -> None:
+    alloc = small_allocation(3, 2, 1, num_blocks=8)
+    transport = RecordingTransport(2, 1)
+    with KVPPScheduler(alloc, transport) as sched:
+        for history, tables in ((True, [[1, 2]]), (False, None), (True, torch.tensor([[1, 2]]))):
+            sched.schedule_forward(history, tables)
+            for layer in range(3):
+                sched.wait_layer(layer)
+            sched.complete_forward()
+        digests = [d for d, _ in transport.exchanges]
+        assert [s for _, s in transport.exchanges] == [0, 0, 0]
+        assert digests == [forward_digest(True, [[1, 2]]), forward_digest(False, None),
+                           forward_digest(True, torch.tensor([[1, 2]]))]  # fmt: skip
+        assert len(set(digests)) == 3
+
+
+@pytest.mark.parametrize("peer", ["other-tables", "failed"])
+def test_a_disagreeing_or_failed_peer_refuses_the_forward_on_this_rank(peer: str) -> None:
+    """A peer with other tables, or one that could not schedule the forward: this rank raises naming the
+    ranks, broadcasts nothing and stays usable (the exchange completed: the group is consistent)."""
+    alloc = small_allocation(3, 2, 0, num_blocks=8)
+    transport = RecordingTransport(2, 0)
+    with KVPPScheduler(alloc, transport) as sched:
+        if peer == "other-tables":
+            transport.peer_exchange = [forward_digest(True, [[1, 3]]), 0]
+            match = r"ranks disagree on the forward's block tables .*rank 100: .*rank 101: "
+        else:
+            transport.peer_exchange = [0, 1]
+            match = "rank 101 could not schedule this forward"
+        with pytest.raises(RuntimeError, match=match):
+            sched.schedule_forward(True, [[1, 2]])
+        assert transport.calls == [] and sched.pending_layer is None and sched.failed is None
+        assert sched.counters.get("forwards_refused") == 1 and sched.counters.get("forwards") == 0
+        transport.peer_exchange = None  # the peers agree again: the next forward runs
+        sched.schedule_forward(True, [[1, 2]])
+        for layer in range(3):
+            sched.wait_layer(layer)
+        sched.complete_forward()
+        assert transport.layers == [0, 1, 2]
+
+
+def test_bad_tables_are_reported_to_the_peers_before_raising() -> None:
+    alloc = small_allocation(3, 2, 1, num_blocks=8)
+    transport = RecordingTransport(2, 1)
+    with KVPPScheduler(alloc, transport) as sched:
+        with pytest.raises(ValueError, match="block 8, out of range"):
+            sched.schedule_forward(True, torch.tensor([[1, 8]]))
+        assert transport.exchanges == [[0, 1]]  # took part, with status "could not schedule"
+        assert sched.counters.get("forwards_refused") == 1
+
+
+def test_a_peer_that_never_joins_fails_the_scheduler() -> None:
+    alloc = small_allocation(3, 2, 1, num_blocks=8)
+    transport = RecordingTransport(2, 1)
+    with KVPPScheduler(alloc, transport, wait_timeout=0.5) as sched:
+        transport.exchange_error = TimeoutError("the agreement exchange did not complete within 0.5 s")
+        with pytest.raises(TimeoutError, match=r"within 0\.5 s; the scheduler is failed"):
+            sched.schedule_forward(True, [[1]])
+        assert transport.calls == [] and sched.failed is not None
+        transport.exchange_error = None
+        with pytest.raises(TransferError, match="an earlier agreement exchange failed"):
+            sched.schedule_forward(True, [[1]])
+
+
+def test_forward_digest_tells_forwards_apart() -> None:
+    base = forward_digest(True, [[1, 2], [5]])
+    assert base == forward_digest(True, [[1, 2], [5]]) == forward_digest(True, ([1, 2], (5,)))
+    others = [
+        forward_digest(False, [[1, 2], [5]]),
+        forward_digest(True, [[1, 2, 5]]),
+        forward_digest(True, [[1], [2, 5]]),
+        forward_digest(True, [[1, 2], [6]]),
+        forward_digest(True, None),
+        forward_digest(True, torch.tensor([[1, 2], [5, -1]])),
+    ]
+    assert len({base, *others}) == 1 + len(others)
+    t = torch.tensor([[1, 2], [5, -1]])
+    assert (
+        forward_digest(True, t) == forward_digest(True, t.int()) == forward_digest(True, t.T.contiguous().T)
+    )
+    assert forward_digest(True, t) != forward_digest(True, t.view(1, 4))

@@ -5,11 +5,13 @@ union, sorted, as half-open runs ``[start, stop)`` of consecutive block ids, and
 merges the runs separated by the smallest gaps (the gap blocks are moved too: one collective fewer per
 component for a few blocks more). Because a bundle is component-major (each component holds every block),
 a run is one contiguous byte range per component; :func:`run_byte_ranges` lists them, merging ranges that
-touch (the whole pool is one range: the bundle span).
+touch (the whole pool is one range: the bundle span). :func:`forward_digest` fingerprints a forward's
+tables, so the ranks of a group can check that they schedule the same forward.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -17,7 +19,7 @@ import torch
 from torch_kvoffload._utils import check_int
 from torch_kvoffload.kvpp.layout import bundle_layout
 
-__all__ = ["BlockTables", "block_runs", "run_byte_ranges"]
+__all__ = ["BlockTables", "block_runs", "forward_digest", "run_byte_ranges"]
 
 #: A forward's block tables: an integer tensor of any shape (``-1`` entries are padding), or one
 #: sequence of physical block ids per request.
@@ -135,3 +137,28 @@ def run_byte_ranges(
             else:
                 out.append((begin, end))
     return out
+
+
+def forward_digest(has_history: bool, block_tables: BlockTables | None) -> int:
+    """A 64-bit fingerprint (signed ``int``) of a forward's ``has_history`` flag and block tables.
+
+    Covers the tables' shape and entries as given (``None``, a tensor of any integer dtype or device, or
+    per-request sequences), so ranks that pass the same tables in the same form get the same value and
+    ranks whose forwards would issue different collectives get different ones. The tables must already be
+    valid (:func:`block_runs`).
+    """
+    h = hashlib.blake2b(digest_size=8)
+    h.update(b"history" if has_history else b"none")
+    if block_tables is None:
+        h.update(b"all")
+    elif isinstance(block_tables, torch.Tensor):
+        flat = block_tables.detach().to("cpu", torch.int64).contiguous()
+        h.update(b"tensor" + repr(tuple(flat.shape)).encode())
+        h.update(flat.numpy().tobytes())
+    else:
+        h.update(b"lists")
+        for table in block_tables:
+            ids = table.reshape(-1).tolist() if isinstance(table, torch.Tensor) else [int(b) for b in table]
+            h.update(len(ids).to_bytes(8, "little"))
+            h.update(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
+    return int.from_bytes(h.digest(), "little", signed=True)

@@ -58,7 +58,10 @@ class KVPPConfig(ConfigModel):
         a forward's blocks are coalesced into runs, the runs with the smallest gaps merged past this
         count; each run is one collective per bundle component.
     wait_timeout_s : seconds a CPU wait for a broadcast blocks before ``TimeoutError`` (``None``:
-        forever; > 0). On an accelerator a wait is a stream wait and does not block the host.
+        forever; > 0). On an accelerator a wait is a stream wait and does not block the host. It also
+        bounds the host-side collectives: each forward's agreement exchange (every device) and, on CPU,
+        each broadcast on the transfer thread, so a peer that failed or is gone surfaces as an error
+        within this time instead of the process group's own timeout.
     """
 
     enable_kvpp: bool = False

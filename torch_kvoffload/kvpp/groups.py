@@ -58,7 +58,9 @@ class KVPPGroup:
 
     ``ranks`` are the global ranks (index = group-local owner id), ``local_rank`` this rank's id in it,
     ``pp_stage`` the pipeline stage the group serves, ``process_group`` the dedicated
-    ``torch.distributed`` group (``None`` for a single-rank group).
+    ``torch.distributed`` group (``None`` for a single-rank group), ``control_group`` a gloo group over the
+    same ranks for the small host-side exchanges before a forward (the process group itself when it is
+    gloo; ``None``: use ``process_group``).
     """
 
     ranks: tuple[int, ...]
@@ -66,6 +68,7 @@ class KVPPGroup:
     pp_stage: int
     process_group: Any = None
     backend: str | None = None
+    control_group: Any = None
 
     @property
     def size(self) -> int:
@@ -104,7 +107,8 @@ def create_kvpp_group(dp: int, pp: int, pcp: int, tp: int, device: torch.device)
 
     Needs an initialised default process group. KVPP gets dedicated groups created with ``new_group``:
     its broadcasts run on a transfer thread, and collectives of one group must be issued in the same
-    order on all ranks — sharing the group with other traffic would break that.
+    order on all ranks — sharing the group with other traffic would break that. With nccl / hccl each
+    group also gets a gloo group for the host-side agreement exchange of every forward (no device sync).
     """
     import torch.distributed as dist
 
@@ -115,9 +119,12 @@ def create_kvpp_group(dp: int, pp: int, pcp: int, tp: int, device: torch.device)
     backend = _backend_for(device)
     mine: KVPPGroup | None = None
     for index, ranks in enumerate(groups):
-        pg = dist.new_group(ranks, backend=backend) if len(ranks) > 1 else None
+        pg = control = None
+        if len(ranks) > 1:
+            pg = dist.new_group(ranks, backend=backend)
+            control = pg if backend == "gloo" else dist.new_group(ranks, backend="gloo")
         if rank in ranks:
-            mine = KVPPGroup(tuple(ranks), ranks.index(rank), index % pp, pg, backend)
+            mine = KVPPGroup(tuple(ranks), ranks.index(rank), index % pp, pg, backend, control)
     assert mine is not None  # every rank is in exactly one group
     logger.info(
         "rank %d: KVPP group %s (local id %d, pp stage %d)", rank, mine.ranks, mine.local_rank, mine.pp_stage

@@ -91,7 +91,7 @@ def _assemble(
                 f"({plan.bytes_per_block} bytes per block on this rank, plus 2 MiB-aligned scratch)"
             )
     allocation = KVPPAllocation(plan, bundles, num_blocks, device, draft_bundles)
-    transport = BroadcastTransport(group, device)
+    transport = BroadcastTransport(group, device, timeout=wait_timeout)
     try:
         scheduler = KVPPScheduler(
             allocation, transport, name=name, wait_timeout=wait_timeout, max_runs=max_runs

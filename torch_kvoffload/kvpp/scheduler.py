@@ -24,8 +24,17 @@ A failed broadcast raises :class:`~torch_kvoffload.device.TransferError` from ``
 raises. Before the first forward, the ranks exchange their plans (``all_gather_object``) and refuse to run
 when layouts, owners or block counts differ.
 
+Agreement per forward: before anything is broadcast, ``schedule_forward`` all-gathers from every rank a
+fingerprint of its ``has_history`` flag and block tables and whether it could schedule the forward (its
+arguments were valid). A rank with bad arguments still takes part, then raises its own error; its peers
+raise ``RuntimeError`` naming it; ranks whose fingerprints differ all raise ``RuntimeError`` naming each
+rank's. Nothing is broadcast then and the group stays consistent: the next forward may proceed. The
+exchange is bounded by ``wait_timeout`` (through the transport): a peer that never joins makes it raise
+``TimeoutError``, and the scheduler is failed (the group holds an unfinished collective).
+
 Counters: ``broadcasts`` issued (one per layer), ``broadcast_spans`` (collectives), ``bytes_broadcast``,
-``waits``, ``wait_seconds``, ``forwards``, ``forwards_with_history``.
+``waits``, ``wait_seconds``, ``forwards``, ``forwards_with_history``, ``forwards_refused`` (by the
+agreement: a mismatch or a rank that could not schedule the forward, counted on every rank).
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from torch_kvoffload._utils import check_int
 from torch_kvoffload.counters import Counters
 from torch_kvoffload.device import TransferError, TransferEvent, record_compute_event
 from torch_kvoffload.kvpp.allocation import KVPPAllocation
-from torch_kvoffload.kvpp.blocks import BlockTables, block_runs
+from torch_kvoffload.kvpp.blocks import BlockTables, block_runs, forward_digest
 from torch_kvoffload.kvpp.transport import BroadcastTransport
 from torch_kvoffload.ops._hook_registry import sync_copies
 from torch_kvoffload.ops.kvpp import runtimes
@@ -58,8 +67,10 @@ class KVPPScheduler:
     ----------
     allocation : the rank's buffers (its ``plan`` gives owners and target order).
     transport : broadcasts over the group (:class:`BroadcastTransport` or anything with its interface:
-        ``group``, ``device``, ``broadcast``, ``all_gather_object``, ``close``). Its ``device`` says
-        what a wait does: host blocking on CPU, a compute-stream wait on an accelerator.
+        ``group``, ``device``, ``broadcast``, ``all_gather_object``, ``exchange``, ``close``). Its
+        ``device`` says what a wait does: host blocking on CPU, a compute-stream wait on an accelerator.
+        It bounds its own collectives (``BroadcastTransport(timeout=...)``; :meth:`KVPPConfig.build_runtime`
+        passes ``wait_timeout_s``).
     name : if given, register in :data:`torch_kvoffload.ops.kvpp.runtimes` under this name for
         ``torch.ops.kvoffload.kvpp_*``; unregistered by :meth:`close`.
     wait_timeout : seconds a wait on CPU blocks before raising ``TimeoutError`` (``None``: forever).
@@ -95,6 +106,7 @@ class KVPPScheduler:
                 "wait_seconds",
                 "forwards",
                 "forwards_with_history",
+                "forwards_refused",
             ]
         )
         self._stream_waits = torch.device(transport.device).type != "cpu"
@@ -107,6 +119,7 @@ class KVPPScheduler:
         self._current: int | None = None  # the target layer waited last in this forward
         self._pending: tuple[int, TransferEvent] | None = None
         self._failed: BaseException | None = None
+        self._failed_what = "broadcast"  # what failed: a broadcast or the agreement exchange
         self._closed = False
         if name is not None:
             runtimes.register(name, self)
@@ -143,7 +156,7 @@ class KVPPScheduler:
             raise RuntimeError(f"KVPPScheduler.{what}: the scheduler is closed")
         if self._failed is not None:
             raise TransferError(
-                f"KVPPScheduler.{what}: an earlier broadcast failed: {self._failed}"
+                f"KVPPScheduler.{what}: an earlier {self._failed_what} failed: {self._failed}"
             ) from self._failed
 
     def schedule_forward(self, has_history: bool, block_tables: BlockTables | None = None) -> None:
@@ -156,6 +169,11 @@ class KVPPScheduler:
             padding, e.g. ``[num_requests, max_blocks]``) or one sequence of block ids per request. Only
             their union, in contiguous runs, is broadcast. ``None``: every block of the pool (traffic
             then grows with the pool). Every rank of the group must pass the same tables.
+
+        Collective: the ranks first agree on the forward (see the module docstring). Raises this rank's
+        ``TypeError`` / ``ValueError`` for bad tables, ``RuntimeError`` when a peer could not schedule the
+        forward or the ranks' tables differ (nothing broadcast, nothing changed: the next forward may
+        proceed), ``TimeoutError`` when a peer did not join within ``wait_timeout``.
         """
         self._check_usable("schedule_forward")
         if self._pending is not None:
@@ -165,14 +183,18 @@ class KVPPScheduler:
             )
         if self._in_forward:
             raise RuntimeError("KVPPScheduler.schedule_forward: a forward is already scheduled")
-        runs = None
-        if block_tables is not None:
-            try:
-                runs = block_runs(block_tables, self.allocation.num_blocks, max_runs=self.max_runs)
-            except (TypeError, ValueError) as exc:
-                raise type(exc)(f"KVPPScheduler.schedule_forward: {exc}") from None
         if not self._verified:
             self.verify_agreement()
+        runs, digest, error = None, 0, None
+        try:
+            if block_tables is not None:
+                runs = block_runs(block_tables, self.allocation.num_blocks, max_runs=self.max_runs)
+            digest = forward_digest(bool(has_history), block_tables)
+        except (TypeError, ValueError) as exc:
+            error = type(exc)(f"KVPPScheduler.schedule_forward: {exc}")
+        except Exception as exc:  # still tell the peers, then raise it unchanged
+            error = exc
+        self._agree_on_forward(digest, error)
         self._in_forward = True
         # a forward whose tables hold no block has nothing to fetch, like one without history
         self._has_history = bool(has_history) and (runs is None or len(runs) > 0)
@@ -184,6 +206,45 @@ class KVPPScheduler:
             self.counters.add("forwards_with_history")
         if self._has_history and self._targets:
             self._start(self._targets[0])
+
+    def _agree_on_forward(self, digest: int, error: BaseException | None) -> None:
+        """All-gather ``[digest, status]`` (status 1: this rank could not schedule the forward); raise
+        ``error`` here, and on every rank when a rank failed or the digests differ."""
+        where = "KVPPScheduler.schedule_forward"
+        try:
+            everyone = self.transport.exchange([digest, int(error is not None)])
+        except TimeoutError as exc:
+            self._failed, self._failed_what = exc, "agreement exchange"
+            if error is not None:
+                raise error from exc
+            raise TimeoutError(
+                f"{where}: {exc}; the scheduler is failed (the group holds an unfinished collective)"
+            ) from exc
+        except Exception as exc:
+            self._failed, self._failed_what = exc, "agreement exchange"
+            if error is not None:
+                raise error from exc
+            raise TransferError(f"{where}: the agreement exchange failed: {exc}") from exc
+        ranks = self.transport.group.ranks
+        failed = [r for r, (_, status) in zip(ranks, everyone, strict=True) if status]
+        digests = [d for d, _ in everyone]
+        if error is None and not failed and all(d == digests[0] for d in digests):
+            return
+        self.counters.add("forwards_refused")
+        if error is not None:
+            raise error
+        if failed:
+            who = "rank" if len(failed) == 1 else "ranks"
+            raise RuntimeError(
+                f"{where}: {who} {', '.join(map(str, failed))} could not schedule this forward (see the error "
+                "raised there); nothing was broadcast, the next forward may proceed"
+            )
+        per_rank = ", ".join(f"rank {r}: {d & (2**64 - 1):016x}" for r, d in zip(ranks, digests, strict=True))
+        raise RuntimeError(
+            f"{where}: the KVPP ranks disagree on the forward's block tables or has_history (fingerprint per "
+            f"rank: {per_rank}); every rank of the group must schedule the same forward. Nothing was "
+            "broadcast, the next forward may proceed"
+        )
 
     @property
     def block_runs(self) -> list[tuple[int, int]] | None:

@@ -10,11 +10,16 @@ an accelerator the stream waits on the collective's work and an event is recorde
 
 Collectives of one group must be issued in the same order on every rank; all KVPP broadcasts of a rank go
 through its one transfer stream, in layer order, so that holds as long as every rank schedules the same
-forwards.
+forwards — which the scheduler checks before each forward with :meth:`BroadcastTransport.exchange`.
+
+With a ``timeout`` every collective on CPU (the broadcasts, the exchange) gives up after that many seconds
+instead of blocking until the process group's own timeout: a peer that failed or is gone then surfaces as
+an error within the configured time.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -33,18 +38,49 @@ class BroadcastTransport:
     """Owner → peers broadcast of bundle spans inside one :class:`KVPPGroup`.
 
     ``stream`` defaults to a new :class:`TransferStream` named ``kvpp-prefetch`` on ``device``; it is
-    closed by :meth:`close` only if this object created it.
+    closed by :meth:`close` only if this object created it. ``timeout`` (seconds, ``None``: none) bounds
+    each host-side collective: the broadcasts on CPU and every :meth:`exchange`; one that does not
+    complete in time raises ``TimeoutError`` (the group then holds an unfinished collective).
     """
 
     def __init__(
-        self, group: KVPPGroup, device: torch.device | str = "cpu", stream: TransferStream | None = None
+        self,
+        group: KVPPGroup,
+        device: torch.device | str = "cpu",
+        stream: TransferStream | None = None,
+        *,
+        timeout: float | None = None,
     ) -> None:
         if group.size > 1 and group.process_group is None:
             raise ValueError("BroadcastTransport: a group of more than one rank needs a process group")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"BroadcastTransport: timeout must be positive or None, got {timeout!r}")
         self.group = group
         self.device = torch.device(device)
+        self.timeout = timeout
         self._own_stream = stream is None
         self.stream = stream if stream is not None else TransferStream("kvpp-prefetch", self.device)
+
+    @property
+    def _control(self) -> Any:
+        """The group of the host-side exchanges (gloo when the group has one)."""
+        return self.group.control_group if self.group.control_group is not None else self.group.process_group
+
+    def _wait(self, what: str, work: Any) -> None:
+        """Wait for a collective's ``work``, at most ``timeout`` seconds (``TimeoutError`` past it)."""
+        if self.timeout is None:
+            work.wait()
+            return
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            if work.is_completed():
+                raise
+            raise TimeoutError(
+                f"BroadcastTransport: {what} did not complete within {self.timeout} s on rank "
+                f"{self.group.ranks[self.group.local_rank]} (a peer of group {list(self.group.ranks)} failed, "
+                "is behind or gone)"
+            ) from exc
 
     @property
     def rank(self) -> int:
@@ -55,7 +91,10 @@ class BroadcastTransport:
 
         works = [dist.broadcast(s, src=src, group=self.group.process_group, async_op=True) for s in spans]
         for work in works:
-            work.wait()
+            if self.device.type == "cpu":
+                self._wait(f"the broadcast of layer {layer}", work)
+            else:  # the transfer stream waits on the collective; the host does not block
+                work.wait()
 
     def broadcast(
         self, layer: int, spans: Sequence[torch.Tensor], owner: int, after: Sequence[TransferEvent] = ()
@@ -88,8 +127,22 @@ class BroadcastTransport:
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.group.size
-        dist.all_gather_object(out, obj, group=self.group.process_group)
+        dist.all_gather_object(out, obj, group=self._control)
         return out
+
+    def exchange(self, values: Sequence[int]) -> list[list[int]]:
+        """Gather ``values`` (a few ``int64``, the same count on every rank) from every rank of the group,
+        in group order, bounded by ``timeout``. Main thread, no broadcast in flight."""
+        if self.group.size == 1:
+            return [list(values)]
+        import torch.distributed as dist
+
+        backend = dist.get_backend(self._control)
+        device = torch.device("cpu") if backend == "gloo" else self.device
+        mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+        out = [torch.empty_like(mine) for _ in range(self.group.size)]
+        self._wait("the agreement exchange", dist.all_gather(out, mine, group=self._control, async_op=True))
+        return [t.tolist() for t in out]
 
     def close(self) -> None:
         if self._own_stream:

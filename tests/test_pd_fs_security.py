@@ -344,3 +344,18 @@ def test_shm_two_process_transfer_is_bit_exact_after_a_refusal(shm_files) -> Non
         if proc.is_alive():
             proc.kill()
         reader.close()
+
+
+@pytest.mark.skipif(_NO_OTHER_UID is not None, reason=_NO_OTHER_UID or "")
+def test_stale_export_cleanup_leaves_other_users_files(shm_files) -> None:
+    from torch_kvoffload.pd.transports.shm import remove_stale_exports
+
+    dead_pid = next(p for p in range(4_000_000, 4_100_000) if not os.path.exists(f"/proc/{p}"))
+    theirs, mine = (os.path.join(SHM, f"kvoffload-pd-{dead_pid}-{who}-0") for who in ("theirs", "mine"))
+    for path in (theirs, mine):
+        open(path, "wb").close()
+        shm_files.append(path)
+    os.chown(theirs, NOBODY, NOBODY)
+    removed = remove_stale_exports()
+    assert os.path.basename(mine) in removed and not os.path.exists(mine)
+    assert os.path.basename(theirs) not in removed and os.path.exists(theirs)

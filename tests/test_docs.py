@@ -33,11 +33,14 @@ collect (``py``, ``pycon``, ``python title=...``), so no Python block is left ou
 from __future__ import annotations
 
 import ast
+import contextlib
 import datetime
+import io
 import multiprocessing as mp
 import multiprocessing.connection
 import queue
 import re
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -219,17 +222,22 @@ def _pd_timeout() -> float:
 @dataclass(frozen=True)
 class Doc:
     """How one document runs: its reader's objects, what to close after its blocks (per process), and
-    how long a process may wait for a peer (``None``: a single process)."""
+    how long a process may wait for a peer (``None``: a single process); ``prints``: text that what the
+    document's blocks print in this process must contain (what its prose says they show)."""
 
     reader: Callable[[Ctx], dict[str, Callable[[], Any]]] = _no_reader
     close: tuple[str, ...] = ()
     peer_timeout_s: Callable[[], float] | None = None
+    prints: tuple[str, ...] = ()
 
+
+#: The head of ``explain``'s report once a graph was compiled (before: "no graph compiled yet").
+_EXPLAINED = "graph(s) compiled with the kvoffload passes"
 
 DOCS: dict[str, Doc] = {
-    "README.md": Doc(_hf_reader),
+    "README.md": Doc(_hf_reader, prints=("'device_kv_bytes'", _EXPLAINED, "kvoffload::copy_rows")),
     "docs/adding-an-op.md": Doc(),
-    "docs/compile.md": Doc(_hf_reader),
+    "docs/compile.md": Doc(_hf_reader, prints=(_EXPLAINED, "'device_kv_bytes'")),
     "docs/device.md": Doc(),
     "docs/disaggregation.md": Doc(
         _pd_reader, close=("receiver", "runtime", "transport", "role"), peer_timeout_s=_pd_timeout
@@ -250,18 +258,21 @@ def _used_names(source: str) -> set[str]:
     return {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
 
 
-def run_blocks(doc: str, blocks: list[tuple[int, str]], ctx: Ctx) -> None:
+def run_blocks(doc: str, blocks: list[tuple[int, str]], ctx: Ctx) -> str:
     """Run ``blocks`` (index in the document, source) in order in one namespace, the reader's objects
-    made fresh before each block that names them; close the document's ``close`` names afterwards."""
+    made fresh before each block that names them; close the document's ``close`` names afterwards.
+    Returns what the blocks printed."""
     reader = DOCS[doc].reader(ctx)
     ns: dict[str, Any] = {"__name__": "__main__"}
+    printed = io.StringIO()
     try:
         for index, source in blocks:
             for name in _used_names(source) & reader.keys():
                 ns[name] = reader[name]()
             code = compile(source, f"<{doc} python block {index}>", "exec")
             try:
-                exec(code, ns)
+                with contextlib.redirect_stdout(printed):
+                    exec(code, ns)
             except BaseException as e:
                 raise AssertionError(
                     f"{doc}: python block {index} ({ctx.process}) failed: {type(e).__name__}: {e}\n"
@@ -272,6 +283,7 @@ def run_blocks(doc: str, blocks: list[tuple[int, str]], ctx: Ctx) -> None:
             obj = ns.get(name)
             if obj is not None and callable(getattr(obj, "close", None)):
                 obj.close()
+    return printed.getvalue()
 
 
 def _child(
@@ -394,8 +406,18 @@ def test_python_fences_are_collected(path: Path) -> None:
     assert len(python_blocks(path)) == len(pythonish)
 
 
-@pytest.mark.parametrize("path", DOC_PATHS, ids=_name)
-def test_document_runs(path: Path) -> None:
+def _doc_param(path: Path):
+    # the documents whose examples spawn processes are the slow ones
+    slow = DOCS[_name(path)].peer_timeout_s is not None
+    return pytest.param(path, id=_name(path), marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("path", [_doc_param(p) for p in DOC_PATHS])
+def test_document_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The document's Python blocks run; what they print holds what the prose says it shows."""
+    # files the examples leave in the temporary directory (P/D rendezvous, its key) stay in tmp_path
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the spawned processes
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this one
     doc = _name(path)
     blocks = python_blocks(path)
     groups: dict[str, list[tuple[int, str]]] = {}
@@ -403,8 +425,8 @@ def test_document_runs(path: Path) -> None:
         groups.setdefault(process_of(source), []).append((index, source))
     torch._dynamo.reset()  # Dynamo's recompile limit is per code object: start each document afresh
     kv_port = free_port()
-    main = groups.pop("main", [])
-    if main:
-        run_blocks(doc, main, Ctx("main", kv_port=kv_port))
+    printed = run_blocks(doc, groups.pop("main", []), Ctx("main", kv_port=kv_port))
+    missing = [text for text in DOCS[doc].prints if text not in printed]
+    assert not missing, f"{doc}: the examples did not print {missing}; they printed:\n{printed}"
     if groups:
         run_processes(doc, groups, kv_port)

@@ -280,6 +280,16 @@ def test_shm_malformed_region_descriptions_are_refused(info) -> None:
         ShmTransport().connect({"kind": "shm", "regions": {"r": info}}, "hostile")
 
 
+@pytest.mark.parametrize(
+    ("description", "match"),
+    [("shm", "not shm"), (["shm"], "not shm"), ({"kind": "shm", "regions": ["r"]}, "bad regions"),
+     ({"kind": "shm", "regions": {3: {"file": "ok", "nbytes": 1}}}, "bad region 3")],
+)  # fmt: skip
+def test_shm_malformed_descriptions_are_refused(description, match: str) -> None:
+    with pytest.raises(TransportError, match=match):
+        ShmTransport().connect(description, "hostile")
+
+
 def test_shm_read_only_region_is_read_without_write_access_or_growth(shm_files) -> None:
     data = torch.randint(0, 256, (3000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
     name = _plant(shm_files, data.numpy().tobytes(), mode=0o444)

@@ -135,10 +135,9 @@ class ShmTransport(Transport):
         }
 
     def connect(self, description: dict, peer_name: str) -> RemotePeer:
-        if description.get("kind") != self.name:
-            raise TransportError(
-                f"ShmTransport.connect: peer {peer_name} exports {description.get('kind')!r} regions, not shm"
-            )
+        kind = description.get("kind") if isinstance(description, dict) else None
+        if kind != self.name:
+            raise TransportError(f"ShmTransport.connect: peer {peer_name} exports {kind!r} regions, not shm")
         regions = description.get("regions", {})
         if not isinstance(regions, dict):
             raise TransportError(f"ShmTransport.connect: bad regions from peer {peer_name}: {regions!r}")
@@ -147,7 +146,8 @@ class ShmTransport(Transport):
             fname = info.get("file") if isinstance(info, dict) else None
             nbytes = info.get("nbytes") if isinstance(info, dict) else None
             if (
-                not isinstance(fname, str)
+                not isinstance(region, str)
+                or not isinstance(fname, str)
                 or not _NAME.fullmatch(fname)
                 or type(nbytes) is not int
                 or not 0 <= nbytes <= MAX_REGION_BYTES

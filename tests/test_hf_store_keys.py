@@ -48,14 +48,16 @@ def test_fine_tunes_on_one_store_do_not_share_kv(family, shared_store):
     assert len(first_ids) == 1 and len(shared_store) > 0
 
     tuned = torch_kvoffload.offload(build_model(family, seed=1), cfg)  # same config, other weights
-    tuned(input_ids=prompt)  # one prefill of the prompt the first model stored: nothing of it is found
+    with torch.no_grad():
+        tuned(input_ids=prompt)  # one prefill of the prompt the first model stored: nothing of it is found
     assert torch_kvoffload.stats(tuned)["store_hits"] == 0
     assert torch.equal(_generate(tuned, prompt), _generate(build_model(family, seed=1), prompt))
     assert len(_model_ids(shared_store)) == 2  # its own namespace beside the first model's
 
     # the same weights in another model object (and a fresh session) do hit the first model's records
     again = torch_kvoffload.offload(build_model(family, seed=0), cfg)
-    again(input_ids=prompt)
+    with torch.no_grad():
+        again(input_ids=prompt)
     assert torch_kvoffload.stats(again)["store_hits"] == 3  # the prompt's full blocks
     assert torch.equal(_generate(again, prompt), _generate(build_model(family, seed=0), prompt))
     assert _model_ids(shared_store) >= first_ids and len(_model_ids(shared_store)) == 2

@@ -240,7 +240,7 @@ DOCS: dict[str, Doc] = {
     "docs/compile.md": Doc(_hf_reader, prints=(_EXPLAINED, "'device_kv_bytes'")),
     "docs/device.md": Doc(),
     "docs/disaggregation.md": Doc(
-        _pd_reader, close=("receiver", "runtime", "transport", "role"), peer_timeout_s=_pd_timeout
+        _pd_reader, close=("receiver", "runtime", "transport", "role", "pool"), peer_timeout_s=_pd_timeout
     ),
     "docs/huggingface.md": Doc(_hf_reader, peer_timeout_s=lambda: GLOO_TIMEOUT_S),
     "docs/kvpp.md": Doc(_kvpp_reader, close=("rt",), peer_timeout_s=lambda: GLOO_TIMEOUT_S),

@@ -430,3 +430,25 @@ def test_document_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert not missing, f"{doc}: the examples did not print {missing}; they printed:\n{printed}"
     if groups:
         run_processes(doc, groups, kv_port)
+
+
+@pytest.mark.parametrize(
+    ("block", "process"),
+    [
+        ("x = 1\n", "main"),
+        ("\n# on every rank, after init_process_group\nx = 1\n", "rank"),
+        ("# Decode process: sparse decode offload\n", "decode"),
+        ("# prefill process\n", "prefill"),
+        ("x = 1  # on every rank\n", "main"),  # only a first-line comment names a process
+    ],
+)
+def test_process_of(block: str, process: str) -> None:
+    assert process_of(block) == process
+
+
+def test_a_failing_block_names_its_document_and_index() -> None:
+    blocks = [(0, "x = 1\n"), (1, "assert x == 2, 'x is not 2'\n"), (2, "raise SystemExit('not reached')\n")]
+    with pytest.raises(
+        AssertionError, match=r"docs/device\.md: python block 1 \(main\) failed: AssertionError: x is not 2"
+    ):
+        run_blocks("docs/device.md", blocks, Ctx("main"))

@@ -14,12 +14,19 @@ store's ``corrupt_records`` counter and removed from the store.
 
 from __future__ import annotations
 
+import functools
+import os
 import struct
 import zlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["MAGIC", "TRAILER_BYTES", "checksum", "seal", "unseal"]
+__all__ = ["MAGIC", "TRAILER_BYTES", "checksum", "checksums", "seal", "unseal"]
+
+# batches at least this large are checksummed on a thread pool (zlib.crc32 releases the GIL)
+_PARALLEL_BYTES = 1 << 20
 
 MAGIC = b"KVc1"
 _TRAILER = struct.Struct("<4sQI")
@@ -35,6 +42,18 @@ def _buffer(data: torch.Tensor) -> memoryview:
 def checksum(key: str, data: torch.Tensor) -> int:
     """CRC-32 of ``data`` (a contiguous CPU ``uint8 [n]`` tensor) seeded with ``key``'s CRC-32."""
     return zlib.crc32(_buffer(data), zlib.crc32(key.encode("utf-8")))
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="kvstore-crc")
+
+
+def checksums(keys: Sequence[str], data: Sequence[torch.Tensor]) -> list[int]:
+    """:func:`checksum` of every ``(keys[i], data[i])``; large batches on a small thread pool."""
+    if len(data) > 1 and sum(d.numel() for d in data) >= _PARALLEL_BYTES and (os.cpu_count() or 1) > 1:
+        return list(_pool().map(checksum, keys, data))
+    return [checksum(k, d) for k, d in zip(keys, data, strict=True)]
 
 
 def seal(key: str, framed: torch.Tensor) -> None:

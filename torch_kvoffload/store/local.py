@@ -60,7 +60,7 @@ from torch_kvoffload.store.base import (
     tensor_bytes,
 )
 from torch_kvoffload.store.factory import check_host_bytes
-from torch_kvoffload.store.integrity import checksum
+from torch_kvoffload.store.integrity import checksums
 
 logger = logging.getLogger(__name__)
 
@@ -355,8 +355,12 @@ class LocalKVStore(KVStore):
             return pos
         try:
             copy(arena, pending)
-            for entry, _ in pending:
-                entry.crc = checksum(entry.key, arena[entry.offset : entry.offset + entry.nbytes])
+            entries = [entry for entry, _ in pending]
+            crcs = checksums(
+                [e.key for e in entries], [arena[e.offset : e.offset + e.nbytes] for e in entries]
+            )
+            for entry, crc in zip(entries, crcs, strict=True):
+                entry.crc = crc
         except BaseException:
             with self._cond:
                 self._busy -= 1
@@ -425,11 +429,9 @@ class LocalKVStore(KVStore):
     def _verify(self, arena: torch.Tensor, found: list[_Entry | None]) -> list[_Entry | None]:
         """``found`` with the entries whose bytes fail their checksum replaced by ``None`` (those are
         dropped). The entries must be pinned (read or leased) so their regions cannot change."""
-        bad = [
-            e
-            for e in found
-            if e is not None and checksum(e.key, arena[e.offset : e.offset + e.nbytes]) != e.crc
-        ]
+        live = [e for e in found if e is not None]
+        crcs = checksums([e.key for e in live], [arena[e.offset : e.offset + e.nbytes] for e in live])
+        bad = [e for e, crc in zip(live, crcs, strict=True) if crc != e.crc]
         if not bad:
             return found
         with self._cond:

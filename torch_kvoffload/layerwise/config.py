@@ -29,8 +29,11 @@ class LayerwiseConfig(ConfigModel):
     ``"local"``, ``"memcache"``, ``"mooncake"`` — and that kind's options).
     ``model_id``: names the model (weights, revision). The store keys carry it together with a digest of
     the cache layout (:func:`~torch_kvoffload.store.keys.cache_layout_fingerprint`), so models with
-    different layouts never share entries even when ``model_id`` is empty; set it when two models with
-    the same layout (e.g. two fine-tunes) use one store.
+    different layouts never share entries even when ``model_id`` is empty. The Hugging Face integration
+    (``torch_kvoffload.offload`` / ``compile``) also adds a fingerprint of the model's weights
+    (:func:`~torch_kvoffload.integrations.hf.inspect.weights_fingerprint`), so fine-tunes of one
+    architecture never share entries; a runtime built directly from this config keys by ``model_id`` and
+    layout only: give each set of weights its own ``model_id`` there.
     """
 
     num_shared_buffers: StrictInt = Field(default=2, ge=1)

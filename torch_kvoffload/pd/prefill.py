@@ -462,11 +462,10 @@ class PrefillSender:
 
     def _on_tick(self, peer: _DecodePeer) -> None:
         now = time.monotonic()
-        if peer.dead is not None:
+        if peer.dead is not None or peer.control is None:  # the first tick may precede the assignment
             return
         if now - peer.last_beat >= self.config.heartbeat_interval_s:
             peer.last_beat = now
-            assert peer.control is not None
             peer.control.send(Heartbeat(time.time()))
         silent = now - peer.last_seen
         if peer.acked.is_set() and silent > self.config.dead_after_s:

@@ -25,11 +25,19 @@ Recompiles. The library's cache holds no KV, so before every call :func:`compile
 layer's cache as a zero-stride view of the true cached length (no memory) and marks that length dynamic:
 a generate compiles one prefill graph and one decode graph whatever the number of new tokens (a prompt of
 another length adds at most one more). The passes drop the dead append of those views.
+
+Each model compiled by :func:`compile` has its own Dynamo recompile budget (``isolate_recompiles``, where
+``torch.compile`` offers it): the models of one class share their forward's code object, and past Dynamo's
+recompile limit on it a later model would run eagerly. Eagerly the model's own attention reads the
+library's cache, which raises (see ``integrations.hf.cache``) rather than attend over the new tokens only.
+A deep copy of a compiled model compiles its own graphs for its own session.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +55,14 @@ __all__ = ["compile", "explain", "kvoffload_backend"]
 _REPORTS_ATTR = "_kvoffload_compile_reports"
 _OPTION_KEYS = ("session", "model", "config")
 _OWNED_ATTR = "_kvoffload_backend_forwards"
+_COMPILED_ATTR = "_kvoffload_compiled"
+
+
+class _Reports(list):
+    """The graphs compiled for one model; a deep copy of the model starts with none (it compiles its own)."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Reports:
+        return type(self)()
 
 
 @dataclass
@@ -153,18 +169,22 @@ class _Runner:
         return self.gm(*args, *extra)
 
     def __call__(self, *args: Any) -> Any:
+        from torch_kvoffload.integrations.hf.install import check_no_grad, exclusive
+
+        check_no_grad("kvoffload backend", args)
         if not self.manage_forwards:
             return self._run(args)
         ids = args[self._ids_at]
         mask = args[self._mask_at] if self._mask_at is not None else None
         past = int(mask.shape[1] - ids.shape[1]) if mask is not None else 0
-        self.session.begin_forward(ids, mask, None, past=past)
-        try:
-            out = self._run(args)
-        except BaseException:
-            self.session.abort_forward()
-            raise
-        self.session.end_forward()
+        with exclusive(self.session, "kvoffload backend"):
+            self.session.begin_forward(ids, mask, None, past=past)
+            try:
+                out = self._run(args)
+            except BaseException:
+                self.session.abort_forward()
+                raise
+            self.session.end_forward()
         return out
 
 
@@ -235,7 +255,7 @@ def kvoffload_backend(
     owner = model if model is not None else session
     reports = getattr(owner, _REPORTS_ATTR, None)
     if reports is None:
-        reports = []
+        reports = _Reports()
         setattr(owner, _REPORTS_ATTR, reports)
     shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in example_inputs]
     reports.append(
@@ -272,6 +292,42 @@ def _expose_cache_lengths(session: Any, cache: Any, batch: int) -> None:
         layer.is_initialized = True
 
 
+@functools.cache
+def _can_isolate_recompiles() -> bool:
+    return "isolate_recompiles" in inspect.signature(torch.compile).parameters
+
+
+class _CompiledForward:
+    """``model``'s own ``forward`` compiled with the ``kvoffload`` backend for ``model``, with a recompile
+    budget of its own; a deep copy of the model gets one compiled for the copy."""
+
+    def __init__(self, model: torch.nn.Module, forward: Any, kwargs: dict[str, Any]) -> None:
+        self.model = model
+        self.forward = forward
+        self.kwargs = dict(kwargs)
+        options = dict(self.kwargs)
+        if _can_isolate_recompiles():
+            options.setdefault("isolate_recompiles", True)
+        self.fn = torch.compile(forward, backend=kvoffload_backend, options={"model": model}, **options)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _CompiledForward:
+        from torch_kvoffload.integrations.hf.install import deepcopy_rebound
+
+        model = copy.deepcopy(self.model, memo)
+        return type(self)(model, deepcopy_rebound("forward", self.forward, memo), self.kwargs)
+
+
+def _compiled_forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``model.forward`` of a compiled model: the cached lengths shown to Dynamo, then the compiled call."""
+    from torch_kvoffload.integrations.hf.cache import is_offload_cache
+
+    cache = kwargs.get("cache")
+    if is_offload_cache(cache):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        _expose_cache_lengths(cache.session, cache, int(ids.shape[0]))
+    return getattr(model, _COMPILED_ATTR).fn(*args, **kwargs)
+
+
 def compile(model: torch.nn.Module, config: Any = None, **torch_compile_kwargs: Any) -> torch.nn.Module:
     """Offload ``model``'s KV cache through Dynamo and the offload passes; return ``model``.
 
@@ -279,10 +335,10 @@ def compile(model: torch.nn.Module, config: Any = None, **torch_compile_kwargs: 
     form, or ``None`` for the model's default), then compiles the model's own ``forward`` with the
     ``kvoffload`` backend; ``begin_forward`` / ``end_forward`` of the session surround each call and
     ``model.generate(...)`` works unchanged (it generates with the library's cache).
-    ``torch_compile_kwargs`` go to ``torch.compile`` (``backend`` and ``options`` are set here).
+    ``torch_compile_kwargs`` go to ``torch.compile`` (``backend`` and ``options`` are set here;
+    ``isolate_recompiles`` defaults to ``True`` where ``torch.compile`` has it).
     """
-    from torch_kvoffload.integrations.hf.cache import is_offload_cache
-    from torch_kvoffload.integrations.hf.install import attach
+    from torch_kvoffload.integrations.hf.install import attach, bind_method
 
     for key in ("backend", "options"):
         if key in torch_compile_kwargs:
@@ -290,25 +346,15 @@ def compile(model: torch.nn.Module, config: Any = None, **torch_compile_kwargs: 
     if getattr(model, "_kvoffload_session", None) is not None:
         raise ValueError(f"torch_kvoffload.compile: {type(model).__name__} is already offloaded")
     original = model.forward
-    compiled = torch.compile(
-        original, backend=kvoffload_backend, options={"model": model}, **torch_compile_kwargs
-    )
-
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        cache = kwargs.get("cache")
-        if is_offload_cache(cache):
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            _expose_cache_lengths(cache.session, cache, int(ids.shape[0]))
-        return compiled(*args, **kwargs)
-
-    model.forward = forward
+    setattr(model, _COMPILED_ATTR, _CompiledForward(model, original, torch_compile_kwargs))
+    model.forward = bind_method(model, _compiled_forward, original)
     try:
         attach(model, config)
     except BaseException:
         model.forward = original
+        delattr(model, _COMPILED_ATTR)
         raise
-    setattr(model, _REPORTS_ATTR, [])
+    setattr(model, _REPORTS_ATTR, _Reports())
     return model
 
 

@@ -6,6 +6,12 @@ return ``cat(placeholder, new)`` without storing it, so a Dynamo graph shows the
 on cache inputs while the KV itself lives where the session keeps it. ``get_seq_length`` reports the
 tokens seen so far (padding included, as Hugging Face counts them), advanced by the session at the end of
 every forward.
+
+Only a graph Dynamo is tracing may read the placeholders (the passes then rewrite the attention onto the
+session). Run eagerly, the model's own attention would attend over the new tokens alone, so ``update``,
+``update_indexer`` and reading ``keys`` / ``values`` / ``indexer_keys`` raise ``RuntimeError`` outside
+Dynamo's tracing: that is what happens when Dynamo falls back to running the model eagerly (its recompile
+limit) or a model runs the library's cache without the library's attention.
 """
 
 from __future__ import annotations
@@ -20,6 +26,31 @@ if TYPE_CHECKING:
 __all__ = ["new_offload_cache"]
 
 _CLASSES: dict[str, type] = {}
+
+
+def _check_traced(what: str) -> None:
+    """Raise unless Dynamo is tracing: eagerly, the placeholders would stand in for the whole history."""
+    if not torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"OffloadCache.{what}: the model's attention ran without the library's (Dynamo fell back to eager "
+            "after its recompile limit? a model given the library's cache but not offloaded?); the library's "
+            "cache holds no KV, so that attention would see only the new tokens. Run the model through "
+            "torch_kvoffload.offload or torch_kvoffload.compile (with fullgraph=True a fallback raises instead)"
+        )
+
+
+def _placeholder(name: str) -> property:
+    """A layer attribute that only a graph Dynamo traces may read (see the module docstring)."""
+    slot = f"_{name}"
+
+    def get(self: Any) -> torch.Tensor | None:
+        _check_traced(f"layers[{self._layer}].{name}")
+        return getattr(self, slot)
+
+    def set_(self: Any, value: torch.Tensor | None) -> None:
+        setattr(self, slot, value)
+
+    return property(get, set_)
 
 
 def _classes() -> tuple[type, type]:
@@ -38,12 +69,16 @@ def _classes() -> tuple[type, type]:
 
         is_sliding = False
         is_croppable = False
+        keys = _placeholder("keys")
+        values = _placeholder("values")
+        indexer_keys = _placeholder("indexer_keys")
 
-        def __init__(self, owner: Any, indexed: bool) -> None:
+        def __init__(self, owner: Any, indexed: bool, layer: int) -> None:
             super().__init__()
             self._owner = owner
             self._indexed = indexed
-            self.indexer_keys: torch.Tensor | None = None
+            self._layer = layer
+            self.indexer_keys = None
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             b = key_states.shape[0]
@@ -53,11 +88,13 @@ def _classes() -> tuple[type, type]:
             self.is_initialized = True
 
         def update(self, key_states, value_states, *args, **kwargs):
+            _check_traced("update")
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
 
         def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+            _check_traced("update_indexer")
             if self.indexer_keys is None:
                 k = indexer_key_states
                 self.indexer_keys = k.new_zeros((k.shape[0], 0, k.shape[-1]))
@@ -87,7 +124,7 @@ def _classes() -> tuple[type, type]:
             self.seen_tokens = 0
             indexed = session.spec.has_indexer
             super().__init__(
-                layers=[OffloadCacheLayer(self, indexed) for _ in range(session.spec.num_layers)]
+                layers=[OffloadCacheLayer(self, indexed, i) for i in range(session.spec.num_layers)]
             )
 
         def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -6,12 +6,29 @@ the session, stores it as ``model._kvoffload_session``, wraps ``model.forward`` 
 given; ``input_ids`` and a 2-D ``attention_mask`` are required) and wraps ``model.generate`` so that it
 generates with ``session.new_cache()`` and reserves room for the prompt plus ``max_new_tokens``.
 ``offload`` = ``attach`` + the library's eager attention in every MLA attention module.
+
+The wrappers are methods bound to the model: ``copy.deepcopy(model)`` gives a copy whose wrappers serve
+the copy, with a fresh session of its own. What they refuse, rather than return what the unmodified model
+would not:
+
+* a forward or ``generate`` from a second thread while one runs (``RuntimeError``, nothing changed): a
+  session serves one sequence, from one caller, at a time;
+* a forward with autograd on and parameters that require grad (``RuntimeError``): the library's attention
+  computes no gradients. ``generate`` runs under ``torch.no_grad()`` already.
+
+``use_cache=False`` (a forward, or ``generate``) runs every forward as a sequence of its own over a fresh
+library cache that is not returned, as the unmodified model recomputes everything without a cache.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import copy
+import inspect
+import threading
 import types
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -22,6 +39,10 @@ from torch_kvoffload.integrations.hf.session import OffloadSession
 __all__ = ["attach", "detach", "offload", "session_of"]
 
 _ATTR = "_kvoffload_session"
+
+# one re-entrant lock per session: the thread holding it may call again (a forward inside generate)
+_LOCKS: weakref.WeakKeyDictionary[OffloadSession, threading.RLock] = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
 
 
 def _resolve_config(config: Any, has_indexer: bool):
@@ -48,6 +69,155 @@ def session_of(model: torch.nn.Module) -> OffloadSession:
     return session
 
 
+@contextlib.contextmanager
+def exclusive(session: OffloadSession, who: str) -> Iterator[None]:
+    """Hold ``session`` for the calling thread (again if it holds it already) while the block runs.
+
+    Raises ``RuntimeError`` naming ``who``, without touching the session, when another thread holds it: two
+    callers would interleave their forwards over the session's one sequence.
+    """
+    with _LOCKS_LOCK:
+        lock = _LOCKS.get(session)
+        if lock is None:
+            lock = _LOCKS[session] = threading.RLock()
+    if not lock.acquire(blocking=False):
+        raise RuntimeError(
+            f"{who}: called from a second thread while another thread runs a forward or generate of this "
+            "model; an offloaded model serves one caller at a time (its session holds one sequence): call it "
+            "from one thread, or give each thread its own copy.deepcopy(model)"
+        )
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def check_no_grad(who: str, tensors: Any) -> None:
+    """Raise ``RuntimeError`` if autograd is on and any of ``tensors`` requires grad: the library's
+    attention ops compute no gradients, so a backward would leave the attention's weights without any."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+        raise RuntimeError(
+            f"{who}: forward with autograd on and parameters that require grad; the library's attention "
+            "computes no gradients (kv_a_proj_with_mqa, kv_b_proj and the indexer would get none). Run it "
+            "under torch.no_grad() or torch.inference_mode() (generate() does)"
+        )
+
+
+def bind_method(
+    model: torch.nn.Module, impl: Callable[..., Any], like: Callable[..., Any]
+) -> types.MethodType:
+    """``impl(model, *args, **kwargs)`` as a method bound to ``model``, with the name, docs and signature of
+    ``like`` (``generate`` reads the forward's parameters). Bound, not a closure over ``model``, so that
+    ``copy.deepcopy`` rebinds it to the copy."""
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return impl(self, *args, **kwargs)
+
+    sig = inspect.signature(like)
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    method.__signature__ = sig.replace(parameters=[self_param, *sig.parameters.values()])  # type: ignore[attr-defined]
+    for attr in ("__name__", "__qualname__", "__doc__"):
+        if hasattr(like, attr):
+            setattr(method, attr, getattr(like, attr))
+    return types.MethodType(method, model)
+
+
+def deepcopy_rebound(name: str, fn: Any, memo: dict[int, Any]) -> Any:
+    """``copy.deepcopy(fn, memo)`` for a model's own ``name`` (a bound method, or a partial over the model:
+    the copy calls the copied model). A plain function is refused (``NotImplementedError``): copying
+    returns the function itself, which would keep calling the original model."""
+    if isinstance(fn, types.FunctionType):
+        raise NotImplementedError(
+            f"copy.deepcopy of an offloaded model: its {name} was replaced by a plain function before it was "
+            "offloaded, which a copy cannot rebind to itself; offload a copy of the model instead"
+        )
+    return copy.deepcopy(fn, memo)
+
+
+class Originals(dict):
+    """The model's own ``forward`` / ``generate`` the wrappers call; deep-copied rebound to the copy."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Originals:
+        out = type(self)()
+        memo[id(self)] = out
+        for name, fn in self.items():
+            out[name] = deepcopy_rebound(name, fn, memo)
+        return out
+
+
+def _strip_cache(out: Any, cache: Any) -> Any:
+    """``out`` without ``cache`` (what the unmodified model returns for ``use_cache=False``)."""
+    if isinstance(out, tuple):
+        return tuple(x for x in out if x is not cache)
+    if hasattr(out, "items"):
+        return type(out)(**{k: v for k, v in out.items() if v is not cache})
+    return out
+
+
+def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    from torch_kvoffload.integrations.hf.cache import is_offload_cache
+
+    session = session_of(model)
+    name = f"offloaded {type(model).__name__}"
+    check_no_grad(name, model.parameters())
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    if input_ids is None:
+        raise ValueError(
+            f"{name}: pass input_ids (the host store keys KV by token ids; inputs_embeds alone is not supported)"
+        )
+    cache = kwargs.pop("past_key_values", None) or kwargs.get("cache")
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(model.config, "use_cache", True)
+    private = cache is None and not use_cache  # a sequence of its own, not returned
+    if cache is None:
+        cache = session.new_cache()
+    elif not is_offload_cache(cache):
+        raise ValueError(
+            f"{name}: the cache must be the library's (model._kvoffload_session.new_cache(), or none), got "
+            f"{type(cache).__name__}"
+        )
+    if cache.session is not session:
+        raise ValueError(f"{name}: the cache belongs to another session")
+    kwargs["cache"] = cache
+    kwargs["use_cache"] = True
+    mask = kwargs.get("attention_mask")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
+        raise ValueError(
+            f"{name}: attention_mask must be a 2-D [batch, past + new] tensor, got {type(mask).__name__}"
+        )
+    with exclusive(session, name):
+        past = cache.seen_tokens
+        session.begin_forward(input_ids, mask, kwargs.get("cache_position"), past=past, owner=cache)
+        try:
+            out = model._kvoffload_originals["forward"](*args, **kwargs)
+        except BaseException:
+            session.abort_forward()
+            raise
+        session.end_forward()
+        cache.seen_tokens = past + input_ids.shape[1]
+    return _strip_cache(out, cache) if private else out
+
+
+def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    session = session_of(model)
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    gen = kwargs.get("generation_config") or model.generation_config
+    use_cache = kwargs.get("use_cache", getattr(gen, "use_cache", True))
+    # without a cache, generate recomputes the whole sequence every step: each forward starts its own
+    if use_cache is not False and kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
+        kwargs["cache"] = session.new_cache()
+    with exclusive(session, f"offloaded {type(model).__name__}"):
+        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
+            max_new = kwargs.get("max_new_tokens", getattr(gen, "max_new_tokens", None))
+            if max_new is not None:
+                total = input_ids.shape[1] + int(max_new)
+            else:
+                total = int(kwargs.get("max_length", getattr(gen, "max_length", input_ids.shape[1])))
+            session.plan_generation(input_ids.shape[0], total)
+        return model._kvoffload_originals["generate"](*args, **kwargs)
+
+
 def attach(model: torch.nn.Module, config: Any = None) -> OffloadSession:
     """Inspect ``model``, build its session and wrap ``forward`` / ``generate`` (see the module docstring)."""
     if getattr(model, _ATTR, None) is not None:
@@ -55,67 +225,11 @@ def attach(model: torch.nn.Module, config: Any = None) -> OffloadSession:
     spec = inspect_model(model)
     cfg = _resolve_config(config, spec.has_indexer)
     session = OffloadSession(spec, cfg)
-    from torch_kvoffload.integrations.hf.cache import is_offload_cache
-
-    original_forward = model.forward
-    original_generate = model.generate
-
-    @functools.wraps(original_forward)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        if input_ids is None:
-            raise ValueError(
-                f"offloaded {type(model).__name__}: pass input_ids (the host store keys KV by token ids; "
-                "inputs_embeds alone is not supported)"
-            )
-        cache = kwargs.pop("past_key_values", None) or kwargs.get("cache")
-        if cache is None:
-            cache = session.new_cache()
-        elif not is_offload_cache(cache):
-            raise ValueError(
-                f"offloaded {type(model).__name__}: the cache must be the library's (model._kvoffload_session."
-                f"new_cache(), or none), got {type(cache).__name__}"
-            )
-        if cache.session is not session:
-            raise ValueError(f"offloaded {type(model).__name__}: the cache belongs to another session")
-        kwargs["cache"] = cache
-        kwargs["use_cache"] = True
-        mask = kwargs.get("attention_mask")
-        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
-            raise ValueError(
-                f"offloaded {type(model).__name__}: attention_mask must be a 2-D [batch, past + new] tensor, "
-                f"got {type(mask).__name__}"
-            )
-        past = cache.seen_tokens
-        session.begin_forward(input_ids, mask, kwargs.get("cache_position"), past=past, owner=cache)
-        try:
-            out = original_forward(*args, **kwargs)
-        except BaseException:
-            session.abort_forward()
-            raise
-        session.end_forward()
-        cache.seen_tokens = past + input_ids.shape[1]
-        return out
-
-    @functools.wraps(original_generate)
-    def generate(*args: Any, **kwargs: Any) -> Any:
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
-            kwargs["cache"] = session.new_cache()
-        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
-            gen = kwargs.get("generation_config") or model.generation_config
-            max_new = kwargs.get("max_new_tokens", getattr(gen, "max_new_tokens", None))
-            if max_new is not None:
-                total = input_ids.shape[1] + int(max_new)
-            else:
-                total = int(kwargs.get("max_length", getattr(gen, "max_length", input_ids.shape[1])))
-            session.plan_generation(input_ids.shape[0], total)
-        return original_generate(*args, **kwargs)
-
-    model.forward = forward
-    model.generate = generate
+    originals = Originals(forward=model.forward, generate=model.generate)
+    model.forward = bind_method(model, _forward, originals["forward"])
+    model.generate = bind_method(model, _generate, originals["generate"])
     setattr(model, _ATTR, session)
-    model._kvoffload_originals = {"forward": original_forward, "generate": original_generate}
+    model._kvoffload_originals = originals
     return session
 
 

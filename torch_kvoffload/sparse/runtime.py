@@ -356,6 +356,44 @@ class SparseDecodeOffload:
         """The residency (hot-buffer) rows ``request_id`` holds, by its rows' order within a step."""
         return self.rows.rows_of(request_id)
 
+    @property
+    def rows_alive(self) -> int:
+        """Residency rows held by requests now (0 once every request was released)."""
+        return self.rows.alive
+
+    def resize_hot(self, capacity: int, top_k: int) -> None:
+        """Reallocate the hot buffers with ``capacity`` rows per residency row and select ``top_k`` rows
+        per step from now on (``1 <= top_k <= capacity``).
+
+        For a caller whose requests outgrew the sizes it reserved: a top-k at least the longest context
+        selects every row, as the configured top-k would. Every residency row is forgotten (the next step
+        of each request reloads what it selects from the host pool); the host pool is kept.
+        """
+        where = "SparseDecodeOffload.resize_hot"
+        check_int(where, "top_k", top_k, minimum=1)
+        check_int(where, "capacity", capacity, minimum=top_k)
+        if self._device_path:
+            from torch_kvoffload.ops.triton.residency import MAX_CAPACITY
+
+            if capacity > MAX_CAPACITY:
+                raise ValueError(
+                    f"{where}: step_path='device' takes a capacity of at most {MAX_CAPACITY} slots"
+                )
+        self.sync()
+        R, dt, dev = self.max_rows, self.dtype, self.device
+        Dc, Dr = self.pool.kv_lora_rank, self.pool.rope_dim
+        self.top_k, self.capacity = top_k, capacity
+        self.hot_kv_c = [torch.zeros(R, capacity, Dc, dtype=dt, device=dev) for _ in range(self.num_layers)]
+        self.hot_k_pe = [torch.zeros(R, capacity, Dr, dtype=dt, device=dev) for _ in range(self.num_layers)]
+        self.tables = [
+            ResidencyTable(R, capacity, top_k, self.config.policy, dev) for _ in range(self.num_layers)
+        ]
+        self.rows = RowMap(R)
+        # per-layer outputs and scratch state are shaped by top_k / capacity
+        self._buffers.clear()
+        self._meta.clear()
+        self._meta_last.clear()
+
     # ----------------------------------------------------------------------------------- append
     def append(
         self,

@@ -289,8 +289,12 @@ class DecodeRole:
             raise ValueError(f"{where}: 'attention_mask' must be left padding (zeros, then ones)")
         if not isinstance(max_tokens, int) or max_tokens <= S:
             raise ValueError(f"{where}: max_tokens must be an int > the prompt width {S}, got {max_tokens!r}")
+        s = self.session
+        if s._fwd is not None:
+            raise RuntimeError(f"{where}: a forward is running")
+        s.end_sequence()  # the previous sequence ends here; its requests are released
         self.reserve(B, max_tokens)
-        s, recv = self.session, self.receiver
+        recv = self.receiver
         assert recv is not None
         self._release()
         ids = input_ids.to("cpu")

@@ -49,10 +49,18 @@ P/D (``config.pd``): the session's role (:mod:`torch_kvoffload.integrations.hf.p
 prefill node the layer buffers come from the role's transport and always carry the indexer keys; on a
 decode node :meth:`begin_external_sequence` starts a sequence whose prompt KV is placed from outside.
 
-Sizing: buffers, host pool and indexer cache are sized for ``batch × max_tokens`` by :meth:`reserve`
-(``generate`` calls it with the prompt width plus ``max_new_tokens``; a forward on a fresh cache reserves
-at least its own width). Layerwise-only sessions grow on demand (buffers hold no state between forwards);
-with sparse offload a sequence may not outgrow its reservation.
+Sizing and lifetime: a sequence's requests live from the forward that starts it (``past == 0``) until
+the next such forward, :meth:`end_sequence`, or a failed forward (which releases them at once: a failed
+call leaves nothing reserved, and the next fresh forward works). Each fresh forward sizes the caches for
+its own batch and tokens per request: the larger of its width and the planned size (``generate`` plans
+prompt width + ``max_new_tokens`` - 1, the tokens whose KV is ever written; :meth:`reserve` plans
+explicitly), growing or shrinking what the previous sequence used. Device caches hold only what a request
+can use: layer buffers whole blocks of those tokens, tails ``min(block_size, tokens)`` rows, the sparse
+indexer cache exactly ``tokens`` rows (one page per request), hot buffers ``min(capacity, tokens)`` rows
+(with a top-k of ``min(top_k, tokens)``, which selects every row as the configured one would). A running
+sequence that outgrows its size grows the device caches in place (``stats()["resizes"]``); the host pool,
+a KVPP runtime and a P/D session keep the size of the sequence's first forward (outgrowing them is a
+``ValueError``).
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torch_kvoffload._utils import check_int
 from torch_kvoffload.counters import Counters
 from torch_kvoffload.layerwise.planner import LayerCacheSpec, TensorSpec
 from torch_kvoffload.ops import layer_hooks, mla_runtime
@@ -84,7 +93,14 @@ __all__ = ["OffloadSession"]
 
 _ids = itertools.count()
 _LAYERWISE_TOTALS = ("bytes_loaded", "bytes_saved", "loads", "saves", "store_hits", "store_misses")
-_SESSION_COUNTERS = ("forwards", "prefill_forwards", "decode_forwards", "prefill_host_bytes_h2d")
+_SESSION_COUNTERS = (
+    "forwards",
+    "prefill_forwards",
+    "decode_forwards",
+    "prefill_host_bytes_h2d",
+    "resizes",
+    "failed_forwards",
+)
 _KVPP_TOTALS = ("broadcasts", "broadcast_spans", "bytes_broadcast", "waits", "wait_seconds")
 # queries per chunk of the dense attention (bounds the [Q, H, L] score tensor)
 _DENSE_CHUNK = 256
@@ -140,6 +156,8 @@ class _Forward:
     row: torch.Tensor  # int64 [N]: their request
     phys: torch.Tensor  # int64 [N]: their paged row (row * M * bs + pos)
     block_table: torch.Tensor  # int32 [B, M]
+    index_table: torch.Tensor  # int32 [B, pages]: the sparse indexer cache's pages of each request
+    index_phys: torch.Tensor  # int64 [N]: the rows' rows in the sparse indexer cache
     cu_seqlens_q: torch.Tensor  # int32 [B + 1]
     seq_lens_k: torch.Tensor  # int32 [B]
     cached: list[int] = field(default_factory=list)  # layerwise: prefix tokens loaded per request
@@ -214,7 +232,8 @@ class OffloadSession:
         self._index_cache: list[tuple[torch.Tensor, ...]] = []
         self._tails: list[tuple[torch.Tensor, ...]] = []
         self._batch = 0
-        self._max_tokens = 0
+        self._max_tokens = 0  # tokens per request of the paged caches (whole blocks)
+        self._kv_rows = 0  # tokens per request the device caches are sized for
         self._planned: tuple[int, int] | None = None
         self._tokens: list[list[int]] = []
         self._request_ids: list[int] = []
@@ -260,76 +279,206 @@ class OffloadSession:
     # ------------------------------------------------------------------------------------ sizing
     @property
     def blocks_per_request(self) -> int:
+        """Blocks of ``block_size`` tokens each request owns in the paged caches (0 before sizing)."""
         return -(-self._max_tokens // self.block_size) if self._max_tokens else 0
 
+    @property
+    def reserved_tokens(self) -> int:
+        """Tokens per request the device caches are sized for (0 before sizing)."""
+        return self._kv_rows
+
     def plan_generation(self, batch: int, max_tokens: int) -> None:
-        """The next sequence will have ``batch`` requests of at most ``max_tokens`` tokens (padding
-        included); the next forward on a fresh cache reserves that much."""
-        self._planned = (int(batch), int(max_tokens))
+        """The next sequence is a ``generate`` of ``batch`` requests of at most ``max_tokens`` tokens
+        (prompt width + ``max_new_tokens``, padding included). Its last token is sampled and never fed
+        back, so a forward on a fresh cache with ``batch`` rows sizes the caches for ``max_tokens - 1``
+        tokens, until the next plan (``generate(use_cache=False)`` starts a sequence every step: they all
+        keep that size)."""
+        where = "OffloadSession.plan_generation"
+        batch = check_int(where, "batch", batch, minimum=1)
+        max_tokens = check_int(where, "max_tokens", max_tokens, minimum=1)
+        self._planned = (batch, max(1, max_tokens - 1))
 
     def reserve(self, batch: int, max_tokens: int) -> None:
         """Size the buffers, host pool and indexer cache for ``batch`` requests of ``max_tokens`` tokens.
 
-        Only between sequences (or to grow a layerwise-only session). Existing sizes that suffice are kept.
+        Between sequences the caches are resized to exactly this (grown or shrunk; a P/D session keeps
+        sizes that suffice), and the next sequence is planned at this size. While a sequence runs, only
+        growth of that sequence: see :meth:`_grow`.
         """
+        where = "OffloadSession.reserve"
+        batch = check_int(where, "batch", batch, minimum=1)
+        max_tokens = check_int(where, "max_tokens", max_tokens, minimum=1)
         if self._fwd is not None:
-            raise RuntimeError("OffloadSession.reserve: a forward is running")
-        if batch == self._batch and max_tokens <= self._max_tokens:
-            if self.layerwise_on and self._rt is None:
-                self._build_layerwise()
+            raise RuntimeError(f"{where}: a forward is running")
+        if self._closed:
+            raise RuntimeError(f"{where}: the session is closed")
+        if self._live():
+            self._grow(batch, max_tokens)
             return
-        in_sequence = bool(self._tokens) and self._seen > 0
-        if in_sequence and (self.sparse_on or self.kvpp_on or batch != self._batch):
-            raise ValueError(
-                f"OffloadSession: the running sequence needs {max_tokens} tokens per request but "
-                f"{self._max_tokens} were reserved; pass max_new_tokens to generate() (or call "
-                "reserve() before the first forward)"
-            )
-        max_tokens = max(max_tokens, self.block_size)
-        self._build(batch, max_tokens)
+        self._size(batch, max_tokens)
+        self._planned = (batch, max_tokens)
 
-    def _build(self, batch: int, max_tokens: int) -> None:
-        spec, bs = self.spec, self.block_size
-        dev, dt = spec.device, spec.dtype
-        M = -(-max_tokens // bs)
-        nb = batch * M
-        old_rt, old_sparse = self._rt, self._sparse
-        self._rt = self._sparse = None
-        if old_rt is not None:
-            self._retire_layerwise(old_rt)
-        if old_sparse is not None:
-            old_sparse.close()
-            self._reserved = []
-        self._batch, self._max_tokens = batch, M * bs
-        if self.layerwise_on:
+    def _live(self) -> bool:
+        """Whether a sequence holds KV (its requests own host-pool blocks or tails)."""
+        return bool(self._tokens) and self._seen > 0
+
+    def _built(self) -> bool:
+        return (
+            self._batch > 0
+            and (not self.sparse_on or self._sparse is not None)
+            and (not self.kvpp_on or self._kvpp is not None)
+        )
+
+    def _size(self, batch: int, tokens: int) -> None:
+        """Between sequences: caches for ``batch`` requests of ``tokens`` tokens (see :meth:`reserve`)."""
+        same = batch == self._batch and (
+            tokens == self._kv_rows or (self.pd is not None and tokens <= self._kv_rows)
+        )
+        if not (same and self._built()):
+            self._build(batch, tokens)
+        elif self.layerwise_on and self._rt is None:
             self._build_layerwise()
-        if self.kvpp_on:
-            self._build_kvpp(nb)
-        if self.sparse_on:
-            from torch_kvoffload.sparse.runtime import SparseDecodeOffload
 
-            scfg = self.config.sparse_config(spec, host_pool_blocks=nb)
-            self._sparse = SparseDecodeOffload(
-                scfg, num_layers=spec.num_layers, max_rows=batch, kv_lora_rank=spec.kv_lora_rank,
-                rope_dim=spec.rope_dim, device=dev,
-            )  # fmt: skip
-            if self.int8_indexer:
-                self._index_cache = [
-                    (
-                        torch.zeros(nb, bs, spec.index_head_dim, dtype=torch.int8, device=dev),
-                        torch.zeros(nb, bs, dtype=torch.float32, device=dev),
-                    )
-                    for _ in range(spec.num_layers)
-                ]
-            else:
-                self._index_cache = [
-                    (torch.zeros(nb, bs, spec.index_head_dim, dtype=dt, device=dev),)
-                    for _ in range(spec.num_layers)
-                ]
+    def _grow(self, batch: int, tokens: int) -> None:
+        """The running sequence needs ``tokens`` tokens per request: grow the device caches in place.
+
+        Layer buffers and tails (layerwise) hold nothing a later forward needs except the tails, which are
+        copied; the sparse indexer cache is copied into the larger one and the hot buffers reallocated
+        (their rows reload from the host pool). The host pool, a KVPP runtime and a P/D session keep the
+        sizes of the sequence's first forward: outgrowing them is a ``ValueError``.
+        """
+        if batch != self._batch:
+            raise ValueError(
+                f"OffloadSession: the running sequence has {self._batch} requests, got a batch of {batch}"
+            )
+        if tokens <= self._kv_rows:
+            return
+        fixed = (
+            self.kvpp_on
+            or self.pd is not None
+            or (self._sparse is not None and tokens > self._sparse.pool.reserved_tokens(self._request_ids[0]))
+        )
+        if fixed:
+            raise ValueError(
+                f"OffloadSession: the running sequence needs {tokens} tokens per request but {self._kv_rows} "
+                "were reserved; pass max_new_tokens to generate() (or call reserve() before the first forward)"
+            )
+        old_rows, old_M = self._kv_rows, self.blocks_per_request
+        self._kv_rows = tokens
+        self._max_tokens = max(self._max_tokens, -(-tokens // self.block_size) * self.block_size)
+        try:
+            if self._rt is not None and self.blocks_per_request != old_M:
+                self._retire_layerwise(self._rt)
+                self._rt = None
+                self._build_layerwise()
+            elif self._tails:
+                self._build_tails()
+            if self._sparse is not None:
+                self._grow_sparse(old_rows)
+        except BaseException:  # e.g. out of memory: the sequence cannot continue
+            self._fail_sequence()
+            self._discard_caches()
+            raise
+        self.counters.add("resizes")
+        logger.info(
+            "offload session %s: the running sequence grew to %d tokens per request, device KV %d bytes",
+            self.name, tokens, self.device_kv_bytes(),
+        )  # fmt: skip
+
+    def _hot_sizes(self, top_k: int, capacity: int) -> tuple[int, int]:
+        """``(top_k, capacity)`` of the hot buffers for requests of :attr:`reserved_tokens` tokens: a
+        request never has more rows than that, and a top-k covering its whole context selects what the
+        configured one would (every row)."""
+        k = min(top_k, self._kv_rows)
+        return k, max(k, min(capacity, self._kv_rows))
+
+    def _index_paging(self) -> tuple[int, int]:
+        """``(rows per page, pages per request)`` of the sparse indexer cache: one page of exactly
+        :attr:`reserved_tokens` rows per request, or the session's blocks on a P/D session (the prefill
+        peer writes indexer keys block by block)."""
+        if self.pd is not None:
+            return self.block_size, self.blocks_per_request
+        return self._kv_rows, 1
+
+    def _new_index_cache(self) -> list[tuple[torch.Tensor, ...]]:
+        spec, dev = self.spec, self.spec.device
+        page, pages = self._index_paging()
+        n = self._batch * pages
+        if self.int8_indexer:
+            return [
+                (
+                    torch.zeros(n, page, spec.index_head_dim, dtype=torch.int8, device=dev),
+                    torch.zeros(n, page, dtype=torch.float32, device=dev),
+                )
+                for _ in range(spec.num_layers)
+            ]
+        return [
+            (torch.zeros(n, page, spec.index_head_dim, dtype=spec.dtype, device=dev),)
+            for _ in range(spec.num_layers)
+        ]
+
+    def _grow_sparse(self, old_rows: int) -> None:
+        """Indexer cache and hot buffers for the grown :attr:`reserved_tokens` (see :meth:`_grow`)."""
+        sp = self._sparse
+        assert sp is not None
+        old, self._index_cache = self._index_cache, self._new_index_cache()
+        page, pages = self._index_paging()
+        for old_layer, new_layer in zip(old, self._index_cache, strict=True):
+            for src, dst in zip(old_layer, new_layer, strict=True):
+                s = src.view(self._batch * old_rows, *src.shape[2:])
+                d = dst.view(self._batch * pages * page, *dst.shape[2:])
+                for r, toks in enumerate(self._tokens):
+                    n, at = len(toks), r * pages * page
+                    d[at : at + n] = s[r * old_rows : r * old_rows + n]
+        cfg = sp.config
+        k, cap = self._hot_sizes(cfg.top_k, cfg.hot_capacity)
+        if (k, cap) != (sp.top_k, sp.capacity):
+            sp.resize_hot(cap, k)
+
+    def _build(self, batch: int, tokens: int) -> None:
+        """Allocate every cache for ``batch`` requests of ``tokens`` tokens (between sequences)."""
+        spec, bs = self.spec, self.block_size
+        M = -(-tokens // bs)
+        nb = batch * M
+        self._discard_caches()
+        self._batch, self._kv_rows, self._max_tokens = batch, tokens, M * bs
+        try:
+            if self.layerwise_on:
+                self._build_layerwise()
+            if self.kvpp_on:
+                self._build_kvpp(nb)
+            if self.sparse_on:
+                from torch_kvoffload.sparse.runtime import SparseDecodeOffload
+
+                scfg = self.config.sparse_config(spec, host_pool_blocks=nb)
+                k, cap = self._hot_sizes(scfg.top_k, scfg.hot_capacity)
+                scfg = scfg.model_copy(update={"top_k": k, "capacity": cap})
+                self._sparse = SparseDecodeOffload(
+                    scfg, num_layers=spec.num_layers, max_rows=batch, kv_lora_rank=spec.kv_lora_rank,
+                    rope_dim=spec.rope_dim, device=spec.device,
+                )  # fmt: skip
+                self._index_cache = self._new_index_cache()
+        except BaseException:
+            self._discard_caches()
+            raise
+        self.counters.add("resizes")
         logger.info(
             "offload session %s: %d requests x %d tokens, device KV %d bytes",
-            self.name, batch, self._max_tokens, self.device_kv_bytes(),
+            self.name, batch, tokens, self.device_kv_bytes(),
         )  # fmt: skip
+
+    def _discard_caches(self) -> None:
+        """Free every cache (the session is unsized afterwards); the sequence's requests go with them."""
+        rt, sp = self._rt, self._sparse
+        self._rt = self._sparse = None
+        self._index_cache, self._tails, self._reserved = [], [], []
+        self._batch = self._kv_rows = self._max_tokens = 0
+        try:
+            if rt is not None:
+                self._retire_layerwise(rt)
+        finally:
+            if sp is not None:
+                sp.close()
 
     def _build_layerwise(self) -> None:
         """The layerwise runtime (physical layer buffers) and tails for the reserved sizes."""
@@ -348,12 +497,28 @@ class OffloadSession:
             self._rt = self.pd.build_runtime(lw, specs, store=self._store)
         else:
             self._rt = lw.build_runtime(specs, device=dev, store=self._store)
-        if not self._tails or self._tails[0][0].shape[0] != batch:
-            widths = [spec.kv_lora_rank, spec.rope_dim] + ([spec.index_head_dim] if self._lw_indexer else [])
-            self._tails = [
-                tuple(torch.zeros(batch, bs, w, dtype=dt, device=dev) for w in widths)
-                for _ in range(spec.num_layers)
-            ]
+        self._build_tails()
+
+    @property
+    def _tail_rows(self) -> int:
+        """Rows per request of a tail: a partial block, never more than a request's tokens."""
+        return min(self.block_size, self._kv_rows)
+
+    def _build_tails(self) -> None:
+        """Per-layer tails ``[batch, tail rows, D]`` for the current sizes; rows already kept are copied."""
+        spec, batch, rows = self.spec, self._batch, self._tail_rows
+        if self._tails and self._tails[0][0].shape[:2] == (batch, rows):
+            return
+        widths = [spec.kv_lora_rank, spec.rope_dim] + ([spec.index_head_dim] if self._lw_indexer else [])
+        old = self._tails if self._tails and self._tails[0][0].shape[0] == batch else []
+        self._tails = [
+            tuple(torch.zeros(batch, rows, w, dtype=spec.dtype, device=spec.device) for w in widths)
+            for _ in range(spec.num_layers)
+        ]
+        for new_layer, old_layer in zip(self._tails, old, strict=False):
+            for t, o in zip(new_layer, old_layer, strict=True):
+                n = min(rows, o.shape[1])
+                t[:, :n] = o[:, :n]
 
     def _build_kvpp(self, num_blocks: int) -> None:
         """This rank's KVPP runtime: one bundle per layer (``c_kv``, ``k_pe`` [, ``index_k``], the model's
@@ -461,6 +626,9 @@ class OffloadSession:
             )
         if past < 0:
             raise ValueError(f"OffloadSession.begin_forward: past must be >= 0, got {past}")
+        if past == 0:
+            # a fresh forward ends the previous sequence (its requests are released), even one rejected below
+            self.end_sequence()
         if past > 0:
             if self._broken:
                 raise RuntimeError(
@@ -501,14 +669,14 @@ class OffloadSession:
         n_new = new_mask.sum(dim=1).tolist()
         old_len = [0] * B if past == 0 else [len(t) for t in self._tokens]
         new_len = [o + n for o, n in zip(old_len, n_new, strict=True)]
-        # sizing (validated before any state changes)
+        # sizing: a fresh forward sizes the caches for its sequence; a later one may only grow it
         if past == 0:
             want = max(new_len)
             if self._planned is not None and self._planned[0] == B:
                 want = max(want, self._planned[1])
-            self.reserve(B, want)
-        elif max(new_len) > self._max_tokens:
-            self.reserve(B, max(new_len))
+            self._size(B, want)
+        elif max(new_len) > self._kv_rows:
+            self._grow(B, max(new_len))
         decode = self.sparse_on and past > 0 and S == 1
         if decode and self._rt is not None:
             # prefill is over: decode reads the host pool and the hot buffers only
@@ -527,14 +695,15 @@ class OffloadSession:
                 self._begin_layerwise(self._fwd)
             except BaseException:
                 self._fwd = None
-                self._broken = True
+                self._fail_sequence()
                 raise
         if self._kvpp is not None:
             try:
                 self._kvpp.scheduler.schedule_forward(any(old_len), self._history_blocks(old_len))
             except BaseException:
-                self._fwd = None
-                self._broken = True
+                f, self._fwd = self._fwd, None
+                self._close_failed_forward(f)
+                self._fail_sequence()
                 raise
 
     def _history_blocks(self, old_len: list[int]) -> torch.Tensor:
@@ -547,22 +716,47 @@ class OffloadSession:
             table[r, :n] = torch.arange(r * M, r * M + n)
         return table
 
+    def end_sequence(self) -> None:
+        """Release the running sequence's requests (host-pool blocks, residency rows); the caches stay
+        sized for the next sequence. A forward continuing the released sequence is an error. Called by
+        every forward that starts a new sequence and when a forward fails; idempotent."""
+        reserved, self._reserved = self._reserved, []
+        sp = self._sparse
+        if sp is not None and reserved:
+            try:
+                for rid in reserved:
+                    sp.release(rid)
+            except Exception as exc:  # a failed transfer: drop the runtime rather than keep its blocks
+                logger.warning(
+                    "offload session %s: releasing requests failed (%s); caches rebuilt", self.name, exc
+                )
+                self._discard_caches()
+        self._tokens, self._seen, self._owner = [], 0, None
+
+    def _fail_sequence(self) -> None:
+        """A forward of the running sequence failed: release its requests; it cannot continue."""
+        self.counters.add("failed_forwards")
+        try:
+            self.end_sequence()
+        finally:
+            self._broken = True
+
     def _start_sequence(self, B: int, owner: Any) -> None:
-        if self._sparse is not None:
-            for rid in self._reserved:
-                self._sparse.release(rid)
-        self._reserved = []
+        self.end_sequence()
         self._tokens = [[] for _ in range(B)]
         self._request_ids = list(range(self._next_request, self._next_request + B))
         self._next_request += B
         self._seen = 0
         self._owner = owner
         self._broken = False
-        self._planned = None
         if self._sparse is not None:
-            for rid in self._request_ids:
-                self._sparse.reserve(rid, self._max_tokens)
-                self._reserved.append(rid)
+            try:
+                for rid in self._request_ids:
+                    self._sparse.reserve(rid, self._max_tokens)
+                    self._reserved.append(rid)
+            except BaseException:
+                self._fail_sequence()
+                raise
 
     def _plan_forward(self, B, S, past, decode, layerwise, new_mask, old_len, new_len) -> _Forward:
         dev, bs = self.spec.device, self.block_size
@@ -576,17 +770,23 @@ class OffloadSession:
         n_new = [n - o for o, n in zip(old_len, new_len, strict=True)]
         cu = torch.tensor([0, *itertools.accumulate(n_new)], dtype=torch.int32)
         table = torch.arange(B, dtype=torch.int32)[:, None] * M + torch.arange(M, dtype=torch.int32)[None, :]
+        page, pages = self._index_paging() if self._sparse is not None else (bs, M)
+        index_table = (
+            torch.arange(B, dtype=torch.int32)[:, None] * pages
+            + torch.arange(pages, dtype=torch.int32)[None, :]
+        )
         return _Forward(
             B=B, S=S, past=past, decode=decode, layerwise=layerwise, old_len=old_len, new_len=new_len,
             sel=sel.to(dev), pos=pos.to(dev), row=row.to(dev), phys=phys.to(dev),
-            block_table=table.to(dev), cu_seqlens_q=cu.to(dev),
+            block_table=table.to(dev), index_table=index_table.to(dev),
+            index_phys=(row * (pages * page) + pos).to(dev), cu_seqlens_q=cu.to(dev),
             seq_lens_k=torch.tensor(new_len, dtype=torch.int32).to(dev),
         )  # fmt: skip
 
     def _begin_layerwise(self, f: _Forward) -> None:
         rt = self._rt
         assert rt is not None
-        bs, M = self.block_size, self.blocks_per_request
+        bs, M, tr = self.block_size, self.blocks_per_request, self._tail_rows
         table = f.block_table.cpu().tolist()
         if self.pd is not None and hasattr(self.pd, "begin_forward"):
             self.pd.begin_forward(table)
@@ -606,12 +806,12 @@ class OffloadSession:
                     "cached tokens found); raise the store capacity (layerwise.store.capacity_bytes)"
                 )
             for p in range(max(c, full_old), old):  # rows of the partial block kept in the tail
-                restore_src.append(r * bs + p - full_old)
+                restore_src.append(r * tr + p - full_old)
                 restore_dst.append(r * M * bs + p)
             full_new = new // bs * bs
             for p in range(full_new, new):
                 keep_src.append(r * M * bs + p)
-                keep_dst.append(r * bs + p - full_new)
+                keep_dst.append(r * tr + p - full_new)
         dev = self.spec.device
         f.cached = cached
         f.write = f.pos >= torch.tensor(cached, dtype=torch.int64, device=dev)[f.row]
@@ -632,7 +832,7 @@ class OffloadSession:
             if self._kvpp is not None:
                 self._kvpp.scheduler.complete_forward()
         except BaseException:
-            self._broken = True
+            self._fail_sequence()
             raise
         finally:
             if f.layerwise and self.pd is not None and hasattr(self.pd, "end_forward"):
@@ -640,21 +840,29 @@ class OffloadSession:
         self._seen = f.past + f.S
 
     def abort_forward(self) -> None:
-        """Close a forward that raised; the sequence cannot continue (the next forward must start anew)."""
+        """Close a forward that raised and release its sequence's requests; the sequence cannot continue
+        (the next forward must start anew). Idempotent."""
         f, self._fwd = self._fwd, None
-        self._broken = True
-        if f is not None and f.layerwise and self._rt is not None:
+        self._close_failed_forward(f)
+        self._fail_sequence()
+
+    def _close_failed_forward(self, f: _Forward | None) -> None:
+        """End the runtimes' part of a failed forward ``f``; their errors are logged (the forward's own
+        error is the one reported)."""
+        if f is None:
+            return
+        steps = []
+        if f.layerwise and self._rt is not None:
+            steps.append(("layerwise", self._rt.end_forward))
+        if self._kvpp is not None:
+            steps.append(("KVPP", self._kvpp.scheduler.complete_forward))
+        if f.layerwise and self.pd is not None and hasattr(self.pd, "end_forward"):
+            steps.append(("P/D", self.pd.end_forward))
+        for what, step in steps:
             try:
-                self._rt.end_forward()
-            except Exception as exc:  # the forward's own error is the one reported
-                logger.warning("offload session %s: closing a failed forward: %s", self.name, exc)
-        if f is not None and self._kvpp is not None:
-            try:
-                self._kvpp.scheduler.complete_forward()
+                step()
             except Exception as exc:
-                logger.warning("offload session %s: closing a failed KVPP forward: %s", self.name, exc)
-            if self.pd is not None and hasattr(self.pd, "end_forward"):
-                self.pd.end_forward()
+                logger.warning("offload session %s: closing a failed %s forward: %s", self.name, what, exc)
 
     def _need(self, fn: str, layer: int) -> _Forward:
         if self._fwd is None:
@@ -708,10 +916,10 @@ class OffloadSession:
             cache = self._index_cache[layer]
             if self.int8_indexer:
                 q8, sc = hadamard_quant_int8(rows_i)
-                cache[0].view(-1, spec.index_head_dim).index_copy_(0, f.phys, q8)
-                cache[1].view(-1).index_copy_(0, f.phys, sc)
+                cache[0].view(-1, spec.index_head_dim).index_copy_(0, f.index_phys, q8)
+                cache[1].view(-1).index_copy_(0, f.index_phys, sc)
             else:
-                cache[0].view(-1, spec.index_head_dim).index_copy_(0, f.phys, rows_i.to(cache[0].dtype))
+                cache[0].view(-1, spec.index_head_dim).index_copy_(0, f.index_phys, rows_i.to(cache[0].dtype))
             if not f.decode and not f.layerwise:
                 f.new_rows[layer] = (rows_c, rows_pe)
 
@@ -802,7 +1010,8 @@ class OffloadSession:
         """Top-k logical positions ``int32 [N, K]`` of a multi-token forward (−1 padded)."""
         top_k = self._sparse.top_k if self._sparse is not None else self.spec.index_topk
         cache = self._index_cache_of(layer)
-        args = (f.block_table, f.cu_seqlens_q, f.seq_lens_k)
+        table = f.index_table if self._sparse is not None else f.block_table
+        args = (table, f.cu_seqlens_q, f.seq_lens_k)
         if self.int8_indexer:
             q8, qs = hadamard_quant_int8(iq)
             return quant_lightning_indexer(q8, qs, iw, cache[0], cache[1], *args, top_k)
@@ -814,7 +1023,7 @@ class OffloadSession:
         sp = self._sparse
         assert sp is not None and iq is not None and iw is not None
         cache = self._index_cache[layer]
-        common = dict(q=iq, weights=iw, block_table=f.block_table, cu_seqlens_q=f.cu_seqlens_q,
+        common = dict(q=iq, weights=iw, block_table=f.index_table, cu_seqlens_q=f.cu_seqlens_q,
                       seq_lens_k=f.seq_lens_k)  # fmt: skip
         if self.int8_indexer:
             indexer = IndexerInputs(**common, k_int8_cache=cache[0], k_scale_cache=cache[1])
@@ -859,9 +1068,10 @@ class OffloadSession:
         return self._sparse
 
     def indexer_caches(self) -> list[tuple[torch.Tensor, ...]]:
-        """Per layer, the device indexer cache of sparse offload: ``([num_blocks, block_size, index_dim],)``
-        in the model dtype, or int8 keys and fp32 scales ``[num_blocks, block_size]``. Request ``r`` of the
-        sequence owns blocks ``r * M .. r * M + M - 1`` (``M`` = :attr:`blocks_per_request`)."""
+        """Per layer, the device indexer cache of sparse offload: ``([num_pages, page, index_dim],)`` in the
+        model dtype, or int8 keys and fp32 scales ``[num_pages, page]``. On a P/D session pages are the
+        session's blocks and request ``r`` of the sequence owns blocks ``r * M .. r * M + M - 1`` (``M`` =
+        :attr:`blocks_per_request`); otherwise request ``r`` owns page ``r`` of :attr:`reserved_tokens` rows."""
         return list(self._index_cache)
 
     @property
@@ -889,11 +1099,11 @@ class OffloadSession:
         if (
             not isinstance(width, int)
             or width < max(lens, default=0)
-            or width >= self._max_tokens
+            or width >= self._kv_rows
             or min(lens) < 1
         ):
             raise ValueError(
-                f"{where}: every request needs 1..width tokens and width < the reserved {self._max_tokens}; "
+                f"{where}: every request needs 1..width tokens and width < the reserved {self._kv_rows}; "
                 f"got width={width!r}, lengths {lens}"
             )
         if self._rt is not None:  # decode continues on the sparse path only
@@ -936,7 +1146,11 @@ class OffloadSession:
         copies moved: layer loads / saves, sparse misses / appends, chunked-prefill host reads);
         ``hits`` / ``misses`` / ``evictions`` (sparse residency); ``layer_loads`` / ``layer_saves``
         (layerwise per-layer transfers), ``store_hits`` / ``store_misses`` (blocks found / not found);
-        ``forwards``, ``prefill_forwards``, ``decode_forwards``. KVPP: ``broadcasts`` (layer broadcasts
+        ``forwards``, ``prefill_forwards``, ``decode_forwards``, ``failed_forwards``; ``resizes`` (times the
+        device caches were allocated for new sizes, growth of a running sequence included),
+        ``reserved_tokens`` (tokens per request they are sized for), ``reserved_requests`` (requests
+        holding host-pool blocks) and ``resident_rows`` (residency rows held; both 0 once a sequence
+        ended or failed). KVPP: ``broadcasts`` (layer broadcasts
         issued), ``bytes_broadcast``, ``kvpp_owned_layers`` (layers this rank stores persistently),
         ``kvpp_persistent_bytes`` / ``kvpp_scratch_bytes`` (this rank's owned bundles / its two scratch
         buffers; their sum is in ``device_kv_bytes``).
@@ -968,6 +1182,11 @@ class OffloadSession:
             "forwards": own["forwards"],
             "prefill_forwards": own["prefill_forwards"],
             "decode_forwards": own["decode_forwards"],
+            "failed_forwards": own["failed_forwards"],
+            "resizes": own["resizes"],
+            "reserved_tokens": self._kv_rows,
+            "reserved_requests": len(self._reserved),
+            "resident_rows": self._sparse.rows_alive if self._sparse is not None else 0,
         }
         if self.kvpp_on:
             out.update(

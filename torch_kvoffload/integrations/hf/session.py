@@ -601,7 +601,8 @@ class OffloadSession:
 
         ``attention_mask [B, past + S]`` (0 = padding; only left padding) or ``None`` (no padding).
         ``past`` (tokens already seen, padding included) defaults to ``cache_position[0]``, else the
-        session's count; ``past == 0`` starts a new sequence. ``owner``: the cache object of the
+        session's count; ``past == 0`` ends the previous sequence and starts a new one (sizing the caches
+        for it, see the module docstring). ``owner``: the cache object of the
         sequence (a later forward with another owner and ``past > 0`` is an error).
         """
         if self._closed:

@@ -26,6 +26,13 @@ def _generate(model, ids, mask, new=NEW):
     return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
 
 
+@pytest.fixture(autouse=True)
+def _no_grad():
+    """Forwards run without autograd (an offloaded forward with autograd on raises: test_hf_safety.py)."""
+    with torch.no_grad():
+        yield
+
+
 @pytest.fixture(scope="module")
 def batch():
     return left_padded_batch(LENGTHS, seed=0)

@@ -65,6 +65,7 @@ a KVPP runtime and a P/D session keep the size of the sequence's first forward (
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import math
@@ -275,6 +276,23 @@ class OffloadSession:
             except BaseException:
                 self.close()
                 raise
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OffloadSession:
+        """A new, empty session for a deep copy of the model: the spec (its attention modules mapped through
+        ``memo`` to the copy's) and config copied, its own runtimes and store, no sequence. A KVPP or P/D
+        session is not copied (``NotImplementedError``): its peers would not know of the copy."""
+        if self.kvpp_on or self.pd is not None:
+            raise NotImplementedError(
+                f"copy.deepcopy of an offloaded {self.spec.model_class} with KVPP or P/D is not supported: the "
+                "copy would need its own process group / peer; offload a fresh model on every rank instead"
+            )
+        if self.layerwise_on:
+            # the copy has these weights; taken now, its store keys do not depend on the original model
+            _ = self.spec.weights_fingerprint
+        new = object.__new__(type(self))
+        memo[id(self)] = new  # the spec's attention modules refer back to the session
+        new.__init__(copy.deepcopy(self.spec, memo), copy.deepcopy(self.config, memo))
+        return new
 
     # ------------------------------------------------------------------------------------ sizing
     @property

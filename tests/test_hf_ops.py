@@ -17,8 +17,23 @@ from torch_kvoffload.ops import mla_runtime
 
 
 def _session(family="deepseek_v3", **cfg):
-    spec = inspect_model(build_model(family, num_hidden_layers=2))
+    """A session over a spec of a model the test does not keep: the spec holds its weights fingerprint."""
+    model = build_model(family, num_hidden_layers=2)
+    spec = inspect_model(model).with_weights(model)
     return spec, OffloadSession(spec, OffloadConfig(**cfg))
+
+
+def test_layerwise_session_needs_the_weights_fingerprint():
+    model = build_model("deepseek_v3", num_hidden_layers=2)
+    spec = inspect_model(model)
+    assert spec.weights_fingerprint == ""  # inspecting reads no weight
+    with pytest.raises(ValueError, match=r"no weights_fingerprint.*with_weights\(model\)"):
+        OffloadSession(spec, OffloadConfig(layerwise={}, block_size=4))
+    # nothing was registered: a session over the fingerprinted spec works
+    s = OffloadSession(spec.with_weights(model), OffloadConfig(layerwise={}, block_size=4))
+    s.begin_forward(torch.randint(3, 1000, (1, 5)), None, past=0)
+    s.abort_forward()
+    s.close()
 
 
 def _dense_reference(q_nope, q_pe, kv_c, k_pe, positions, scale):

@@ -43,6 +43,8 @@ def test_fine_tunes_on_one_store_do_not_share_kv(family, shared_store):
     prompt, _ = left_padded_batch([27], seed=5)  # 3 full blocks
     cfg = {"layerwise": {}, "block_size": BS}
     base = torch_kvoffload.offload(build_model(family, seed=0), cfg)
+    # taken at offload, before any forward
+    assert session_of(base).spec.weights_fingerprint == weights_fingerprint(build_model(family, seed=0))
     assert torch.equal(_generate(base, prompt), _generate(build_model(family, seed=0), prompt))
     first_ids = _model_ids(shared_store)
     assert len(first_ids) == 1 and len(shared_store) > 0
@@ -69,11 +71,13 @@ def test_a_single_changed_weight_changes_the_fingerprint():
     model = build_model("deepseek_v3", num_hidden_layers=2)
     fp = weights_fingerprint(model)
     assert fp == weights_fingerprint(build_model("deepseek_v3", num_hidden_layers=2))  # deterministic
-    assert inspect_model(model).weights_fingerprint == fp
+    spec = inspect_model(model).with_weights(model)
+    assert spec.weights_fingerprint == fp
     with torch.no_grad():
         p = model.model.layers[1].self_attn.kv_b_proj.weight
         p.view(-1)[7] = torch.nextafter(p.view(-1)[7], torch.tensor(float("inf")))  # one ulp of one element
     assert weights_fingerprint(model) != fp
+    assert spec.weights_fingerprint == fp  # a value taken once, not a view of the model
     # a dtype change with equal values is another model too
     assert weights_fingerprint(build_model("deepseek_v3", num_hidden_layers=2, dtype=torch.bfloat16)) != fp
 

@@ -116,12 +116,9 @@ def _resolve_session(options: dict[str, Any]) -> tuple[Any, Any, bool]:
     session = getattr(model, "_kvoffload_session", None)
     if session is not None:
         return session, model, bool(getattr(model, _OWNED_ATTR, False))
-    from torch_kvoffload.integrations.hf.inspect import inspect_model
-    from torch_kvoffload.integrations.hf.install import _resolve_config
-    from torch_kvoffload.integrations.hf.session import OffloadSession
+    from torch_kvoffload.integrations.hf.install import new_session
 
-    spec = inspect_model(model)
-    session = OffloadSession(spec, _resolve_config(options.get("config"), spec.has_indexer))
+    session = new_session(model, options.get("config"))
     model._kvoffload_session = session
     setattr(model, _OWNED_ATTR, True)
     return session, model, True

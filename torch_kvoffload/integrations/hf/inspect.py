@@ -9,11 +9,9 @@ library cannot handle raises ``ValueError`` naming its class and the reason.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import hashlib
 import json
-import weakref
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -37,7 +35,8 @@ class ModelSpec:
     ``kv_lora_rank`` (Dc), ``rope_dim`` (Dr), ``qk_nope_head_dim``, ``v_head_dim``, ``num_heads`` (H);
     ``index_head_dim`` / ``index_n_heads`` / ``index_topk`` are 0 without an indexer; ``scale`` is the
     attention softmax scale; ``attention_modules[i]`` is the attention of layer ``i``. ``fingerprint``
-    names the architecture and KV layout; :attr:`weights_fingerprint` the weights.
+    names the architecture and KV layout; ``weights_fingerprint`` the weights (:func:`weights_fingerprint`,
+    taken by :meth:`with_weights`; ``""`` in what :func:`inspect_model` returns, which reads no weight).
     """
 
     model_class: str
@@ -56,15 +55,15 @@ class ModelSpec:
     index_n_heads: int
     fingerprint: str
     attention_modules: tuple[torch.nn.Module, ...] = field(repr=False, compare=False)
-    weights: Callable[[], str] | None = field(default=None, repr=False, compare=False)
+    weights_fingerprint: str = ""
 
-    @functools.cached_property
-    def weights_fingerprint(self) -> str:
-        """:func:`weights_fingerprint` of the model, computed on first use and kept (``""`` without one).
+    def with_weights(self, model: torch.nn.Module) -> ModelSpec:
+        """This spec with ``weights_fingerprint`` of ``model``'s weights, computed now (every byte read once).
 
-        Taken once: weights changed in place afterwards are not noticed (offload the model again).
+        A value, not a view of the model: weights changed in place afterwards are not noticed (offload the
+        model again), and the spec stays valid when the model is gone.
         """
-        return self.weights() if self.weights is not None else ""
+        return dataclasses.replace(self, weights_fingerprint=weights_fingerprint(model))
 
     @property
     def main_row_bytes(self) -> int:
@@ -192,12 +191,4 @@ def inspect_model(model: torch.nn.Module) -> ModelSpec:
         index_n_heads=extra.get("index_n_heads", 0),
         fingerprint=fingerprint,
         attention_modules=tuple(attn),
-        weights=functools.partial(_weights_of, weakref.ref(model)),
     )
-
-
-def _weights_of(ref: weakref.ref[torch.nn.Module]) -> str:
-    model = ref()
-    if model is None:
-        raise RuntimeError("ModelSpec.weights_fingerprint: the model was garbage collected")
-    return weights_fingerprint(model)

@@ -218,13 +218,22 @@ def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         return model._kvoffload_originals["generate"](*args, **kwargs)
 
 
+def new_session(model: torch.nn.Module, config: Any = None) -> OffloadSession:
+    """Inspect ``model`` and build its session for ``config`` (an ``OffloadConfig``, its dict form or
+    ``None``). With layerwise offload the weights are fingerprinted here, once (every byte read): the
+    store keys carry the fingerprint."""
+    spec = inspect_model(model)
+    cfg = _resolve_config(config, spec.has_indexer)
+    if cfg.layerwise is not None:
+        spec = spec.with_weights(model)
+    return OffloadSession(spec, cfg)
+
+
 def attach(model: torch.nn.Module, config: Any = None) -> OffloadSession:
     """Inspect ``model``, build its session and wrap ``forward`` / ``generate`` (see the module docstring)."""
     if getattr(model, _ATTR, None) is not None:
         raise ValueError(f"{type(model).__name__} is already offloaded (model._kvoffload_session is set)")
-    spec = inspect_model(model)
-    cfg = _resolve_config(config, spec.has_indexer)
-    session = OffloadSession(spec, cfg)
+    session = new_session(model, config)
     originals = Originals(forward=model.forward, generate=model.generate)
     model.forward = bind_method(model, _forward, originals["forward"])
     model.generate = bind_method(model, _generate, originals["generate"])

@@ -194,6 +194,8 @@ class OffloadSession:
     Parameters
     ----------
     spec : ModelSpec
+        With layerwise offload, with the weights' fingerprint (:meth:`ModelSpec.with_weights`): the store
+        keys carry it, so models of one architecture with other weights never read each other's KV.
     config : OffloadConfig
         Resolved (``None`` fields off). Sparse offload needs ``spec.has_indexer``.
     name : str, optional
@@ -201,6 +203,11 @@ class OffloadSession:
     """
 
     def __init__(self, spec: ModelSpec, config: OffloadConfig, *, name: str | None = None) -> None:
+        if config.layerwise is not None and not spec.weights_fingerprint:
+            raise ValueError(
+                f"OffloadSession: layerwise offload of {spec.model_class} keys its store by the weights, but "
+                "the spec has no weights_fingerprint; pass inspect_model(model).with_weights(model)"
+            )
         if config.sparse is not None and not spec.has_indexer:
             raise ValueError(
                 f"torch_kvoffload cannot offload {spec.model_class}: sparse decode offload needs a lightning "
@@ -279,16 +286,14 @@ class OffloadSession:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OffloadSession:
         """A new, empty session for a deep copy of the model: the spec (its attention modules mapped through
-        ``memo`` to the copy's) and config copied, its own runtimes and store, no sequence. A KVPP or P/D
+        ``memo`` to the copy's; the copy has these weights, so the same weights fingerprint) and config
+        copied, its own runtimes and store, no sequence. A KVPP or P/D
         session is not copied (``NotImplementedError``): its peers would not know of the copy."""
         if self.kvpp_on or self.pd is not None:
             raise NotImplementedError(
                 f"copy.deepcopy of an offloaded {self.spec.model_class} with KVPP or P/D is not supported: the "
                 "copy would need its own process group / peer; offload a fresh model on every rank instead"
             )
-        if self.layerwise_on:
-            # the copy has these weights; taken now, its store keys do not depend on the original model
-            _ = self.spec.weights_fingerprint
         new = object.__new__(type(self))
         memo[id(self)] = new  # the spec's attention modules refer back to the session
         new.__init__(copy.deepcopy(self.spec, memo), copy.deepcopy(self.config, memo))

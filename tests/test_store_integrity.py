@@ -300,14 +300,46 @@ def test_hf_damaged_local_records_are_recomputed(hf, monkeypatch):
     for key in truncated:
         _truncate(shared, key, 64)
     before = torch_kvoffload.stats(model)
+    assert before["corrupt_records"] == 0 and before["store_errors"] == 0
     assert torch.equal(_generate(model, prompt), want)  # recomputed from block 1 on, never used
     after = torch_kvoffload.stats(model)
     assert shared.counters.get("corrupt_records") == 3
+    assert after["corrupt_records"] == 3 and after["store_errors"] == 0
     # the first forward found block 0 of every layer only; the damaged blocks were computed and saved again
     assert after["store_hits"] - before["store_hits"] >= 1
     assert all(shared.exists(k) for k in flipped + truncated)
     assert torch.equal(_generate(model, prompt), want)
     assert shared.counters.get("corrupt_records") == 3
+
+
+def test_hf_failed_lookup_is_a_miss_counted_in_stats(hf, monkeypatch):
+    import torch_kvoffload
+    from torch_kvoffload.store import StoreError
+
+    shared = LocalKVStore(64 << 20)
+    monkeypatch.setattr(StoreConfig, "build", lambda self: shared)
+    prompt, _ = hf.left_padded_batch([29], seed=14)
+    want = _generate(hf.build_model("deepseek_v32"), prompt)
+    model = torch_kvoffload.offload(hf.build_model("deepseek_v32"), {"layerwise": {}, "block_size": BS})
+    assert torch.equal(_generate(model, prompt), want)
+    cold = torch_kvoffload.stats(model)["store_hits"]  # a generate's hits with nothing of it stored before
+    lease, calls = shared.lease, []
+
+    def fail_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise StoreError("lookup failed")
+        return lease(*args, **kwargs)
+
+    monkeypatch.setattr(shared, "lease", fail_once)
+    before = torch_kvoffload.stats(model)
+    assert torch.equal(_generate(model, prompt), want)  # the prefill found nothing: the prompt computed
+    mid = torch_kvoffload.stats(model)
+    assert mid["store_errors"] == 1 and mid["corrupt_records"] == 0
+    assert mid["store_hits"] - before["store_hits"] == cold
+    assert torch.equal(_generate(model, prompt), want)
+    after = torch_kvoffload.stats(model)
+    assert after["store_errors"] == 1 and after["store_hits"] - mid["store_hits"] == cold + 3
 
 
 def test_hf_remote_store_failure_and_damage_cost_one_generate_at_most(hf, fake, monkeypatch):  # noqa: F811

@@ -93,7 +93,15 @@ logger = logging.getLogger(__name__)
 __all__ = ["OffloadSession"]
 
 _ids = itertools.count()
-_LAYERWISE_TOTALS = ("bytes_loaded", "bytes_saved", "loads", "saves", "store_hits", "store_misses")
+_LAYERWISE_TOTALS = (
+    "bytes_loaded",
+    "bytes_saved",
+    "loads",
+    "saves",
+    "store_hits",
+    "store_misses",
+    "store_errors",
+)
 _SESSION_COUNTERS = (
     "forwards",
     "prefill_forwards",
@@ -1170,6 +1178,10 @@ class OffloadSession:
         copies moved: layer loads / saves, sparse misses / appends, chunked-prefill host reads);
         ``hits`` / ``misses`` / ``evictions`` (sparse residency); ``layer_loads`` / ``layer_saves``
         (layerwise per-layer transfers), ``store_hits`` / ``store_misses`` (blocks found / not found);
+        ``corrupt_records`` (records of the session's store that failed their checksum or size: damaged or
+        truncated, each a miss, recomputed) and ``store_errors`` (store calls that failed: backend gets /
+        puts of a remote store, and lookups; each a miss or a dropped put) — the store's counts, so a store
+        several sessions share reports theirs too;
         ``forwards``, ``prefill_forwards``, ``decode_forwards``, ``failed_forwards``; ``resizes`` (times the
         device caches were allocated for new sizes, growth of a running sequence included),
         ``reserved_tokens`` (tokens per request they are sized for), ``reserved_requests`` (requests
@@ -1185,6 +1197,7 @@ class OffloadSession:
             lw = {k: lw[k] + snap.get(k, 0) for k in _LAYERWISE_TOTALS}
         sp = self._sparse.counters.snapshot() if self._sparse is not None else {}
         own = self.counters.snapshot()
+        store = self._store.counters.snapshot() if self._store is not None else {}
         kv = self._kvpp_totals.snapshot()
         if self._kvpp is not None:
             snap = self._kvpp.counters.snapshot()
@@ -1202,6 +1215,8 @@ class OffloadSession:
             "layer_saves": lw["saves"],
             "store_hits": lw["store_hits"],
             "store_misses": lw["store_misses"],
+            "corrupt_records": store.get("corrupt_records", 0),
+            "store_errors": store.get("store_errors", 0) + lw["store_errors"],
             "broadcasts": kv["broadcasts"],
             "forwards": own["forwards"],
             "prefill_forwards": own["prefill_forwards"],

@@ -175,14 +175,7 @@ class _Runner:
         mask = args[self._mask_at] if self._mask_at is not None else None
         past = int(mask.shape[1] - ids.shape[1]) if mask is not None else 0
         with exclusive(self.session, "kvoffload backend"):
-            self.session.begin_forward(ids, mask, None, past=past)
-            try:
-                out = self._run(args)
-            except BaseException:
-                self.session.abort_forward()
-                raise
-            self.session.end_forward()
-        return out
+            return self.session.run_forward(lambda: self._run(args), ids, mask, None, past=past)
 
 
 def _token_inputs(gm: fx.GraphModule) -> tuple[int | None, int | None]:

@@ -824,9 +824,9 @@ class LayerwiseOffloadRuntime:
                 out = body(cached)
             except PrefixEvictedError as exc:
                 evicted = exc
-                self._end_quietly()
+                self.end_aborted_forward()
             except BaseException:
-                self._end_quietly()
+                self.end_aborted_forward()
                 raise
             else:
                 try:
@@ -834,21 +834,30 @@ class LayerwiseOffloadRuntime:
                     return out
                 except PrefixEvictedError as exc:
                     evicted = exc
-            cut = [min(c, u) for c, u in zip(cached, evicted.usable_tokens, strict=True)]
-            assert sum(cut) < sum(cached), "a prefix eviction must shorten the prefix"
-            logger.warning(
-                "layerwise: layer %d found %d prefix block(s) evicted; recomputing with cached tokens %s "
-                "instead of %s",
-                evicted.layer,
-                evicted.missing_blocks,
-                cut,
-                cached,
-            )
-            self.counters.add("forward_retries")
-            caps = cut if caps is None else [min(c, p) for c, p in zip(cut, caps, strict=True)]
+            caps = self.retry_caps(cached, caps, evicted)
             fixed = None
 
-    def _end_quietly(self) -> None:
+    def retry_caps(
+        self, cached: Sequence[int], caps: Sequence[int] | None, evicted: PrefixEvictedError
+    ) -> list[int]:
+        """The ``max_cached_tokens`` of the next try of a forward that raised ``evicted`` after
+        ``begin_forward`` returned ``cached`` (under the caps ``caps`` of that try, or ``None``): each
+        request's prefix cut at its first missing block, so every retry shortens it. Counted in
+        ``forward_retries`` and logged; the caller closes the failed forward and begins the next try."""
+        cut = [min(c, u) for c, u in zip(cached, evicted.usable_tokens, strict=True)]
+        assert sum(cut) < sum(cached), "a prefix eviction must shorten the prefix"
+        logger.warning(
+            "layerwise: layer %d found %d prefix block(s) missing or unreadable; recomputing with cached "
+            "tokens %s instead of %s",
+            evicted.layer,
+            evicted.missing_blocks,
+            cut,
+            list(cached),
+        )
+        self.counters.add("forward_retries")
+        return cut if caps is None else [min(c, p) for c, p in zip(cut, caps, strict=True)]
+
+    def end_aborted_forward(self) -> None:
         """Close a forward that already raised; its transfer failures were (or will be) reported."""
         try:
             self.end_forward()

@@ -188,13 +188,14 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         )
     with exclusive(session, name):
         past = cache.seen_tokens
-        session.begin_forward(input_ids, mask, kwargs.get("cache_position"), past=past, owner=cache)
-        try:
-            out = model._kvoffload_originals["forward"](*args, **kwargs)
-        except BaseException:
-            session.abort_forward()
-            raise
-        session.end_forward()
+        out = session.run_forward(
+            lambda: model._kvoffload_originals["forward"](*args, **kwargs),
+            input_ids,
+            mask,
+            kwargs.get("cache_position"),
+            past=past,
+            owner=cache,
+        )
         cache.seen_tokens = past + input_ids.shape[1]
     return _strip_cache(out, cache) if private else out
 

@@ -69,8 +69,9 @@ import copy
 import itertools
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -92,6 +93,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["OffloadSession"]
 
+T = TypeVar("T")
+
 _ids = itertools.count()
 _LAYERWISE_TOTALS = (
     "bytes_loaded",
@@ -101,6 +104,7 @@ _LAYERWISE_TOTALS = (
     "store_hits",
     "store_misses",
     "store_errors",
+    "forward_retries",
 )
 _SESSION_COUNTERS = (
     "forwards",
@@ -815,7 +819,7 @@ class OffloadSession:
             seq_lens_k=torch.tensor(new_len, dtype=torch.int32).to(dev),
         )  # fmt: skip
 
-    def _begin_layerwise(self, f: _Forward) -> None:
+    def _begin_layerwise(self, f: _Forward, max_cached_tokens: list[int] | None = None) -> None:
         rt = self._rt
         assert rt is not None
         bs, M, tr = self.block_size, self.blocks_per_request, self._tail_rows
@@ -823,7 +827,8 @@ class OffloadSession:
         if self.pd is not None and hasattr(self.pd, "begin_forward"):
             self.pd.begin_forward(table)
         try:
-            cached = rt.begin_forward([list(t) for t in self._tokens], table)
+            caps = {} if max_cached_tokens is None else {"max_cached_tokens": max_cached_tokens}
+            cached = rt.begin_forward([list(t) for t in self._tokens], table, **caps)
         except BaseException:
             if self.pd is not None and hasattr(self.pd, "end_forward"):
                 self.pd.end_forward()
@@ -851,6 +856,72 @@ class OffloadSession:
             f.tail_restore = (torch.tensor(restore_src, device=dev), torch.tensor(restore_dst, device=dev))
         if keep_src:
             f.tail_keep = (torch.tensor(keep_src, device=dev), torch.tensor(keep_dst, device=dev))
+
+    def run_forward(
+        self,
+        body: Callable[[], T],
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache_position: torch.Tensor | None = None,
+        *,
+        past: int | None = None,
+        owner: Any = None,
+    ) -> T:
+        """:meth:`begin_forward`, ``body()`` (the model's forward), :meth:`end_forward`; a ``body`` that
+        raises aborts the forward (:meth:`abort_forward`) and the error propagates.
+
+        Except when blocks of the prefix the layerwise lookup found cannot be loaded when their layer
+        needs them (a record that fails its checksum or size on a store that checks at read time, a store
+        read that failed, a block evicted in between: :class:`PrefixEvictedError`): then the forward runs
+        again, each request's prefix cut at its first missing block (every later block of the chained
+        prefix is computed too), and returns what the unmodified model would. Counted in
+        ``forward_retries``. Only where the rows before the forward are all in whole blocks the cut keeps
+        (any forward that starts a sequence); otherwise the error propagates as for any other failure.
+        """
+        self.begin_forward(input_ids, attention_mask, cache_position, past=past, owner=owner)
+        caps: list[int] | None = None
+        while True:
+            f = self._fwd
+            try:
+                out = body()
+            except BaseException as exc:
+                caps = self._retry_caps(f, caps, exc)
+                if caps is None:
+                    self.abort_forward()
+                    raise
+                try:
+                    self._retry_layerwise(f, caps)
+                except BaseException:
+                    self._fwd = None
+                    self._fail_sequence()
+                    raise
+                continue
+            self.end_forward()
+            return out
+
+    def _retry_caps(self, f: _Forward | None, caps: list[int] | None, exc: BaseException) -> list[int] | None:
+        """The prefix caps of the next try of layerwise forward ``f``, which raised ``exc``; ``None`` when
+        it cannot run again (another error, a P/D role, blocks of the requests' earlier tokens missing, or
+        earlier tokens in a partial block whose device tail the failed try may have overwritten)."""
+        from torch_kvoffload.layerwise.runtime import PrefixEvictedError
+
+        rt = self._rt
+        if not isinstance(exc, PrefixEvictedError) or f is None or f is not self._fwd or rt is None:
+            return None
+        if not f.layerwise or self.pd is not None or len(exc.usable_tokens) != len(f.cached):
+            return None
+        if any(old % self.block_size for old in f.old_len):
+            return None
+        if any(u < old for u, old in zip(exc.usable_tokens, f.old_len, strict=True)):
+            return None
+        return rt.retry_caps(f.cached, caps, exc)
+
+    def _retry_layerwise(self, f: _Forward, caps: list[int]) -> None:
+        """Close ``f``'s failed layerwise forward and begin it again with the prefixes capped at ``caps``."""
+        assert self._rt is not None
+        self._rt.end_aborted_forward()
+        f.cached, f.write, f.tail_restore, f.tail_keep = [], None, None, None
+        self._begin_layerwise(f, caps)
 
     def end_forward(self) -> None:
         """Finish the forward: wait for its layerwise transfers (raising the first failure)."""
@@ -1181,7 +1252,8 @@ class OffloadSession:
         ``corrupt_records`` (records of the session's store that failed their checksum or size: damaged or
         truncated, each a miss, recomputed) and ``store_errors`` (store calls that failed: backend gets /
         puts of a remote store, and lookups; each a miss or a dropped put) — the store's counts, so a store
-        several sessions share reports theirs too;
+        several sessions share reports theirs too; ``forward_retries`` (forwards run again because blocks
+        of their prefix could not be loaded, see :meth:`run_forward`);
         ``forwards``, ``prefill_forwards``, ``decode_forwards``, ``failed_forwards``; ``resizes`` (times the
         device caches were allocated for new sizes, growth of a running sequence included),
         ``reserved_tokens`` (tokens per request they are sized for), ``reserved_requests`` (requests
@@ -1217,6 +1289,7 @@ class OffloadSession:
             "store_misses": lw["store_misses"],
             "corrupt_records": store.get("corrupt_records", 0),
             "store_errors": store.get("store_errors", 0) + lw["store_errors"],
+            "forward_retries": lw["forward_retries"],
             "broadcasts": kv["broadcasts"],
             "forwards": own["forwards"],
             "prefill_forwards": own["prefill_forwards"],

@@ -216,7 +216,12 @@ def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             else:
                 total = int(kwargs.get("max_length", getattr(gen, "max_length", input_ids.shape[1])))
             session.plan_generation(input_ids.shape[0], total)
-        return model._kvoffload_originals["generate"](*args, **kwargs)
+        try:
+            return model._kvoffload_originals["generate"](*args, **kwargs)
+        except BaseException:
+            # a generate that fails between forwards (a feature the cache refuses) holds no requests either
+            session.end_sequence()
+            raise
 
 
 def new_session(model: torch.nn.Module, config: Any = None) -> OffloadSession:

@@ -23,14 +23,14 @@ it was made for, once, and untouched.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import hmac
 import os
 import secrets
-import stat
 import time
 from typing import Any
+
+from torch_kvoffload.pd._files import GROUP_OTHER_ACCESS, open_owned
 
 __all__ = [
     "KEY_FILE",
@@ -99,24 +99,10 @@ def read_key_file(path: str, wait_s: float = 0.0) -> bytes:
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise PermissionError(f"{where} is a symbolic link; refusing to follow it") from exc
+            fd = open_owned(path, "pd: key file", forbid=GROUP_OTHER_ACCESS)
+        except FileNotFoundError as exc:
             raise FileNotFoundError(f"{where} cannot be opened: {exc.strerror}") from exc
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise PermissionError(f"{where} is not a regular file")
-            if st.st_uid != os.geteuid():
-                raise PermissionError(
-                    f"{where} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})"
-                )
-            if st.st_mode & 0o077:
-                raise PermissionError(
-                    f"{where} has mode {stat.S_IMODE(st.st_mode):04o}; it must not be readable or writable by "
-                    "group or others (chmod 600)"
-                )
             data = os.read(fd, 1 << 16).strip()
         finally:
             os.close(fd)

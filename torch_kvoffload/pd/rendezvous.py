@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import errno
 import json
 import os
 import secrets
-import stat
 import tempfile
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+
+from torch_kvoffload.pd._files import GROUP_OTHER_WRITE, check_owned, open_owned
 
 __all__ = ["FileRendezvous", "MooncakeMetadataRendezvous", "Rendezvous", "decode_key", "make_rendezvous"]
 
@@ -62,25 +62,6 @@ class Rendezvous(abc.ABC):
             time.sleep(_POLL_S)
 
 
-def check_private(what: str, path: str, st: os.stat_result, *, directory: bool) -> None:
-    """Raise :class:`PermissionError` unless ``st`` (an ``fstat`` of ``path``) is a directory / regular
-    file owned by the effective user and not writable by its group or others."""
-    kind = "directory" if directory else "regular file"
-    if not (stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)):
-        raise PermissionError(f"{what}: {path} is not a {kind} (mode {stat.filemode(st.st_mode)})")
-    uid = os.geteuid()
-    if st.st_uid != uid:
-        raise PermissionError(
-            f"{what}: {path} is owned by uid {st.st_uid}, not by the current user (uid {uid}); another "
-            "user's file could redirect the transfer — remove it or choose another location"
-        )
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise PermissionError(
-            f"{what}: {path} is writable by its group or others (mode {oct(stat.S_IMODE(st.st_mode))}); "
-            f"expected no group / other write permission (e.g. chmod {'0700' if directory else '0600'})"
-        )
-
-
 class FileRendezvous(Rendezvous):
     """Records as ``<directory>/<key>.json``. The directory is created ``0700`` if missing and checked
     (owner, mode, not a symbolic link) here and before every operation; records are written ``0600``
@@ -112,7 +93,7 @@ class FileRendezvous(Rendezvous):
                 ) from None
             raise
         try:
-            check_private(what, self.directory, os.fstat(fd), directory=True)
+            check_owned(what, self.directory, os.fstat(fd), directory=True, forbid=GROUP_OTHER_WRITE)
         except BaseException:
             os.close(fd)
             raise
@@ -149,26 +130,14 @@ class FileRendezvous(Rendezvous):
         dfd = self._open_dir()
         try:
             try:
-                # O_NONBLOCK: a FIFO planted as the record must not block the open
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+                fd = open_owned(name, f"FileRendezvous: record in {self.directory}", forbid=GROUP_OTHER_WRITE,
+                                dir_fd=dfd)  # fmt: skip
             except FileNotFoundError:
                 return None
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise PermissionError(
-                        f"FileRendezvous: record {path} is a symbolic link; refusing to follow it"
-                    ) from None
-                raise
         finally:
             os.close(dfd)
-        try:
-            check_private("FileRendezvous", f"record {path}", os.fstat(fd), directory=False)
-            with os.fdopen(fd, "rb") as f:
-                fd = -1
-                raw = f.read(MAX_RECORD_BYTES + 1)
-        finally:
-            if fd >= 0:
-                os.close(fd)
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(MAX_RECORD_BYTES + 1)
         if len(raw) > MAX_RECORD_BYTES:
             raise ValueError(f"FileRendezvous: record {key!r} ({path}) exceeds {MAX_RECORD_BYTES} bytes")
         try:

@@ -14,11 +14,9 @@ was (never written, truncated or grown).
 from __future__ import annotations
 
 import contextlib
-import errno
 import mmap
 import os
 import re
-import stat
 import uuid
 import warnings
 from collections import defaultdict
@@ -26,6 +24,7 @@ from collections import defaultdict
 import torch
 
 from torch_kvoffload.ops.copy import copy_blocks
+from torch_kvoffload.pd._files import open_owned
 from torch_kvoffload.pd.transports.base import ReadOp, RemotePeer, Transport, TransportError
 
 __all__ = ["ShmTransport", "remove_stale_exports"]
@@ -46,21 +45,13 @@ def _map_read_only(path: str, nbytes: int, peer_name: str, region: str) -> torch
     opened file (no symbolic link, regular, owned by the current user, size ``_file_size(nbytes)``)."""
     where = f"ShmTransport.connect: region {region!r} of peer {peer_name} ({path})"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = open_owned(path, where)
     except FileNotFoundError:
         raise TransportError(f"{where} does not exist (is the peer on another host?)") from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise TransportError(f"{where} is a symbolic link; refusing to follow it") from None
-        raise TransportError(f"{where} cannot be opened read-only: {exc}") from exc
+    except OSError as exc:  # a link, another user's file, not a regular file
+        raise TransportError(str(exc)) from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise TransportError(f"{where} is not a regular file (mode {stat.filemode(st.st_mode)})")
-        if st.st_uid != os.geteuid():
-            raise TransportError(
-                f"{where} is owned by uid {st.st_uid}, not by the current user (uid {os.geteuid()})"
-            )
         if st.st_size != _file_size(nbytes):
             raise TransportError(
                 f"{where} has size {st.st_size} bytes; the peer announced a {nbytes}-byte region "

@@ -3,12 +3,14 @@ unmodified model's, a bounded number of graphs, ``explain``, the backend entry p
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from hf_models import build_model, left_padded_batch
+from hf_models import build_model, indexer_boundary_ties, left_padded_batch
 
 import torch_kvoffload
 from torch_kvoffload.backend import kvoffload_backend
@@ -80,6 +82,46 @@ def test_compiled_generate_matches_the_model(family, mode):
         again = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     assert torch.equal(again, want[:, : ids.shape[1] + 4])
     assert len(model._kvoffload_compile_reports) == len(graphs)
+
+
+# (prompt lengths of the rows, max_new_tokens): batches of 1 and more rows, with and without padding
+# (Hugging Face passes no attention mask for a batch without), one-token prompts and one-token decodes
+SHAPES = [
+    ([5, 4], 8), ([12], 4), ([20, 19, 18], 16), ([3, 3], 8), ([7, 6, 5, 7], 5), ([1], 6), ([9, 9, 9], 3),
+    ([11, 10], 7), ([4, 3, 2, 4, 3], 9), ([25], 4), ([1, 1], 3), ([6, 2], 1), ([2], 3), ([14, 1, 8], 6),
+]  # fmt: skip
+# a prefill and a decode graph for each of: batch 1 / more, prompt (or cached) length 1 / more, with /
+# without attention mask
+MAX_GRAPHS = 16
+
+
+@pytest.mark.parametrize(("family", "mode"), [("deepseek_v3", "layerwise"), ("deepseek_v32", "both")])
+def test_generate_calls_of_many_shapes_on_one_compiled_model(family, mode):
+    """Dynamo's default recompile limit (8) used to run out after four calls of new shapes: each new
+    batch size or prompt length compiled a prefill and a decode graph until automatic dynamic shapes
+    caught up, per input variant. Now the graph count stays bounded and every call gives the unmodified
+    model's tokens."""
+    model = build_model(family, **SMALL)
+    ref = copy.deepcopy(model)
+    model = torch_kvoffload.compile(model, CONFIGS[mode])
+    counts = []
+    for i, (lengths, new) in enumerate(SHAPES):
+        ids, mask = left_padded_batch(lengths, seed=100 + i)
+        with torch.no_grad():
+            want = ref.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        if family == "deepseek_v32":
+            rows = [want[b][mask[b].bool().tolist() + [True] * new] for b in range(len(lengths))]
+            assert indexer_boundary_ties(ref, rows) == 0
+        assert torch.equal(got, want), f"call {i} {lengths}: {(got != want).sum().item()} tokens differ"
+        counts.append(len(model._kvoffload_compile_reports))
+    assert counts[-1] <= MAX_GRAPHS, counts
+    # the same shapes again compile nothing
+    for i, (lengths, new) in enumerate(SHAPES[:6]):
+        ids, mask = left_padded_batch(lengths, seed=200 + i)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+    assert len(model._kvoffload_compile_reports) == counts[-1]
 
 
 def test_explain_runs_a_forward_when_nothing_is_compiled():

@@ -23,8 +23,11 @@ found and did, per graph and layer.
 
 Recompiles. The library's cache holds no KV, so before every call :func:`compile` shows Dynamo each
 layer's cache as a zero-stride view of the true cached length (no memory) and marks that length dynamic:
-a generate compiles one prefill graph and one decode graph whatever the number of new tokens (a prompt of
-another length adds at most one more). The passes drop the dead append of those views.
+a generate compiles one prefill graph and one decode graph whatever the number of new tokens. The batch
+and token dims of the forward's inputs are marked dynamic too, so calls of other shapes reuse those graphs;
+with Dynamo's specialisation of sizes 0 and 1 and the forwards without an attention mask, one model needs
+at most 16 graphs, within the default per-model ``recompile_limit`` set here (``DEFAULT_RECOMPILE_LIMIT``).
+The passes drop the dead append of those views.
 
 Each model compiled by :func:`compile` has its own Dynamo recompile budget (``isolate_recompiles``, where
 ``torch.compile`` offers it): the models of one class share their forward's code object, and past Dynamo's
@@ -255,12 +258,37 @@ def kvoffload_backend(
     return _Runner(gm, session, manage_forwards)
 
 
+# the per-call inputs of a Hugging Face causal LM whose dims 0 (batch) and 1 (tokens) vary between calls
+_TOKEN_INPUTS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "cache_position")
+
+
+def _mark_dynamic(t: torch.Tensor, *dims: int) -> None:
+    """``maybe_mark_dynamic`` the ``dims`` of ``t`` whose size is past 1 (Dynamo specialises 0 and 1)."""
+    for dim in dims:
+        if t.dim() > dim and t.shape[dim] >= 2:
+            torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+def _mark_token_dims(kwargs: dict[str, Any]) -> None:
+    """Mark the batch and token dims of a forward's inputs dynamic before Dynamo first sees them.
+
+    Left to Dynamo's automatic dynamic shapes, each of them would first compile a graph specialised to
+    the first size it saw, then one more when it changes: every input variant (prefill, decode, with and
+    without ``attention_mask``) would then cost a graph per varying size, enough to use up the recompile
+    budget over a few ``generate`` calls of other shapes.
+    """
+    for name in _TOKEN_INPUTS:
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor):
+            _mark_dynamic(value, *range(min(value.dim(), 2)))
+
+
 def _expose_cache_lengths(session: Any, cache: Any, batch: int) -> None:
     """Give each layer of the library's cache zero-stride placeholders of the true cached length.
 
     Dynamo reads the cache layers' tensors as graph inputs; with the cached length ``T`` as their size the
-    model's masks and appends trace consistently, and ``T`` (marked dynamic once it is past 1) does not
-    specialise the graph. The views share one scalar: they hold no memory.
+    model's masks and appends trace consistently, and ``T`` and the batch (marked dynamic once past 1) do
+    not specialise the graph. The views share one scalar: they hold no memory.
     """
     spec = session.spec
     past = int(cache.get_seq_length())
@@ -270,11 +298,10 @@ def _expose_cache_lengths(session: Any, cache: Any, batch: int) -> None:
         keys = base.expand(batch, 1, past, widths[0])
         values = base.expand(batch, 1, past, widths[1])
         index = base.expand(batch, past, spec.index_head_dim) if spec.has_indexer else None
-        if past >= 2:
-            torch._dynamo.maybe_mark_dynamic(keys, 2)
-            torch._dynamo.maybe_mark_dynamic(values, 2)
-            if index is not None:
-                torch._dynamo.maybe_mark_dynamic(index, 1)
+        _mark_dynamic(keys, 0, 2)
+        _mark_dynamic(values, 0, 2)
+        if index is not None:
+            _mark_dynamic(index, 0, 1)
         layer.keys, layer.values = keys, values
         if spec.has_indexer:
             layer.indexer_keys = index
@@ -282,9 +309,15 @@ def _expose_cache_lengths(session: Any, cache: Any, batch: int) -> None:
         layer.is_initialized = True
 
 
+# Dynamo's own default (8) is below the graphs one model may need: a prefill and a decode graph for each
+# of batch 1 / more, one / more prompt tokens (past length 1 / more when decoding) and with / without an
+# attention mask, at most 16 in all once the batch and token dims are dynamic (see _mark_token_dims)
+DEFAULT_RECOMPILE_LIMIT = 32
+
+
 @functools.cache
-def _can_isolate_recompiles() -> bool:
-    return "isolate_recompiles" in inspect.signature(torch.compile).parameters
+def _compile_accepts(name: str) -> bool:
+    return name in inspect.signature(torch.compile).parameters
 
 
 class _CompiledForward:
@@ -296,8 +329,10 @@ class _CompiledForward:
         self.forward = forward
         self.kwargs = dict(kwargs)
         options = dict(self.kwargs)
-        if _can_isolate_recompiles():
+        if _compile_accepts("isolate_recompiles"):
             options.setdefault("isolate_recompiles", True)
+        if _compile_accepts("recompile_limit") and options.get("recompile_limit") is None:
+            options["recompile_limit"] = DEFAULT_RECOMPILE_LIMIT
         self.fn = torch.compile(forward, backend=kvoffload_backend, options={"model": model}, **options)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _CompiledForward:
@@ -315,6 +350,9 @@ def _compiled_forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if is_offload_cache(cache):
         ids = kwargs.get("input_ids", args[0] if args else None)
         _expose_cache_lengths(cache.session, cache, int(ids.shape[0]))
+    _mark_token_dims(kwargs)
+    if args and isinstance(args[0], torch.Tensor):
+        _mark_dynamic(args[0], 0, 1)  # input_ids given positionally
     return getattr(model, _COMPILED_ATTR).fn(*args, **kwargs)
 
 
@@ -326,7 +364,8 @@ def compile(model: torch.nn.Module, config: Any = None, **torch_compile_kwargs: 
     ``kvoffload`` backend; ``begin_forward`` / ``end_forward`` of the session surround each call and
     ``model.generate(...)`` works unchanged (it generates with the library's cache).
     ``torch_compile_kwargs`` go to ``torch.compile`` (``backend`` and ``options`` are set here;
-    ``isolate_recompiles`` defaults to ``True`` where ``torch.compile`` has it).
+    ``isolate_recompiles`` defaults to ``True`` and ``recompile_limit`` to ``DEFAULT_RECOMPILE_LIMIT``
+    where ``torch.compile`` has them).
     """
     from torch_kvoffload.integrations.hf.install import attach, bind_method
 

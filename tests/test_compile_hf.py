@@ -91,8 +91,8 @@ SHAPES = [
     ([11, 10], 7), ([4, 3, 2, 4, 3], 9), ([25], 4), ([1, 1], 3), ([6, 2], 1), ([2], 3), ([14, 1, 8], 6),
 ]  # fmt: skip
 # a prefill and a decode graph for each of: batch 1 / more, prompt (or cached) length 1 / more, with /
-# without attention mask
-MAX_GRAPHS = 16
+# without attention mask, is at most 16; these shapes need 10 (12 with shape-specialised first graphs)
+MAX_GRAPHS = 10
 
 
 @pytest.mark.parametrize(("family", "mode"), [("deepseek_v3", "layerwise"), ("deepseek_v32", "both")])

@@ -14,6 +14,13 @@ import torch
 __all__ = ["FAMILIES", "build_model", "left_padded_batch", "tiny_config"]
 
 FAMILIES = ("deepseek_v3", "deepseek_v32")
+# Two layers (one dense, one MoE) and narrow widths: a compile takes seconds; index_topk (8) stays well
+# below the context, so the V3.2 selection is really sparse (index_n_heads stays 32).
+SMALL = dict(
+    num_hidden_layers=2, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4,
+    num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
+    qk_nope_head_dim=16, v_head_dim=16,
+)  # fmt: skip
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=1000,

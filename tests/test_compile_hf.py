@@ -10,20 +10,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_models import build_model, indexer_boundary_ties, left_padded_batch
+from hf_models import SMALL, build_model, indexer_boundary_ties, left_padded_batch
 
 import torch_kvoffload
 from torch_kvoffload.backend import kvoffload_backend
 
 NEW_TOKENS = 32
 LENGTHS = [9, 13]
-# Two layers (one dense, one MoE) and narrow widths keep the run short; index_topk (8) stays well below
-# the context, so the V3.2 selection is really sparse.
-SMALL = dict(
-    num_hidden_layers=2, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4,
-    num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
-    qk_nope_head_dim=16, v_head_dim=16,
-)  # fmt: skip
 
 CONFIGS = {
     "layerwise": {"layerwise": {}},

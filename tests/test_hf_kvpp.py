@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_models import build_model, left_padded_batch
+from hf_models import SMALL, build_model, left_padded_batch
 from kvpp_helpers import spawn_gloo
 
 import torch_kvoffload
@@ -23,12 +23,6 @@ NEW = 32
 BS = 8
 WORLD = 2
 SCRATCH_ALIGN = 2 << 20  # the KVPP scratch buffers are rounded up to 2 MiB
-# the compiled runs use the narrow 2-layer models of the compile tests
-SMALL = dict(
-    num_hidden_layers=2, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4,
-    num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
-    qk_nope_head_dim=16, v_head_dim=16,
-)  # fmt: skip
 TIMEOUT_S = 150.0
 
 

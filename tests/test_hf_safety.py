@@ -13,17 +13,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_models import build_model, left_padded_batch
+from hf_models import SMALL, build_model, left_padded_batch
 
 import torch_kvoffload
 from torch_kvoffload.integrations.hf import session_of
 
-# Two layers (one dense, one MoE), narrow widths: a compile takes seconds. index_n_heads stays 32.
-SMALL = dict(
-    num_hidden_layers=2, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4,
-    num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
-    qk_nope_head_dim=16, v_head_dim=16,
-)  # fmt: skip
 LENGTHS = [9, 13]
 NEW = 6
 MODES = ("offload", "compile")

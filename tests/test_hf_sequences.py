@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_models import build_model, indexer_boundary_ties, left_padded_batch
+from hf_models import SMALL, build_model, indexer_boundary_ties, left_padded_batch
 
 import torch_kvoffload
 from torch_kvoffload.integrations.hf import session_of
@@ -23,12 +23,6 @@ from torch_kvoffload.integrations.hf import session_of
 # shorter than the longest (left padded)
 CALLS = [(2, 5, 8), (1, 12, 4), (3, 20, 16), (2, 3, 8)]
 BS = 8
-# the compile tests' narrow two-layer models (see test_compile_hf.py)
-SMALL = dict(
-    num_hidden_layers=2, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4,
-    num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
-    qk_nope_head_dim=16, v_head_dim=16,
-)  # fmt: skip
 MODES = {
     "layerwise": {"layerwise": {}, "block_size": BS},
     "sparse": {"sparse": {}, "block_size": BS},

@@ -177,6 +177,23 @@ def write_layer(conn, layer: int, tickets, tables) -> None:
             buf[table] = block_data(t.request_id, layer, c, len(table))
 
 
+def run_prefill(conn, tickets, *, on_layer=None) -> list[list[int]]:
+    """One prefill forward of prefill rank 0 over ``tickets``: every layer waited for, written
+    (:func:`write_layer`; ``on_layer(layer)`` first) and saved; returns the block tables."""
+    tables, tokens = prefill_tables(0, tickets)
+    conn.begin_forward(tokens, tables, tickets)
+    try:
+        for layer in range(L):
+            conn.wait(layer)
+            if on_layer is not None:
+                on_layer(layer)
+            write_layer(conn, layer, tickets, tables)
+            conn.save(layer)
+    finally:
+        conn.end_forward()
+    return tables
+
+
 def prefill_rank(
     cfg, p_rank: int, tickets, rdv_dir: str, fault: str | None, layer_sleep: float, out: dict, wait_s: float
 ) -> None:

@@ -273,20 +273,6 @@ def pair(tmp_path):
         s.pool.close()
 
 
-def _run(conn, tickets, *, on_layer=None) -> None:
-    tables, tokens = h.prefill_tables(0, tickets)
-    conn.begin_forward(tokens, tables, tickets)
-    try:
-        for layer in range(h.L):
-            conn.wait(layer)
-            if on_layer is not None:
-                on_layer(layer)
-            h.write_layer(conn, layer, tickets, tables)
-            conn.save(layer)
-    finally:
-        conn.end_forward()
-
-
 def _assert_received_exactly(s, tickets) -> None:
     """Every request of ``tickets`` done on both sides, its destinations bit for bit the KV prefill wrote."""
     for t in tickets:
@@ -437,7 +423,7 @@ def test_rogue_without_the_secret_is_refused_and_the_real_transfer_completes(pai
     assert s.recv.counters.get("handshakes") == 0
     _untouched(s, before)
     assert any(f"rogue-{secret}" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
-    _run(s.prefill(), s.tickets)
+    h.run_prefill(s.prefill(), s.tickets)
     _assert_received_exactly(s, s.tickets)
 
 
@@ -484,7 +470,7 @@ def test_prefill_refuses_an_endpoint_that_cannot_prove_the_secret(tmp_path, chal
     try:
         t0 = time.monotonic()
         with pytest.raises(HandshakeError, match=match):
-            _run(conn, [ticket])
+            h.run_prefill(conn, [ticket])
         took = time.monotonic() - t0
         assert (
             took < cfg.handshake_timeout_s / 2
@@ -509,7 +495,7 @@ def test_prefill_and_decode_with_different_secrets_do_not_pair(pair) -> None:
     before = _destinations(s, s.tickets)
     t0 = time.monotonic()
     with pytest.raises(HandshakeError, match="did not prove the shared secret"):
-        _run(s.prefill(secret="prefill-side-secret"), s.tickets)
+        h.run_prefill(s.prefill(secret="prefill-side-secret"), s.tickets)
     assert time.monotonic() - t0 < s.cfg.handshake_timeout_s / 2
     assert s.recv.counters.get("handshakes") == 0
     _untouched(s, before)
@@ -527,7 +513,7 @@ def test_captured_frames_replayed_on_another_connection_are_refused(pair, monkey
 
     monkeypatch.setattr(ControlEndpoint, "_send_frame", recording)
     s = pair(requests=[(5, 8)])
-    _run(s.prefill(), s.tickets)
+    h.run_prefill(s.prefill(), s.tickets)
     _assert_received_exactly(s, s.tickets)
     counters = s.recv._control.counters
     assert len(sent) >= h.L + 3 and counters.get("peers_authenticated") == 1  # auth, HELLO, layers
@@ -576,7 +562,7 @@ def test_malformed_and_oversized_messages_never_stop_decode(pair) -> None:
     s.extra.append(big)
     big.send(b"\x00" * (1 << 17))  # over max_message_bytes: the connection is dropped
     assert control.error is None and control._thread.is_alive()
-    _run(s.prefill(max_message_bytes=1 << 16), s.tickets)
+    h.run_prefill(s.prefill(max_message_bytes=1 << 16), s.tickets)
     _assert_received_exactly(s, s.tickets)
     assert control.counters.get("callback_errors") == 0
     assert control.counters.get("frames_unauthenticated") == dropped  # the oversized one never arrived
@@ -594,7 +580,7 @@ def test_malformed_messages_never_stop_prefill(pair) -> None:
             super()._reply(peer, msg)
 
     s = pair(decode_cls=Garbling)
-    _run(s.prefill(), s.tickets)
+    h.run_prefill(s.prefill(), s.tickets)
     _assert_received_exactly(s, s.tickets)
     control = s.sender._peers[0].control
     assert control.counters.get("protocol_errors") == len(MALFORMED) and control.error is None
@@ -650,7 +636,7 @@ def test_replays_stale_generations_and_wrong_slots_never_fail_the_live_request(p
         _until(lambda: len(rogue_answers()) == 2, s.wait_s, "the rogue's two READ_FAILED")
         refused.extend(rogue_answers())
 
-    _run(conn, s.tickets, on_layer=attack)
+    h.run_prefill(conn, s.tickets, on_layer=attack)
     _assert_received_exactly(s, s.tickets)
     c = s.recv.counters.snapshot()
     assert c["requests_failed"] == 0 and c["read_failures"] == 0 and c["batches_refused"] == 6
@@ -669,14 +655,14 @@ def test_a_late_batch_of_a_released_generation_never_fails_the_reused_id(pair) -
     assert new.parts[0].generation != old.parts[0].generation
     conn = s.prefill()
     with pytest.raises(TransferError, match=r"generation .* not expected"):
-        _run(conn, [old])
+        h.run_prefill(conn, [old])
         s.sender.wait_request(5, timeout=s.wait_s)
     assert s.recv.state(5) == "pending" and s.recv.counters.get("requests_failed") == 0
     assert s.recv.counters.get("batches_refused") >= 1
     sent = s.sender.counters
     _until(lambda: sent.get("layers_failed") == sent.get("layers_sent"), s.wait_s, "every refusal answered")
     s.rt.reset()  # prefill's buffers were poisoned by the refused layers
-    _run(conn, [new])
+    h.run_prefill(conn, [new])
     _assert_received_exactly(s, [new])
 
 
@@ -704,7 +690,7 @@ def test_destination_blocks_outside_the_allocation_are_refused(pair, where: str)
     before = _destinations(s, [victim])
     conn = s.prefill(Redirecting)
     with pytest.raises(TransferError, match=f"{comp} destination blocks"):
-        _run(conn, s.tickets[:1])
+        h.run_prefill(conn, s.tickets[:1])
         s.sender.wait_request(5, timeout=s.wait_s)
     assert s.recv.state(5) == "failed" and "layer 2" in s.recv.error(5)
     assert s.recv.state(6) == "pending"
@@ -731,7 +717,7 @@ def test_a_dead_decode_io_thread_fails_its_waiters_at_once(pair) -> None:
 
     def run() -> None:
         try:
-            _run(conn, s.tickets)
+            h.run_prefill(conn, s.tickets)
         except TransferError as exc:  # prefill: the silent decode fails the layer at its deadline
             raised.append(exc)
 
@@ -759,7 +745,7 @@ def test_a_dead_prefill_io_thread_fails_its_waiters_at_once(pair) -> None:
     conn = s.prefill(Dying)
     t0 = time.monotonic()
     with pytest.raises(TransferError, match="control I/O thread died: _Die: injected"):
-        _run(conn, s.tickets)
+        h.run_prefill(conn, s.tickets)
         for t in s.tickets:
             s.sender.wait_request(t.request_id, timeout=s.wait_s)
     assert time.monotonic() - t0 < s.cfg.layer_ack_timeout_s
@@ -778,7 +764,7 @@ def test_a_dead_prefill_io_thread_fails_the_handshake_at_once(pair) -> None:
     conn = s.prefill(Dying)
     t0 = time.monotonic()
     with pytest.raises(HandshakeError, match="control I/O thread died: _Die: injected"):
-        _run(conn, s.tickets)
+        h.run_prefill(conn, s.tickets)
     assert time.monotonic() - t0 < s.cfg.handshake_timeout_s / 2
 
 
@@ -794,7 +780,7 @@ def test_an_unexpected_error_handling_a_batch_is_answered_and_decode_keeps_servi
     conn = s.prefill()
     t0 = time.monotonic()
     with pytest.raises(TransferError, match="layer 2 failed unexpectedly: RuntimeError: injected"):
-        _run(conn, s.tickets)
+        h.run_prefill(conn, s.tickets)
         s.sender.wait_request(5, timeout=s.wait_s)
     assert time.monotonic() - t0 < s.cfg.layer_ack_timeout_s  # answered, not left to the ack deadline
     assert s.recv.state(5) == "failed" and "injected" in s.recv.error(5)
@@ -808,5 +794,5 @@ def test_an_unexpected_error_handling_a_batch_is_answered_and_decode_keeps_servi
     s.recv.release(5)
     s.pool.free(5)
     again = h.make_tickets(s.pool, [s.recv], [(6, 8)])
-    _run(conn, again)
+    h.run_prefill(conn, again)
     _assert_received_exactly(s, again)

@@ -101,21 +101,6 @@ def setup(tmp_path):
         pool.close()
 
 
-def _run(conn, tickets, *, on_layer=None):
-    tables, tokens = h.prefill_tables(0, tickets)
-    conn.begin_forward(tokens, tables, tickets)
-    try:
-        for layer in range(h.L):
-            conn.wait(layer)
-            if on_layer is not None:
-                on_layer(layer)
-            h.write_layer(conn, layer, tickets, tables)
-            conn.save(layer)
-    finally:
-        conn.end_forward()
-    return tables
-
-
 @pytest.mark.parametrize("sender_first", [False, True])
 def test_provider_is_called_before_the_host_save_whatever_the_order(setup, sender_first: bool) -> None:
     log: list = []
@@ -128,7 +113,7 @@ def test_provider_is_called_before_the_host_save_whatever_the_order(setup, sende
     s = setup(sender_cls=LoggingSender, store=RecordingStore(1 << 24, log=log), sender_first=sender_first)
     conn, sender, rt, tickets = s.conn, s.sender, s.rt, s.tickets
     assert conn.order[0] is sender and conn.order[-1] is rt
-    _run(conn, tickets)
+    h.run_prefill(conn, tickets)
     for t in tickets:
         conn.wait_request(t.request_id, timeout=VERDICT_S)
     kinds = [k for k, _ in log]
@@ -162,7 +147,7 @@ def test_buffer_reuse_waits_for_the_decode_read(setup) -> None:
     recv = s.recv
     tickets = s.tickets
     entered: dict = {}
-    _run(conn, tickets, on_layer=lambda layer: entered.setdefault(layer, time.monotonic()))
+    h.run_prefill(conn, tickets, on_layer=lambda layer: entered.setdefault(layer, time.monotonic()))
     assert entered[2] >= done_at[1]  # layer 2 entered its buffer only after decode read layer 1
     for t in tickets:
         recv.wait_request(t.request_id, timeout=VERDICT_S)
@@ -178,7 +163,7 @@ def test_request_completion_is_tracked_apart_from_buffer_completion(setup) -> No
     pool = s.pool
     idx = s.idx
     tickets = s.tickets
-    _run(conn, tickets)  # end_forward does not wait for the remote reads
+    h.run_prefill(conn, tickets)  # end_forward does not wait for the remote reads
     rid = tickets[0].request_id
     assert sender.request_state(rid) == "pending" and recv.state(rid) == "pending"
     sender.wait_request(rid, timeout=VERDICT_S)
@@ -241,7 +226,7 @@ def test_stale_generation_never_lands_in_a_reused_destination(setup) -> None:
     new = h.make_tickets(pool, [recv], [(9, 8)])[0]
     assert new.main_blocks == old.main_blocks  # the same pool blocks
     with pytest.raises(TransferError, match=r"generation .* not expected"):
-        _run(conn, [old])
+        h.run_prefill(conn, [old])
         sender.wait_request(5, timeout=VERDICT_S)
     assert int(pool.kv_c(0)[list(new.main_blocks)].abs().sum()) == 0
     assert recv.state(9) == "pending"
@@ -258,7 +243,7 @@ def test_release_waits_for_a_read_in_flight(setup) -> None:
 
     def run() -> None:
         try:
-            _run(conn, tickets)
+            h.run_prefill(conn, tickets)
         except TransferError as exc:  # later layers of a released request are refused
             raised.append(exc)
 
@@ -332,7 +317,7 @@ def test_bounded_read_retries(tmp_path, failures: int, retries: int, ok: bool) -
     try:
         tickets = h.make_tickets(pool, [recv], [(5, 8)])
         if ok:
-            _run(conn, tickets)
+            h.run_prefill(conn, tickets)
             sender.wait_request(5, timeout=VERDICT_S)
             recv.wait_request(5, timeout=VERDICT_S)
             assert recv.counters.get("read_retries") == failures
@@ -340,7 +325,7 @@ def test_bounded_read_retries(tmp_path, failures: int, retries: int, ok: bool) -
             with pytest.raises(
                 TransferError, match=r"read failed after \d+ retries: .*injected read failure"
             ):
-                _run(conn, tickets)
+                h.run_prefill(conn, tickets)
                 sender.wait_request(5, timeout=VERDICT_S)
             assert recv.state(5) == "failed"
             assert flaky.reads >= retries + 1
@@ -394,7 +379,7 @@ def test_registered_existing_buffers_transfer_over_mooncake(tmp_path) -> None:
                            rendezvous=FileRendezvous(rdv))  # fmt: skip
     try:
         tickets = h.make_tickets(pool, recvs, h.REQUESTS)
-        _run(PrefillMultiConnector([sender, rt]), tickets)
+        h.run_prefill(PrefillMultiConnector([sender, rt]), tickets)
         for t in tickets:
             sender.wait_request(t.request_id, timeout=VERDICT_S)
             recvs[0].wait_request(t.request_id, timeout=VERDICT_S)
@@ -431,11 +416,11 @@ def test_layers_without_indexer(tmp_path, p_layers, d_layers, ok: bool) -> None:
             with pytest.raises(
                 TransferError, match=r"indexer metadata: block bytes .* the destination has no indexer"
             ):
-                _run(conn, tickets)
+                h.run_prefill(conn, tickets)
                 sender.wait_request(5, timeout=VERDICT_S)
             assert recvs[0].state(5) == "failed"
             return
-        _run(conn, tickets)
+        h.run_prefill(conn, tickets)
         for t in tickets:
             recvs[0].wait_request(t.request_id, timeout=VERDICT_S)
             n = len(t.main_blocks)

@@ -37,6 +37,17 @@ def decode_key(kv_port: int, dp_rank: int, tp_rank: int) -> str:
     return f"kvoffload-pd.{kv_port}.decode.{dp_rank}.{tp_rank}"
 
 
+def _parse_record(raw: bytes, where: str) -> dict:
+    """The JSON object in ``raw``; ``ValueError`` naming ``where`` for anything else."""
+    try:
+        record = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{where} is not JSON: {exc}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where} must be a JSON object, got {type(record).__name__}")
+    return record
+
+
 class Rendezvous(abc.ABC):
     """Publish / look up small JSON records by key."""
 
@@ -140,15 +151,7 @@ class FileRendezvous(Rendezvous):
             raw = f.read(MAX_RECORD_BYTES + 1)
         if len(raw) > MAX_RECORD_BYTES:
             raise ValueError(f"FileRendezvous: record {key!r} ({path}) exceeds {MAX_RECORD_BYTES} bytes")
-        try:
-            record = json.loads(raw)
-        except ValueError as exc:
-            raise ValueError(f"FileRendezvous: record {key!r} ({path}) is not JSON: {exc}") from None
-        if not isinstance(record, dict):
-            raise ValueError(
-                f"FileRendezvous: record {key!r} ({path}) must be a JSON object, got {type(record).__name__}"
-            )
-        return record
+        return _parse_record(raw, f"FileRendezvous: record {key!r} ({path})")
 
     def remove(self, key: str) -> None:
         name = self._name(key)
@@ -191,15 +194,7 @@ class MooncakeMetadataRendezvous(Rendezvous):
         raw = self._request("GET", key)
         if raw is None:
             return None
-        try:
-            record = json.loads(raw)
-        except ValueError as exc:
-            raise ValueError(f"rendezvous: record {key!r} from {self.url} is not JSON: {exc}") from None
-        if not isinstance(record, dict):
-            raise ValueError(
-                f"rendezvous: record {key!r} from {self.url} must be a JSON object, got {type(record).__name__}"
-            )
-        return record
+        return _parse_record(raw, f"rendezvous: record {key!r} from {self.url}")
 
     def remove(self, key: str) -> None:
         self._request("DELETE", key)

@@ -19,8 +19,8 @@
 The compute workload is a plain stand-in for attention, not a model: per layer, each request gathers its
 cached rows through its block table and the hidden state goes through a few matmuls with them
 (``--compute-reps`` sets how much compute a layer has to hide a broadcast behind). The KVPP runtime is
-driven directly (``KVPPConfig.build_runtime``, ``schedule_forward`` / ``wait_layer`` /
-``complete_forward``). Prints tables and writes ``benchmarks/results/kvpp_bench.json``.
+driven directly (``KVPPConfig.build_runtime``, ``begin_forward`` / ``wait_layer`` /
+``end_forward``). Prints tables and writes ``benchmarks/results/kvpp_bench.json``.
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def _traffic_worker(
         t0 = time.perf_counter()
         waited0 = sched.counters.get("wait_seconds")
         if mode != "compute":
-            sched.schedule_forward(True, tables if mode == "runs" else None)
+            sched.begin_forward(True, tables if mode == "runs" else None)
         for layer in range(num_layers):
             if mode != "compute":
                 sched.wait_layer(layer)
@@ -217,17 +217,17 @@ def _traffic_worker(
                 layer, x, rt.views(layer), tables, [n + step for n in lengths], weights[layer], reps
             )
         if mode != "compute":
-            sched.complete_forward()
+            sched.end_forward()
         return x, time.perf_counter() - t0, sched.counters.get("wait_seconds") - waited0
 
     def serial(block_tables) -> float:
         """The forward's broadcasts back to back, without compute (``None``: whole spans)."""
         dist.barrier()
         t0 = time.perf_counter()
-        sched.schedule_forward(True, block_tables)
+        sched.begin_forward(True, block_tables)
         for layer in range(num_layers):
             sched.wait_layer(layer)
-        sched.complete_forward()
+        sched.end_forward()
         return time.perf_counter() - t0
 
     result: dict = {"rank": rank, "modes": {}, "runs": None}
@@ -240,9 +240,9 @@ def _traffic_worker(
             per_forward.append(sched.counters.get("bytes_broadcast") - before)
             outputs.append(y)
         result["modes"][mode] = {"outputs": outputs, "bytes_per_forward": per_forward}
-    sched.schedule_forward(True, tables)
+    sched.begin_forward(True, tables)
     result["runs"] = sched.block_runs
-    sched.complete_forward()
+    sched.end_forward()
     # overlap: interleave compute-only, KVPP (block runs) and serial broadcasts per step
     rows = []
     for step in range(steps):

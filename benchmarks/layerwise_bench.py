@@ -130,10 +130,13 @@ class Setup:
         for name, value in tuning.items():
             setattr(self.rt, TUNING[name], value)
         # the hook methods (runtimes of older revisions, loaded by layerwise_paired.py, named them
-        # before_attention / after_cache_write)
-        old = not hasattr(self.rt, "wait")
-        self.wait = self.rt.before_attention if old else self.rt.wait
-        self.save = self.rt.after_cache_write if old else self.rt.save
+        # wait / save, and before that before_attention / after_cache_write)
+        if hasattr(self.rt, "wait_layer"):
+            self.wait_layer, self.save_layer = self.rt.wait_layer, self.rt.save_layer
+        elif hasattr(self.rt, "wait"):
+            self.wait_layer, self.save_layer = self.rt.wait, self.rt.save
+        else:
+            self.wait_layer, self.save_layer = self.rt.before_attention, self.rt.after_cache_write
         bs = args.block_size
         self.tokens = [torch.arange((args.prefix_blocks + args.new_blocks) * bs + 1)]
         self.table = [list(range(args.prefix_blocks + args.new_blocks + 1))]
@@ -146,12 +149,12 @@ class Setup:
         t0 = time.perf_counter()
         rt.begin_forward(self.tokens, self.table, self.cached)
         for layer in range(self.plan.num_layers):
-            self.wait(layer)
+            self.wait_layer(layer)
             if compute is not None:
                 c0 = time.perf_counter()
                 compute()
                 in_compute += time.perf_counter() - c0
-            self.save(layer)
+            self.save_layer(layer)
         rt.end_forward()
         return time.perf_counter() - t0, in_compute
 
@@ -234,8 +237,8 @@ def filled_store(args, store_cls=LocalKVStore, runtime_cls=LayerwiseOffloadRunti
     warm = Setup(args, 1, 1, store, runtime_cls=runtime_cls)
     warm.rt.begin_forward(warm.tokens, warm.table, [0])
     for layer in range(args.layers):
-        warm.wait(layer)
-        warm.save(layer)
+        warm.wait_layer(layer)
+        warm.save_layer(layer)
     warm.rt.end_forward()
     warm.rt.close()
     return store

@@ -159,10 +159,10 @@ def _prefill(a: dict, tickets_q, result_q, layers: int, nb: int, plan, transport
                 else:
                     conn.begin_forward([[1]], table, tickets_)
                 for layer in range(layers):
-                    conn.wait(layer)
+                    conn.wait_layer(layer)
                     for _ in range(a["mm_reps"]):
                         x @ x
-                    conn.save(layer)
+                    conn.save_layer(layer)
                 conn.end_forward()
                 return time.perf_counter() - start
 

@@ -266,10 +266,10 @@ def prefill(a: dict, tickets_q, result_q) -> None:
     try:
         conn.begin_forward([list(range(a["tokens"]))], [table], [ticket])
         for layer in range(layers):
-            conn.wait(layer)
+            conn.wait_layer(layer)
             for c, buf in enumerate(conn.layer_caches(layer)):
                 buf[table] = layer_kv(layer, c, nb)
-            conn.save(layer)
+            conn.save_layer(layer)
         conn.end_forward()
         sender.wait_request(RID, timeout=30)
     except Exception as exc:

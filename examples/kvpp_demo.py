@@ -142,12 +142,12 @@ def worker(
     outputs = []
     for i, batch in enumerate(batches):
         tables = [table for *_, table in batch["requests"]]
-        rt.scheduler.schedule_forward(batch["history"], tables)
+        rt.scheduler.begin_forward(batch["history"], tables)
         x = step_input(i, batch)
         for layer in layers + draft_layers:
             kvpp_wait_layer(name, layer, rt.caches(layer))  # after the projections, before KV reads
             x = layer_step(layer, x, rt.views(layer), batch)
-        rt.scheduler.complete_forward()
+        rt.scheduler.end_forward()
         outputs.append(x)
     torch.save(
         {

@@ -55,12 +55,12 @@ class ToyMLA:
         for layer, w in enumerate(self.w):
             c_cache, pe_cache = (t.view(-1, t.shape[-1]) for t in caches_of(layer))
             if rt is not None:
-                rt.wait(layer)  # previous user of the buffer saved, prefix loaded
+                rt.wait_layer(layer)  # previous user of the buffer saved, prefix loaded
             c_kv = torch.nn.functional.normalize(x @ w["kv"], dim=-1)
             c_cache[slots[cached:]] = c_kv
             pe_cache[slots[cached:]] = x @ w["pe"]
             if rt is not None:
-                rt.save(layer)  # start saving the new blocks
+                rt.save_layer(layer)  # start saving the new blocks
             q = x @ w["q"]
             s = q[:, :RANK] @ c_cache[slots].T + q[:, RANK:] @ pe_cache[slots].T
             s = s.masked_fill(pos[None, :] > pos[cached:, None], float("-inf")) / math.sqrt(RANK + ROPE)

@@ -230,7 +230,7 @@ def kvpp_worker(rank: int, world: int, tp: int, pp: int, num_layers: int, out: s
         for i, step in enumerate(SCRIPT):
             tables = [list(r.blocks) for r in step] if mode == "runs" else None
             before = sched.counters.snapshot()
-            sched.schedule_forward(has_history(step), tables)
+            sched.begin_forward(has_history(step), tables)
             runs_seen.append(sched.block_runs)
             x = step_input(i, sum(r.new for r in step))
             covered = {b for s, t in (sched.block_runs or [(0, NUM_BLOCKS)]) for b in range(s, t)}
@@ -239,7 +239,7 @@ def kvpp_worker(rank: int, world: int, tp: int, pp: int, num_layers: int, out: s
                 x = layer_forward(layer, x, step, rt.views(layer), hook)
                 if not rt.plan.is_persistent(layer):
                     rt.allocation.bundle_span(layer).fill_(SENTINEL)  # scratch is transient
-            sched.complete_forward()
+            sched.end_forward()
             after = sched.counters.snapshot()
             per_forward.append({k: after[k] - before[k] for k in after})
             outputs.append(x)
@@ -260,7 +260,7 @@ def kvpp_worker(rank: int, world: int, tp: int, pp: int, num_layers: int, out: s
             group, dict.fromkeys(layers, spec()), num_blocks=NUM_BLOCKS + group.local_rank
         )
         try:
-            bad.scheduler.schedule_forward(False)
+            bad.scheduler.begin_forward(False)
             result["mismatch"] = ""
         except RuntimeError as exc:
             result["mismatch"] = str(exc)
@@ -269,7 +269,7 @@ def kvpp_worker(rank: int, world: int, tp: int, pp: int, num_layers: int, out: s
         fail_layer = rt.plan.target_layers[2]
         transport = _FailingTransport(BroadcastTransport(group), fail_layer)
         failing = KVPPScheduler(rt.allocation, transport, wait_timeout=60.0)
-        failing.schedule_forward(True, [[1, 2]])
+        failing.begin_forward(True, [[1, 2]])
         raised_at, message = None, ""
         try:
             for layer in rt.plan.target_layers:
@@ -282,7 +282,7 @@ def kvpp_worker(rank: int, world: int, tp: int, pp: int, num_layers: int, out: s
             failing.wait_layer(rt.plan.target_layers[-1])
         except TransferError as exc:
             later = str(exc)
-        failing.complete_forward()
+        failing.end_forward()
         failing.close()
         result["failure"] = {
             "fail_layer": fail_layer,
@@ -317,7 +317,7 @@ def _good_forward(rt, name: str, tables: list[list[int]]) -> list[str]:
     (the owner's cache is :func:`initial_cache`, the same on every rank). Returns what differed."""
     problems = []
     blocks = torch.tensor(sorted({b for t in tables for b in t}))
-    rt.scheduler.schedule_forward(True, tables)
+    rt.scheduler.begin_forward(True, tables)
     for layer in rt.plan.target_layers:
         kvpp_wait_layer(name, layer, rt.caches(layer))
         if not rt.plan.is_persistent(layer):
@@ -325,7 +325,7 @@ def _good_forward(rt, name: str, tables: list[list[int]]) -> list[str]:
                 if not torch.equal(v[blocks], initial_cache(layer)[n][blocks]):
                     problems.append(f"layer {layer} {n}")
             rt.allocation.bundle_span(layer).fill_(SENTINEL)
-    rt.scheduler.complete_forward()
+    rt.scheduler.end_forward()
     return problems
 
 
@@ -351,14 +351,14 @@ def agreement_worker(rank: int, world: int, out: str, wait_timeout: float, short
     sched = rt.scheduler
     result: dict = {"rank": rank, "first": _good_forward(rt, name, GOOD_TABLES)}
     # different valid tables on the two ranks (each alone would be a fine forward)
-    result["tables_differ"] = _attempt(lambda: sched.schedule_forward(True, [[1 + rank, 30]]))
+    result["tables_differ"] = _attempt(lambda: sched.begin_forward(True, [[1 + rank, 30]]))
     result["after_tables_differ"] = _good_forward(rt, name, GOOD_TABLES)
     # the same tables, but only rank 0 has history (it would broadcast, rank 1 would not)
-    result["history_differs"] = _attempt(lambda: sched.schedule_forward(rank == 0, [[2]]))
+    result["history_differs"] = _attempt(lambda: sched.begin_forward(rank == 0, [[2]]))
     result["after_history_differs"] = _good_forward(rt, name, [[2], [7, 8]])
     # rank 1 raises on bad input (a block outside the pool); rank 0's input is fine
     bad = [[NUM_BLOCKS]] if rank == 1 else [[5]]
-    result["bad_input"] = _attempt(lambda: sched.schedule_forward(True, bad))
+    result["bad_input"] = _attempt(lambda: sched.begin_forward(True, bad))
     result["after_bad_input"] = _good_forward(rt, name, GOOD_TABLES)
     result["counters"] = sched.counters.snapshot()
     rt.close()
@@ -366,11 +366,11 @@ def agreement_worker(rank: int, world: int, out: str, wait_timeout: float, short
     rt, name = _agreement_runtime(group, rank, short_timeout, "absent")
     _good_forward(rt, name, GOOD_TABLES)
     if rank == 0:
-        result["absent_peer"] = _attempt(lambda: rt.scheduler.schedule_forward(True, GOOD_TABLES))
-        result["after_absent_peer"] = _attempt(lambda: rt.scheduler.schedule_forward(True, GOOD_TABLES))
+        result["absent_peer"] = _attempt(lambda: rt.scheduler.begin_forward(True, GOOD_TABLES))
+        result["after_absent_peer"] = _attempt(lambda: rt.scheduler.begin_forward(True, GOOD_TABLES))
     dist.barrier()  # rank 1 comes back only after rank 0 gave up
     if rank == 1:  # and joins with an error: the exchange rank 0 left behind completes, nothing is broadcast
-        result["late_peer"] = _attempt(lambda: rt.scheduler.schedule_forward(True, [[NUM_BLOCKS]]))
+        result["late_peer"] = _attempt(lambda: rt.scheduler.begin_forward(True, [[NUM_BLOCKS]]))
     rt.close()
     # a peer that fails in the middle of a forward (after the exchange): rank 1 stops after layer 0's
     # broadcast; rank 0's wait for a later layer fails after the configured timeout, and so does the
@@ -378,14 +378,14 @@ def agreement_worker(rank: int, world: int, out: str, wait_timeout: float, short
     group = create_kvpp_group(dp=1, pp=1, pcp=1, tp=world, device=torch.device("cpu"))
     rt, name = _agreement_runtime(group, rank, short_timeout, "midway")
     _good_forward(rt, name, GOOD_TABLES)
-    rt.scheduler.schedule_forward(True, GOOD_TABLES)
+    rt.scheduler.begin_forward(True, GOOD_TABLES)
     if rank == 0:
         result["peer_gone_midway"] = _attempt(
             lambda: [rt.scheduler.wait_layer(layer) for layer in rt.plan.target_layers]
         )
         # the wait itself may time out first (the broadcast stays pending) or see the transfer fail
-        result["complete_after_peer_gone"] = _attempt(rt.scheduler.complete_forward)
-        result["after_peer_gone"] = _attempt(lambda: rt.scheduler.schedule_forward(True, GOOD_TABLES))
+        result["complete_after_peer_gone"] = _attempt(rt.scheduler.end_forward)
+        result["after_peer_gone"] = _attempt(lambda: rt.scheduler.begin_forward(True, GOOD_TABLES))
     result["close_after_peer_gone"] = _attempt(rt.close)
     dist.barrier()  # rank 1 stays alive (its connections open) until rank 0 is done
     torch.save(result, out.format(rank=rank))

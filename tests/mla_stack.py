@@ -110,7 +110,7 @@ class MLAStack:
         for layer, p in enumerate(self.layers):
             caches = caches_of(layer)
             if hooks is not None:
-                hooks.wait(layer, caches)
+                hooks.wait_layer(layer, caches)
             c_cache = caches[0].view(-1, c.kv_lora_rank)
             pe_cache = caches[1].view(-1, c.rope_dim)
             hs = []
@@ -123,7 +123,7 @@ class MLAStack:
                 pe_cache[slot[k:]] = k_pe
                 hs.append(h)
             if hooks is not None:
-                hooks.save(layer, caches)
+                hooks.save_layer(layer, caches)
             if on_attention is not None:
                 on_attention(layer)
             new_xs = []

@@ -184,11 +184,11 @@ def run_prefill(conn, tickets, *, on_layer=None) -> list[list[int]]:
     conn.begin_forward(tokens, tables, tickets)
     try:
         for layer in range(L):
-            conn.wait(layer)
+            conn.wait_layer(layer)
             if on_layer is not None:
                 on_layer(layer)
             write_layer(conn, layer, tickets, tables)
-            conn.save(layer)
+            conn.save_layer(layer)
     finally:
         conn.end_forward()
     return tables
@@ -207,10 +207,10 @@ def prefill_rank(
         try:
             conn.begin_forward(tokens, tables, tickets)
             for layer in range(L):
-                conn.wait(layer)
+                conn.wait_layer(layer)
                 write_layer(conn, layer, tickets, tables)
                 time.sleep(layer_sleep)
-                conn.save(layer)
+                conn.save_layer(layer)
             conn.end_forward()
             end = time.monotonic() + wait_s
             for t in tickets:

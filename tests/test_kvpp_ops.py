@@ -57,7 +57,7 @@ def test_opcheck_on_a_forward_with_history(setup) -> None:
     sched, alloc, transport, truth = setup
     for v in alloc.scratch:
         v.fill_(0)
-    sched.schedule_forward(True, TABLES)
+    sched.begin_forward(True, TABLES)
     wait = torch.ops.kvoffload.kvpp_wait_layer.default
     prefetch = torch.ops.kvoffload.kvpp_prefetch_layer.default
     # opcheck calls the op several times (eager, fake, AOT with copies of the arguments): the first wait
@@ -69,20 +69,20 @@ def test_opcheck_on_a_forward_with_history(setup) -> None:
     assert transport.layers == [0, 1]
     for layer in range(1, NUM_LAYERS):
         kvpp_wait_layer("ops-test", layer, list(alloc.views(layer).values()))
-    sched.complete_forward()
+    sched.end_forward()
     assert transport.layers == [0, 1, 2, 3, 4]
     assert sched.counters.get("waits") == 5
 
 
 def test_eager_ops_drive_the_scheduler(setup) -> None:
     sched, alloc, transport, truth = setup
-    sched.schedule_forward(True, TABLES)
+    sched.begin_forward(True, TABLES)
     for layer in range(NUM_LAYERS):
         kvpp_wait_layer("ops-test", layer, list(alloc.views(layer).values()))
         assert _scratch_holds_the_owners_blocks(alloc, truth, layer)
         if layer + 1 < NUM_LAYERS:
             kvpp_prefetch_layer("ops-test", layer + 1, list(alloc.views(layer + 1).values()))
-    sched.complete_forward()
+    sched.end_forward()
     assert transport.layers == [0, 1, 2, 3, 4]
     assert sched.counters.get("waits") == 5
 
@@ -151,9 +151,9 @@ def test_compile_fullgraph_keeps_the_hooks_in_order(setup) -> None:
 
     x = torch.randn(16)
     compiled = torch.compile(_model, backend=recording_backend, fullgraph=True)
-    sched.schedule_forward(True, TABLES)
+    sched.begin_forward(True, TABLES)
     got = compiled(x, caches)
-    sched.complete_forward()
+    sched.end_forward()
     expected_graph = []
     for layer in range(NUM_LAYERS):
         expected_graph.append(("kvpp_wait_layer", layer))
@@ -173,9 +173,9 @@ def test_functionalizing_backend_reads_the_broadcast_data(setup) -> None:
     caches = {layer: list(alloc.views(layer).values()) for layer in range(NUM_LAYERS)}
     x = torch.randn(16)
     compiled = torch.compile(_model, backend="aot_eager", fullgraph=True)
-    sched.schedule_forward(True, TABLES)
+    sched.begin_forward(True, TABLES)
     got = compiled(x, caches)
-    sched.complete_forward()
+    sched.end_forward()
     assert transport.layers == [0, 1, 2, 3, 4]
     want, want_caches = _expected(x, truth)
     torch.testing.assert_close(got, want)

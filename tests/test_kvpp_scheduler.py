@@ -17,12 +17,12 @@ from torch_kvoffload.ops.kvpp import runtimes
 
 def _run_forward(sched: KVPPScheduler, layers, *, history: bool) -> list[int | None]:
     pending = []
-    sched.schedule_forward(history)
+    sched.begin_forward(history)
     pending.append(sched.pending_layer)
     for layer in layers:
         sched.wait_layer(layer)
         pending.append(sched.pending_layer)
-    sched.complete_forward()
+    sched.end_forward()
     return pending
 
 
@@ -75,7 +75,7 @@ def test_wait_really_waits_and_counts_seconds() -> None:
     transport = RecordingTransport()
     sched = KVPPScheduler(alloc, transport)
     transport.gate.clear()
-    sched.schedule_forward(True)
+    sched.begin_forward(True)
     timer = threading.Timer(0.2, transport.gate.set)
     timer.start()
     start = time.perf_counter()
@@ -84,7 +84,7 @@ def test_wait_really_waits_and_counts_seconds() -> None:
     assert sched.counters.get("wait_seconds") >= 0.15
     for layer in range(1, 5):
         sched.wait_layer(layer)
-    sched.complete_forward()
+    sched.end_forward()
     sched.close()
 
 
@@ -92,7 +92,7 @@ def test_failed_broadcast_raises_and_stops() -> None:
     alloc = small_allocation()
     transport = RecordingTransport(fail_layers=(2,))
     sched = KVPPScheduler(alloc, transport)
-    sched.schedule_forward(True)
+    sched.begin_forward(True)
     sched.wait_layer(0)
     sched.wait_layer(1)
     with pytest.raises(TransferError, match="layer 2 failed: link down"):
@@ -101,9 +101,9 @@ def test_failed_broadcast_raises_and_stops() -> None:
     assert isinstance(sched.failed, RuntimeError)
     with pytest.raises(TransferError, match="earlier broadcast failed"):
         sched.wait_layer(3)
-    sched.complete_forward()
+    sched.end_forward()
     with pytest.raises(TransferError, match="earlier broadcast failed"):
-        sched.schedule_forward(True)
+        sched.begin_forward(True)
     assert transport.layers == [0, 1, 2]
     sched.close()
 
@@ -114,9 +114,9 @@ def test_state_errors() -> None:
     sched = KVPPScheduler(alloc, transport)
     with pytest.raises(RuntimeError, match="no forward scheduled"):
         sched.wait_layer(0)
-    sched.schedule_forward(True)
+    sched.begin_forward(True)
     with pytest.raises(RuntimeError, match=r"already scheduled|still pending"):
-        sched.schedule_forward(True)
+        sched.begin_forward(True)
     with pytest.raises(RuntimeError, match="out of order"):
         sched.wait_layer(1)
     with pytest.raises(KeyError, match="no KV cache"):
@@ -124,28 +124,28 @@ def test_state_errors() -> None:
     sched.wait_layer(5)  # draft: local, no-op
     assert sched.pending_layer == 0
     sched.wait_layer(0)
-    # a forward that ends early: complete_forward finishes the pending prefetch
+    # a forward that ends early: end_forward finishes the pending prefetch
     assert sched.pending_layer == 1
-    sched.complete_forward()
+    sched.end_forward()
     assert sched.pending_layer is None
-    # pending prefetch left over (complete_forward skipped) -> starting a forward is an error
-    sched.schedule_forward(True)
-    sched._in_forward = False  # simulate an engine that forgot complete_forward
+    # pending prefetch left over (end_forward skipped) -> starting a forward is an error
+    sched.begin_forward(True)
+    sched._in_forward = False  # simulate an engine that forgot end_forward
     with pytest.raises(RuntimeError, match="prefetch of layer 0 is still pending"):
-        sched.schedule_forward(True)
+        sched.begin_forward(True)
     sched._in_forward = True
-    sched.complete_forward()
+    sched.end_forward()
     sched.close()
     with pytest.raises(RuntimeError, match="closed"):
-        sched.schedule_forward(False)
+        sched.begin_forward(False)
 
 
 def test_prefetch_layer_is_idempotent_and_bounded() -> None:
     alloc = small_allocation()
     transport = RecordingTransport()
     sched = KVPPScheduler(alloc, transport)
-    sched.schedule_forward(True)
-    sched.prefetch_layer(0)  # already started by schedule_forward
+    sched.begin_forward(True)
+    sched.prefetch_layer(0)  # already started by begin_forward
     with pytest.raises(RuntimeError, match="not the next layer"):
         sched.prefetch_layer(2)
     sched.wait_layer(0)
@@ -154,19 +154,19 @@ def test_prefetch_layer_is_idempotent_and_bounded() -> None:
     assert transport.layers == [0, 1]
     with pytest.raises(KeyError, match="prefetch_layer: layer 17 has no KV cache"):
         sched.prefetch_layer(17)
-    sched.complete_forward()
+    sched.end_forward()
     sched.close()
 
 
 def test_bundle_argument_is_checked() -> None:
     alloc = small_allocation()
     sched = KVPPScheduler(alloc, RecordingTransport())
-    sched.schedule_forward(False)
+    sched.begin_forward(False)
     sched.wait_layer(0, list(alloc.views(0).values()))
     sched.wait_layer(1, [alloc.bundle_span(1)])
     with pytest.raises(ValueError, match="bundle of layer 2"):
         sched.wait_layer(2, [torch.zeros(3, 4, 15)])
-    sched.complete_forward()
+    sched.end_forward()
     sched.close()
 
 
@@ -175,7 +175,7 @@ def test_ranks_must_agree_before_the_first_forward() -> None:
     transport = RecordingTransport(peers_differ={"num_blocks": 99})
     sched = KVPPScheduler(alloc, transport)
     with pytest.raises(RuntimeError, match=r"disagree on num_blocks: rank 100: 3; rank 101: 99"):
-        sched.schedule_forward(False)
+        sched.begin_forward(False)
     assert transport.calls == []
     sched.close()
 
@@ -195,14 +195,14 @@ def test_wait_timeout_keeps_the_broadcast_pending() -> None:
     transport = RecordingTransport()
     sched = KVPPScheduler(alloc, transport, wait_timeout=0.05)
     transport.gate.clear()
-    sched.schedule_forward(True)
+    sched.begin_forward(True)
     with pytest.raises(TimeoutError):
         sched.wait_layer(0)
     assert sched.pending_layer == 0 and sched.failed is None  # a collective in flight cannot be dropped
     transport.gate.set()
     for layer in range(5):
         sched.wait_layer(layer)
-    sched.complete_forward()
+    sched.end_forward()
     sched.close()
 
 
@@ -244,11 +244,11 @@ def test_broadcasts_move_only_the_block_runs(tables, runs) -> None:
     transport = RecordingTransport(2, 1)
     per_block = [4 * 16 * 4, 4 * 8 * 4, 4 * 8 * 4]  # c_kv, k_pe, index_k: block_size x dim x fp32
     with KVPPScheduler(alloc, transport) as sched:
-        sched.schedule_forward(True, tables)
+        sched.begin_forward(True, tables)
         assert sched.block_runs == runs
         for layer in range(4):
             sched.wait_layer(layer)
-        sched.complete_forward()
+        sched.end_forward()
         for layer, _, spans, _ in transport.calls:
             base = alloc.bundle_span(layer).data_ptr()
             expected = []
@@ -271,11 +271,11 @@ def test_max_runs_caps_the_collectives_per_layer() -> None:
     transport = RecordingTransport(2, 1)
     with KVPPScheduler(alloc, transport, max_runs=2) as sched:
         # runs (0,1) (2,3) (10,12) (19,20): gaps 1, 7, 7; two runs keep the leftmost largest gap
-        sched.schedule_forward(True, [[0], [2], [10], [11], [19]])
+        sched.begin_forward(True, [[0], [2], [10], [11], [19]])
         assert sched.block_runs == [(0, 3), (10, 20)]
         sched.wait_layer(0)
         sched.wait_layer(1)
-        sched.complete_forward()
+        sched.end_forward()
     assert [len(c[2]) for c in transport.calls] == [6, 6]
 
 
@@ -284,10 +284,10 @@ def test_tables_without_blocks_or_history_broadcast_nothing() -> None:
     transport = RecordingTransport(2, 1)
     with KVPPScheduler(alloc, transport) as sched:
         for history, tables in ((True, [[-1, -1]]), (True, []), (False, [[1, 2]]), (False, None)):
-            sched.schedule_forward(history, tables)
+            sched.begin_forward(history, tables)
             for layer in range(3):
                 sched.wait_layer(layer)
-            sched.complete_forward()
+            sched.end_forward()
         assert transport.calls == []
         assert sched.counters.get("forwards") == 4 and sched.counters.get("forwards_with_history") == 2
 
@@ -296,16 +296,16 @@ def test_bad_tables_leave_the_scheduler_untouched() -> None:
     alloc = small_allocation(3, 2, 1, num_blocks=8)
     transport = RecordingTransport(2, 1)
     with KVPPScheduler(alloc, transport) as sched:
-        with pytest.raises(ValueError, match=r"schedule_forward: block_runs: .*block 8, out of range"):
-            sched.schedule_forward(True, torch.tensor([[1, 8]]))
-        with pytest.raises(TypeError, match=r"schedule_forward: .*integer tensor"):
-            sched.schedule_forward(True, torch.zeros(1, 2))
+        with pytest.raises(ValueError, match=r"begin_forward: block_runs: .*block 8, out of range"):
+            sched.begin_forward(True, torch.tensor([[1, 8]]))
+        with pytest.raises(TypeError, match=r"begin_forward: .*integer tensor"):
+            sched.begin_forward(True, torch.zeros(1, 2))
         assert transport.calls == [] and sched.counters.get("forwards") == 0
         assert sched.pending_layer is None
-        sched.schedule_forward(True, [[1]])  # not "already scheduled": nothing changed
+        sched.begin_forward(True, [[1]])  # not "already scheduled": nothing changed
         for layer in range(3):
             sched.wait_layer(layer)
-        sched.complete_forward()
+        sched.end_forward()
         assert transport.layers == [0, 1, 2]
 
 
@@ -318,20 +318,20 @@ def test_accelerator_waits_are_stream_waits() -> None:
     alloc = small_allocation(3, 2, 1)
     transport = RecordingTransport(2, 1, device="cuda")
     with KVPPScheduler(alloc, transport) as sched:
-        sched.schedule_forward(True, [[0, 1]])
+        sched.begin_forward(True, [[0, 1]])
         for layer in range(3):
             sched.wait_layer(layer)
-        sched.complete_forward()
+        sched.end_forward()
     assert transport.wait_log == ["wait_on_compute"] * 3
     cpu = RecordingTransport(2, 1)
     with KVPPScheduler(small_allocation(3, 2, 1), cpu) as sched:  # on CPU the host blocks: real waits
         cpu.gate.clear()
-        sched.schedule_forward(True, [[0]])
+        sched.begin_forward(True, [[0]])
         threading.Timer(0.1, cpu.gate.set).start()
         start = time.perf_counter()
         sched.wait_layer(0)
         assert time.perf_counter() - start >= 0.05
-        sched.complete_forward()
+        sched.end_forward()
 
 
 def test_wait_copies_the_cache_into_tensors_that_are_not_it() -> None:
@@ -340,7 +340,7 @@ def test_wait_copies_the_cache_into_tensors_that_are_not_it() -> None:
         for layer in range(4):
             for v in alloc.views(layer).values():
                 v.copy_(torch.randn(v.shape))
-        sched.schedule_forward(True, [[0, 2]])
+        sched.begin_forward(True, [[0, 2]])
         for layer in range(4):
             own = list(alloc.views(layer).values())
             clones = [torch.full_like(v, -7.0) for v in own]
@@ -353,11 +353,11 @@ def test_wait_copies_the_cache_into_tensors_that_are_not_it() -> None:
             before = [v.clone() for v in own]
             sched.wait_layer(layer, own)  # the cache itself: nothing copied, nothing changed
             assert all(torch.equal(b, v) for b, v in zip(before, own, strict=True))
-        sched.complete_forward()
+        sched.end_forward()
         with pytest.raises(ValueError, match="wait_layer: bundle of layer 0"):
-            sched.schedule_forward(False)
+            sched.begin_forward(False)
             sched.wait_layer(0, [torch.zeros(3, 4, 16, dtype=torch.float64)])
-        sched.complete_forward()
+        sched.end_forward()
 
 
 # ------------------------------------------------------------------------ agreement before a forward
@@ -368,10 +368,10 @@ def test_every_forward_exchanges_its_tables_fingerprint_and_status() -> None:
     transport = RecordingTransport(2, 1)
     with KVPPScheduler(alloc, transport) as sched:
         for history, tables in ((True, [[1, 2]]), (False, None), (True, torch.tensor([[1, 2]]))):
-            sched.schedule_forward(history, tables)
+            sched.begin_forward(history, tables)
             for layer in range(3):
                 sched.wait_layer(layer)
-            sched.complete_forward()
+            sched.end_forward()
         digests = [d for d, _ in transport.exchanges]
         assert [s for _, s in transport.exchanges] == [0, 0, 0]
         assert digests == [forward_digest(True, [[1, 2]]), forward_digest(False, None),
@@ -393,14 +393,14 @@ def test_a_disagreeing_or_failed_peer_refuses_the_forward_on_this_rank(peer: str
             transport.peer_exchange = [0, 1]
             match = "rank 101 could not schedule this forward"
         with pytest.raises(RuntimeError, match=match):
-            sched.schedule_forward(True, [[1, 2]])
+            sched.begin_forward(True, [[1, 2]])
         assert transport.calls == [] and sched.pending_layer is None and sched.failed is None
         assert sched.counters.get("forwards_refused") == 1 and sched.counters.get("forwards") == 0
         transport.peer_exchange = None  # the peers agree again: the next forward runs
-        sched.schedule_forward(True, [[1, 2]])
+        sched.begin_forward(True, [[1, 2]])
         for layer in range(3):
             sched.wait_layer(layer)
-        sched.complete_forward()
+        sched.end_forward()
         assert transport.layers == [0, 1, 2]
 
 
@@ -409,7 +409,7 @@ def test_bad_tables_are_reported_to_the_peers_before_raising() -> None:
     transport = RecordingTransport(2, 1)
     with KVPPScheduler(alloc, transport) as sched:
         with pytest.raises(ValueError, match="block 8, out of range"):
-            sched.schedule_forward(True, torch.tensor([[1, 8]]))
+            sched.begin_forward(True, torch.tensor([[1, 8]]))
         assert transport.exchanges == [[0, 1]]  # took part, with status "could not schedule"
         assert sched.counters.get("forwards_refused") == 1
 
@@ -420,11 +420,11 @@ def test_a_peer_that_never_joins_fails_the_scheduler() -> None:
     with KVPPScheduler(alloc, transport, wait_timeout=0.5) as sched:
         transport.exchange_error = TimeoutError("the agreement exchange did not complete within 0.5 s")
         with pytest.raises(TimeoutError, match=r"within 0\.5 s; the scheduler is failed"):
-            sched.schedule_forward(True, [[1]])
+            sched.begin_forward(True, [[1]])
         assert transport.calls == [] and sched.failed is not None
         transport.exchange_error = None
         with pytest.raises(TransferError, match="an earlier agreement exchange failed"):
-            sched.schedule_forward(True, [[1]])
+            sched.begin_forward(True, [[1]])
 
 
 def test_forward_digest_tells_forwards_apart() -> None:

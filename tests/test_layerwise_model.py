@@ -32,10 +32,10 @@ class OpHooks:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def wait(self, layer, caches) -> None:
+    def wait_layer(self, layer, caches) -> None:
         layer_wait(self.name, layer, list(caches))
 
-    def save(self, layer, caches) -> None:
+    def save_layer(self, layer, caches) -> None:
         layer_save(self.name, layer, list(caches))
         layer_prefetch(self.name, layer, list(caches))
 
@@ -157,12 +157,12 @@ def test_shared_prefix_is_loaded_not_recomputed(model) -> None:
         a_kv = {}
 
         class Capture(OpHooks):
-            def save(self, layer, caches):
+            def save_layer(self, layer, caches):
                 a_kv[layer] = (
                     caches[0][_tables([18])[0][:3]].clone(),
                     caches[1][_tables([18])[0][:3]].clone(),
                 )
-                super().save(layer, caches)
+                super().save_layer(layer, caches)
 
         cached_a = off.rt.begin_forward([a], _tables([18]))
         model.prefill([a], _tables([18]), off.caches_of, cached_a, hooks=Capture(off.name))
@@ -171,8 +171,8 @@ def test_shared_prefix_is_loaded_not_recomputed(model) -> None:
         seen = {}
 
         class Watch(OpHooks):
-            def wait(self, layer, caches):
-                super().wait(layer, caches)
+            def wait_layer(self, layer, caches):
+                super().wait_layer(layer, caches)
                 seen[layer] = (caches[0][tables[0][:3]].clone(), caches[1][tables[0][:3]].clone())
 
         tables = _tables([19, 9], start=10)
@@ -235,10 +235,10 @@ def test_injected_save_failure_stops_the_next_user(model) -> None:
         after3 = {}
 
         class Snap(OpHooks):
-            def save(self, layer, caches):
+            def save_layer(self, layer, caches):
                 if layer == 3:
                     after3["c"] = slot_tensor.clone()
-                super().save(layer, caches)
+                super().save_layer(layer, caches)
 
         cached = off.rt.begin_forward(toks2, _tables([23], start=20))
         assert cached == [16]

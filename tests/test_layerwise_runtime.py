@@ -131,7 +131,7 @@ def _run_layers(rt, tokens, tables, cached, *, write=True, on_layer=None, on_ent
     for layer in range(rt.plan.num_layers):
         if on_enter is not None:
             on_enter(layer)
-        rt.wait(layer)
+        rt.wait_layer(layer)
         if on_layer is not None:
             on_layer(layer)
         for toks, table, c in zip(tokens, tables, cached, strict=True):
@@ -143,7 +143,7 @@ def _run_layers(rt, tokens, tables, cached, *, write=True, on_layer=None, on_ent
             b for toks, table in zip(tokens, tables, strict=True) for b in table[: -(-len(toks) // BS)]
         )
         snapshots[layer] = [t[used].clone() for t in rt.layer_caches(layer)]
-        rt.save(layer)
+        rt.save_layer(layer)
     return snapshots
 
 
@@ -212,11 +212,11 @@ def test_loads_read_through_the_lookup_leases(fixed: bool, critical: int) -> Non
         cached = rt.begin_forward(toks, [[7, 8, 9, 10], [11, 12, 13]], [12, 8] if fixed else None)
         assert cached == [12, 8]
         for layer in range(4):
-            rt.wait(layer)
+            rt.wait_layer(layer)
             for got, ref in zip(rt.layer_caches(layer), first[layer], strict=True):
                 # forward 1 used blocks [0..3] and [4..6]; its sorted snapshot holds them in that order
                 assert torch.equal(got[[7, 8, 9, 11, 12]], ref[[0, 1, 2, 4, 5]]), layer
-            rt.save(layer)
+            rt.save_layer(layer)
         rt.end_forward()
         assert (store.via_leases, store.by_key) == (4 + critical - 1, 0)
         snap = rt.counters.snapshot()
@@ -316,23 +316,23 @@ def test_aborted_forward_does_not_let_a_later_layer_load_early() -> None:
         toks = [list(range(300, 313))]
         _, first = _forward(rt, toks, [[0, 1, 2, 3]])
         rt.begin_forward(toks, [[4, 5, 6, 7]])
-        rt.wait(0)
-        rt.save(0)
-        rt.wait(1)
+        rt.wait_layer(0)
+        rt.save_layer(0)
+        rt.wait_layer(1)
         rt.end_forward()  # aborted after layer 1: buffer 1's occupant is layer 1
         cached = rt.begin_forward(toks, [[8, 9, 10, 11]])
         assert cached == [12]
-        rt.wait(0)
-        rt.save(0)
-        rt.wait(1)
+        rt.wait_layer(0)
+        rt.save_layer(0)
+        rt.wait_layer(1)
         rt._load_stream.synchronize()  # let any load issued for a later layer land before we look
         got = rt.layer_caches(1)[0][[8, 9, 10]]
         assert torch.equal(got, first[1][0][:3])
-        rt.save(1)
+        rt.save_layer(1)
         for layer in (2, 3):
-            rt.wait(layer)
+            rt.wait_layer(layer)
             assert torch.equal(rt.layer_caches(layer)[0][[8, 9, 10]], first[layer][0][:3])
-            rt.save(layer)
+            rt.save_layer(layer)
         rt.end_forward()
     finally:
         rt.close()
@@ -352,15 +352,15 @@ def test_completion_provider_gates_reuse() -> None:
     rt.register_completion_provider(provider)
     try:
         rt.begin_forward([list(range(9))], [[0, 1, 2]])
-        rt.wait(0)
-        rt.save(0)
-        rt.wait(1)
-        rt.save(1)
+        rt.wait_layer(0)
+        rt.save_layer(0)
+        rt.wait_layer(1)
+        rt.save_layer(1)
         assert calls == [(0, 0), (1, 1)]
         entered = threading.Event()
 
         def enter2():
-            rt.wait(2)  # slot 1 previously used by layer 1: waits for its provider event
+            rt.wait_layer(2)  # slot 1 previously used by layer 1: waits for its provider event
             entered.set()
 
         th = threading.Thread(target=enter2)
@@ -370,10 +370,10 @@ def test_completion_provider_gates_reuse() -> None:
         releases[1]._set_done()
         th.join(5)
         assert entered.is_set()
-        rt.save(2)
+        rt.save_layer(2)
         releases[2]._set_error(ConnectionError("remote read failed"))
         with pytest.raises(TransferError, match="remote read failed"):
-            rt.wait(3)
+            rt.wait_layer(3)
         assert rt.poisoned_slots() == [1]
         rt.end_forward()
         with pytest.raises(SlotPoisonedError):
@@ -422,12 +422,12 @@ def test_evicted_block_fails_the_load() -> None:
         rt.end_forward()  # loads issued for layers 0..2 complete; now evict and retry
         store.remove(layer_block_keys(block_hashes(toks, BS), 2, model_id=rt.fingerprint)[1])
         rt.begin_forward([toks], [[4, 5, 6, 7]], num_cached_tokens=[12])
-        rt.wait(0)
-        rt.save(0)
-        rt.wait(1)
-        rt.save(1)
+        rt.wait_layer(0)
+        rt.save_layer(0)
+        rt.wait_layer(1)
+        rt.save_layer(1)
         with pytest.raises(PrefixEvictedError) as info:
-            rt.wait(2)
+            rt.wait_layer(2)
         assert isinstance(info.value, StoreMissError)
         assert (info.value.layer, info.value.usable_tokens, info.value.missing_blocks) == (2, [4], 1)
         with pytest.raises(PrefixEvictedError):
@@ -459,10 +459,10 @@ def test_block_dropped_after_lookup_raises_prefix_evicted_and_runtime_stays_usab
         cached = rt.begin_forward(toks, [[7, 8, 9, 10], [11, 12, 13]])
         assert cached == [12, 8]
         for layer in range(2):
-            rt.wait(layer)
-            rt.save(layer)
+            rt.wait_layer(layer)
+            rt.save_layer(layer)
         with pytest.raises(PrefixEvictedError, match="usable cached tokens per request: \\[4, 8\\]") as info:
-            rt.wait(2)
+            rt.wait_layer(2)
         err = info.value
         assert (err.layer, err.usable_tokens, err.missing_blocks) == (2, [4, 8], 1)
         with pytest.raises(PrefixEvictedError) as info2:
@@ -478,9 +478,9 @@ def test_block_dropped_after_lookup_raises_prefix_evicted_and_runtime_stays_usab
         cached = rt.begin_forward(toks, [[7, 8, 9, 10], [11, 12, 13]], max_cached_tokens=[4, 4])
         assert cached == [4, 4]
         for layer in range(4):
-            rt.wait(layer)
+            rt.wait_layer(layer)
             check(layer)
-            rt.save(layer)
+            rt.save_layer(layer)
         rt.end_forward()
         for layer in range(4):  # forward 1's blocks 0 (request 0) and 4 (request 1) were loaded
             for got, ref in zip(seen[layer], first[layer], strict=True):
@@ -502,8 +502,8 @@ def test_run_forward_recomputes_instead_of_failing() -> None:
         def body(cached):
             runs.append(list(cached))
             for layer in range(4):
-                rt.wait(layer)
-                rt.save(layer)
+                rt.wait_layer(layer)
+                rt.save_layer(layer)
             return "done"
 
         assert rt.run_forward(toks, [[7, 8, 9, 10], [11, 12, 13]], body) == "done"
@@ -577,7 +577,7 @@ def test_leases_are_released_on_every_path() -> None:
         # an aborted forward, closed with end_forward
         rt.begin_forward([toks], [[4, 5, 6, 7]])
         assert store.leased_bytes > 0
-        rt.wait(0)
+        rt.wait_layer(0)
         rt.end_forward()
         assert store.leased_bytes == 0
         # close() in the middle of a forward
@@ -615,7 +615,7 @@ def test_call_order_and_argument_errors() -> None:
     rt, _ = _make(n=3, b=1, indexer_layers=())
     try:
         with pytest.raises(RuntimeError, match="no forward is running"):
-            rt.wait(0)
+            rt.wait_layer(0)
         with pytest.raises(ValueError, match="block table only 1"):
             rt.begin_forward([list(range(9))], [[0]])
         with pytest.raises(IndexError, match=r"block_tables\[0\]\[1\] is 99"):
@@ -638,18 +638,18 @@ def test_call_order_and_argument_errors() -> None:
         with pytest.raises(RuntimeError, match="forward is running"):
             rt.begin_forward([list(range(9))], [[0, 1, 2]])
         with pytest.raises(RuntimeError, match=r"call wait\(\d+\) first"):
-            rt.save(0)
+            rt.save_layer(0)
         with pytest.raises(ValueError, match=r"'layer' must be an int in \[0, 3\)"):
-            rt.wait(3)
-        rt.wait(1)
-        rt.wait(1)  # re-entering the running layer is a no-op wait
+            rt.wait_layer(3)
+        rt.wait_layer(1)
+        rt.wait_layer(1)  # re-entering the running layer is a no-op wait
         with pytest.raises(RuntimeError, match="increasing order"):
-            rt.wait(0)
+            rt.wait_layer(0)
         with pytest.raises(ValueError, match="must hold 2 tensors"):
-            rt.save(1, [rt.layer_caches(1)[0]])
+            rt.save_layer(1, [rt.layer_caches(1)[0]])
         with pytest.raises(TypeError, match="dtype"):
-            rt.save(1, [rt.layer_caches(1)[0], rt.layer_caches(1)[0]])
-        rt.save(1)
+            rt.save_layer(1, [rt.layer_caches(1)[0], rt.layer_caches(1)[0]])
+        rt.save_layer(1)
         rt.end_forward()
     finally:
         rt.close()
@@ -694,7 +694,7 @@ def test_registry() -> None:
         with pytest.raises(KeyError, match="no layerwise runtime named 'reg-test'"):
             runtimes.get("reg-test")
         # an object without the hook methods the ops call is refused, naming what is missing
-        with pytest.raises(TypeError, match=r"no hook method\(s\) \['wait', 'prefetch', 'save'\]"):
+        with pytest.raises(TypeError, match=r"no hook method\(s\) \['wait_layer', 'prefetch_layer', 'save_layer'\]"):
             runtimes.register("x", object())
         with pytest.raises(ValueError, match="non-empty str"):
             runtimes.register("", rt)
@@ -708,13 +708,13 @@ def test_hook_methods_are_the_op_names_without_their_prefix() -> None:
     calls = []
 
     class Recorder:
-        def wait(self, layer, caches=None):
+        def wait_layer(self, layer, caches=None):
             calls.append(("wait", layer, len(caches)))
 
-        def prefetch(self, layer, caches=None):
+        def prefetch_layer(self, layer, caches=None):
             calls.append(("prefetch", layer, len(caches)))
 
-        def save(self, layer, caches=None):
+        def save_layer(self, layer, caches=None):
             calls.append(("save", layer, len(caches)))
 
     runtimes.register("recorder", Recorder())
@@ -1014,7 +1014,7 @@ def test_split_load_failure_in_one_half_poisons_the_first_layer(half: int) -> No
         rt.counters.reset()
         assert rt.begin_forward([toks], [[5, 6, 7, 8, 9]]) == [16]
         with pytest.raises(SlotPoisonedError, match="injected get failure"):
-            rt.wait(0)
+            rt.wait_layer(0)
         with pytest.raises(TransferError):
             rt.end_forward()
         assert store.sizes("get", 0) == [2, 2]
@@ -1040,7 +1040,7 @@ def test_split_load_eviction_reports_usable_tokens_over_both_halves(drop, usable
         store.drop = {layer_block_keys(block_hashes(toks[request], BS), 0, model_id=rt.fingerprint)[block]}
         assert rt.begin_forward(toks, [[7, 8, 9, 10], [11, 12, 13]]) == [12, 8]
         with pytest.raises(PrefixEvictedError) as info:
-            rt.wait(0)
+            rt.wait_layer(0)
         assert (info.value.layer, info.value.usable_tokens, info.value.missing_blocks) == (0, usable, 1)
         with pytest.raises(PrefixEvictedError):
             rt.end_forward()

@@ -296,13 +296,13 @@ class DenseReference:
         out.copy_(torch.einsum("bhst,btc->bshc", p, kv_c))
 
     # layerwise hooks: only their order is recorded
-    def wait(self, layer, caches=None):
+    def wait_layer(self, layer, caches=None):
         self.hook_calls.append(("wait", layer))
 
-    def prefetch(self, layer, caches=None):
+    def prefetch_layer(self, layer, caches=None):
         self.hook_calls.append(("prefetch", layer))
 
-    def save(self, layer, caches=None):
+    def save_layer(self, layer, caches=None):
         self.hook_calls.append(("save", layer))
 
 

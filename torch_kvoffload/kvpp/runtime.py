@@ -26,9 +26,9 @@ __all__ = ["KVPPRuntime"]
 class KVPPRuntime:
     """What one rank runs: ``plan`` (owners, budget), ``allocation`` (buffers), ``scheduler`` (broadcasts).
 
-    Drive a forward with ``scheduler.schedule_forward(has_history, block_tables)``, per attention layer
+    Drive a forward with ``scheduler.begin_forward(has_history, block_tables)``, per attention layer
     ``torch.ops.kvoffload.kvpp_wait_layer(runtime.name, layer, runtime.caches(layer))`` (or
-    ``scheduler.wait_layer``), then ``scheduler.complete_forward()``.
+    ``scheduler.wait_layer``), then ``scheduler.end_forward()``.
     """
 
     plan: KVPPPlan

@@ -2,7 +2,7 @@
 
 Per forward (the engine calls these on every rank of the group, with the same arguments):
 
-* :meth:`KVPPScheduler.schedule_forward` — takes the forward's block tables; with history, start the
+* :meth:`KVPPScheduler.begin_forward` — takes the forward's block tables; with history, start the
   first target layer's broadcast at once; without history (first prefill, dummy / profiling runs)
   nothing is broadcast in this forward. A broadcast moves only the blocks the forward reads: the union of
   its block tables in a few contiguous runs (:func:`~torch_kvoffload.kvpp.blocks.block_runs`), one span
@@ -13,18 +13,18 @@ Per forward (the engine calls these on every rank of the group, with the same ar
   whose compute is done; the broadcast is still ordered after a compute event. On CPU the caller blocks;
   on an accelerator the compute stream waits on the broadcast's event (no host synchronize).
 * :meth:`KVPPScheduler.prefetch_layer` — start a layer's broadcast explicitly (idempotent).
-* :meth:`KVPPScheduler.complete_forward` — finish a pending broadcast (a forward may end early) and reset.
+* :meth:`KVPPScheduler.end_forward` — finish a pending broadcast (a forward may end early) and reset.
 
 The owner of a layer also waits for its broadcast: the owner's persistent buffer is the source, and
 attention must not write the layer's new rows into it while peers are still reading it. Draft / MTP
 layers are local: waiting on them is a no-op.
 
 A failed broadcast raises :class:`~torch_kvoffload.device.TransferError` from ``wait_layer`` (or
-``complete_forward``); the scheduler is then failed — nothing further is submitted and every later call
+``end_forward``); the scheduler is then failed — nothing further is submitted and every later call
 raises. Before the first forward, the ranks exchange their plans (``all_gather_object``) and refuse to run
 when layouts, owners or block counts differ.
 
-Agreement per forward: before anything is broadcast, ``schedule_forward`` all-gathers from every rank a
+Agreement per forward: before anything is broadcast, ``begin_forward`` all-gathers from every rank a
 fingerprint of its ``has_history`` flag and block tables and whether it could schedule the forward (its
 arguments were valid). A rank with bad arguments still takes part, then raises its own error; its peers
 raise ``RuntimeError`` naming it; ranks whose fingerprints differ all raise ``RuntimeError`` naming each
@@ -159,7 +159,7 @@ class KVPPScheduler:
                 f"KVPPScheduler.{what}: an earlier {self._failed_what} failed: {self._failed}"
             ) from self._failed
 
-    def schedule_forward(self, has_history: bool, block_tables: BlockTables | None = None) -> None:
+    def begin_forward(self, has_history: bool, block_tables: BlockTables | None = None) -> None:
         """Begin a forward; with history, start the first target layer's broadcast now.
 
         Parameters
@@ -175,14 +175,14 @@ class KVPPScheduler:
         forward or the ranks' tables differ (nothing broadcast, nothing changed: the next forward may
         proceed), ``TimeoutError`` when a peer did not join within ``wait_timeout``.
         """
-        self._check_usable("schedule_forward")
+        self._check_usable("begin_forward")
         if self._pending is not None:
             raise RuntimeError(
-                f"KVPPScheduler.schedule_forward: the prefetch of layer {self._pending[0]} is still pending; "
-                "call complete_forward() first"
+                f"KVPPScheduler.begin_forward: the prefetch of layer {self._pending[0]} is still pending; "
+                "call end_forward() first"
             )
         if self._in_forward:
-            raise RuntimeError("KVPPScheduler.schedule_forward: a forward is already scheduled")
+            raise RuntimeError("KVPPScheduler.begin_forward: a forward is already scheduled")
         if not self._verified:
             self.verify_agreement()
         runs, digest, error = None, 0, None
@@ -191,7 +191,7 @@ class KVPPScheduler:
                 runs = block_runs(block_tables, self.allocation.num_blocks, max_runs=self.max_runs)
             digest = forward_digest(bool(has_history), block_tables)
         except (TypeError, ValueError) as exc:
-            error = type(exc)(f"KVPPScheduler.schedule_forward: {exc}")
+            error = type(exc)(f"KVPPScheduler.begin_forward: {exc}")
         except Exception as exc:  # still tell the peers, then raise it unchanged
             error = exc
         self._agree_on_forward(digest, error)
@@ -210,7 +210,7 @@ class KVPPScheduler:
     def _agree_on_forward(self, digest: int, error: BaseException | None) -> None:
         """All-gather ``[digest, status]`` (status 1: this rank could not schedule the forward); raise
         ``error`` here, and on every rank when a rank failed or the digests differ."""
-        where = "KVPPScheduler.schedule_forward"
+        where = "KVPPScheduler.begin_forward"
         try:
             everyone = self.transport.exchange([digest, int(error is not None)])
         except TimeoutError as exc:
@@ -323,7 +323,7 @@ class KVPPScheduler:
         with a cache on this rank); whether ``layer`` is a target layer (else a draft / MTP layer)."""
         self._check_usable(what)
         if not self._in_forward:
-            raise RuntimeError(f"KVPPScheduler.{what}: no forward scheduled (call schedule_forward first)")
+            raise RuntimeError(f"KVPPScheduler.{what}: no forward scheduled (call begin_forward first)")
         if self.plan.is_target(layer):
             return True
         if layer not in self.allocation.draft_bundles:
@@ -379,13 +379,13 @@ class KVPPScheduler:
             )
         self._start(layer)
 
-    def complete_forward(self) -> None:
+    def end_forward(self) -> None:
         """End the forward: finish any broadcast still in flight, then reset the layer cursor."""
         if self._closed:
-            raise RuntimeError("KVPPScheduler.complete_forward: the scheduler is closed")
+            raise RuntimeError("KVPPScheduler.end_forward: the scheduler is closed")
         try:
             if self._pending is not None:
-                self._wait_pending("complete_forward")
+                self._wait_pending("end_forward")
         finally:
             self._in_forward = False
             self._has_history = False

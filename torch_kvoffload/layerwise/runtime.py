@@ -5,9 +5,9 @@ without the ``layer_`` prefix) calls, per forward::
 
     rt.begin_forward(token_ids, block_tables)   # looks the prefixes up in the store, starts prefetch
     for layer in range(N):
-        rt.wait(layer)    # waits for the buffer's previous user + this layer's load
+        rt.wait_layer(layer)    # waits for the buffer's previous user + this layer's load
         ...write the new tokens' KV into rt.layer_caches(layer), run attention...
-        rt.save(layer)    # starts the save of the new blocks
+        rt.save_layer(layer)    # starts the save of the new blocks
     rt.end_forward()      # waits for every transfer, raises the first failure
 
 Block tables: requests of one batch may share physical blocks for reading (a shared prefix): a shared
@@ -660,7 +660,7 @@ class LayerwiseOffloadRuntime:
                         f"there (a shared block must be the same full block of the same prefix)"
                     )
 
-    def prefetch(self, layer: int, caches: Sequence[torch.Tensor] | None = None) -> None:
+    def prefetch_layer(self, layer: int, caches: Sequence[torch.Tensor] | None = None) -> None:
         """Issue the loads of ``layer .. layer + prefetch_depth`` whose buffers may be overwritten now.
 
         ``caches`` (optional): ``layer``'s cache tensors, checked against :meth:`layer_caches`.
@@ -670,7 +670,7 @@ class LayerwiseOffloadRuntime:
         self._check_caches("prefetch", layer, caches)
         self._issue_window(layer)
 
-    def wait(self, layer: int, caches: Sequence[torch.Tensor] | None = None) -> None:
+    def wait_layer(self, layer: int, caches: Sequence[torch.Tensor] | None = None) -> None:
         """Block until ``layer`` may use its buffer and its cached prefix is loaded.
 
         ``caches`` (optional): the tensors the caller will read, checked against :meth:`layer_caches`;
@@ -710,7 +710,7 @@ class LayerwiseOffloadRuntime:
         if caches is not None:
             self._sync_caches(layer, caches, into_buffers=False)
 
-    def save(self, layer: int, caches: Sequence[torch.Tensor] | None = None) -> None:
+    def save_layer(self, layer: int, caches: Sequence[torch.Tensor] | None = None) -> None:
         """Start the save of ``layer``'s newly computed full blocks (asynchronous).
 
         External completion providers are called first; the slot's next user waits for all of them and

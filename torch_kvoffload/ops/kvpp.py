@@ -37,7 +37,9 @@ class KVPPLayerHooks(Protocol):
 
 
 #: The KVPP schedulers the ops reach by name; a scheduler built with a name registers here.
-runtimes: HookRegistry[KVPPLayerHooks] = HookRegistry("KVPP scheduler")
+runtimes: HookRegistry[KVPPLayerHooks] = HookRegistry(
+    "KVPP scheduler", methods=("wait_layer", "prefetch_layer")
+)
 
 
 def _structure(op: str, scheduler: str, layer: int, bundle: list[torch.Tensor]) -> None:

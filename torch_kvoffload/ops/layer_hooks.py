@@ -33,15 +33,17 @@ _SCHEMA = "(str runtime, int layer, Tensor(a!)[] caches) -> ()"
 class LayerHooks(Protocol):
     """What the ops call: a layerwise runtime (see ``torch_kvoffload.layerwise.LayerwiseOffloadRuntime``)."""
 
-    def wait(self, layer: int, caches: list[torch.Tensor] | None = None) -> None: ...
+    def wait_layer(self, layer: int, caches: list[torch.Tensor] | None = None) -> None: ...
 
-    def prefetch(self, layer: int, caches: list[torch.Tensor] | None = None) -> None: ...
+    def prefetch_layer(self, layer: int, caches: list[torch.Tensor] | None = None) -> None: ...
 
-    def save(self, layer: int, caches: list[torch.Tensor] | None = None) -> None: ...
+    def save_layer(self, layer: int, caches: list[torch.Tensor] | None = None) -> None: ...
 
 
 #: The runtimes the ops find by name: ``runtimes.register(name, rt)`` makes ``rt`` reachable as ``name``.
-runtimes: HookRegistry[LayerHooks] = HookRegistry("layerwise runtime", methods=("wait", "prefetch", "save"))
+runtimes: HookRegistry[LayerHooks] = HookRegistry(
+    "layerwise runtime", methods=("wait_layer", "prefetch_layer", "save_layer")
+)
 
 
 def _fake(runtime: str, layer: int, caches: list[torch.Tensor]) -> None:
@@ -49,15 +51,15 @@ def _fake(runtime: str, layer: int, caches: list[torch.Tensor]) -> None:
 
 
 def _wait_kernel(runtime: str, layer: int, caches: list[torch.Tensor]) -> None:
-    runtimes.get(runtime).wait(layer, caches)
+    runtimes.get(runtime).wait_layer(layer, caches)
 
 
 def _prefetch_kernel(runtime: str, layer: int, caches: list[torch.Tensor]) -> None:
-    runtimes.get(runtime).prefetch(layer, caches)
+    runtimes.get(runtime).prefetch_layer(layer, caches)
 
 
 def _save_kernel(runtime: str, layer: int, caches: list[torch.Tensor]) -> None:
-    runtimes.get(runtime).save(layer, caches)
+    runtimes.get(runtime).save_layer(layer, caches)
 
 
 _layer_wait_op = define_op("layer_wait", _SCHEMA, fake=_fake, reference=_wait_kernel)

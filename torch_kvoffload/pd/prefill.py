@@ -632,15 +632,15 @@ class PrefillMultiConnector:
                 s.end_forward()
             raise
 
-    def wait(self, layer: int, caches=None) -> None:
+    def wait_layer(self, layer: int, caches=None) -> None:
         """The runtime's ``wait``: block until ``layer`` may use its buffer (previous user's save and
         remote reads done) and its prefix is loaded."""
-        self.runtime.wait(layer, caches)
+        self.runtime.wait_layer(layer, caches)
 
-    def save(self, layer: int, caches=None) -> None:
+    def save_layer(self, layer: int, caches=None) -> None:
         """The runtime's ``save``: publish ``layer`` to the decode peers (providers first), then start its
         host save."""
-        self.runtime.save(layer, caches)
+        self.runtime.save_layer(layer, caches)
 
     def layer_caches(self, layer: int) -> tuple[torch.Tensor, ...]:
         return self.runtime.layer_caches(layer)

@@ -46,7 +46,7 @@ _LOCKS_LOCK = threading.Lock()
 
 
 def _resolve_config(config: Any, has_indexer: bool):
-    from torch_kvoffload.api import OffloadConfig
+    from torch_kvoffload.core.config import OffloadConfig
 
     if config is None:
         return OffloadConfig.default(has_indexer)

@@ -228,7 +228,7 @@ class DecodeRole:
         sparse = session.config.sparse
         if sparse is None:
             raise ValueError("OffloadSession(pd.role='decode'): needs sparse decode offload")
-        if sparse.get("indexer_dtype") == "int8":
+        if sparse.indexer_dtype == "int8":
             raise ValueError(
                 "OffloadSession(pd.role='decode'): prefill sends the floating indexer keys of its layer buffers; "
                 "sparse.indexer_dtype='int8' is not supported with P/D on the Hugging Face path"

@@ -1,7 +1,7 @@
 """``OffloadSession``: where an offloaded Hugging Face model keeps its KV, and the attention over it.
 
 A session is built from a :class:`~torch_kvoffload.integrations.hf.inspect.ModelSpec` and an
-:class:`~torch_kvoffload.api.OffloadConfig`. It registers itself in ``ops.mla_runtime.runtimes`` under
+:class:`~torch_kvoffload.core.config.OffloadConfig`. It registers itself in ``ops.mla_runtime.runtimes`` under
 :attr:`OffloadSession.name` (the ``mla_cache_write`` / ``mla_cache_attention`` ops call it) and, with
 layerwise offload on, a hook object in ``ops.layer_hooks.runtimes`` under :attr:`layerwise_runtime`.
 
@@ -83,7 +83,7 @@ from torch_kvoffload.ops.indexer import hadamard_quant_int8, lightning_indexer, 
 from torch_kvoffload.ops.sparse_attention import sparse_mla_attention
 
 if TYPE_CHECKING:
-    from torch_kvoffload.api import OffloadConfig
+    from torch_kvoffload.core.config import OffloadConfig
     from torch_kvoffload.integrations.hf.inspect import ModelSpec
     from torch_kvoffload.kvpp import KVPPConfig, KVPPGroup, KVPPRuntime
     from torch_kvoffload.layerwise.runtime import LayerwiseOffloadRuntime
@@ -136,21 +136,19 @@ class _LayerHooks:
         n = s._lw_components
         return rt, (None if caches is None else list(caches)[:n])
 
-    def _call(self, method: str, old: str, layer, caches) -> None:
+    def _call(self, method: str, layer, caches) -> None:
         rt, own = self._target(caches)
         if rt is not None:
-            (getattr(rt, method, None) or getattr(rt, old))(layer, own)
+            getattr(rt, method)(layer, own)
 
-    def wait(self, layer, caches=None) -> None:
-        self._call("wait", "before_attention", layer, caches)
+    def wait_layer(self, layer, caches=None) -> None:
+        self._call("wait_layer", layer, caches)
 
-    def prefetch(self, layer, caches=None) -> None:
-        self._call("prefetch", "prefetch", layer, caches)
+    def prefetch_layer(self, layer, caches=None) -> None:
+        self._call("prefetch_layer", layer, caches)
 
-    def save(self, layer, caches=None) -> None:
-        self._call("save", "after_cache_write", layer, caches)
-
-    before_attention, after_cache_write = wait, save
+    def save_layer(self, layer, caches=None) -> None:
+        self._call("save_layer", layer, caches)
 
 
 @dataclass
@@ -238,7 +236,7 @@ class OffloadSession:
         self.block_size = config.resolved_block_size
         self.layerwise_on = config.layerwise is not None
         self.sparse_on = config.sparse is not None
-        self.int8_indexer = self.sparse_on and config.sparse.get("indexer_dtype") == "int8"
+        self.int8_indexer = config.sparse is not None and config.sparse.indexer_dtype == "int8"
         pd_prefill = config.pd is not None and config.pd.role == "prefill"
         # the layer buffers carry the indexer keys when no separate device indexer cache exists, and on a
         # P/D prefill node (the decode peer reads the indexer from them)
@@ -735,7 +733,7 @@ class OffloadSession:
                 raise
         if self._kvpp is not None:
             try:
-                self._kvpp.scheduler.schedule_forward(any(old_len), self._history_blocks(old_len))
+                self._kvpp.scheduler.begin_forward(any(old_len), self._history_blocks(old_len))
             except BaseException:
                 f, self._fwd = self._fwd, None
                 self._close_failed_forward(f)
@@ -933,7 +931,7 @@ class OffloadSession:
             if f.layerwise and self._rt is not None:
                 self._rt.end_forward()
             if self._kvpp is not None:
-                self._kvpp.scheduler.complete_forward()
+                self._kvpp.scheduler.end_forward()
         except BaseException:
             self._fail_sequence()
             raise
@@ -958,7 +956,7 @@ class OffloadSession:
         if f.layerwise and self._rt is not None:
             steps.append(("layerwise", self._rt.end_forward))
         if self._kvpp is not None:
-            steps.append(("KVPP", self._kvpp.scheduler.complete_forward))
+            steps.append(("KVPP", self._kvpp.scheduler.end_forward))
         if f.layerwise and self.pd is not None and hasattr(self.pd, "end_forward"):
             steps.append(("P/D", self.pd.end_forward))
         for what, step in steps:

@@ -694,7 +694,9 @@ def test_registry() -> None:
         with pytest.raises(KeyError, match="no layerwise runtime named 'reg-test'"):
             runtimes.get("reg-test")
         # an object without the hook methods the ops call is refused, naming what is missing
-        with pytest.raises(TypeError, match=r"no hook method\(s\) \['wait_layer', 'prefetch_layer', 'save_layer'\]"):
+        with pytest.raises(
+            TypeError, match=r"no hook method\(s\) \['wait_layer', 'prefetch_layer', 'save_layer'\]"
+        ):
             runtimes.register("x", object())
         with pytest.raises(ValueError, match="non-empty str"):
             runtimes.register("", rt)

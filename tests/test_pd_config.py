@@ -61,6 +61,19 @@ def test_kvpp_allowed_on_prefill_and_highest_port_accepted() -> None:
         cfg.port(2, 0)
 
 
+def test_endpoint_port_rule() -> None:
+    assert endpoint_port(5000, 0, 0, 4) == 5000
+    assert endpoint_port(5000, 2, 3, 4) == 5011
+    ports = {endpoint_port(7000, dp, tp, 4) for dp in range(3) for tp in range(4)}
+    assert len(ports) == 12  # DP and TP endpoints never overlap
+    with pytest.raises(ValueError, match="tp_rank 4 out of range"):
+        endpoint_port(5000, 0, 4, 4)
+    with pytest.raises(ValueError, match="dp_rank must be >= 0"):
+        endpoint_port(5000, -1, 0, 4)
+    with pytest.raises(ValueError, match="port 65536 out of range"):
+        endpoint_port(65535, 0, 1, 4)
+
+
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (4, 2), (8, 2), (8, 8), (16, 4)])
 def test_decode_rank_of_matches_the_formula(p_tp: int, d_tp: int) -> None:
     ratio = p_tp // d_tp

@@ -13,28 +13,17 @@ from torch_kvoffload.sparse import (
     HostKVPool,
     ResidencyTable,
     SparseDecodeConfig,
-    control_plane_port,
 )
 from torch_kvoffload.sparse.rows import RowMap
 
 # ------------------------------------------------------------------------------------------ config
 
 
-def test_config_defaults_and_port() -> None:
+def test_config_defaults() -> None:
     cfg = SparseDecodeConfig(top_k=2048, host_pool_blocks=100)
     assert cfg.hot_capacity == 4096 and cfg.policy == "lru" and cfg.fused and cfg.kv_dtype == "bf16"
     assert SparseDecodeConfig(top_k=4, host_pool_blocks=1, kv_dtype="torch.float32").kv_dtype == "fp32"
     assert SparseDecodeConfig(top_k=4, host_pool_blocks=1, fused="False").fused is False
-    assert control_plane_port(5000, 0, 4, 0) == 5000
-    assert control_plane_port(5000, 2, 4, 3) == 5011
-    ports = {control_plane_port(7000, dp, 4, tp) for dp in range(3) for tp in range(4)}
-    assert len(ports) == 12  # DP and TP endpoints never overlap
-    cfg = SparseDecodeConfig(top_k=4, host_pool_blocks=1, tensor_parallel_size=4, data_parallel_size=2)
-    assert cfg.port(9000, 1, 2) == 9006
-    with pytest.raises(ValueError, match="tp_rank 4 out of range"):
-        control_plane_port(5000, 0, 4, 4)
-    with pytest.raises(ValueError, match="dp_rank 2 out of range"):
-        cfg.port(9000, 2, 0)
 
 
 @pytest.mark.parametrize(

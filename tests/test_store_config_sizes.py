@@ -39,7 +39,6 @@ _SPARSE = {"top_k": 4, "host_pool_blocks": 8}
         ("block_size", 8.0),
         ("host_pool_blocks", True),
         ("host_pool_blocks", MAX_POOL_ROWS + 1),  # too many rows for any block size
-        ("tensor_parallel_size", True),
     ],
 )
 def test_sparse_sizes_out_of_bounds_name_the_field(field, value):

@@ -12,7 +12,6 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 
 from torch_kvoffload._utils import check_int
 from torch_kvoffload.config import ConfigModel, parse_lax_bool
-from torch_kvoffload.sparse.config import control_plane_port
 
 __all__ = ["TRANSPORTS", "PDConfig", "decode_rank_of", "endpoint_port", "split_range"]
 
@@ -47,10 +46,22 @@ def decode_rank_of(p_rank: int, p_tp: int, d_tp: int) -> tuple[int, int]:
     return p_rank // ratio, p_rank % ratio
 
 
-def endpoint_port(kv_port: int, dp_rank: int, tp_rank: int, d_tp: int) -> int:
-    """The control-plane port of decode rank ``(dp_rank, tp_rank)``: ``kv_port + dp_rank * d_tp + tp_rank``
-    (the sparse decode port rule, :func:`torch_kvoffload.sparse.config.control_plane_port`)."""
-    return control_plane_port(kv_port, dp_rank, d_tp, tp_rank)
+def endpoint_port(kv_port: int, dp_rank: int, tp_rank: int, tp_size: int) -> int:
+    """The control-plane port of decode rank ``(dp_rank, tp_rank)`` of a decode side with ``tp_size`` ranks
+    per DP replica: ``kv_port + dp_rank * tp_size + tp_rank`` (DP and TP endpoints never overlap).
+
+    ``ValueError`` naming the argument for a rank out of range or a port outside 1..65535.
+    """
+    if tp_size <= 0:
+        raise ValueError(f"endpoint_port: tp_size must be positive, got {tp_size}")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"endpoint_port: tp_rank {tp_rank} out of range [0, {tp_size})")
+    if dp_rank < 0:
+        raise ValueError(f"endpoint_port: dp_rank must be >= 0, got {dp_rank}")
+    port = kv_port + dp_rank * tp_size + tp_rank
+    if not 0 < port < 65536:
+        raise ValueError(f"endpoint_port: port {port} out of range (1..65535)")
+    return port
 
 
 def split_range(n: int, parts: int, index: int) -> tuple[int, int]:

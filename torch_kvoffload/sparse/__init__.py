@@ -3,7 +3,7 @@
 Residency policy studies (reuse traces, Belady's optimum) live in :mod:`torch_kvoffload.analysis`.
 """
 
-from torch_kvoffload.sparse.config import SparseDecodeConfig, control_plane_port
+from torch_kvoffload.sparse.config import SparseDecodeConfig
 from torch_kvoffload.sparse.host_pool import HostKVPool
 from torch_kvoffload.sparse.residency import ResidencyTable
 from torch_kvoffload.sparse.runtime import DecodeRows, IndexerInputs, SparseDecodeOffload, StepResult
@@ -16,5 +16,4 @@ __all__ = [
     "SparseDecodeConfig",
     "SparseDecodeOffload",
     "StepResult",
-    "control_plane_port",
 ]

@@ -1,4 +1,4 @@
-"""Configuration of sparse decode offload (DESIGN §7) and its control-plane port rule."""
+"""Configuration of sparse decode offload (DESIGN §7)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ __all__ = [
     "MAX_POOL_ROWS",
     "MAX_TOP_K",
     "SparseDecodeConfig",
-    "control_plane_port",
 ]
 
 #: Main-KV dtypes the sparse ops (``sparse_mla_attention``, Copy-SFA) run: bf16 in production, fp32 for
@@ -67,8 +66,6 @@ class SparseDecodeConfig(ConfigModel):
     indexer_dtype: Literal["bf16", "int8"] = "bf16"
     kv_dtype: str = "bf16"
     fused: bool = True
-    tensor_parallel_size: StrictInt = Field(default=1, gt=0)
-    data_parallel_size: StrictInt = Field(default=1, gt=0)
     context_parallel_size: StrictInt = Field(default=1, gt=0)
     pipeline_parallel_size: StrictInt = Field(default=1, gt=0)
     hybrid_kv_layout: bool = False
@@ -144,23 +141,3 @@ class SparseDecodeConfig(ConfigModel):
         """``capacity`` with its default applied."""
         assert self.capacity is not None
         return self.capacity
-
-    def port(self, kv_port: int, dp_rank: int, tp_rank: int) -> int:
-        """This rank's control-plane endpoint port (see :func:`control_plane_port`)."""
-        if not 0 <= dp_rank < self.data_parallel_size:
-            raise ValueError(f"dp_rank {dp_rank} out of range [0, {self.data_parallel_size})")
-        return control_plane_port(kv_port, dp_rank, self.tensor_parallel_size, tp_rank)
-
-
-def control_plane_port(kv_port: int, dp_rank: int, d_tp_size: int, tp_rank: int) -> int:
-    """``kv_port + dp_rank * d_tp_size + tp_rank``: DP and TP endpoints of the decode side never overlap."""
-    if d_tp_size <= 0:
-        raise ValueError(f"control_plane_port: d_tp_size must be positive, got {d_tp_size}")
-    if not 0 <= tp_rank < d_tp_size:
-        raise ValueError(f"control_plane_port: tp_rank {tp_rank} out of range [0, {d_tp_size})")
-    if dp_rank < 0:
-        raise ValueError(f"control_plane_port: dp_rank must be >= 0, got {dp_rank}")
-    port = kv_port + dp_rank * d_tp_size + tp_rank
-    if not 0 < port < 65536:
-        raise ValueError(f"control_plane_port: port {port} out of range (1..65535)")
-    return port

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from torch_kvoffload.device import TransferEvent, TransferStream, set_thread_intraop_threads
+from torch_kvoffload.device import set_thread_intraop_threads
 from torch_kvoffload.layerwise import (
     LayerCacheSpec,
     LayerwiseOffloadRuntime,
@@ -51,6 +51,7 @@ from torch_kvoffload.layerwise import (
 )
 from torch_kvoffload.ops import copy_blocks
 from torch_kvoffload.store.local import LocalKVStore
+from torch_kvoffload.transfer import TransferEvent, TransferStream
 
 #: CPU tuning of the runtime that is not a constructor argument: name -> the runtime attribute holding it
 TUNING = {"critical_parts": "_critical_parts", "wake_delay": "_wake_delay"}

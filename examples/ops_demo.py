@@ -12,8 +12,9 @@ import torch
 from tqdm import tqdm
 
 import torch_kvoffload
-from torch_kvoffload.device import TransferStream, accelerator_type, empty_host
+from torch_kvoffload.device import accelerator_type, empty_host
 from torch_kvoffload.ops import copy_blocks, copy_rows
+from torch_kvoffload.transfer import TransferStream
 
 LATENT, ROPE, BLOCK = 512, 64, 128
 

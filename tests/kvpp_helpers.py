@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from torch_kvoffload._utils import free_port
-from torch_kvoffload.device import TransferEvent, TransferStream
 from torch_kvoffload.kvpp import BundleSpec, KVPPAllocation, KVPPGroup, KVPPPlan, assign_owners
+from torch_kvoffload.transfer import TransferEvent, TransferStream
 
 
 class SpyEvent:

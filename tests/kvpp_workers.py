@@ -184,8 +184,8 @@ def _wait_and_check(rt, name: str, history: bool, want: dict, covered: set, prob
 def kvpp_worker(rank: int, world: int, tp: int, pp: int, num_layers: int, out: str, extra: bool) -> None:
     """Serve :data:`SCRIPT` through a KVPP runtime twice — broadcasting the forward's block runs, then
     whole spans — checking scratch contents after every wait; save what the test compares."""
-    from torch_kvoffload.device import TransferError
     from torch_kvoffload.kvpp import BroadcastTransport, KVPPScheduler
+    from torch_kvoffload.transfer import TransferError
 
     assert spec().component_bytes_per_block() == [BLOCK_SIZE * d * 4 for d in DIMS.values()]
 

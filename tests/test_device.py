@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import requires_cpp
 
-from torch_kvoffload import device
-from torch_kvoffload.device import TransferError, TransferEvent, TransferStream
+from torch_kvoffload import device, transfer
+from torch_kvoffload.transfer import TransferError, TransferEvent, TransferStream
 
 
 def test_cpu_detection_and_host_memory() -> None:
@@ -120,7 +120,7 @@ def test_errors_reach_every_waiter_and_dependants() -> None:
 
 def test_completed_event_and_compute_event() -> None:
     TransferEvent.completed().wait()
-    device.record_compute_event().wait_on_compute()
+    transfer.record_compute_event().wait_on_compute()
     with pytest.raises(TransferError):
         TransferEvent.failed(ValueError("x")).wait()
     ev = TransferEvent()
@@ -273,7 +273,7 @@ def test_submit_split_runs_each_part_once_and_reports_once(n: int, workers: int)
                 calls.append((begin, end))
             return list(range(begin, end))
 
-        ev = device.submit_split(
+        ev = transfer.submit_split(
             streams, n, part, done=lambda results, error: reports.append((results, error))
         )
         ev.wait(10)
@@ -299,7 +299,7 @@ def test_submit_split_parts_run_at_once_on_idle_workers() -> None:
             names.add(threading.current_thread().name)
             barrier.wait()
 
-        device.submit_split([a, b], 8, part).wait(15)
+        transfer.submit_split([a, b], 8, part).wait(15)
     assert names == {"kvoffload-a", "kvoffload-b"}
 
 
@@ -308,7 +308,7 @@ def test_submit_split_busy_worker_leaves_its_share_to_the_others() -> None:
     with TransferStream("busy") as busy, TransferStream("idle") as idle:
         blocked = busy.submit(release.wait, 10)
         names = []
-        ev = device.submit_split(
+        ev = transfer.submit_split(
             [busy, idle], 4, lambda begin, end: names.append((begin, end, threading.current_thread().name))
         )
         ev.wait(10)  # completes while the busy worker is still blocked
@@ -332,7 +332,7 @@ def test_submit_split_failure_of_one_part_fails_the_event_after_every_part_ran()
             gate.wait(10)
             return end - begin
 
-        ev = device.submit_split(
+        ev = transfer.submit_split(
             [a, b], 6, part, done=lambda results, error: reports.append((results, error))
         )
         started.wait(10)
@@ -352,12 +352,12 @@ def test_submit_split_done_and_dependencies_decide_the_outcome() -> None:
         def fail_done(results, error):
             raise ValueError(f"missing {sum(results)}")
 
-        ev = device.submit_split([a, b], 4, lambda begin, end: end - begin, done=fail_done)
+        ev = transfer.submit_split([a, b], 4, lambda begin, end: end - begin, done=fail_done)
         with pytest.raises(TransferError, match="missing 4"):
             ev.wait(10)
         # a failed dependency fails every part without running it
         ran, reports = [], []
-        ev = device.submit_split(
+        ev = transfer.submit_split(
             [a, b],
             4,
             lambda begin, end: ran.append(begin),
@@ -370,17 +370,17 @@ def test_submit_split_done_and_dependencies_decide_the_outcome() -> None:
         # ordered after its dependencies, like submit
         gate = TransferEvent()
         order = []
-        ev = device.submit_split([a, b], 2, lambda begin, end: order.append(begin), after=[gate])
+        ev = transfer.submit_split([a, b], 2, lambda begin, end: order.append(begin), after=[gate])
         time.sleep(0.05)
         assert order == [] and not ev.query()
         gate._set_done()
         ev.wait(10)
         assert sorted(order) == [0, 1]
         with pytest.raises(ValueError, match="'streams' must hold at least one"):
-            device.submit_split([], 1, lambda begin, end: None)
+            transfer.submit_split([], 1, lambda begin, end: None)
         for bad in (-1, True, 1.0):
             with pytest.raises(ValueError, match="'n' must be an int >= 0"):
-                device.submit_split([a], bad, lambda begin, end: None)  # type: ignore[arg-type]
+                transfer.submit_split([a], bad, lambda begin, end: None)  # type: ignore[arg-type]
 
 
 def test_submit_split_waiter_runs_the_parts_no_worker_started() -> None:
@@ -390,7 +390,7 @@ def test_submit_split_waiter_runs_the_parts_no_worker_started() -> None:
     with TransferStream("busy") as busy:
         blocked = busy.submit(release.wait, 10)
         names, reports = [], []
-        ev = device.submit_split(
+        ev = transfer.submit_split(
             [busy],
             5,
             lambda begin, end: names.append((begin, end, threading.current_thread().name)),
@@ -408,7 +408,7 @@ def test_submit_split_waiter_runs_the_parts_no_worker_started() -> None:
         busy.synchronize()  # the worker's turn finds nothing left to claim
         assert len(names) == 2 and len(reports) == 1
         with pytest.raises(ValueError, match="'parts' must be an int >= 1"):
-            device.submit_split([busy], 4, lambda begin, end: None, parts=0)
+            transfer.submit_split([busy], 4, lambda begin, end: None, parts=0)
 
 
 requires_accelerator = pytest.mark.skipif(
@@ -430,7 +430,7 @@ def test_device_stream_copies_run_on_the_transfer_stream_and_compute_waits_on_it
             streams_seen.append(torch.accelerator.current_stream())
             dst.copy_(host, non_blocking=True)
 
-        ev = stream.submit(copy, after=[device.record_compute_event()])
+        ev = stream.submit(copy, after=[transfer.record_compute_event()])
         ev.wait_on_compute()
         total = dst.sum()  # queued on the compute stream after the event
         assert streams_seen and streams_seen[0] != torch.accelerator.current_stream()
@@ -449,3 +449,41 @@ def test_device_stream_failure_reaches_every_waiter() -> None:
         ok = stream.submit(lambda: None, after=[ev])
         with pytest.raises(TransferError, match="dependency failed"):
             ok.wait()
+
+
+def test_inline_submit_runs_on_the_caller_only_when_the_stream_is_idle() -> None:
+    """``inline=True``: an idle CPU stream runs the work at once on the calling thread; with work in
+    flight (or a dependency pending) it is queued behind it, so the order of a stream never changes."""
+    with TransferStream("inline", torch.device("cpu")) as stream:
+        caller = threading.get_ident()
+        ran_on: list[int] = []
+        ev = stream.submit(lambda: ran_on.append(threading.get_ident()), inline=True)
+        assert ev.query() and ev.succeeded() and ran_on == [caller]
+        assert stream.counters.snapshot()["inline"] == 1
+
+        gate = threading.Event()
+        order: list[str] = []
+        first = stream.submit(lambda: (gate.wait(10), order.append("queued")))
+        second = stream.submit(lambda: order.append("inline"), inline=True)
+        assert not second.query()  # queued behind the blocked work, not run now
+        gate.set()
+        second.wait(10)
+        first.wait(10)
+        assert order == ["queued", "inline"]
+
+        pending = TransferEvent()
+        third = stream.submit(lambda: order.append("after"), after=[pending], inline=True)
+        assert not third.query()  # its dependency is not finished: queued
+        pending._set_done()
+        third.wait(10)
+        assert order[-1] == "after"
+
+        def boom() -> None:
+            raise ValueError("inline failure")
+
+        failed = stream.submit(boom, inline=True)
+        assert failed.query() and isinstance(failed.error, ValueError)
+        with pytest.raises(TransferError):
+            failed.wait(1)
+        assert stream.submit(lambda: order.append("again"), inline=True).succeeded()
+        assert stream.counters.snapshot()["inline"] == 3

@@ -9,10 +9,10 @@ import pytest
 import torch
 from kvpp_helpers import RecordingTransport, small_allocation
 
-from torch_kvoffload.device import TransferError
 from torch_kvoffload.kvpp import KVPPScheduler
 from torch_kvoffload.kvpp.blocks import forward_digest
 from torch_kvoffload.ops.kvpp import runtimes
+from torch_kvoffload.transfer import TransferError
 
 
 def _run_forward(sched: KVPPScheduler, layers, *, history: bool) -> list[int | None]:

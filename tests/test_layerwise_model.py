@@ -11,7 +11,6 @@ import torch
 from mla_stack import MLAConfig, MLAStack
 from store_helpers import DropsBeforeLoad
 
-from torch_kvoffload.device import TransferError
 from torch_kvoffload.layerwise import (
     LayerwiseOffloadRuntime,
     allocate_layer_buffers,
@@ -21,6 +20,7 @@ from torch_kvoffload.ops import layer_prefetch, layer_save, layer_wait
 from torch_kvoffload.ops.layer_hooks import runtimes
 from torch_kvoffload.store.keys import block_hashes, layer_block_keys, parse_layer_block_key
 from torch_kvoffload.store.local import LocalKVStore
+from torch_kvoffload.transfer import TransferError
 
 CFG = MLAConfig()
 _names = itertools.count()

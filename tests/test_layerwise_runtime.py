@@ -9,7 +9,6 @@ import pytest
 import torch
 from store_helpers import DropsBeforeLoad
 
-from torch_kvoffload.device import TransferError, TransferEvent
 from torch_kvoffload.layerwise import (
     LayerBuffers,
     LayerCacheSpec,
@@ -26,6 +25,7 @@ from torch_kvoffload.ops import layer_prefetch, layer_save, layer_wait
 from torch_kvoffload.ops.layer_hooks import runtimes
 from torch_kvoffload.store.keys import block_hashes, layer_block_keys, parse_layer_block_key
 from torch_kvoffload.store.local import LocalKVStore
+from torch_kvoffload.transfer import TransferError, TransferEvent
 
 NB, BS = 16, 4
 

@@ -25,7 +25,6 @@ import torch
 import zmq
 
 from torch_kvoffload._utils import free_port
-from torch_kvoffload.device import TransferError
 from torch_kvoffload.pd import (
     DecodeReceiver,
     FileRendezvous,
@@ -52,6 +51,7 @@ from torch_kvoffload.pd.messages import (
     encode_message,
 )
 from torch_kvoffload.pd.rendezvous import decode_key
+from torch_kvoffload.transfer import TransferError
 
 # ------------------------------------------------------------------------------------------ corpus
 _pack = msgpack.packb

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from torch_kvoffload._utils import free_port
-from torch_kvoffload.device import TransferError
 from torch_kvoffload.pd import (
     DecodeReceiver,
     FileRendezvous,
@@ -27,6 +26,7 @@ from torch_kvoffload.pd import (
 )
 from torch_kvoffload.pd.rendezvous import decode_key
 from torch_kvoffload.store.local import LocalKVStore
+from torch_kvoffload.transfer import TransferError
 
 #: How long a request's verdict may take with the test configuration (:func:`pd_helpers.verdict_s`), the
 #: slowest injected read (0.5 s) counted as every layer's work.

@@ -1,6 +1,6 @@
 """torch_kvoffload: KV-cache offload for MLA / SFA attention models in PyTorch."""
 
-from torch_kvoffload import device, ops
+from torch_kvoffload import device, ops, transfer
 from torch_kvoffload._extension import extension_available, extension_load_error
 from torch_kvoffload.api import OffloadConfig, offload, stats
 from torch_kvoffload.backend import compile, explain
@@ -20,4 +20,5 @@ __all__ = [
     "ops",
     "registered_ops",
     "stats",
+    "transfer",
 ]

@@ -19,7 +19,7 @@ The owner of a layer also waits for its broadcast: the owner's persistent buffer
 attention must not write the layer's new rows into it while peers are still reading it. Draft / MTP
 layers are local: waiting on them is a no-op.
 
-A failed broadcast raises :class:`~torch_kvoffload.device.TransferError` from ``wait_layer`` (or
+A failed broadcast raises :class:`~torch_kvoffload.transfer.TransferError` from ``wait_layer`` (or
 ``end_forward``); the scheduler is then failed — nothing further is submitted and every later call
 raises. Before the first forward, the ranks exchange their plans (``all_gather_object``) and refuse to run
 when layouts, owners or block counts differ.
@@ -48,12 +48,12 @@ import torch
 
 from torch_kvoffload._utils import check_int
 from torch_kvoffload.counters import Counters
-from torch_kvoffload.device import TransferError, TransferEvent, record_compute_event
 from torch_kvoffload.kvpp.allocation import KVPPAllocation
 from torch_kvoffload.kvpp.blocks import BlockTables, block_runs, forward_digest
 from torch_kvoffload.kvpp.transport import BroadcastTransport
 from torch_kvoffload.ops._hook_registry import sync_copies
 from torch_kvoffload.ops.kvpp import runtimes
+from torch_kvoffload.transfer import TransferError, TransferEvent, record_compute_event
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 One layer's broadcast moves a list of contiguous ``uint8`` spans of its bundle — the block runs the forward
 reads, one span per run and component, or the whole bundle — each with ``torch.distributed.broadcast``
 (issued asynchronously, then waited together) on the dedicated KVPP process group (gloo on CPU, nccl on CUDA, hccl on Ascend). It runs on the device layer's
-:class:`~torch_kvoffload.device.TransferStream` — a worker thread on CPU, a side stream on an accelerator —
+:class:`~torch_kvoffload.transfer.TransferStream` — a worker thread on CPU, a side stream on an accelerator —
 ordered after the given events (the compute that last read the destination). The returned event completes
 when the transfer finished, including the owner's reads of its source: on CPU gloo returns only then; on
 an accelerator the stream waits on the collective's work and an event is recorded after it.
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from torch_kvoffload.device import TransferEvent, TransferStream
 from torch_kvoffload.kvpp.groups import KVPPGroup
+from torch_kvoffload.transfer import TransferEvent, TransferStream
 
 logger = logging.getLogger(__name__)
 

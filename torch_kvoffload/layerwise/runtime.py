@@ -18,7 +18,7 @@ writer computes it) and must be a full block of the same prefix for every reques
 Reuse invariant: layer ``L`` never loads into / writes its physical buffer before the previous user of
 that buffer finished computing, its save completed and every registered external consumer (P/D remote
 read) reported completion. Completion is tracked per physical slot. A failed save or load poisons the
-slot: every waiter of the slot raises a :class:`~torch_kvoffload.device.TransferError` and the slot is
+slot: every waiter of the slot raises a :class:`~torch_kvoffload.transfer.TransferError` and the slot is
 not handed out again until :meth:`LayerwiseOffloadRuntime.reset`.
 
 Store records: one key per (layer, full block) from ``torch_kvoffload.store.keys``, namespaced by
@@ -57,22 +57,20 @@ import torch
 
 from torch_kvoffload._utils import check_int, round_up
 from torch_kvoffload.counters import Counters
-from torch_kvoffload.device import (
-    TransferError,
-    TransferEvent,
-    TransferStream,
-    accelerator_type,
-    default_device,
-    empty_host,
-    record_compute_event,
-    submit_split,
-)
+from torch_kvoffload.device import accelerator_type, default_device, empty_host
 from torch_kvoffload.layerwise.allocation import LayerBuffers
 from torch_kvoffload.layerwise.planner import LayerBufferPlan
 from torch_kvoffload.ops._hook_registry import sync_copies
 from torch_kvoffload.ops.copy import copy_blocks
 from torch_kvoffload.store.base import KVStore, RecordLayout, StoreLease, leased_keys
 from torch_kvoffload.store.keys import block_hashes, cache_layout_fingerprint, layer_key_prefix
+from torch_kvoffload.transfer import (
+    TransferError,
+    TransferEvent,
+    TransferStream,
+    record_compute_event,
+    submit_split,
+)
 
 logger = logging.getLogger(__name__)
 

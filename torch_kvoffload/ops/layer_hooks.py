@@ -81,7 +81,7 @@ def layer_wait(runtime: str, layer: int, caches: list[torch.Tensor]) -> None:
         ``[num_blocks, block_size, D_i]``, then indexer components), any dtype; declared mutated.
 
     Raises ``KeyError`` for an unknown runtime, ``ValueError`` / ``TypeError`` for wrong caches,
-    :class:`~torch_kvoffload.device.TransferError` when the buffer's previous save / reader or this
+    :class:`~torch_kvoffload.transfer.TransferError` when the buffer's previous save / reader or this
     layer's load failed.
     """
     _layer_wait_op(runtime, layer, caches)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torch_kvoffload.device import TransferError
+from torch_kvoffload.transfer import TransferError
 
 __all__ = ["AckTimeoutError", "HandshakeError", "PDTransferError", "PeerDeadError", "ReadFailedError"]
 

@@ -38,7 +38,6 @@ import torch
 
 from torch_kvoffload._utils import check_int
 from torch_kvoffload.counters import Counters
-from torch_kvoffload.device import TransferEvent, record_compute_event
 from torch_kvoffload.layerwise import LayerBufferPlan, LayerBuffers, LayerwiseOffloadRuntime
 from torch_kvoffload.pd.auth import resolve_secret
 from torch_kvoffload.pd.config import PDConfig, decode_rank_of, split_range
@@ -65,6 +64,7 @@ from torch_kvoffload.pd.messages import (
 from torch_kvoffload.pd.rendezvous import Rendezvous, decode_key, make_rendezvous
 from torch_kvoffload.pd.ticket import TransferTicket
 from torch_kvoffload.pd.transports import Transport
+from torch_kvoffload.transfer import TransferEvent, record_compute_event
 
 logger = logging.getLogger(__name__)
 

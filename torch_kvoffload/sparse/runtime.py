@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from torch_kvoffload import device as kv_device
+from torch_kvoffload import transfer as kv_transfer
 from torch_kvoffload._utils import check_int
 from torch_kvoffload.counters import Counters
 from torch_kvoffload.ops import (
@@ -230,16 +231,16 @@ class SparseDecodeOffload:
         self._meta_last: dict[int, tuple] = {}
         self._hadamard_norms: dict[int, float] = {}  # int8 device step: head dim -> Hadamard norm
         self._d2h_stream = torch.Stream(self.device) if self._device_path and not self._on_cpu else None
-        self._d2h = kv_device.TransferStream("sparse-d2h", self.device)
-        self._h2d = kv_device.TransferStream("sparse-h2d", self.device)
+        self._d2h = kv_transfer.TransferStream("sparse-d2h", self.device)
+        self._h2d = kv_transfer.TransferStream("sparse-h2d", self.device)
         # host-side copies (staging -> pool) run on a host worker, after the device copy's event
         self._host = (
-            self._d2h if self._on_cpu else kv_device.TransferStream("sparse-host", torch.device("cpu"))
+            self._d2h if self._on_cpu else kv_transfer.TransferStream("sparse-host", torch.device("cpu"))
         )
-        self._pending_append: list[list[kv_device.TransferEvent]] = [[] for _ in range(num_layers)]
+        self._pending_append: list[list[kv_transfer.TransferEvent]] = [[] for _ in range(num_layers)]
         # tensors a device-path append reads on the D2H stream: kept until compute waited on its event
         self._append_keep: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
-        self._pending_publish: list[kv_device.TransferEvent] = []  # device path: fence + bytes_d2h
+        self._pending_publish: list[kv_transfer.TransferEvent] = []  # device path: fence + bytes_d2h
         self._append_seq = [0] * num_layers  # appends issued per layer (writer and readers alike)
         self._buffers: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # (layer, heads) -> outputs
         self._closed = False
@@ -402,7 +403,7 @@ class SparseDecodeOffload:
         positions: torch.Tensor,
         kv_c: torch.Tensor,
         k_pe: torch.Tensor,
-    ) -> kv_device.TransferEvent:
+    ) -> kv_transfer.TransferEvent:
         """Copy new token rows of ``layer`` device→host (step 2), asynchronously.
 
         ``request_ids[i]`` / ``positions[i]`` (integer ``[n]``, CPU) address row ``i`` of ``kv_c [n, Dc]``
@@ -427,12 +428,12 @@ class SparseDecodeOffload:
                                     devices=(kv_c.device,))  # fmt: skip
         ids = _checks.host_ints(where, "request_ids", request_ids, n)
         if n == 0:
-            return kv_device.TransferEvent.completed()
+            return kv_transfer.TransferEvent.completed()
         pos = positions.to("cpu", torch.int64)
         dst = self._pool_slots(where, ids, pos)
         self._append_seq[layer] += 1
         if not self.writer:
-            return kv_device.TransferEvent.completed()
+            return kv_transfer.TransferEvent.completed()
         seq = self._append_seq[layer]
         host_kv, host_pe = self.pool.kv_c(layer), self.pool.k_pe(layer)
         src = torch.arange(n, dtype=torch.int64)
@@ -453,7 +454,7 @@ class SparseDecodeOffload:
             self._count(layer, "bytes_d2h", dst.numel() * self.pool.row_bytes)
 
         if kv_src.device.type == "cpu":
-            event = self._host.submit(write, kv_src, pe_src, after=[kv_device.record_compute_event()])
+            event = self._host.submit(write, kv_src, pe_src, after=[kv_transfer.record_compute_event()])
         else:
             stage_kv = kv_device.empty_host((n, Dc), self.dtype)
             stage_pe = kv_device.empty_host((n, Dr), self.dtype)
@@ -465,7 +466,7 @@ class SparseDecodeOffload:
             def unstage(_keep_alive: tuple[torch.Tensor, torch.Tensor]) -> None:
                 write(stage_kv, stage_pe)
 
-            staged = self._d2h.submit(stage, after=[kv_device.record_compute_event()])
+            staged = self._d2h.submit(stage, after=[kv_transfer.record_compute_event()])
             # the host copy reads the staging only after the D2H copy's event (the worker waits on it);
             # the device sources stay referenced until then
             event = self._host.submit(unstage, (kv_src, pe_src), after=[staged])
@@ -474,7 +475,7 @@ class SparseDecodeOffload:
 
     def _append_device(
         self, layer: int, seq: int, kv_src: torch.Tensor, pe_src: torch.Tensor, dst: torch.Tensor
-    ) -> kv_device.TransferEvent:
+    ) -> kv_transfer.TransferEvent:
         """Device-path append of checked rows ``kv_src [n, Dc]`` / ``pe_src [n, Dr]`` (pool dtype, on the
         compute device) to pool rows ``dst int64 [n]`` (CPU): the Triton row copy on the D2H stream.
 
@@ -493,7 +494,7 @@ class SparseDecodeOffload:
             except BaseException:
                 self.pool.mark_failed(layer)
                 raise
-            event = kv_device.TransferEvent.completed()
+            event = kv_transfer.TransferEvent.completed()
             self._finish_append_later(layer, seq, n, event)
             return event
         stream = self._d2h_stream
@@ -513,13 +514,13 @@ class SparseDecodeOffload:
             raise
         finally:
             torch.accelerator.set_stream(compute)
-        event = kv_device.TransferEvent.issued(done)
+        event = kv_transfer.TransferEvent.issued(done)
         # the compute stream's allocator may reuse the sources once compute waited on ``event``
         self._append_keep[layer].extend((kv_src, pe_src, dst_dev, src_dev))
         self._finish_append_later(layer, seq, n, event)
         return event
 
-    def _finish_append_later(self, layer: int, seq: int, n: int, event: kv_device.TransferEvent) -> None:
+    def _finish_append_later(self, layer: int, seq: int, n: int, event: kv_transfer.TransferEvent) -> None:
         """On the host worker, once ``event`` completed: publish the fence, count ``bytes_d2h``."""
 
         def finished() -> None:
@@ -552,7 +553,7 @@ class SparseDecodeOffload:
         self._layer_counters[layer].add(name, amount)
         self._counters.add(name, amount)
 
-    def _wait(self, events: list[kv_device.TransferEvent], layer: int, on_compute: bool = False) -> None:
+    def _wait(self, events: list[kv_transfer.TransferEvent], layer: int, on_compute: bool = False) -> None:
         """Wait for ``layer``'s pending appends: on the host, or (``on_compute``) with a stream wait of
         the compute stream on each append's event, which blocks nothing on the host."""
         if not events:
@@ -791,7 +792,7 @@ class SparseDecodeOffload:
             copy_rows(host_kv, hot_kv, src, dst)
             copy_rows(host_pe, hot_pe, src, dst)
 
-        event = self._h2d.submit(h2d, after=[kv_device.record_compute_event()])
+        event = self._h2d.submit(h2d, after=[kv_transfer.record_compute_event()])
         event.wait_on_compute()
         return int(src.numel())
 

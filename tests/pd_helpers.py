@@ -239,7 +239,7 @@ def prefill_main(
     out: dict = {}
     threads = [threading.Thread(target=prefill_rank,
                                 args=(cfg, r, tickets, rdv_dir, fault, layer_sleep, out, wait_s))
-               for r in range(cfg.p_tp_size)]  # fmt: skip
+               for r in range(cfg.prefill_tp_size)]  # fmt: skip
     for th in threads:
         th.start()
     for th in threads:
@@ -289,13 +289,13 @@ def make_decode(cfg, rdv_dir: str, cls=None, fingerprint: str = "tiny-dsa", inde
             else None
             for i in range(L)
         ]
-        for _ in range(cfg.d_tp_size)
+        for _ in range(cfg.decode_tp_size)
     ]
     pool.kv_c(0).zero_()
     pool.k_pe(0).zero_()
     recvs = [(cls or DecodeReceiver)(cfg, pool=pool, compat=compat(fingerprint), dp_rank=0, tp_rank=t,
                                      indexer=indexers[t], rendezvous=FileRendezvous(rdv_dir))
-             for t in range(cfg.d_tp_size)]  # fmt: skip
+             for t in range(cfg.decode_tp_size)]  # fmt: skip
     return pool, indexers, recvs
 
 
@@ -352,7 +352,7 @@ def decode_main(
                 for c, view in ((0, pool.kv_c(layer)), (1, pool.k_pe(layer))):
                     if not torch.equal(bits(view[main_idx]), bits(block_data(t.request_id, layer, c, n))):
                         mismatches.append(("main", t.request_id, layer, c))
-                for rank in range(cfg.d_tp_size):
+                for rank in range(cfg.decode_tp_size):
                     ib = torch.tensor(t.parts[rank].indexer_blocks)
                     for c, buf in enumerate(indexers[rank][layer]):
                         want = block_data(t.request_id, layer, 2 + c, n)
@@ -466,7 +466,9 @@ def run_pair(
 
     ctx = mp_context()
     rdv = str(tmp_path / "rendezvous")
-    cfg_kw = dict(transport=transport, p_tp_size=p_tp, d_tp_size=d_tp, kv_port=free_port(), **cfg_extra)
+    cfg_kw = dict(
+        transport=transport, prefill_tp_size=p_tp, decode_tp_size=d_tp, kv_port=free_port(), **cfg_extra
+    )
     cfg = config("decode", **cfg_kw)
     wait_s = verdict_s(cfg, L, layer_sleep)
     timeout = pair_deadline_s(cfg, L, layer_sleep)

@@ -35,10 +35,10 @@ def test_defaults_detect_a_dead_peer_in_about_two_seconds() -> None:
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
-        (dict(p_tp_size=1, d_tp_size=2), "smaller than decode TP"),
-        (dict(p_tp_size=6, d_tp_size=4), "not a multiple"),
-        (dict(kv_port=65535, d_tp_size=2, p_tp_size=2), "1..65535"),
-        (dict(kv_port=65000, d_tp_size=4, p_tp_size=4, d_dp_size=200), "1..65535"),
+        (dict(prefill_tp_size=1, decode_tp_size=2), "smaller than decode TP"),
+        (dict(prefill_tp_size=6, decode_tp_size=4), "not a multiple"),
+        (dict(kv_port=65535, decode_tp_size=2, prefill_tp_size=2), "1..65535"),
+        (dict(kv_port=65000, decode_tp_size=4, prefill_tp_size=4, decode_dp_size=200), "1..65535"),
         (dict(kv_port=0), "1..65535"),
         (dict(transport="rdma-magic"), "unknown transport"),
         (dict(kvpp_enabled="true"), "KVPP"),
@@ -55,7 +55,7 @@ def test_rejections(kw: dict, match: str) -> None:
 
 def test_kvpp_allowed_on_prefill_and_highest_port_accepted() -> None:
     PDConfig(role="prefill", kvpp_enabled=True)
-    cfg = PDConfig(role="decode", kv_port=65535 - 7, d_tp_size=4, p_tp_size=8, d_dp_size=2)
+    cfg = PDConfig(role="decode", kv_port=65535 - 7, decode_tp_size=4, prefill_tp_size=8, decode_dp_size=2)
     assert cfg.port(1, 3) == 65535
     with pytest.raises(ValueError, match="dp_rank"):
         cfg.port(2, 0)

@@ -242,7 +242,7 @@ def pair(tmp_path):
     made: list = []
 
     def make(*, decode_cls=None, requests=h.REQUESTS, **kw):
-        cfg_kw = dict(transport="shm", p_tp_size=1, d_tp_size=1, kv_port=free_port(), **kw)
+        cfg_kw = dict(transport="shm", prefill_tp_size=1, decode_tp_size=1, kv_port=free_port(), **kw)
         rdv = str(tmp_path / "rdv")
         dcfg = h.config("decode", **cfg_kw)
         pool, indexers, recvs = h.make_decode(dcfg, rdv, decode_cls)

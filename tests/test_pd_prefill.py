@@ -72,7 +72,7 @@ def setup(tmp_path):
         sender_first=False,
         **kw,
     ):
-        cfg_kw = dict(transport="shm", p_tp_size=1, d_tp_size=1, kv_port=free_port(), **kw)
+        cfg_kw = dict(transport="shm", prefill_tp_size=1, decode_tp_size=1, kv_port=free_port(), **kw)
         rdv = str(tmp_path / "rdv")
         pool, indexers, recvs = h.make_decode(h.config("decode", **cfg_kw), rdv, decode_cls)
         conn, sender, rt, tr = h.make_prefill_rank(

@@ -130,9 +130,9 @@ class PDConfig(ConfigModel):
     host : the address decode endpoints bind and advertise (loopback by default): an IPv4 address other
         than 0.0.0.0 / multicast / broadcast, or an RFC 1123 host name.
     kv_port : base control-plane port; decode rank ``(dp, tp)`` listens on
-        :func:`endpoint_port` ``(kv_port, dp, tp, d_tp_size)``, which must lie in 1..65535 for every rank.
-    p_tp_size, p_dp_size, d_tp_size, d_dp_size : parallel sizes of both sides; ``p_tp_size >= d_tp_size``
-        and ``p_tp_size % d_tp_size == 0``.
+        :func:`endpoint_port` ``(kv_port, dp, tp, decode_tp_size)``, which must lie in 1..65535 for every rank.
+    prefill_tp_size, prefill_dp_size, decode_tp_size, decode_dp_size : parallel sizes of both sides; ``prefill_tp_size >= decode_tp_size``
+        and ``prefill_tp_size % decode_tp_size == 0``.
     handshake_timeout_s : the first metadata handshake of an endpoint fails after this (default 100 s).
     layer_ack_timeout_s : a layer whose READ_DONE / READ_FAILED has not arrived this long after its
         layer-ready fails with an error naming the layer, requests and peer.
@@ -161,10 +161,10 @@ class PDConfig(ConfigModel):
     transport: str = "shm"
     host: str = "127.0.0.1"
     kv_port: int = 30000
-    p_tp_size: int = Field(default=1, ge=1)
-    p_dp_size: int = Field(default=1, ge=1)
-    d_tp_size: int = Field(default=1, ge=1)
-    d_dp_size: int = Field(default=1, ge=1)
+    prefill_tp_size: int = Field(default=1, ge=1)
+    prefill_dp_size: int = Field(default=1, ge=1)
+    decode_tp_size: int = Field(default=1, ge=1)
+    decode_dp_size: int = Field(default=1, ge=1)
     handshake_timeout_s: float = 100.0
     layer_ack_timeout_s: float = 10.0
     read_retries: int = 2
@@ -273,20 +273,20 @@ class PDConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check(self) -> PDConfig:
-        if self.p_tp_size < self.d_tp_size:
+        if self.prefill_tp_size < self.decode_tp_size:
             raise ValueError(
-                f"pd: prefill TP size {self.p_tp_size} is smaller than decode TP size {self.d_tp_size}; "
-                "p_tp_size >= d_tp_size is required"
+                f"pd: prefill TP size {self.prefill_tp_size} is smaller than decode TP size {self.decode_tp_size}; "
+                "prefill_tp_size >= decode_tp_size is required"
             )
-        if self.p_tp_size % self.d_tp_size:
+        if self.prefill_tp_size % self.decode_tp_size:
             raise ValueError(
-                f"pd: prefill TP size {self.p_tp_size} is not a multiple of decode TP size {self.d_tp_size}"
+                f"pd: prefill TP size {self.prefill_tp_size} is not a multiple of decode TP size {self.decode_tp_size}"
             )
-        top = self.kv_port + (self.d_dp_size - 1) * self.d_tp_size + self.d_tp_size - 1
+        top = self.kv_port + (self.decode_dp_size - 1) * self.decode_tp_size + self.decode_tp_size - 1
         if self.kv_port < 1 or top > 65535:
             raise ValueError(
-                f"pd: control-plane ports kv_port + dp_rank * d_tp_size + tp_rank span {self.kv_port}..{top} "
-                f"for d_dp_size={self.d_dp_size}, d_tp_size={self.d_tp_size}; every port must be in 1..65535"
+                f"pd: control-plane ports kv_port + dp_rank * decode_tp_size + tp_rank span {self.kv_port}..{top} "
+                f"for decode_dp_size={self.decode_dp_size}, decode_tp_size={self.decode_tp_size}; every port must be in 1..65535"
             )
         if self.kvpp_enabled and self.role == "decode":
             raise ValueError("pd: KVPP cannot be enabled on a decode-only node (role='decode')")
@@ -299,7 +299,7 @@ class PDConfig(ConfigModel):
     @property
     def ratio(self) -> int:
         """Prefill TP ranks per decode TP rank (the contribution group size)."""
-        return self.p_tp_size // self.d_tp_size
+        return self.prefill_tp_size // self.decode_tp_size
 
     @property
     def dead_after_s(self) -> float:
@@ -308,5 +308,5 @@ class PDConfig(ConfigModel):
 
     def port(self, dp_rank: int, tp_rank: int) -> int:
         """Control-plane port of decode rank ``(dp_rank, tp_rank)``."""
-        check_int("PDConfig.port", "dp_rank", dp_rank, minimum=0, maximum=self.d_dp_size - 1)
-        return endpoint_port(self.kv_port, dp_rank, tp_rank, self.d_tp_size)
+        check_int("PDConfig.port", "dp_rank", dp_rank, minimum=0, maximum=self.decode_dp_size - 1)
+        return endpoint_port(self.kv_port, dp_rank, tp_rank, self.decode_tp_size)

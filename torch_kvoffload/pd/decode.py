@@ -154,8 +154,8 @@ class DecodeReceiver:
         if not isinstance(config, PDConfig) or config.role != "decode":
             raise ValueError(f"{where}: needs a PDConfig with role='decode', got {config!r:.120}")
         self.config = config
-        self.dp_rank = check_int(where, "dp_rank", dp_rank, minimum=0, maximum=config.d_dp_size - 1)
-        self.tp_rank = check_int(where, "tp_rank", tp_rank, minimum=0, maximum=config.d_tp_size - 1)
+        self.dp_rank = check_int(where, "dp_rank", dp_rank, minimum=0, maximum=config.decode_dp_size - 1)
+        self.tp_rank = check_int(where, "tp_rank", tp_rank, minimum=0, maximum=config.decode_tp_size - 1)
         if not isinstance(pool, HostKVPool):
             raise TypeError(f"{where}: 'pool' must be a HostKVPool, got {type(pool).__name__}")
         self.pool, self.compat = pool, compat
@@ -223,7 +223,7 @@ class DecodeReceiver:
         self.rendezvous.publish(
             self._key,
             {"endpoint": self.endpoint, "dp_rank": self.dp_rank, "tp_rank": self.tp_rank,
-             "d_tp": config.d_tp_size, "d_dp": config.d_dp_size, "transport": config.transport,
+             "d_tp": config.decode_tp_size, "d_dp": config.decode_dp_size, "transport": config.transport,
              "pid": os.getpid()},
         )  # fmt: skip
         logger.info("%s listening on %s (transport %s)", self.name, self.endpoint, self.transport.name)
@@ -286,7 +286,7 @@ class DecodeReceiver:
                 raise ValueError(f"{where}: indexer blocks must be in [0, {cap}): {indexer_blocks}")
         elif indexer_blocks:
             raise ValueError(f"{where}: this rank has no indexer destinations, got indexer blocks")
-        lo, hi = split_range(nb, self.config.d_tp_size, self.tp_rank)
+        lo, hi = split_range(nb, self.config.decode_tp_size, self.tp_rank)
         if self._control.error is not None:
             raise PDTransferError(f"{self.name}: cannot receive request {request_id}: {self._control.error}")
         with self._lock:
@@ -367,13 +367,13 @@ class DecodeReceiver:
     def _on_hello(self, peer: bytes, msg: Hello) -> None:
         cfg = self.config
         reasons = [f"compatibility {m}" for m in self.compat.mismatches(msg.compat)]
-        if (msg.p_tp, msg.d_tp) != (cfg.p_tp_size, cfg.d_tp_size):
+        if (msg.p_tp, msg.d_tp) != (cfg.prefill_tp_size, cfg.decode_tp_size):
             reasons.append(
-                f"topology p_tp={msg.p_tp}, d_tp={msg.d_tp} != ours p_tp={cfg.p_tp_size}, d_tp={cfg.d_tp_size}"
+                f"topology p_tp={msg.p_tp}, d_tp={msg.d_tp} != ours p_tp={cfg.prefill_tp_size}, d_tp={cfg.decode_tp_size}"
             )
         elif (
-            not 0 <= msg.p_rank < cfg.p_tp_size
-            or decode_rank_of(msg.p_rank, cfg.p_tp_size, cfg.d_tp_size)[0] != self.tp_rank
+            not 0 <= msg.p_rank < cfg.prefill_tp_size
+            or decode_rank_of(msg.p_rank, cfg.prefill_tp_size, cfg.decode_tp_size)[0] != self.tp_rank
         ):
             reasons.append(f"prefill rank {msg.p_rank} does not send to decode TP rank {self.tp_rank}")
         if msg.transport != self.transport.name:
@@ -389,14 +389,14 @@ class DecodeReceiver:
             logger.error("%s", reason)
             self.handshake_errors.append(reason)
             self.counters.add("handshakes_rejected")
-            self._reply(peer, HelloAck(False, reason, self.tp_rank, cfg.d_tp_size))
+            self._reply(peer, HelloAck(False, reason, self.tp_rank, cfg.decode_tp_size))
             return
-        member = decode_rank_of(msg.p_rank, cfg.p_tp_size, cfg.d_tp_size)[1]
+        member = decode_rank_of(msg.p_rank, cfg.prefill_tp_size, cfg.decode_tp_size)[1]
         self._peers[peer] = _Peer(
             peer, msg.p_rank, member, remote, msg.num_blocks, msg.slots, time.monotonic()
         )
         self.counters.add("handshakes")
-        self._reply(peer, HelloAck(True, "", self.tp_rank, cfg.d_tp_size))
+        self._reply(peer, HelloAck(True, "", self.tp_rank, cfg.decode_tp_size))
 
     def _on_tick(self) -> None:
         now = time.monotonic()

@@ -195,8 +195,8 @@ class PrefillSender:
         if not isinstance(config, PDConfig) or config.role != "prefill":
             raise ValueError(f"{where}: needs a PDConfig with role='prefill', got {config!r:.120}")
         self.config = config
-        self.p_rank = check_int(where, "p_rank", p_rank, minimum=0, maximum=config.p_tp_size - 1)
-        self.d_rank, self.member = decode_rank_of(p_rank, config.p_tp_size, config.d_tp_size)
+        self.p_rank = check_int(where, "p_rank", p_rank, minimum=0, maximum=config.prefill_tp_size - 1)
+        self.d_rank, self.member = decode_rank_of(p_rank, config.prefill_tp_size, config.decode_tp_size)
         self.buffers, self.transport, self.compat = buffers, transport, compat
         self.slots = slot_regions(buffers)
         sizes = transport.local_sizes
@@ -239,7 +239,7 @@ class PrefillSender:
         decode rejects the pairing (the reason says what differs).
         """
         dp_rank = check_int(
-            "PrefillSender.connect", "dp_rank", dp_rank, minimum=0, maximum=self.config.d_dp_size - 1
+            "PrefillSender.connect", "dp_rank", dp_rank, minimum=0, maximum=self.config.decode_dp_size - 1
         )
         with self._lock:
             old = self._peers.get(dp_rank)
@@ -268,7 +268,7 @@ class PrefillSender:
             name=f"{self.name}->dp{dp_rank}",
         )
         peer.control.send(
-            Hello(self.compat, self.p_rank, self.config.p_tp_size, self.config.d_tp_size, self.transport.name,
+            Hello(self.compat, self.p_rank, self.config.prefill_tp_size, self.config.decode_tp_size, self.transport.name,
                   self.transport.describe(), self.slots, self.num_blocks)
         )  # fmt: skip
         if not peer.acked.wait(max(0.0, deadline - time.monotonic())):
@@ -323,17 +323,17 @@ class PrefillSender:
                     f"{where}: request {t.request_id} needs {n} prefill blocks in [0, {self.num_blocks}), "
                     f"block table row {r} gives {src}"
                 )
-            if len(t.parts) != self.config.d_tp_size or not 0 <= t.dp_rank < self.config.d_dp_size:
+            if len(t.parts) != self.config.decode_tp_size or not 0 <= t.dp_rank < self.config.decode_dp_size:
                 raise ValueError(
                     f"{where}: ticket of request {t.request_id} has {len(t.parts)} parts for dp {t.dp_rank}; "
-                    f"expected {self.config.d_tp_size} parts and dp in [0, {self.config.d_dp_size})"
+                    f"expected {self.config.decode_tp_size} parts and dp in [0, {self.config.decode_dp_size})"
                 )
             part = t.parts[self.d_rank]
             if has_idx and len(part.indexer_blocks) != n:
                 raise ValueError(
                     f"{where}: ticket of request {t.request_id} has no indexer blocks for decode rank {self.d_rank}"
                 )
-            lo, hi = split_range(n, self.config.d_tp_size, self.d_rank) if self.member == 0 else (0, 0)
+            lo, hi = split_range(n, self.config.decode_tp_size, self.d_rank) if self.member == 0 else (0, 0)
             ilo, ihi = split_range(n, self.config.ratio, self.member) if has_idx else (0, 0)
             shares.append(_Share(t.request_id, t.dp_rank, part.generation, src[lo:hi], list(t.main_blocks[lo:hi]),
                                  src[ilo:ihi], list(part.indexer_blocks[ilo:ihi])))  # fmt: skip

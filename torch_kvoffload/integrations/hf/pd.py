@@ -17,7 +17,7 @@
   prompt width`` (``model.generate`` with the prompt plus prefill's first token and
   :attr:`DecodeRole.cache`).
 
-The Hugging Face path is one process per side: ``p_tp_size == d_tp_size == 1``, one DP rank (``dp_rank``
+The Hugging Face path is one process per side: ``prefill_tp_size == decode_tp_size == 1``, one DP rank (``dp_rank``
 0). Requests are the batch rows (left padding dropped), each paged from block 0 of its own block range.
 """
 
@@ -47,10 +47,15 @@ __all__ = ["DecodeRole", "PrefillRole", "decode_role", "make_role", "prefill_rol
 def make_role(session: OffloadSession, config: PDConfig) -> PrefillRole | DecodeRole:
     """The role ``config.role`` names for ``session`` (checked before anything is built)."""
     where = f"OffloadSession(pd.role={config.role!r})"
-    if config.p_tp_size != 1 or config.d_tp_size != 1 or config.d_dp_size != 1 or config.p_dp_size != 1:
+    if (
+        config.prefill_tp_size != 1
+        or config.decode_tp_size != 1
+        or config.decode_dp_size != 1
+        or config.prefill_dp_size != 1
+    ):
         raise ValueError(
-            f"{where}: the Hugging Face path runs one process per side; got p_tp_size={config.p_tp_size}, "
-            f"d_tp_size={config.d_tp_size}, p_dp_size={config.p_dp_size}, d_dp_size={config.d_dp_size} "
+            f"{where}: the Hugging Face path runs one process per side; got prefill_tp_size={config.prefill_tp_size}, "
+            f"decode_tp_size={config.decode_tp_size}, prefill_dp_size={config.prefill_dp_size}, decode_dp_size={config.decode_dp_size} "
             "(use the torch_kvoffload.pd runtimes directly for TP / DP deployments)"
         )
     if config.transport == "shm" and session.spec.device.type != "cpu":

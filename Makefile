@@ -40,6 +40,7 @@ build: $(BUILT)
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 format: $(INSTALLED)
 	$(VENV)/bin/ruff check --fix .

@@ -2,11 +2,10 @@
 
 from torch_kvoffload import device, ops, transfer
 from torch_kvoffload._extension import extension_available, extension_load_error
+from torch_kvoffload._version import __version__
 from torch_kvoffload.api import OffloadConfig, offload, stats
 from torch_kvoffload.backend import compile, explain
 from torch_kvoffload.ops import registered_ops
-
-__version__ = "0.1.0"
 
 __all__ = [
     "OffloadConfig",

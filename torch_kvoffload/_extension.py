@@ -36,6 +36,11 @@ def load_extension() -> bool:
     return _loaded
 
 
+def extension_module():
+    """The loaded ``torch_kvoffload._C`` module, or ``None`` when the extension is not in use."""
+    return importlib.import_module("torch_kvoffload._C") if load_extension() else None
+
+
 def extension_available() -> bool:
     """Whether the C++ kernels of ``torch_kvoffload._C`` are loaded and registered."""
     return load_extension()

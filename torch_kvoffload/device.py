@@ -117,11 +117,10 @@ def set_thread_intraop_threads(n: int) -> bool:
     sets the calling thread's own OpenMP count through the C++ extension. Returns whether it was set
     (False without the extension: kernels then use the process-wide count).
     """
-    from torch_kvoffload._extension import load_extension
+    from torch_kvoffload._extension import extension_module
 
-    if not load_extension():
+    ext = extension_module()
+    if ext is None:
         return False
-    from torch_kvoffload import _C
-
-    _C.set_thread_intraop_threads(n)
+    ext.set_thread_intraop_threads(n)
     return True

@@ -20,7 +20,7 @@ from torch_kvoffload.layerwise import (
     allocate_layer_buffers,
     plan_layer_buffers,
 )
-from torch_kvoffload.layerwise.runtime import _Staging
+from torch_kvoffload.layerwise.store_io import Staging
 from torch_kvoffload.ops import layer_prefetch, layer_save, layer_wait
 from torch_kvoffload.ops.layer_hooks import runtimes
 from torch_kvoffload.store.keys import block_hashes, layer_block_keys, parse_layer_block_key
@@ -224,7 +224,7 @@ def test_loads_read_through_the_lookup_leases(fixed: bool, critical: int) -> Non
         assert snap["bytes_loaded"] == 5 * sum(rt.record_bytes(layer) for layer in range(4))
         assert store.leased_bytes == 0
         h = block_hashes(toks[0], BS)
-        assert rt._layer_keys(h, 3) == layer_block_keys(h, 3, model_id=rt.fingerprint)
+        assert rt._lookup.layer_keys(h, 3) == layer_block_keys(h, 3, model_id=rt.fingerprint)
     finally:
         rt.close()
 
@@ -325,7 +325,7 @@ def test_aborted_forward_does_not_let_a_later_layer_load_early() -> None:
         rt.wait_layer(0)
         rt.save_layer(0)
         rt.wait_layer(1)
-        rt._load_stream.synchronize()  # let any load issued for a later layer land before we look
+        rt._io.load_stream.synchronize()  # let any load issued for a later layer land before we look
         got = rt.layer_caches(1)[0][[8, 9, 10]]
         assert torch.equal(got, first[1][0][:3])
         rt.save_layer(1)
@@ -1316,8 +1316,8 @@ def _strided_runtime(store, n=3, ring=None):
     rt = LayerwiseOffloadRuntime(plan, LayerBuffers(plan, main, indexer), store)
     assert all(lay.records is None for lay in rt._layouts)  # the staging path, not direct records
     if ring is not None:
-        rt._staging_ring = {kind: [_Staging() for _ in range(ring)] for kind in ("load", "save")}
-        rt._staging_next = {"load": 0, "save": 0}
+        rt._io.staging_ring = {kind: [Staging() for _ in range(ring)] for kind in ("load", "save")}
+        rt._io.staging_next = {"load": 0, "save": 0}
     return rt
 
 
@@ -1382,13 +1382,13 @@ def test_staging_reuse_and_host_reads_wait_for_the_copy_events() -> None:
     issued = []
 
     def copies_issued(entry, device):
-        kind = "load" if any(entry is e for e in rt._staging_ring["load"]) else "save"
+        kind = "load" if any(entry is e for e in rt._io.staging_ring["load"]) else "save"
         name = f"{kind}{len([i for i in issued if i.startswith(kind)])}"
         issued.append(name)
         entry.event = _FakeCopyEvent(log, name)
         log.append(("issue", name))
 
-    rt._copies_issued = copies_issued
+    rt._io.copies_issued = copies_issued
     try:
         toks = [list(range(13))]
         _forward(rt, toks, [[0, 1, 2, 3]])

@@ -7,9 +7,10 @@ both alike; it reports, per configuration, the median of the per-pair wall ratio
 
 A variant is a set of runtime keyword arguments or CPU tuning values (``--a critical_parts=1``; the
 tuning of ``layerwise_bench.TUNING`` is set on the runtime's private attributes) and optionally another git
-revision (``--a-rev HEAD~1``: the layerwise runtime, the embedded store and the block hashing of that
-revision, loaded under other module names, each variant with its own store; the rest of the package,
-kernels included, is this checkout's).
+revision (``--a-rev HEAD~1``: the layerwise runtime — ``layerwise/runtime.py`` and the modules it is made
+of, every module of ``layerwise/`` but the planner, the allocation and the config —, the embedded store and
+the block hashing of that revision, loaded under other module names, each variant with its own store; the
+rest of the package, kernels included, is this checkout's).
 
     python benchmarks/layerwise_paired.py --a critical_parts=1 --b critical_parts=2 [--pairs 21]
 
@@ -22,6 +23,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -41,11 +43,19 @@ from torch_kvoffload.store.local import LocalKVStore
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _module_at(rev: str, path: str, name: str):
-    """The module ``path`` as of git revision ``rev``, loaded as ``name`` (not replacing this checkout's)."""
-    src = subprocess.run(
+# modules of torch_kvoffload/layerwise/ a variant takes from this checkout at every revision: the runtime
+# checks its plan and buffers against these classes
+_CHECKOUT_LAYERWISE = {"__init__", "allocation", "config", "planner"}
+
+
+def _git_show(rev: str, path: str) -> str:
+    return subprocess.run(
         ["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True
     ).stdout
+
+
+def _load(name: str, src: str):
+    """``src`` loaded as module ``name`` (not replacing any of this checkout's modules)."""
     file = Path(tempfile.mkdtemp()) / f"{name}.py"
     file.write_text(src)
     spec = importlib.util.spec_from_file_location(name, file)
@@ -56,15 +66,55 @@ def _module_at(rev: str, path: str, name: str):
     return module
 
 
+def _runtime_modules_at(rev: str, tag: str) -> dict[str, object]:
+    """The layerwise runtime's modules as of ``rev`` by name (``"runtime"``, and the modules it is made of
+    at that revision), each loaded as ``_paired_{room}_{tag}`` and importing its siblings of ``rev``."""
+    listing = subprocess.run(
+        ["git", "ls-tree", "--name-only", rev, "torch_kvoffload/layerwise/"],
+        cwd=ROOT, check=True, capture_output=True, text=True,
+    ).stdout.split()  # fmt: skip
+    rooms = sorted(
+        Path(p).stem for p in listing if p.endswith(".py") and Path(p).stem not in _CHECKOUT_LAYERWISE
+    )
+    alias = {room: f"_paired_{room}_{tag}" for room in rooms}
+    dotted = re.compile(r"\btorch_kvoffload\.layerwise\.(" + "|".join(map(re.escape, rooms)) + r")\b")
+
+    def from_package(m: re.Match) -> str:
+        # "from torch_kvoffload.layerwise import a, b" naming rooms only: import those of the revision
+        names = [n.strip() for n in m.group(1).split(",")]
+        if not all(n in alias for n in names):
+            return m.group(0)
+        return "import " + ", ".join(f"{alias[n]} as {n}" for n in names)
+
+    package = re.compile(r"^from torch_kvoffload\.layerwise import ([\w, ]+)$", re.MULTILINE)
+    sources = {
+        room: package.sub(
+            from_package,
+            dotted.sub(lambda m: alias[m.group(1)], _git_show(rev, f"torch_kvoffload/layerwise/{room}.py")),
+        )
+        for room in rooms
+    }
+    folder = Path(tempfile.mkdtemp())
+    for room, src in sources.items():
+        (folder / f"{alias[room]}.py").write_text(src)
+    sys.path.insert(0, str(folder))
+    try:
+        return {room: importlib.import_module(alias[room]) for room in rooms}
+    finally:
+        sys.path.remove(str(folder))
+
+
 def _variant_at(rev: str) -> tuple[type, type]:
     """``LayerwiseOffloadRuntime`` and ``LocalKVStore`` as of git revision ``rev``: their modules and the
     block hashing of that revision; the rest of the package (kernels included) is this checkout's."""
     tag = "".join(c if c.isalnum() else "_" for c in rev)
-    keys = _module_at(rev, "torch_kvoffload/store/keys.py", f"_paired_keys_{tag}")
-    local = _module_at(rev, "torch_kvoffload/store/local.py", f"_paired_local_{tag}")
-    runtime = _module_at(rev, "torch_kvoffload/layerwise/runtime.py", f"_paired_runtime_{tag}")
-    runtime.block_hashes = keys.block_hashes
-    return runtime.LayerwiseOffloadRuntime, local.LocalKVStore
+    keys = _load(f"_paired_keys_{tag}", _git_show(rev, "torch_kvoffload/store/keys.py"))
+    local = _load(f"_paired_local_{tag}", _git_show(rev, "torch_kvoffload/store/local.py"))
+    modules = _runtime_modules_at(rev, tag)
+    for module in modules.values():
+        if hasattr(module, "block_hashes"):
+            module.block_hashes = keys.block_hashes
+    return modules["runtime"].LayerwiseOffloadRuntime, local.LocalKVStore
 
 
 def _kwargs(items: list[str]) -> dict[str, object]:

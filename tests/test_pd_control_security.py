@@ -339,7 +339,7 @@ def _rogue_exports(transport: ShmTransport):
     """Buffers shaped like the real prefill's, exported by the rogue and filled with its own bytes."""
     from torch_kvoffload.layerwise import plan_layer_buffers
     from torch_kvoffload.pd import export_layer_buffers
-    from torch_kvoffload.pd.prefill import slot_regions
+    from torch_kvoffload.pd.prefill_exports import slot_regions
 
     buffers = export_layer_buffers(plan_layer_buffers(h.specs(), 2, (0,)), transport)
     for slot in buffers.main + [i for i in buffers.indexer if i is not None]:

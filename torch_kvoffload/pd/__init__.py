@@ -10,7 +10,8 @@ and are imported only when an endpoint is built.
 
 from torch_kvoffload.pd.compat import make_compatibility
 from torch_kvoffload.pd.config import TRANSPORTS, PDConfig, decode_rank_of, endpoint_port, split_range
-from torch_kvoffload.pd.decode import DecodeReceiver, all_ranks_ready
+from torch_kvoffload.pd.decode import DecodeReceiver
+from torch_kvoffload.pd.decode_state import all_ranks_ready
 from torch_kvoffload.pd.errors import (
     AckTimeoutError,
     HandshakeError,
@@ -19,12 +20,8 @@ from torch_kvoffload.pd.errors import (
     ReadFailedError,
 )
 from torch_kvoffload.pd.messages import Compatibility, ProtocolError
-from torch_kvoffload.pd.prefill import (
-    PrefillMultiConnector,
-    PrefillSender,
-    export_layer_buffers,
-    register_layer_buffers,
-)
+from torch_kvoffload.pd.prefill import PrefillMultiConnector, PrefillSender
+from torch_kvoffload.pd.prefill_exports import export_layer_buffers, register_layer_buffers
 from torch_kvoffload.pd.rendezvous import FileRendezvous, MooncakeMetadataRendezvous, make_rendezvous
 from torch_kvoffload.pd.ticket import TicketPart, TransferTicket
 from torch_kvoffload.pd.transports import ShmTransport, Transport, TransportError, make_transport

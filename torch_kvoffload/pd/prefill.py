@@ -1,5 +1,5 @@
-"""Prefill side of P/D transfer: export the layer buffers, publish each layer, gate buffer reuse on the
-decode reads.
+"""Prefill side of P/D transfer: one prefill TP rank's sender — publish each layer to the decode peers,
+gate buffer reuse on their reads — and the connector that puts it before the layerwise runtime.
 
 :class:`PrefillSender` is one prefill TP rank's sender. Its :meth:`PrefillSender.provider` is a layerwise
 completion provider (``fn(slot, layer) -> TransferEvent``): when a layer's KV is written it sends one
@@ -14,8 +14,15 @@ Only a decode endpoint that proves the shared secret is talked to (:mod:`torch_k
 an acknowledgement counts only for the batch it names (sequence number, layer and requests). If the
 control thread stops, every outstanding layer fails at once.
 
+Threads: each peer's control endpoint runs an I/O thread whose callbacks settle the events
+(:mod:`~torch_kvoffload.pd.prefill_state`). A LAYER_READY leaves only once the layer's KV is written
+(:func:`~torch_kvoffload.transfer.record_compute_event`): the send is submitted to the sender's
+:class:`~torch_kvoffload.transfer.TransferStream` after that event — run at once on the caller when the
+writes are done and no earlier send waits, else in order on the stream's worker.
+
 Request completion (every layer of a request acknowledged) is tracked apart from buffer completion:
-:meth:`PrefillSender.wait_request`. :class:`PrefillMultiConnector` combines the layerwise store connector
+:meth:`PrefillSender.wait_request`. The layer buffers are exported by
+:mod:`~torch_kvoffload.pd.prefill_exports`. :class:`PrefillMultiConnector` combines the layerwise store connector
 (the :class:`~torch_kvoffload.layerwise.LayerwiseOffloadRuntime`) with senders, providers first whatever
 order they are given in.
 
@@ -32,15 +39,14 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from torch_kvoffload._utils import check_int
 from torch_kvoffload.counters import Counters
-from torch_kvoffload.layerwise import LayerBufferPlan, LayerBuffers, LayerwiseOffloadRuntime
+from torch_kvoffload.layerwise import LayerBuffers, LayerwiseOffloadRuntime
 from torch_kvoffload.pd.auth import resolve_secret
-from torch_kvoffload.pd.config import PDConfig, decode_rank_of, split_range
+from torch_kvoffload.pd.config import PDConfig, decode_rank_of
 from torch_kvoffload.pd.control import ControlEndpoint
 from torch_kvoffload.pd.errors import (
     AckTimeoutError,
@@ -55,27 +61,30 @@ from torch_kvoffload.pd.messages import (
     Heartbeat,
     Hello,
     HelloAck,
-    LayerEntry,
     LayerReady,
     Message,
     ReadDone,
     ReadFailed,
 )
+from torch_kvoffload.pd.prefill_exports import slot_regions
+from torch_kvoffload.pd.prefill_state import (
+    DecodePeer,
+    LayerAnswers,
+    PendingBatch,
+    RequestTrackers,
+    Share,
+    batch_bytes,
+    layer_entries,
+    plan_shares,
+)
 from torch_kvoffload.pd.rendezvous import Rendezvous, decode_key, make_rendezvous
 from torch_kvoffload.pd.ticket import TransferTicket
 from torch_kvoffload.pd.transports import Transport
-from torch_kvoffload.transfer import TransferEvent, record_compute_event
+from torch_kvoffload.transfer import TransferEvent, TransferStream, record_compute_event
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "COUNTER_NAMES",
-    "PrefillMultiConnector",
-    "PrefillSender",
-    "export_layer_buffers",
-    "register_layer_buffers",
-    "slot_regions",
-]
+__all__ = ["COUNTER_NAMES", "PrefillMultiConnector", "PrefillSender"]
 
 COUNTER_NAMES = (
     "layers_sent",  # LAYER_READY batches
@@ -88,96 +97,9 @@ COUNTER_NAMES = (
 )
 
 
-def _region(slot: int, kind: str, c: int) -> str:
-    return f"slot{slot}.{kind}{c}"
-
-
-def export_layer_buffers(plan: LayerBufferPlan, transport: Transport) -> LayerBuffers:
-    """The physical buffers of ``plan`` allocated by ``transport`` (readable by the decode peer), as the
-    :class:`LayerBuffers` a :class:`LayerwiseOffloadRuntime` runs on."""
-    if plan.slot_main_specs is None or plan.slot_indexer_specs is None:
-        raise ValueError("export_layer_buffers: the plan was made from a layer count; plan with cache specs")
-    main = [
-        tuple(transport.allocate(_region(s, "main", c), t.shape, t.dtype) for c, t in enumerate(specs))
-        for s, specs in enumerate(plan.slot_main_specs)
-    ]
-    indexer = [
-        None if specs is None else
-        tuple(transport.allocate(_region(s, "idx", c), t.shape, t.dtype) for c, t in enumerate(specs))
-        for s, specs in enumerate(plan.slot_indexer_specs)
-    ]  # fmt: skip
-    return LayerBuffers(plan, main, indexer)
-
-
-def register_layer_buffers(buffers: LayerBuffers, transport: Transport) -> LayerBuffers:
-    """Register already allocated layer buffers (e.g. a model session's) with ``transport`` under the
-    region names :func:`export_layer_buffers` uses, for transports that read any registered memory
-    (``mooncake``, ``memfabric``); ``shm`` needs its own allocation (:func:`export_layer_buffers`)."""
-    if transport.name == "shm":
-        raise ValueError(
-            "register_layer_buffers: the shm transport reads only memory it allocated; use export_layer_buffers"
-        )
-    for s, (main, idx) in enumerate(zip(buffers.main, buffers.indexer, strict=True)):
-        for c, t in enumerate(main):
-            transport.register(_region(s, "main", c), t)
-        for c, t in enumerate(idx or ()):
-            transport.register(_region(s, "idx", c), t)
-    return buffers
-
-
-def slot_regions(buffers: LayerBuffers) -> list[dict]:
-    """Per physical buffer ``{"main": [region ids], "indexer": [region ids]}`` (the HELLO's ``slots``)."""
-    return [
-        {"main": [_region(s, "main", c) for c in range(len(m))],
-         "indexer": [_region(s, "idx", c) for c in range(len(i or ()))]}
-        for s, (m, i) in enumerate(zip(buffers.main, buffers.indexer, strict=True))
-    ]  # fmt: skip
-
-
-@dataclass
-class _Share:
-    """One request's share of every layer for this rank."""
-
-    request_id: int
-    dp_rank: int
-    generation: int
-    main_src: list[int]
-    main_dst: list[int]
-    indexer_src: list[int]
-    indexer_dst: list[int]
-
-
-@dataclass
-class _Pending:
-    dp_rank: int
-    layer: int
-    request_ids: list[int]
-    event: TransferEvent
-    sent: float
-    deadline: float
-    nbytes: int = 0
-
-
-@dataclass
-class _Tracker:
-    remaining: set[int]
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-
-
-class _DecodePeer:
-    def __init__(self, dp_rank: int, endpoint: str) -> None:
-        self.dp_rank, self.endpoint = dp_rank, endpoint
-        self.control: ControlEndpoint | None = None
-        self.acked = threading.Event()
-        self.ack: HelloAck | None = None
-        self.last_seen = time.monotonic()
-        self.last_beat = 0.0
-        self.dead: str | None = None
-
-
 class PrefillSender:
-    """Prefill TP rank ``p_rank``'s sender over ``buffers`` (from :func:`export_layer_buffers` on
+    """Prefill TP rank ``p_rank``'s sender over ``buffers`` (from
+    :func:`~torch_kvoffload.pd.prefill_exports.export_layer_buffers` on
     ``transport``). ``compat`` describes the caches (:func:`~torch_kvoffload.pd.compat.make_compatibility`).
     Counters: :data:`COUNTER_NAMES`."""
 
@@ -217,14 +139,16 @@ class PrefillSender:
         self._secret = resolve_secret(config, self.rendezvous)
         self.counters = Counters(COUNTER_NAMES)
         self._lock = threading.Lock()
-        self._peers: dict[int, _DecodePeer] = {}
+        self._peers: dict[int, DecodePeer] = {}
         self._seq = itertools.count()
-        self._pending: dict[tuple[int, int], _Pending] = {}
-        self._trackers: dict[int, _Tracker] = {}
-        self._shares: list[_Share] | None = None
+        self._pending: dict[tuple[int, int], PendingBatch] = {}
+        self._requests = RequestTrackers(self.name, self.num_layers)
+        self._shares: list[Share] | None = None
         #: one entry per acknowledged batch: layer, decode DP rank, seconds from LAYER_READY to READ_DONE, bytes
         self.layer_log: list[dict] = []
         self._closed = False
+        # sends wait here for the layer's writes: host work only (an event wait, then a socket hand-off)
+        self._sends = TransferStream(f"{self.name}-send", device=torch.device("cpu"))
 
     @property
     def name(self) -> str:
@@ -256,7 +180,7 @@ class PrefillSender:
             raise HandshakeError(
                 f"{self.name}: decode rank (dp {dp_rank}, tp {self.d_rank}) never advertised: {exc}"
             ) from exc
-        peer = _DecodePeer(dp_rank, record["endpoint"])
+        peer = DecodePeer(dp_rank, record["endpoint"])
         peer.control = ControlEndpoint(
             "dealer",
             peer.endpoint,
@@ -305,43 +229,19 @@ class PrefillSender:
             raise RuntimeError(f"{where}: a forward is running; call end_forward()")
         if isinstance(block_tables, torch.Tensor):
             block_tables = block_tables.tolist()
-        if len(tickets) != len(block_tables):
-            raise ValueError(f"{where}: {len(tickets)} tickets for {len(block_tables)} block tables")
-        has_idx = any(i is not None for i in self.buffers.indexer)
-        shares = []
-        seen = set()
-        for r, (t, table) in enumerate(zip(tickets, block_tables, strict=True)):
-            if not isinstance(t, TransferTicket):
-                raise TypeError(f"{where}: tickets[{r}] must be a TransferTicket, got {type(t).__name__}")
-            if t.request_id in seen:
-                raise ValueError(f"{where}: request {t.request_id} appears twice")
-            seen.add(t.request_id)
-            n = len(t.main_blocks)
-            src = [int(b) for b in table[:n]]
-            if len(src) != n or any(not 0 <= b < self.num_blocks for b in src):
-                raise ValueError(
-                    f"{where}: request {t.request_id} needs {n} prefill blocks in [0, {self.num_blocks}), "
-                    f"block table row {r} gives {src}"
-                )
-            if len(t.parts) != self.config.decode_tp_size or not 0 <= t.dp_rank < self.config.decode_dp_size:
-                raise ValueError(
-                    f"{where}: ticket of request {t.request_id} has {len(t.parts)} parts for dp {t.dp_rank}; "
-                    f"expected {self.config.decode_tp_size} parts and dp in [0, {self.config.decode_dp_size})"
-                )
-            part = t.parts[self.d_rank]
-            if has_idx and len(part.indexer_blocks) != n:
-                raise ValueError(
-                    f"{where}: ticket of request {t.request_id} has no indexer blocks for decode rank {self.d_rank}"
-                )
-            lo, hi = split_range(n, self.config.decode_tp_size, self.d_rank) if self.member == 0 else (0, 0)
-            ilo, ihi = split_range(n, self.config.ratio, self.member) if has_idx else (0, 0)
-            shares.append(_Share(t.request_id, t.dp_rank, part.generation, src[lo:hi], list(t.main_blocks[lo:hi]),
-                                 src[ilo:ihi], list(part.indexer_blocks[ilo:ihi])))  # fmt: skip
+        shares = plan_shares(
+            where,
+            self.config,
+            d_rank=self.d_rank,
+            member=self.member,
+            num_blocks=self.num_blocks,
+            has_indexer=any(i is not None for i in self.buffers.indexer),
+            tickets=tickets,
+            block_tables=block_tables,
+        )
         for dp in sorted({s.dp_rank for s in shares}):
             self.connect(dp)
-        with self._lock:
-            for s in shares:
-                self._trackers[s.request_id] = _Tracker(set(range(self.num_layers)))
+        self._requests.start([s.request_id for s in shares])
         self._shares = shares
 
     def end_forward(self) -> None:
@@ -359,67 +259,59 @@ class PrefillSender:
         main_bytes = [t[0].nbytes for t in main]
         idx_bytes = [t[0].nbytes for t in idx] if idx is not None else []
         compute = record_compute_event()  # decode must not read before the layer's writes finished
-        events = []
-        for dp in sorted({s.dp_rank for s in shares}):
-            entries = [
-                LayerEntry(s.request_id, s.generation, s.main_src, s.main_dst,
-                           s.indexer_src if idx is not None else [], s.indexer_dst if idx is not None else [])
-                for s in shares if s.dp_rank == dp
-            ]  # fmt: skip
+        dps = sorted({s.dp_rank for s in shares})
+        answers = LayerAnswers(len(dps))
+        for dp in dps:
+            entries = layer_entries(shares, dp, with_indexer=idx is not None)
             msg = LayerReady(
                 next(self._seq), layer, slot, self.member, self.config.ratio, main_bytes, idx_bytes, entries
             )
-            events.append(self._publish(dp, self._layer_ready(msg), compute))
-        if len(events) == 1:
-            return events[0]
-        return _all_of(events)
+            self._publish(dp, self._layer_ready(msg), compute, answers)
+        return answers.event
 
     def _layer_ready(self, msg: LayerReady) -> LayerReady:
         """The batch about to be sent (a seam tests and the example use to corrupt metadata)."""
         return msg
 
-    def _publish(self, dp: int, msg: LayerReady, compute: TransferEvent) -> TransferEvent:
+    def _publish(self, dp: int, msg: LayerReady, compute: TransferEvent, answers: LayerAnswers) -> None:
+        """Send ``msg`` to decode DP rank ``dp`` once ``compute`` (the layer's writes) completed; its answer
+        settles ``answers``."""
         ids = [e.request_id for e in msg.entries]
         with self._lock:
             peer = self._peers.get(dp)
-        event = TransferEvent()
         if peer is None or peer.dead is not None:
             err = PeerDeadError(
                 f"{self.name}: layer {msg.layer} of requests {ids}: decode peer dp {dp} is "
                 f"{'not connected' if peer is None else 'dead: ' + str(peer.dead)}"
             )
             self._fail_requests(ids, err)
-            event._set_error(err)
-            return event
+            answers.failed(err)
+            return
         now = time.monotonic()
-        nbytes = sum(
-            len(e.main_src) * sum(msg.main_block_bytes) + len(e.indexer_src) * sum(msg.indexer_block_bytes)
-            for e in msg.entries
-        )
         with self._lock:
-            self._pending[(dp, msg.seq)] = _Pending(
-                dp, msg.layer, ids, event, now, now + self.config.layer_ack_timeout_s, nbytes
+            self._pending[(dp, msg.seq)] = PendingBatch(
+                dp, msg.layer, ids, answers, now, now + self.config.layer_ack_timeout_s, batch_bytes(msg)
             )
         self.counters.add("layers_sent")
-        assert peer.control is not None
-        if compute.succeeded():
-            peer.control.send(msg)
-        else:
-            threading.Thread(target=self._send_after, args=(peer, msg, compute), daemon=True).start()
-        return event
+        sent = self._sends.submit(self._send, peer, msg, after=(compute,), inline=True)
+        if sent.error is not None:  # ran at once and failed: the caller hears it, as from a direct send
+            raise sent.error
 
-    @staticmethod
-    def _send_after(peer: _DecodePeer, msg: LayerReady, compute: TransferEvent) -> None:
-        compute.wait()
-        assert peer.control is not None
-        peer.control.send(msg)
+    def _send(self, peer: DecodePeer, msg: LayerReady) -> None:
+        assert peer.control is not None  # set before the peer is registered
+        try:
+            peer.control.send(msg)
+        except Exception:
+            logger.exception("%s: LAYER_READY %d (layer %d) to decode dp %d not sent", self.name, msg.seq,
+                             msg.layer, peer.dp_rank)  # fmt: skip
+            raise
 
     # ----------------------------------------------------------------------- control messages
-    def _on_control_down(self, peer: _DecodePeer, reason: str) -> None:
+    def _on_control_down(self, peer: DecodePeer, reason: str) -> None:
         self._peer_dead(peer, reason)
         peer.acked.set()  # wake a handshake waiting for an answer that cannot come
 
-    def _on_message(self, peer: _DecodePeer, msg: Message) -> None:
+    def _on_message(self, peer: DecodePeer, msg: Message) -> None:
         peer.last_seen = time.monotonic()
         if isinstance(msg, HelloAck):
             if not peer.acked.is_set():
@@ -445,7 +337,7 @@ class PrefillSender:
                 self.layer_log.append(
                     {"layer": p.layer, "dp_rank": p.dp_rank, "seconds": seconds, "bytes": p.nbytes}
                 )
-            p.event._set_done()
+            p.answers.read()
             self._layer_done(p)
         elif isinstance(msg, ReadFailed):
             with self._lock:
@@ -460,7 +352,7 @@ class PrefillSender:
         elif isinstance(msg, Bye):
             self._peer_dead(peer, f"said BYE ({msg.reason})")
 
-    def _on_tick(self, peer: _DecodePeer) -> None:
+    def _on_tick(self, peer: DecodePeer) -> None:
         now = time.monotonic()
         if peer.dead is not None or peer.control is None:  # the first tick may precede the assignment
             return
@@ -480,7 +372,7 @@ class PrefillSender:
                 f"decode dp {peer.dp_rank} ({peer.endpoint}) within {self.config.layer_ack_timeout_s:.1f} s"
             ))  # fmt: skip
 
-    def _peer_dead(self, peer: _DecodePeer, why: str) -> None:
+    def _peer_dead(self, peer: DecodePeer, why: str) -> None:
         peer.dead = why
         with self._lock:
             keys = [k for k in self._pending if k[0] == peer.dp_rank]
@@ -494,63 +386,33 @@ class PrefillSender:
                 f"({peer.endpoint}) {why}"
             ))  # fmt: skip
 
-    def _fail(self, p: _Pending, err: PDTransferError) -> None:
+    def _fail(self, p: PendingBatch, err: PDTransferError) -> None:
         logger.error("%s", err)
         self.counters.add("layers_failed")
-        p.event._set_error(err)
+        p.answers.failed(err)
         self._fail_requests(p.request_ids, err)
 
     def _fail_requests(self, ids: list[int], err: BaseException) -> None:
-        with self._lock:
-            trackers = [self._trackers.get(r) for r in ids]
-        for t in trackers:
-            if t is not None and not t.done.is_set():
-                t.error = err
-                self.counters.add("requests_failed")
-                t.done.set()
+        self.counters.add("requests_failed", self._requests.fail(ids, err))
 
-    def _layer_done(self, p: _Pending) -> None:
-        with self._lock:
-            trackers = [self._trackers.get(r) for r in p.request_ids]
-        for t in trackers:
-            if t is None or t.done.is_set():
-                continue
-            t.remaining.discard(p.layer)
-            if not t.remaining:
-                self.counters.add("requests_done")
-                t.done.set()
+    def _layer_done(self, p: PendingBatch) -> None:
+        self.counters.add("requests_done", self._requests.layer_read(p.request_ids, p.layer))
 
     # ------------------------------------------------------------------------------ requests
     def request_state(self, request_id: int) -> str:
         """``"pending"``, ``"done"`` (every layer acknowledged) or ``"failed"``."""
-        with self._lock:
-            t = self._trackers.get(request_id)
-        if t is None:
-            raise KeyError(f"{self.name}: unknown request {request_id}")
-        if not t.done.is_set():
-            return "pending"
-        return "failed" if t.error is not None else "done"
+        return self._requests.state(request_id)
 
     def wait_request(self, request_id: int, timeout: float | None = None) -> None:
         """Block until every layer of the request was acknowledged; raise its transfer error if one
         failed, ``TimeoutError`` after ``timeout``."""
-        with self._lock:
-            t = self._trackers.get(request_id)
-        if t is None:
-            raise KeyError(f"{self.name}: unknown request {request_id}")
-        if not t.done.wait(timeout):
-            raise TimeoutError(
-                f"{self.name}: request {request_id}: layers {sorted(t.remaining)} not acknowledged after {timeout} s"
-            )
-        if t.error is not None:
-            raise PDTransferError(f"{self.name}: request {request_id} failed: {t.error}") from t.error
+        self._requests.wait(request_id, timeout)
 
     def forget(self, request_id: int) -> None:
-        with self._lock:
-            self._trackers.pop(request_id, None)
+        self._requests.forget(request_id)
 
     def close(self) -> None:
-        """Say BYE, fail what is outstanding, stop the control threads; idempotent."""
+        """Say BYE, fail what is outstanding, stop the control threads and the send stream; idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -562,33 +424,13 @@ class PrefillSender:
             self._peer_dead(peer, "closed by prefill")
             if peer.control is not None:
                 peer.control.close()
+        self._sends.close()
 
     def __enter__(self) -> PrefillSender:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _all_of(events: list[TransferEvent]) -> TransferEvent:
-    """An event that completes when all of ``events`` did (the first failure wins)."""
-    out = TransferEvent()
-    remaining = [len(events)]
-    lock = threading.Lock()
-
-    def watch(ev: TransferEvent) -> None:
-        ev._wait_finished()
-        if ev.error is not None:
-            out._set_error(ev.error)
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            out._set_done()
-
-    for ev in events:
-        threading.Thread(target=watch, args=(ev,), daemon=True).start()
-    return out
 
 
 class PrefillMultiConnector:
@@ -633,12 +475,12 @@ class PrefillMultiConnector:
             raise
 
     def wait_layer(self, layer: int, caches=None) -> None:
-        """The runtime's ``wait``: block until ``layer`` may use its buffer (previous user's save and
+        """The runtime's ``wait_layer``: block until ``layer`` may use its buffer (previous user's save and
         remote reads done) and its prefix is loaded."""
         self.runtime.wait_layer(layer, caches)
 
     def save_layer(self, layer: int, caches=None) -> None:
-        """The runtime's ``save``: publish ``layer`` to the decode peers (providers first), then start its
+        """The runtime's ``save_layer``: publish ``layer`` to the decode peers (providers first), then start its
         host save."""
         self.runtime.save_layer(layer, caches)
 

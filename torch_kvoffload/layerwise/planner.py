@@ -48,19 +48,6 @@ class TensorSpec:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
-    @property
-    def num_blocks(self) -> int:
-        return self.shape[0]
-
-    @property
-    def block_size(self) -> int:
-        return self.shape[1]
-
-    @property
-    def block_nbytes(self) -> int:
-        """Bytes of one block (``shape[1:]``)."""
-        return math.prod(self.shape[1:]) * self.dtype.itemsize
-
 
 @dataclass(frozen=True)
 class LayerCacheSpec:
@@ -120,10 +107,6 @@ class LayerBufferPlan:
     @property
     def num_physical_buffers(self) -> int:
         return len(self.slots)
-
-    @property
-    def shared_slots(self) -> list[int]:
-        return [s for s, layers in enumerate(self.slots) if layers[0] not in self.independent_layers]
 
     @property
     def main_bytes(self) -> int:

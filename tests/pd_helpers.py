@@ -273,9 +273,11 @@ def _fault_receiver_cls(fault: str | None, kill_file: str):
     return FaultyReceiver
 
 
-def make_decode(cfg, rdv_dir: str, cls=None, fingerprint: str = "tiny-dsa", indexer_layers=None):
-    """``(pool, indexers, receivers)``: one host pool shared by every decode TP rank of DP rank 0 and a
-    rank-local indexer (int8 key + fp32 scale on the compute device) per rank."""
+def make_decode(
+    cfg, rdv_dir: str, cls=None, fingerprint: str = "tiny-dsa", indexer_layers=None, dp_rank: int = 0
+):
+    """``(pool, indexers, receivers)``: one host pool shared by every decode TP rank of DP rank ``dp_rank``
+    and a rank-local indexer (int8 key + fp32 scale on the compute device) per rank."""
     from torch_kvoffload.device import default_device
     from torch_kvoffload.pd import DecodeReceiver, FileRendezvous
     from torch_kvoffload.sparse import HostKVPool
@@ -293,14 +295,15 @@ def make_decode(cfg, rdv_dir: str, cls=None, fingerprint: str = "tiny-dsa", inde
     ]
     pool.kv_c(0).zero_()
     pool.k_pe(0).zero_()
-    recvs = [(cls or DecodeReceiver)(cfg, pool=pool, compat=compat(fingerprint), dp_rank=0, tp_rank=t,
+    recvs = [(cls or DecodeReceiver)(cfg, pool=pool, compat=compat(fingerprint), dp_rank=dp_rank, tp_rank=t,
                                      indexer=indexers[t], rendezvous=FileRendezvous(rdv_dir))
              for t in range(cfg.decode_tp_size)]  # fmt: skip
     return pool, indexers, recvs
 
 
-def make_tickets(pool, recvs, requests):
-    """Allocate each request's pool blocks and every rank's indexer blocks; the combined tickets."""
+def make_tickets(pool, recvs, requests, dp_rank: int = 0):
+    """Allocate each request's pool blocks and every rank's indexer blocks (of decode DP rank ``dp_rank``);
+    the combined tickets."""
     from torch_kvoffload.pd import TransferTicket
 
     tickets = []
@@ -312,7 +315,7 @@ def make_tickets(pool, recvs, requests):
                 IDX_BLOCKS - 1 - (7 * t + 3 * len(tickets) + 11 * j) % IDX_BLOCKS for j in range(len(main))
             ]
             parts.append(rv.expect(rid, ntok, main, idx))
-        tickets.append(TransferTicket.combine(rid, ntok, 0, main, parts))
+        tickets.append(TransferTicket.combine(rid, ntok, dp_rank, main, parts))
     return tickets
 
 

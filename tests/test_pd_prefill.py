@@ -1,5 +1,6 @@
 """Prefill / decode behaviour in one process (threads): the multi-connector's ordering, the buffer reuse
-gate, request vs buffer completion, the handshake timeout, stale destinations, argument validation."""
+gate (one and two decode DP ranks), request vs buffer completion, sends after the layer's writes, the
+handshake timeout, stale destinations, argument validation, the sender's completion bookkeeping."""
 
 from __future__ import annotations
 
@@ -19,14 +20,17 @@ from torch_kvoffload.pd import (
     PDTransferError,
     PrefillMultiConnector,
     PrefillSender,
+    ReadFailedError,
     ShmTransport,
     TransferTicket,
     TransportError,
     all_ranks_ready,
 )
+from torch_kvoffload.pd.messages import LayerReady
+from torch_kvoffload.pd.prefill_state import LayerAnswers, RequestTrackers
 from torch_kvoffload.pd.rendezvous import decode_key
 from torch_kvoffload.store.local import LocalKVStore
-from torch_kvoffload.transfer import TransferError
+from torch_kvoffload.transfer import TransferError, TransferStream
 
 #: How long a request's verdict may take with the test configuration (:func:`pd_helpers.verdict_s`), the
 #: slowest injected read (0.5 s) counted as every layer's work.
@@ -440,3 +444,161 @@ def test_layers_without_indexer(tmp_path, p_layers, d_layers, ok: bool) -> None:
         tr.close()
         recvs[0].close()
         pool.close()
+
+
+# ------------------------------------------------------------------------------- two decode DP ranks
+@pytest.fixture
+def two_dp(tmp_path):
+    """One prefill rank (one shared layer buffer: layer L+1 reuses layer L's) sending request 5 to decode
+    DP rank 0 and request 6 to DP rank 1, each DP rank with its own host pool; factory-style."""
+    made = []
+
+    def make(*, decode_cls=(None, None)):
+        cfg_kw = dict(
+            transport="shm", prefill_tp_size=1, decode_tp_size=1, decode_dp_size=2, kv_port=free_port()
+        )
+        rdv = str(tmp_path / "rdv")
+        ranks = [
+            h.make_decode(h.config("decode", **cfg_kw), rdv, cls, dp_rank=dp)
+            for dp, cls in enumerate(decode_cls)
+        ]
+        conn, sender, rt, tr = h.make_prefill_rank(
+            h.config("prefill", **cfg_kw), 0, rdv, shared=1, independent=()
+        )
+        made.append((ranks, sender, rt, tr))
+        tickets = [
+            t
+            for dp, (pool, _idx, recvs) in enumerate(ranks)
+            for t in h.make_tickets(pool, recvs, [(5 + dp, 8 + 5 * dp)], dp_rank=dp)
+        ]
+        return SimpleNamespace(conn=conn, sender=sender, ranks=ranks, tickets=tickets)
+
+    yield make
+    for ranks, sender, rt, tr in made:
+        sender.close()
+        rt.close()
+        tr.close()
+        for pool, _idx, recvs in ranks:
+            for r in recvs:
+                r.close()
+            pool.close()
+
+
+def test_a_layer_sent_to_two_decode_dp_ranks_waits_for_both_reads(two_dp) -> None:
+    done_at: dict = {}
+    s = two_dp(decode_cls=(None, _slow_receiver({1: 0.4}, done_at)))
+    entered: dict = {}
+    h.run_prefill(s.conn, s.tickets, on_layer=lambda layer: entered.setdefault(layer, time.monotonic()))
+    assert entered[2] >= done_at[1]  # layer 2 entered the buffer only after the slow DP rank read layer 1
+    for t, (pool, idx, recvs) in zip(s.tickets, s.ranks, strict=True):
+        recvs[0].wait_request(t.request_id, timeout=VERDICT_S)
+        s.sender.wait_request(t.request_id, timeout=VERDICT_S)
+        assert recvs[0].state(t.request_id) == "done" and s.sender.request_state(t.request_id) == "done"
+        ib = list(t.parts[0].indexer_blocks)
+        for layer in range(h.L):
+            want = h.block_data(t.request_id, layer, 0, len(t.main_blocks))
+            assert torch.equal(h.bits(pool.kv_c(layer)[list(t.main_blocks)]), h.bits(want))
+            assert torch.equal(
+                h.bits(idx[0][layer][1][ib]), h.bits(h.block_data(t.request_id, layer, 3, len(ib)))
+            )
+
+
+def test_a_layer_fails_at_the_first_decode_dp_rank_that_fails_it(two_dp) -> None:
+    """DP rank 1 fails layer 0 while DP rank 0 is still reading it: the layer's event fails at once."""
+
+    class Failing(DecodeReceiver):
+        def _read(self, peer, ops, layer):
+            raise TransportError("injected read failure")
+
+    slow_s = 3.0
+    s = two_dp(decode_cls=(_slow_receiver({0: slow_s}, {}), Failing))
+    tables, _ = h.prefill_tables(0, s.tickets)
+    s.sender.begin_forward(s.tickets, tables)
+    try:
+        t0 = time.monotonic()
+        event = s.sender.provider(s.sender.buffers.plan.slot_of[0], 0)
+        with pytest.raises(TransferError, match="injected read failure"):
+            event.wait(timeout=slow_s / 2)  # a TimeoutError if it waited for DP rank 0's read
+        assert time.monotonic() - t0 < slow_s
+        assert isinstance(event.error, ReadFailedError)
+        assert s.sender.request_state(6) == "failed" and s.sender.request_state(5) == "pending"
+    finally:
+        s.sender.end_forward()
+
+
+def test_layer_ready_leaves_only_after_the_layers_writes(setup, monkeypatch) -> None:
+    """On an accelerator a layer's writes may still run when it is published: its LAYER_READY waits for
+    them (here: compute events that complete when the test says so, the later layer's first)."""
+    import torch_kvoffload.pd.prefill as prefill_module
+
+    arrived: list[int] = []
+
+    class Recording(DecodeReceiver):
+        def _on_message(self, peer, msg):
+            if isinstance(msg, LayerReady):
+                arrived.append(msg.layer)
+            super()._on_message(peer, msg)
+
+    s = setup(decode_cls=Recording, requests=[(5, 8)])
+    gates = [threading.Event(), threading.Event()]
+    writers = [TransferStream(f"writes-{i}", device=torch.device("cpu")) for i in range(2)]
+    writes = iter([w.submit(g.wait) for w, g in zip(writers, gates, strict=True)])
+    monkeypatch.setattr(prefill_module, "record_compute_event", lambda: next(writes))
+    tables, _ = h.prefill_tables(0, s.tickets)
+    s.sender.begin_forward(s.tickets, tables)
+    try:
+        slot_of = s.sender.buffers.plan.slot_of
+        events = [s.sender.provider(slot_of[layer], layer) for layer in range(2)]
+        time.sleep(0.3)
+        assert arrived == [] and not any(e.query() for e in events)
+        gates[1].set()  # layer 1's writes finish first
+        time.sleep(0.3)
+        assert 0 not in arrived and not events[0].query()
+        gates[0].set()
+        for e in events:
+            e.wait(VERDICT_S)
+        assert sorted(arrived) == [0, 1]
+    finally:
+        for g in gates:
+            g.set()
+        for w in writers:
+            w.close()
+        s.sender.end_forward()
+
+
+# ------------------------------------------------------------------------------------- bookkeeping
+def test_layer_answers_complete_after_every_read_and_fail_at_the_first_failure() -> None:
+    ok = LayerAnswers(2)
+    ok.read()
+    assert not ok.event.query()
+    ok.read()
+    assert ok.event.query() and ok.event.error is None
+    first, second = ReadFailedError("first"), ReadFailedError("second")
+    bad = LayerAnswers(3)
+    bad.read()
+    bad.failed(first)
+    assert bad.event.query() and bad.event.error is first  # no waiting for the other peers
+    bad.failed(second)
+    bad.read()
+    assert bad.event.error is first
+
+
+def test_request_trackers_complete_fail_and_time_out() -> None:
+    t = RequestTrackers("sender", num_layers=2)
+    t.start([1, 2, 3])
+    assert t.layer_read([1, 2], 0) == 0
+    assert t.layer_read([1, 2], 1) == 2  # both complete with their last layer
+    assert (t.state(1), t.state(3)) == ("done", "pending")
+    t.wait_request(1, timeout=0)
+    err = ReadFailedError("layer 0 of request 3")
+    assert t.fail([1, 3], err) == 1  # a completed request stays done
+    assert (t.state(1), t.state(3)) == ("done", "failed")
+    with pytest.raises(PDTransferError, match="request 3 failed: layer 0 of request 3") as info:
+        t.wait_request(3, timeout=0)
+    assert info.value.__cause__ is err
+    t.start([4])
+    with pytest.raises(TimeoutError, match=r"request 4: layers \[0, 1\] not acknowledged after 0.05 s"):
+        t.wait_request(4, timeout=0.05)
+    t.forget(4)
+    with pytest.raises(KeyError, match="unknown request 4"):
+        t.state(4)

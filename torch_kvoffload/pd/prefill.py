@@ -406,7 +406,7 @@ class PrefillSender:
     def wait_request(self, request_id: int, timeout: float | None = None) -> None:
         """Block until every layer of the request was acknowledged; raise its transfer error if one
         failed, ``TimeoutError`` after ``timeout``."""
-        self._requests.wait(request_id, timeout)
+        self._requests.wait_request(request_id, timeout)
 
     def forget(self, request_id: int) -> None:
         self._requests.forget(request_id)

@@ -235,7 +235,7 @@ class RequestTrackers:
             return "pending"
         return "failed" if t.acked.error is not None else "done"
 
-    def wait(self, request_id: int, timeout: float | None) -> None:
+    def wait_request(self, request_id: int, timeout: float | None) -> None:
         """Block until every layer of the request was read; :class:`PDTransferError` (caused by its
         transfer error) if one failed, ``TimeoutError`` after ``timeout`` seconds."""
         t = self._get(request_id)

@@ -19,7 +19,7 @@ from torch_kvoffload.sparse.config import (
     SparseDecodeConfig,
 )
 from torch_kvoffload.store import LocalKVStore, StoreConfig
-from torch_kvoffload.store.factory import physical_memory_bytes
+from torch_kvoffload.store.sizes import physical_memory_bytes
 
 RAM = physical_memory_bytes()
 needs_ram = pytest.mark.skipif(RAM == 0, reason="the OS does not report the physical memory")

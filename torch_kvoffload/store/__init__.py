@@ -17,7 +17,7 @@ from torch_kvoffload.store.base import (
     StoreLease,
     StoreUnavailableError,
 )
-from torch_kvoffload.store.factory import StoreConfig, build_store, create_store, parse_bytes
+from torch_kvoffload.store.factory import StoreConfig, build_store, create_store
 from torch_kvoffload.store.keys import (
     block_hashes,
     cache_layout_fingerprint,
@@ -28,6 +28,7 @@ from torch_kvoffload.store.keys import (
 from torch_kvoffload.store.local import LocalKVStore
 from torch_kvoffload.store.memcache import MemcacheKVStore
 from torch_kvoffload.store.mooncake import MooncakeKVStore
+from torch_kvoffload.store.sizes import parse_bytes
 
 __all__ = [
     "KVStore",

@@ -65,10 +65,6 @@ class ClientLedger:
             self._used -= n
             return True
 
-    def size_of(self, key: str) -> int | None:
-        with self._lock:
-            return self._sizes.get(key)
-
     def keys(self) -> list[str]:
         with self._lock:
             return list(self._sizes)

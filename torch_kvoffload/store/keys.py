@@ -20,19 +20,18 @@ from __future__ import annotations
 import hashlib
 import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from torch_kvoffload._utils import check_int
 
-if TYPE_CHECKING:
-    from torch_kvoffload.layerwise.planner import LayerCacheSpec
-
 __all__ = [
     "DIGEST_SIZE",
     "FINGERPRINT_SIZE",
+    "CacheComponent",
+    "CacheLayout",
     "block_hashes",
     "cache_layout_fingerprint",
     "layer_block_keys",
@@ -47,6 +46,27 @@ _DOMAIN = b"torch_kvoffload/block-hash/v1"
 FINGERPRINT_SIZE = 8
 # bump when the record format changes (component order, 16-byte aligned offsets inside one record)
 _LAYOUT_DOMAIN = "torch_kvoffload/cache-layout/v1"
+
+
+class CacheComponent(Protocol):
+    """One cached tensor of a layer: ``shape`` is ``[num_blocks, block_size, *per_token]``."""
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+
+class CacheLayout(Protocol):
+    """What one cache-bearing layer holds per block: its main components (the first sets the block size)
+    and its optional indexer components. :class:`~torch_kvoffload.layerwise.planner.LayerCacheSpec` is one."""
+
+    @property
+    def main(self) -> Sequence[CacheComponent]: ...
+
+    @property
+    def indexer(self) -> Sequence[CacheComponent] | None: ...
 
 
 def _tokens_int64(fn: str, token_ids: Sequence[int] | torch.Tensor) -> np.ndarray:
@@ -151,7 +171,7 @@ def parse_layer_block_key(key: str) -> tuple[str, int, str]:
     return head, int(layer), h
 
 
-def cache_layout_fingerprint(specs: Sequence[LayerCacheSpec], model_id: str = "") -> str:
+def cache_layout_fingerprint(specs: Sequence[CacheLayout], model_id: str = "") -> str:
     """The model id for store keys of a model with cache layout ``specs``: ``"{model_id}@{digest}"``
     (``"{digest}"`` when ``model_id`` is empty).
 
@@ -161,7 +181,8 @@ def cache_layout_fingerprint(specs: Sequence[LayerCacheSpec], model_id: str = ""
     pool size (``num_blocks``) and ``is_mtp`` do not enter it: they do not change what a block holds.
 
     Args:
-        specs: one :class:`~torch_kvoffload.layerwise.planner.LayerCacheSpec` per cache-bearing layer.
+        specs: one :class:`CacheLayout` (e.g. a :class:`~torch_kvoffload.layerwise.planner.LayerCacheSpec`)
+            per cache-bearing layer.
         model_id: names the model (weights, revision); any str.
     """
     fn = "cache_layout_fingerprint"
@@ -183,6 +204,6 @@ def cache_layout_fingerprint(specs: Sequence[LayerCacheSpec], model_id: str = ""
     return f"{model_id}@{digest}" if model_id else digest
 
 
-def _components(comps: Sequence[object]) -> str:
+def _components(comps: Sequence[CacheComponent]) -> str:
     """``"[d1,d2]:dtype;..."``: each component's per-token shape and dtype."""
-    return ";".join(f"{list(c.shape[2:])}:{str(c.dtype).removeprefix('torch.')}" for c in comps)  # type: ignore[attr-defined]
+    return ";".join(f"{list(c.shape[2:])}:{str(c.dtype).removeprefix('torch.')}" for c in comps)

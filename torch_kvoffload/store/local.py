@@ -1,22 +1,16 @@
 """The embedded host KV pool: one preallocated host arena, a first-fit allocator, LRU eviction.
 
-Storage is a single ``uint8`` arena of exactly ``capacity_bytes`` (pinned when an accelerator exists so
-that device copies from / to it are asynchronous DMA). Each value occupies one contiguous region,
-allocated first-fit from a sorted, coalescing free list; when no region fits, the least recently used
-entries are evicted until one does. ``get`` and ``put`` make an entry the most recently used; ``exists``
-does not.
-
-Concurrency: metadata changes happen under one lock, but the byte copies themselves (``Tensor.copy_``
-and the ``copy_blocks`` kernel, both releasing the GIL) run outside it, so several transfer threads copy
-in parallel. A region being read is pinned by a reader count and is neither evicted nor reused until the
-readers finish; a region being written is invisible until the copy completes. A ``put`` that finds
-every byte held by in-flight copies waits for one of them to finish.
+The arena, its allocator, LRU order, eviction and pins are
+:class:`~torch_kvoffload.store._arena.ArenaIndex` (metadata under one lock); :class:`LocalKVStore` adds the
+byte copies, which run outside the lock (``Tensor.copy_`` and the ``copy_blocks`` kernel, both releasing
+the GIL), so several transfer threads copy in parallel. Every copy runs on the calling thread: the store
+owns no thread (callers such as the layerwise runtime call it from their
+:class:`~torch_kvoffload.transfer.TransferStream`).
 
 Leases (:meth:`LocalKVStore.lease`) pin entries for longer — a layerwise forward pins the prefix it
 found at lookup until the forward ends. Eviction skips leased entries; a leased entry that is removed or
 replaced keeps its region until the lease is released. A ``put`` that cannot find room because every
-held byte is leased (nothing in flight that will finish by itself) is skipped and counted in
-``put_skipped`` — never waits for a lease, never overwrites a pinned region.
+held byte is leased is skipped and counted in ``put_skipped``.
 
 Integrity: each entry keeps the checksum of its bytes (:mod:`torch_kvoffload.store.integrity`), computed
 from the arena once a put's copy completes. Reads by key verify it before copying anything out, and
@@ -34,24 +28,16 @@ offsets is one gather / scatter by offset, with no staging copy and no per-block
 
 from __future__ import annotations
 
-import bisect
-import logging
-import threading
-from collections import OrderedDict
+import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
-from torch_kvoffload import device
-from torch_kvoffload._utils import check_int, round_up
-from torch_kvoffload.counters import Counters
 from torch_kvoffload.ops.copy import copy_blocks
+from torch_kvoffload.store._arena import ArenaIndex, Entry, PutItem
 from torch_kvoffload.store.base import (
-    COUNTER_NAMES,
     KVStore,
     RecordLayout,
-    StoreClosedError,
     StoreLease,
     check_host_tensor,
     check_key,
@@ -59,10 +45,7 @@ from torch_kvoffload.store.base import (
     leased_keys,
     tensor_bytes,
 )
-from torch_kvoffload.store.factory import check_host_bytes
 from torch_kvoffload.store.integrity import checksums
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["LocalKVStore"]
 
@@ -70,42 +53,17 @@ __all__ = ["LocalKVStore"]
 _Copier = Callable[[torch.Tensor, list], None]
 
 
-@dataclass(eq=False)
-class _Entry:
-    key: str
-    offset: int
-    reserved: int  # arena bytes held (nbytes rounded up to the alignment)
-    nbytes: int
-    readers: int = 0  # in-flight copies out of the region
-    leases: int = 0  # leases pinning the entry against eviction
-    retired: bool = False  # replaced / removed / evicted; region freed once readers drop to 0
-    crc: int = 0  # integrity.checksum of the bytes, set once they are written
-
-
-def _check_entry_sizes(
-    fn: str,
-    keys: Sequence[str],
-    found: Sequence[_Entry | None],
-    sizes: Sequence[int],
-    what: Callable[[int], str],
-) -> None:
-    """Raise if a present entry's size differs from ``sizes[i]``; ``what(i)`` describes that size."""
-    for i, (key, entry, size) in enumerate(zip(keys, found, sizes, strict=True)):
-        if entry is not None and entry.nbytes != size:
-            raise ValueError(f"LocalKVStore.{fn}: key {key!r} holds {entry.nbytes} bytes but {what(i)}")
-
-
 class _LocalLease(StoreLease):
     """A lease of a :class:`LocalKVStore`: ``entries[i]`` is the pinned entry of ``keys[i]`` (``None``
     when it was absent)."""
 
-    def __init__(self, *args, owner: LocalKVStore, entries: list[_Entry | None], **kwargs) -> None:
+    def __init__(self, *args, owner: LocalKVStore, entries: list[Entry | None], **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.owner = owner
         self.entries = entries
 
 
-class LocalKVStore(KVStore):
+class LocalKVStore(ArenaIndex, KVStore):
     """In-process, capacity-bounded, LRU host KV pool.
 
     Args:
@@ -124,142 +82,8 @@ class LocalKVStore(KVStore):
     pins_leases = True
 
     def __init__(self, capacity_bytes: int, *, alignment: int = 1, pin_memory: bool | None = None) -> None:
-        capacity_bytes = check_int("LocalKVStore", "capacity_bytes", capacity_bytes, minimum=1)
-        check_host_bytes("LocalKVStore", "capacity_bytes", capacity_bytes)
-        if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
-            raise ValueError(f"LocalKVStore: alignment must be an int >= 1, got {alignment!r}")
-        if alignment & (alignment - 1):
-            raise ValueError(f"LocalKVStore: alignment must be a power of two, got {alignment}")
-        self.capacity_bytes = capacity_bytes
-        self.alignment = alignment
-        if pin_memory is None:
-            self._arena: torch.Tensor | None = device.empty_host((capacity_bytes,), torch.uint8)
-        else:
-            self._arena = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pin_memory)
-        self.pinned = bool(self._arena.is_pinned())
-        self.counters = Counters(
-            [
-                *COUNTER_NAMES,
-                "evicted_bytes",
-                "put_waits",
-                "put_skipped",
-                "put_skipped_bytes",
-                "leases",
-                "leased_keys",
-            ]
-        )
-        self._cond = threading.Condition(threading.Lock())
-        self._index: OrderedDict[str, _Entry] = OrderedDict()  # live entries, least recently used first
-        self._free: list[tuple[int, int]] = [(0, capacity_bytes)]  # sorted, coalesced [start, end)
-        self._held = 0  # arena bytes not on the free list
-        self._stored = 0  # payload bytes of live entries
-        self._busy = 0  # copy operations in flight (reads and write rounds): they finish by themselves
-        self._leased_bytes = 0  # arena bytes of entries held by at least one lease (live or retired)
+        super().__init__(capacity_bytes, alignment=alignment, pin_memory=pin_memory)
         self._record_views: dict[tuple[int, int], torch.Tensor] = {}  # (part bytes, shift) -> arena view
-        self._closed = False
-
-    # ---------------------------------------------------------------------------------- properties
-    @property
-    def used_bytes(self) -> int:
-        """Arena bytes held: live entries plus regions still being written or read after removal."""
-        with self._cond:
-            return self._held
-
-    @property
-    def stored_bytes(self) -> int:
-        """Payload bytes of the entries currently visible (≤ ``used_bytes``)."""
-        with self._cond:
-            return self._stored
-
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._index)
-
-    def __contains__(self, key: object) -> bool:
-        with self._cond:
-            return key in self._index
-
-    def lru_keys(self) -> list[str]:
-        """Stored keys, least recently used first."""
-        with self._cond:
-            return list(self._index)
-
-    @property
-    def leased_bytes(self) -> int:
-        """Arena bytes of entries pinned by at least one lease (live or already retired)."""
-        with self._cond:
-            return self._leased_bytes
-
-    def leased_keys(self) -> list[str]:
-        """Keys of the live entries pinned by a lease."""
-        with self._cond:
-            return [e.key for e in self._index.values() if e.leases]
-
-    # ------------------------------------------------------------------------------------ allocator
-    def _reserve_size(self, nbytes: int) -> int:
-        return round_up(nbytes, self.alignment)
-
-    def _allocate(self, nbytes: int) -> tuple[int, int] | None:
-        """First fit; returns ``(offset, reserved)`` or ``None``. Caller holds the lock."""
-        if nbytes == 0:
-            return (0, 0)
-        want = self._reserve_size(nbytes)
-        for i, (start, end) in enumerate(self._free):
-            if end - start >= nbytes:
-                reserved = min(want, end - start)  # clipped only at the arena's end
-                if start + reserved == end:
-                    del self._free[i]
-                else:
-                    self._free[i] = (start + reserved, end)
-                self._held += reserved
-                return start, reserved
-        return None
-
-    def _release_region(self, offset: int, reserved: int) -> None:
-        """Return a region to the free list, merging with its neighbours. Caller holds the lock."""
-        if reserved == 0:
-            return
-        start, end = offset, offset + reserved
-        i = bisect.bisect_left(self._free, (start, end))
-        if i < len(self._free) and self._free[i][0] == end:
-            end = self._free.pop(i)[1]
-        if i > 0 and self._free[i - 1][1] == start:
-            start = self._free[i - 1][0]
-            i -= 1
-            self._free.pop(i)
-        self._free.insert(i, (start, end))
-        self._held -= reserved
-        assert self._held >= 0, "arena accounting went negative"
-        # waiting puts are woken once per operation by the caller, not once per region
-
-    def _retire(self, entry: _Entry) -> None:
-        """Take a live entry out of service; free its region when no reader or lease holds it. Lock held."""
-        entry.retired = True
-        self._stored -= entry.nbytes
-        if entry.readers == 0 and entry.leases == 0:
-            self._release_region(entry.offset, entry.reserved)
-
-    def _drop_hold(self, entry: _Entry) -> None:
-        """A reader or a lease let go of ``entry``: free a retired region. Lock held; the caller wakes
-        waiting puts (the entry may be evictable again)."""
-        if not (entry.readers or entry.leases) and entry.retired:
-            self._release_region(entry.offset, entry.reserved)
-
-    def _evict_one(self) -> bool:
-        for key, entry in self._index.items():
-            if entry.readers == 0 and entry.leases == 0:
-                del self._index[key]
-                self._retire(entry)
-                self.counters.add("evictions")
-                self.counters.add("evicted_bytes", entry.nbytes)
-                logger.debug("evicted %s (%d bytes)", key, entry.nbytes)
-                return True
-        return False
-
-    def _check_open(self, fn: str) -> torch.Tensor:
-        if self._closed or self._arena is None:
-            raise StoreClosedError(f"LocalKVStore.{fn}: the store is closed")
-        return self._arena
 
     # ------------------------------------------------------------------------------------- put/get
     def put(self, key: str, value: torch.Tensor) -> None:
@@ -289,68 +113,23 @@ class LocalKVStore(KVStore):
 
     @staticmethod
     def _value_copier(values: Sequence[torch.Tensor]) -> _Copier:
-        def copy(arena: torch.Tensor, pending: list[tuple[_Entry, int]]) -> None:
+        def copy(arena: torch.Tensor, pending: list[tuple[Entry, int]]) -> None:
             for entry, i in pending:
                 if entry.nbytes:
                     arena[entry.offset : entry.offset + entry.nbytes].copy_(tensor_bytes(values[i]))
 
         return copy
 
-    def _put_items(self, fn: str, items: list[tuple[str, int, int]], copy: _Copier) -> None:
+    def _put_items(self, fn: str, items: list[PutItem], copy: _Copier) -> None:
         """Store ``(key, nbytes, source index)`` items; ``copy`` fills the allocated regions."""
         pos = 0
         while pos < len(items):
             pos = self._put_round(fn, items, pos, copy)
 
-    def _put_round(self, fn: str, items: list[tuple[str, int, int]], pos: int, copy: _Copier) -> int:
+    def _put_round(self, fn: str, items: list[PutItem], pos: int, copy: _Copier) -> int:
         """Allocate regions for ``items[pos:]`` (as many as can be had without waiting once some are
-        held), copy outside the lock, publish; return the position reached."""
-        pending: list[tuple[_Entry, int]] = []
-        waited = False
-        skipped = skipped_bytes = 0
-        with self._cond:
-            arena = self._check_open(fn)
-            while pos < len(items):
-                key, nbytes, src = items[pos]
-                old = self._index.pop(key, None)
-                if old is not None and not (old.readers or old.leases) and old.nbytes == nbytes:
-                    # an overwrite of the same size nobody holds: write in place (hidden from readers
-                    # until published, like any new region), without freeing and reallocating
-                    old.retired = True
-                    self._stored -= nbytes
-                    pending.append((_Entry(key, old.offset, old.reserved, nbytes), src))
-                    pos += 1
-                    continue
-                if old is not None:
-                    self._retire(old)
-                region = self._allocate(nbytes)
-                while region is None and self._evict_one():
-                    region = self._allocate(nbytes)
-                if region is None:
-                    if pending:
-                        break  # publish this round first: its regions are not evictable while written
-                    if self._busy:
-                        waited = True  # held bytes are being read or written right now: they free up
-                        self._cond.notify_all()  # regions this round freed may serve another put
-                        self._cond.wait()
-                        arena = self._check_open(fn)
-                        continue
-                    # every held byte is leased: waiting could wait for the very forward that puts
-                    skipped += 1
-                    skipped_bytes += nbytes
-                    logger.debug("put of %s (%d bytes) skipped: the rest of the store is leased", key, nbytes)
-                    pos += 1
-                    continue
-                pending.append((_Entry(key, region[0], region[1], nbytes), src))
-                pos += 1
-            if pending:
-                self._busy += 1
-            self._cond.notify_all()  # regions freed by overwrites / evictions
-        if waited:
-            self.counters.add("put_waits")
-        if skipped:
-            self.counters.add("put_skipped", skipped)
-            self.counters.add("put_skipped_bytes", skipped_bytes)
+        held), copy and checksum outside the lock, publish; return the position reached."""
+        arena, pending, pos = self._reserve_round(fn, items, pos)
         if not pending:
             return pos
         try:
@@ -362,71 +141,12 @@ class LocalKVStore(KVStore):
             for entry, crc in zip(entries, crcs, strict=True):
                 entry.crc = crc
         except BaseException:
-            with self._cond:
-                self._busy -= 1
-                for entry, _ in pending:
-                    self._release_region(entry.offset, entry.reserved)
-                self._cond.notify_all()
+            self._abandon(pending)
             raise
-        with self._cond:
-            self._busy -= 1
-            if self._closed:
-                raise StoreClosedError(f"LocalKVStore.{fn}: the store was closed during the put")
-            for entry, _ in pending:
-                racing = self._index.pop(entry.key, None)  # a concurrent put of the same key published first
-                if racing is not None:
-                    self._retire(racing)
-                self._index[entry.key] = entry
-                self._stored += entry.nbytes
-            self._cond.notify_all()  # new evictable entries
-        self.counters.add("puts", len(pending))
-        self.counters.add("bytes_put", sum(entry.nbytes for entry, _ in pending))
+        self._publish(fn, pending)
         return pos
 
-    def _pin(
-        self,
-        fn: str,
-        keys: Sequence[str],
-        sizes: Sequence[int],
-        what: Callable[[int], str],
-        *,
-        records: bool = False,
-    ) -> tuple[torch.Tensor, list[_Entry | None]]:
-        """Look up, size-check, then pin and refresh every hit — all or nothing. Lock held.
-
-        ``what(i)`` describes the size of destination ``i`` for the size-mismatch message. With
-        ``records`` an entry of another size is no record of the layout: a miss, dropped as corrupt.
-        """
-        arena = self._check_open(fn)
-        found = [self._index.get(key) for key in keys]
-        if records:
-            wrong = [e for e, size in zip(found, sizes, strict=True) if e is not None and e.nbytes != size]
-            if wrong:
-                self._drop_corrupt(wrong, "a size other than the record layout's")
-                bad = set(map(id, wrong))
-                found = [None if id(e) in bad else e for e in found]
-        _check_entry_sizes(fn, keys, found, sizes, what)
-        for key, entry in zip(keys, found, strict=True):
-            if entry is not None:
-                entry.readers += 1
-                self._index.move_to_end(key)
-        self._busy += 1
-        return arena, found
-
-    def _drop_corrupt(self, entries: Sequence[_Entry], why: str) -> None:
-        """Remove ``entries`` (still the live entries of their keys) as corrupt and count them. Lock held."""
-        for entry in entries:
-            if self._index.get(entry.key) is entry:
-                del self._index[entry.key]
-                self._retire(entry)
-        self.counters.add("corrupt_records", len(entries))
-        logger.warning(
-            "LocalKVStore: %d entr%s with %s treated as missing and removed (first: %s)",
-            len(entries), "y" if len(entries) == 1 else "ies", why, entries[0].key,
-        )  # fmt: skip
-        self._cond.notify_all()
-
-    def _verify(self, arena: torch.Tensor, found: list[_Entry | None]) -> list[_Entry | None]:
+    def _verify(self, arena: torch.Tensor, found: list[Entry | None]) -> list[Entry | None]:
         """``found`` with the entries whose bytes fail their checksum replaced by ``None`` (those are
         dropped). The entries must be pinned (read or leased) so their regions cannot change."""
         live = [e for e in found if e is not None]
@@ -439,17 +159,7 @@ class LocalKVStore(KVStore):
         ids = set(map(id, bad))
         return [None if id(e) in ids else e for e in found]
 
-    def _unpin(self, found: Sequence[_Entry | None]) -> None:
-        with self._cond:
-            self._busy -= 1
-            for entry in found:
-                if entry is None:
-                    continue
-                entry.readers -= 1
-                self._drop_hold(entry)
-            self._cond.notify_all()  # a waiting put may now skip instead of waiting
-
-    def _count_gets(self, found: Sequence[_Entry | None], got: int) -> list[bool]:
+    def _count_gets(self, found: Sequence[Entry | None], got: int) -> list[bool]:
         hits = sum(entry is not None for entry in found)
         self.counters.add("gets", len(found))
         self.counters.add("hits", hits)
@@ -594,7 +304,7 @@ class LocalKVStore(KVStore):
             return self.batch_get_blocks(keys, layout, blocks)
         b = layout.check_blocks(f"LocalKVStore.{fn}", blocks, len(keys))
         arena = self._check_open(fn)
-        found: list[_Entry | None] = []
+        found: list[Entry | None] = []
         for lease, start, stop in segments:
             found += lease.entries[start:stop]  # type: ignore[attr-defined]
         size = layout.record_bytes
@@ -607,12 +317,7 @@ class LocalKVStore(KVStore):
         if hits and size:
             offsets = [found[i].offset for i in hits]  # type: ignore[union-attr]
             self._copy_parts(arena, layout, offsets, [b[i] for i in hits], out=True)
-        with self._cond:
-            index = self._index
-            for i in hits:
-                entry = found[i]
-                if not entry.retired:  # type: ignore[union-attr]
-                    index.move_to_end(entry.key)  # type: ignore[union-attr]
+        self._touch([found[i] for i in hits])  # type: ignore[misc]
         return self._count_gets(found, len(hits) * size)
 
     def batch_put_blocks(
@@ -628,7 +333,7 @@ class LocalKVStore(KVStore):
         last = {key: i for i, key in enumerate(keys)}
         items = [(key, layout.record_bytes, i) for key, i in last.items()]
 
-        def copy(arena: torch.Tensor, pending: list[tuple[_Entry, int]]) -> None:
+        def copy(arena: torch.Tensor, pending: list[tuple[Entry, int]]) -> None:
             if not layout.record_bytes:
                 return
             offsets = [entry.offset for entry, _ in pending]
@@ -650,18 +355,7 @@ class LocalKVStore(KVStore):
         check_keys("LocalKVStore.lease", keys)
         if nbytes is not None and len(nbytes) != len(keys):
             raise ValueError(f"LocalKVStore.lease: got {len(keys)} keys but {len(nbytes)} sizes in 'nbytes'")
-        # a forward leases every layer's prefix at once (hundreds of keys) on its critical path: the
-        # loops below touch each entry once and keep only a byte total for ``leased_bytes``
-        with self._cond:
-            arena = self._check_open("lease")
-            entries = list(map(self._index.get, keys))
-            held = [entry for entry in entries if entry is not None]
-            pinned = 0
-            for entry in held:
-                if not entry.leases:
-                    pinned += entry.reserved
-                entry.leases += 1
-            self._leased_bytes += pinned
+        arena, entries, held = self._pin_leased(keys)
         # verified once pinned (the store writes no leased region, so reads through the lease use these
         # bytes); entries that fail stay pinned (``held``) until the release, then are freed
         if nbytes is not None:
@@ -676,56 +370,10 @@ class LocalKVStore(KVStore):
         self.counters.add("leases")
         self.counters.add("leased_keys", len(held))
 
-        def release() -> None:
-            with self._cond:
-                unpinned = 0
-                for entry in held:
-                    left = entry.leases - 1
-                    entry.leases = left
-                    if not left:
-                        unpinned += entry.reserved
-                        if entry.retired:
-                            self._drop_hold(entry)
-                    assert left >= 0, "lease count went negative"
-                self._leased_bytes -= unpinned
-                self._cond.notify_all()
-
+        release = functools.partial(self._unpin_leased, held)
         return _LocalLease(keys, found, pinned=True, on_release=release, owner=self, entries=entries)
 
     # ---------------------------------------------------------------------------------- other ops
-    def exists(self, key: str) -> bool:
-        check_key("LocalKVStore.exists", key)
-        with self._cond:
-            self._check_open("exists")
-            return key in self._index
-
-    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        check_keys("LocalKVStore.batch_exists", keys)
-        with self._cond:
-            self._check_open("batch_exists")
-            return [key in self._index for key in keys]
-
-    def remove(self, key: str) -> bool:
-        check_key("LocalKVStore.remove", key)
-        with self._cond:
-            self._check_open("remove")
-            entry = self._index.pop(key, None)
-            if entry is None:
-                return False
-            self._retire(entry)
-            self._cond.notify_all()
-        self.counters.add("removes")
-        return True
-
-    def clear(self) -> None:
-        """Remove every entry (regions still being read are freed when their readers finish)."""
-        with self._cond:
-            self._check_open("clear")
-            while self._index:
-                _, entry = self._index.popitem(last=False)
-                self._retire(entry)
-            self._cond.notify_all()
-
     def close(self) -> None:
         with self._cond:
             if self._closed:

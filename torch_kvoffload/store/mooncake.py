@@ -32,7 +32,7 @@ import torch
 
 from torch_kvoffload.store._remote import RemoteKVStore
 from torch_kvoffload.store.base import StoreError, StoreUnavailableError, check_host_tensor
-from torch_kvoffload.store.factory import check_host_bytes
+from torch_kvoffload.store.sizes import check_host_bytes
 
 logger = logging.getLogger(__name__)
 

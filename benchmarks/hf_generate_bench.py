@@ -10,9 +10,11 @@ Three variants of the same weights run in one process:
 * ``offloaded``: ``OffloadConfig(sparse={})``, the latent KV in the host pool, hot top-k buffers on the
   device.
 
-Per prompt length the caches are filled, then ``--warmup`` untimed decode steps run, then ``--rounds``
-rounds, each running ``--steps`` greedy decode steps of each library variant and ``--unmodified-steps`` of
-the unmodified model, in an order that rotates every round (so machine noise hits every variant alike).
+Per prompt length the caches are filled, then untimed decode steps run (``--warmup`` of each library
+variant, one of the unmodified model), then ``--rounds`` rounds, each running ``--steps`` greedy decode
+steps of each library variant, in an order that rotates every round (so machine noise hits every variant
+alike); the unmodified model's ``--unmodified-steps`` timed steps (its steps take seconds at long contexts)
+are spread evenly over the rounds, in the same rotation.
 
 Filling. Up to ``--prefill-up-to`` tokens the prompt is prefilled through the model in chunks of
 ``--chunk`` tokens (the indexer's scores are ``[S, H, T]``); longer prompts (the indexer's prefill is
@@ -298,19 +300,25 @@ def paired_overhead(off: list[float], res: list[float], rounds: int) -> float:
     return statistics.median(ratios) - 1.0
 
 
+def unmodified_steps_in(r: int, args) -> int:
+    """Timed steps of the unmodified model in round ``r`` (``--unmodified-steps`` spread evenly)."""
+    u, n = args.unmodified_steps, args.rounds
+    return (r + 1) * u // n - r * u // n
+
+
 def run_length(n: int, args) -> tuple[dict[str, Any], dict[str, Any] | None]:
     print(f"prompt {n}:", flush=True)
     variants, prefilled = make_variants(n, args)
     off_model = variants["offloaded"].model
     for v in variants.values():
-        for _ in range(args.warmup):
+        for _ in range(args.warmup if v.library else 1):
             v.step(record=False)
     before = torch_kvoffload.stats(off_model)
     order = list(VARIANTS)
     for r in range(args.rounds):
         for name in order[r % 3 :] + order[: r % 3]:
             v = variants[name]
-            for _ in range(args.unmodified_steps if name == "unmodified" else args.steps):
+            for _ in range(unmodified_steps_in(r, args) if name == "unmodified" else args.steps):
                 v.step(record=True)
     after = torch_kvoffload.stats(off_model)
     prof = None
@@ -492,7 +500,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed decode steps per variant first")
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--steps", type=int, default=5, help="decode steps per round of each library variant")
-    p.add_argument("--unmodified-steps", type=int, default=1, help="decode steps per round of the unmodified")
+    p.add_argument(
+        "--unmodified-steps",
+        type=int,
+        default=6,
+        help="timed decode steps of the unmodified model, spread over the rounds",
+    )
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="profile decode steps of both library variants")
@@ -501,12 +514,8 @@ def main() -> None:
     args = p.parse_args()  # fmt: skip
     if args.smoke:
         args.lengths, args.kv_lengths, args.prefill_up_to, args.layers = [1024, 4096], [8192], 1024, 1
-        args.rounds, args.steps, args.warmup, args.profile_steps = 2, 2, 1, 1
-    args.total_steps = (
-        args.warmup
-        + args.rounds * max(args.steps, args.unmodified_steps)
-        + (args.profile_steps if args.profile else 0)
-    )
+        args.rounds, args.steps, args.warmup, args.profile_steps, args.unmodified_steps = 2, 2, 1, 1, 2
+    args.total_steps = args.warmup + args.rounds * args.steps + (args.profile_steps if args.profile else 0)
     t0 = time.perf_counter()
     results, profiles, kv_rows = [], {}, []
     with timed_cache_ops():

@@ -183,7 +183,3 @@ class KVPPAllocation:
             out[comp.name] = typed
         self._views[layer] = out
         return out
-
-    def all_views(self) -> dict[int, dict[str, torch.Tensor]]:
-        layers = sorted([*self.bundles, *self.draft_bundles])
-        return {layer: self.views(layer) for layer in layers}

@@ -11,18 +11,17 @@ rest against the group and the layer bundles it is given, then builds the rank's
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from pydantic import Field, field_validator, model_validator
 
 from torch_kvoffload._utils import check_int
 from torch_kvoffload.config import ConfigModel, parse_lax_bool
-
-if TYPE_CHECKING:
-    from torch_kvoffload.kvpp.groups import KVPPGroup
-    from torch_kvoffload.kvpp.layout import BundleSpec
-    from torch_kvoffload.kvpp.runtime import KVPPRuntime
+from torch_kvoffload.kvpp.groups import KVPPGroup
+from torch_kvoffload.kvpp.layout import BundleSpec
+from torch_kvoffload.kvpp.runtime import KVPPRuntime, assemble_runtime
+from torch_kvoffload.ops.kvpp import runtimes
 
 __all__ = ["KVPPConfig"]
 
@@ -178,11 +177,6 @@ class KVPPConfig(ConfigModel):
         Everything is checked before anything is allocated; a bad argument raises ``ValueError`` /
         ``TypeError`` naming it.
         """
-        from torch_kvoffload.kvpp.groups import KVPPGroup
-        from torch_kvoffload.kvpp.layout import BundleSpec
-        from torch_kvoffload.kvpp.runtime import _assemble
-        from torch_kvoffload.ops.kvpp import runtimes
-
         where = "KVPPConfig.build_runtime"
         if not self.enable_kvpp:
             raise ValueError(f"{where}: KVPP is disabled (enable_kvpp=False); there is no runtime to build")
@@ -257,7 +251,7 @@ class KVPPConfig(ConfigModel):
                 raise ValueError(f"{where}: argument 'name' must be a non-empty str, got {name!r}")
             if name in runtimes.names():
                 raise ValueError(f"{where}: a KVPP scheduler named {name!r} is already registered")
-        return _assemble(
+        return assemble_runtime(
             group,
             dict(bundles),
             draft_bundles,

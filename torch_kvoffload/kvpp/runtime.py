@@ -19,7 +19,7 @@ from torch_kvoffload.kvpp.transport import BroadcastTransport
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KVPPRuntime"]
+__all__ = ["KVPPRuntime", "assemble_runtime"]
 
 
 @dataclass
@@ -62,7 +62,7 @@ class KVPPRuntime:
         self.close()
 
 
-def _assemble(
+def assemble_runtime(
     group: KVPPGroup,
     bundles: Mapping[int, BundleSpec],
     draft_bundles: Mapping[int, BundleSpec],
@@ -74,7 +74,12 @@ def _assemble(
     wait_timeout: float | None,
     max_runs: int | None,
 ) -> KVPPRuntime:
-    """Plan, allocate and schedule (arguments already checked by :meth:`KVPPConfig.build_runtime`)."""
+    """Plan, allocate and schedule one rank's runtime.
+
+    The arguments are those :meth:`~torch_kvoffload.kvpp.KVPPConfig.build_runtime` checked (call that:
+    it validates them against the config first); ``max_runs`` and ``wait_timeout`` are the config's
+    ``max_broadcast_runs`` and ``wait_timeout_s``.
+    """
     owners = assign_owners(bundles, group.size)
     plan = KVPPPlan(
         {layer: spec.bytes_per_block for layer, spec in bundles.items()},

@@ -1,9 +1,10 @@
 """Layer runtime hooks: ``kvoffload::layer_wait`` / ``layer_prefetch`` / ``layer_save``.
 
-Each op calls the method of the same name without the ``layer_`` prefix (``wait`` / ``prefetch`` /
-``save``) of the :class:`~torch_kvoffload.layerwise.runtime.LayerwiseOffloadRuntime` registered under
-``runtime`` in :data:`runtimes` (``runtimes.register(name, rt)``; ``runtimes.unregister(name)``) for one
-layer. The registry lives here so that ``ops`` never imports ``torch_kvoffload.layerwise``. They take the layer's cache tensors as declared mutated
+Each op calls the runtime hook of the same verb (``wait_layer`` / ``prefetch_layer`` / ``save_layer``) of
+the :class:`~torch_kvoffload.layerwise.runtime.LayerwiseOffloadRuntime` registered under ``runtime`` in
+:data:`runtimes` (``runtimes.register(name, rt)``; ``runtimes.unregister(name)``) for one layer. The
+registry lives here so that ``ops`` never imports ``torch_kvoffload.layerwise``. They take the layer's
+cache tensors as declared mutated
 arguments (``Tensor(a!)[]``): a graph then orders them against every read and write of those caches, and
 dead-code elimination cannot drop them although they return nothing.
 

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from torch_kvoffload.analysis import belady_misses, make_reuse_trace, simulate_policy
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # research utilities, not shipped
+from residency_policies import belady_misses, make_reuse_trace, simulate_policy
+
 from torch_kvoffload.ops import new_residency_outputs, new_residency_state, reference_kernel
 from torch_kvoffload.sparse import DecodeRows, IndexerInputs, SparseDecodeConfig, SparseDecodeOffload
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +27,8 @@ import torch
 from tqdm import tqdm
 
 from torch_kvoffload.store import LocalKVStore, block_hashes, layer_block_keys
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # mooncake_master: a test service
 
 BLOCK_SHAPE = (128, 576)
 DTYPE = torch.bfloat16
@@ -109,8 +112,9 @@ def main() -> None:
     master = mstore = None
     if not args.no_mooncake:
         try:
+            from mooncake_master import MooncakeMaster
+
             from torch_kvoffload.store.mooncake import MooncakeKVStore
-            from torch_kvoffload.store.mooncake_master import MooncakeMaster
 
             master = MooncakeMaster().start()
             mstore = MooncakeKVStore(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import torch
 
@@ -16,6 +18,12 @@ import pytest
 import torch_kvoffload  # noqa: F401  (defines the ops and loads the extension)
 from torch_kvoffload.ops import has_kernel, reference_kernel
 from torch_kvoffload.ops.triton import interpreting, triton_available, triton_kernel
+
+#: The repository's test services and research utilities (``mooncake_master``, ``residency_policies``):
+#: not part of the installed package, imported by the tests from here.
+TOOLS_DIR = Path(__file__).resolve().parents[1] / "tools"
+if str(TOOLS_DIR) not in sys.path:
+    sys.path.insert(0, str(TOOLS_DIR))
 
 
 def cpp_kernel_available(op: str) -> bool:

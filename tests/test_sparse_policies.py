@@ -1,4 +1,4 @@
-"""torch_kvoffload.analysis.residency_policies: reuse traces, policy simulation and Belady's optimum."""
+"""tools/residency_policies.py: reuse traces, policy simulation and Belady's optimum."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import itertools
 
 import pytest
 import torch
+from residency_policies import Trace, belady_misses, make_reuse_trace, simulate_policy
 
 import torch_kvoffload.sparse
-from torch_kvoffload.analysis import Trace, belady_misses, make_reuse_trace, simulate_policy
 
 
 def test_research_utilities_are_not_runtime_api() -> None:

@@ -30,7 +30,7 @@ def _mooncake_missing() -> str | None:
         import mooncake.store  # noqa: F401
     except (ImportError, OSError) as exc:  # OSError: libibverbs.so.1 missing
         return f"the Mooncake client cannot be imported ({type(exc).__name__}: {exc}); {_INSTALL}"
-    from torch_kvoffload.store.mooncake_master import find_master_binary
+    from mooncake_master import find_master_binary
 
     if find_master_binary() is None:
         return f"the mooncake_master binary is neither in the mooncake package nor on PATH; {_INSTALL}"
@@ -48,7 +48,7 @@ LEASE_MS = 300
 
 @pytest.fixture(scope="module")
 def master():
-    from torch_kvoffload.store.mooncake_master import MooncakeMaster
+    from mooncake_master import MooncakeMaster
 
     m = MooncakeMaster(lease_ttl_ms=LEASE_MS)
     m.start()
@@ -201,12 +201,18 @@ def _child(role: str, master_addr: str, metadata: str) -> None:
 
 
 def _spawn(role: str, master) -> subprocess.Popen:
+    from conftest import TOOLS_DIR
+
+    # the child runs this file as a script: it imports mooncake_master from tools/ too
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TOOLS_DIR), env.get("PYTHONPATH")) if p)
     return subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()), role, master.master_addr, master.metadata_server],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
+        env=env,
     )
 
 

@@ -1,5 +1,6 @@
 """Research utilities for residency policies: synthetic top-k traces, online policies and Belady's offline
-optimum (used by benchmarks and tests; not part of the runtime API).
+optimum. Used by ``benchmarks/sparse_decode_bench.py`` and ``tests/test_sparse_policies.py`` (with
+``tools/`` on the import path); not part of the installed package.
 
 A *trace* is one decode row's sequence of top-k selections: ``steps`` lists of distinct logical
 positions. Online policies (``"lru"``, ``"score"``) run through :class:`ResidencyTable` — the real op, one

@@ -6,9 +6,11 @@ module. Every listening address is set explicitly to ``host`` (default ``127.0.0
 defaults bind all interfaces — and the master's built-in HTTP metadata server is not used because it
 binds ``0.0.0.0`` whatever its host flag says.
 
-Command line (runs until interrupted, prints the addresses a client needs)::
+A test service, not part of the installed package: the Mooncake tests and ``benchmarks/store_bench.py``
+import it with ``tools/`` on the import path. Command line (runs until interrupted, prints the addresses a
+client needs)::
 
-    python -m torch_kvoffload.store.mooncake_master [--host 127.0.0.1] [--rpc-port 0] \
+    python tools/mooncake_master.py [--host 127.0.0.1] [--rpc-port 0] \
         [--metadata-port 0] [--metrics-port 0] [--lease-ttl-ms 1000]
 """
 
@@ -82,8 +84,9 @@ class MooncakeMaster:
         startup_timeout: seconds to wait for both services to accept connections.
 
     Use as a context manager, or call :meth:`start` / :meth:`stop`. On Linux the children are also
-    terminated when the thread that started them exits, so a killed test run leaves no master behind. Attributes ``master_addr``
-    (``host:port``) and ``metadata_server`` (``http://host:port/metadata``) are what clients need.
+    terminated when the thread that started them exits, so a killed test run leaves no master behind.
+    Attributes ``master_addr`` (``host:port``) and ``metadata_server`` (``http://host:port/metadata``) are
+    what clients need.
     """
 
     def __init__(

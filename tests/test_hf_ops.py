@@ -177,7 +177,8 @@ def test_cache_placeholders_hold_nothing_and_report_the_length():
 
 def test_offload_config_forms_and_errors():
     cfg = OffloadConfig.model_validate({"layerwise": {"num_shared_buffers": 3}, "sparse": {"capacity": 64}})
-    assert cfg.layerwise.num_shared_buffers == 3 and cfg.sparse == {"capacity": 64}
+    assert cfg.layerwise.num_shared_buffers == 3 and cfg.sparse.given() == {"capacity": 64}
+    assert cfg.sparse.offload is True
     text = '{"layerwise": {"num_shared_buffers": 3}, "sparse": {"capacity": 64}}'
     assert OffloadConfig.model_validate_json(text) == cfg
     assert OffloadConfig.model_validate_json(cfg.model_dump_json(exclude_unset=True)) == cfg

@@ -29,13 +29,19 @@ __all__ = ["DEFAULT_BLOCK_SIZE", "OffloadConfig", "SparseOptions"]
 DEFAULT_BLOCK_SIZE = 128
 
 
+# SparseDecodeConfig fields that only sparse decode offload (host pool + hot buffers) has
+_OFFLOAD_ONLY = ("capacity", "host_pool_blocks", "policy", "fused")
+
+
 class SparseOptions(ConfigModel):
     """Sparse attention over the lightning indexer's top-k (models with an indexer).
 
     ``offload``: ``True`` (default) keeps the whole main (latent) KV in a host pool and only per-layer hot
     top-k buffers on the device (sparse decode offload); ``False`` keeps the whole latent KV resident on
     the device and attends over the top-k rows in place (absorbed sparse MLA attention without offload:
-    what a server runs when the KV fits, and the baseline offload is measured against).
+    what a server runs when the KV fits, and the baseline offload is measured against). With
+    ``offload=False`` the host-pool and hot-buffer fields (``capacity``, ``host_pool_blocks``, ``policy``,
+    ``fused``) are refused, and ``kv_dtype`` must be the model's dtype (checked when the session is built).
 
     The other fields are those of :class:`~torch_kvoffload.sparse.config.SparseDecodeConfig` to set; the
     ones left ``None`` are resolved when the session is built (``top_k`` from the model's ``index_topk``,
@@ -73,6 +79,13 @@ class SparseOptions(ConfigModel):
         fields = dict(value)
         if "offload" in fields:
             fields["offload"] = parse_lax_bool("sparse.offload", fields["offload"])
+        if fields.get("offload") is False:
+            host_only = sorted(k for k in _OFFLOAD_ONLY if fields.get(k) is not None)
+            if host_only:
+                raise ValueError(
+                    f"sparse: {host_only} configure the host pool and hot buffers of sparse decode offload; "
+                    "offload=False keeps the whole main KV on the device and has neither"
+                )
         # validate the given fields now (placeholders for the ones the model determines); the common
         # OffloadConfig.block_size is checked with the pool in OffloadConfig.sparse_config
         trial = {k: v for k, v in fields.items() if k != "offload"}

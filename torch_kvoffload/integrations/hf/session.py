@@ -32,6 +32,11 @@ Where the KV lives.
   indexer + residency + Copy-SFA path (``SparseDecodeOffload.attend``); a multi-token forward (prefill)
   selects with the indexer over the device indexer cache and attends over the forward's own rows plus,
   for a chunked prefill, the request's earlier rows read from the host pool for that layer only.
+* Resident sparse (``sparse={"offload": False}``): the whole main KV stays on the device, paged like the
+  indexer cache (one page of :attr:`reserved_tokens` rows per request, grown in place); every forward,
+  decode steps included, selects with the indexer over the device indexer cache and runs absorbed sparse
+  MLA attention over the selected resident rows. No host pool, no hot buffers (hits / misses stay 0).
+  With layerwise on, prefill runs the layerwise pipeline as below and decode steps the resident path.
 * Both: prefill runs the layerwise pipeline (its attention over the buffer, top-k from the device indexer
   cache) and appends the rows to the host pool; decode steps run the sparse path only. The layer buffers
   are released at the sequence's first decode step (decode holds only the hot buffers and the indexer
@@ -220,8 +225,8 @@ class OffloadSession:
             )
         if config.sparse is not None and not spec.has_indexer:
             raise ValueError(
-                f"torch_kvoffload cannot offload {spec.model_class}: sparse decode offload needs a lightning "
-                "indexer (index_topk / indexer module), which this model does not have"
+                f"torch_kvoffload cannot offload {spec.model_class}: sparse attention (sparse=..., offloaded or "
+                "resident) needs a lightning indexer (index_topk / indexer module), which this model does not have"
             )
         self.kvpp_on = config.kvpp_requested
         self._kvpp_cfg: KVPPConfig | None = None
@@ -236,6 +241,10 @@ class OffloadSession:
         self.block_size = config.resolved_block_size
         self.layerwise_on = config.layerwise is not None
         self.sparse_on = config.sparse is not None
+        # sparse attention with the whole main KV resident on the device (no host pool, no hot buffers)
+        self.resident_on = config.sparse is not None and not config.sparse.offload
+        if self.resident_on:
+            self._check_resident_dtype(spec, config)
         self.int8_indexer = config.sparse is not None and config.sparse.indexer_dtype == "int8"
         pd_prefill = config.pd is not None and config.pd.role == "prefill"
         # the layer buffers carry the indexer keys when no separate device indexer cache exists, and on a
@@ -248,6 +257,7 @@ class OffloadSession:
         self._rt: LayerwiseOffloadRuntime | None = None
         self._sparse: SparseDecodeOffload | None = None
         self._index_cache: list[tuple[torch.Tensor, ...]] = []
+        self._resident: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (kv_c, k_pe), paged
         self._tails: list[tuple[torch.Tensor, ...]] = []
         self._batch = 0
         self._max_tokens = 0  # tokens per request of the paged caches (whole blocks)
@@ -358,7 +368,8 @@ class OffloadSession:
     def _built(self) -> bool:
         return (
             self._batch > 0
-            and (not self.sparse_on or self._sparse is not None)
+            and (not self.sparse_on or self.resident_on or self._sparse is not None)
+            and (not self.resident_on or bool(self._resident))
             and (not self.kvpp_on or self._kvpp is not None)
         )
 
@@ -406,7 +417,7 @@ class OffloadSession:
                 self._build_layerwise()
             elif self._tails:
                 self._build_tails()
-            if self._sparse is not None:
+            if self.sparse_on:
                 self._grow_sparse(old_rows)
         except BaseException:  # e.g. out of memory: the sequence cannot continue
             self._fail_sequence()
@@ -450,23 +461,67 @@ class OffloadSession:
             for _ in range(spec.num_layers)
         ]
 
-    def _grow_sparse(self, old_rows: int) -> None:
-        """Indexer cache and hot buffers for the grown :attr:`reserved_tokens` (see :meth:`_grow`)."""
-        sp = self._sparse
-        assert sp is not None
-        old, self._index_cache = self._index_cache, self._new_index_cache()
+    def _new_resident(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer the resident main KV ``(kv_c [pages, page, Dc], k_pe [pages, page, Dr])`` in the model
+        dtype, paged as the indexer cache (one page of :attr:`reserved_tokens` rows per request)."""
+        spec, dev = self.spec, self.spec.device
         page, pages = self._index_paging()
-        for old_layer, new_layer in zip(old, self._index_cache, strict=True):
+        n = self._batch * pages
+        return [
+            (
+                torch.zeros(n, page, spec.kv_lora_rank, dtype=spec.dtype, device=dev),
+                torch.zeros(n, page, spec.rope_dim, dtype=spec.dtype, device=dev),
+            )
+            for _ in range(spec.num_layers)
+        ]
+
+    def _copy_rows(self, old_caches, new_caches, old_rows: int) -> None:
+        """Copy each request's rows from caches paged ``old_rows`` per request into the current paging."""
+        page, pages = self._index_paging()
+        for old_layer, new_layer in zip(old_caches, new_caches, strict=True):
             for src, dst in zip(old_layer, new_layer, strict=True):
                 s = src.view(self._batch * old_rows, *src.shape[2:])
                 d = dst.view(self._batch * pages * page, *dst.shape[2:])
                 for r, toks in enumerate(self._tokens):
                     n, at = len(toks), r * pages * page
                     d[at : at + n] = s[r * old_rows : r * old_rows + n]
+
+    def _grow_sparse(self, old_rows: int) -> None:
+        """Indexer cache, resident main KV and hot buffers for the grown :attr:`reserved_tokens` (see
+        :meth:`_grow`)."""
+        old, self._index_cache = self._index_cache, self._new_index_cache()
+        self._copy_rows(old, self._index_cache, old_rows)
+        if self.resident_on:
+            old_main, self._resident = self._resident, self._new_resident()
+            self._copy_rows(old_main, self._resident, old_rows)
+        sp = self._sparse
+        if sp is None:
+            return
         cfg = sp.config
         k, cap = self._hot_sizes(cfg.top_k, cfg.hot_capacity)
         if (k, cap) != (sp.top_k, sp.capacity):
             sp.resize_hot(cap, k)
+
+    @staticmethod
+    def _check_resident_dtype(spec: ModelSpec, config: OffloadConfig) -> None:
+        """The resident main KV is kept in the model's dtype: a different ``sparse.kv_dtype`` is refused."""
+        from torch_kvoffload._utils import dtype_name, parse_dtype
+
+        assert config.sparse is not None
+        want = config.sparse.kv_dtype
+        if want is not None and parse_dtype("sparse.kv_dtype", want) != spec.dtype:
+            raise ValueError(
+                f"OffloadConfig.sparse: offload=False keeps the main KV resident in the model's dtype "
+                f"{dtype_name(spec.dtype)}; got kv_dtype={want!r}"
+            )
+
+    @property
+    def _resident_top_k(self) -> int:
+        """Top-k of the resident sparse attention: the configured one (default the model's
+        ``index_topk``), at most :attr:`reserved_tokens` (a top-k covering every row selects them all)."""
+        assert self.config.sparse is not None
+        top_k = self.config.sparse.top_k or self.spec.index_topk
+        return min(top_k, self._kv_rows)
 
     def _build(self, batch: int, tokens: int) -> None:
         """Allocate every cache for ``batch`` requests of ``tokens`` tokens (between sequences)."""
@@ -480,7 +535,10 @@ class OffloadSession:
                 self._build_layerwise()
             if self.kvpp_on:
                 self._build_kvpp(nb)
-            if self.sparse_on:
+            if self.resident_on:
+                self._index_cache = self._new_index_cache()
+                self._resident = self._new_resident()
+            elif self.sparse_on:
                 from torch_kvoffload.sparse.runtime import SparseDecodeOffload
 
                 scfg = self.config.sparse_config(spec, host_pool_blocks=nb)
@@ -504,7 +562,7 @@ class OffloadSession:
         """Free every cache (the session is unsized afterwards); the sequence's requests go with them."""
         rt, sp = self._rt, self._sparse
         self._rt = self._sparse = None
-        self._index_cache, self._tails, self._reserved = [], [], []
+        self._index_cache, self._tails, self._reserved, self._resident = [], [], [], []
         self._batch = self._kv_rows = self._max_tokens = 0
         try:
             if rt is not None:
@@ -603,6 +661,8 @@ class OffloadSession:
             out += self._kvpp.caches(layer)
         if self._sparse is not None:
             out += [*self._index_cache[layer], self._sparse.hot_kv_c[layer], self._sparse.hot_k_pe[layer]]
+        if self._resident:
+            out += [*self._index_cache[layer], *self._resident[layer]]
         return out
 
     def _paged(self, layer: int) -> list[torch.Tensor]:
@@ -804,7 +864,7 @@ class OffloadSession:
         n_new = [n - o for o, n in zip(old_len, new_len, strict=True)]
         cu = torch.tensor([0, *itertools.accumulate(n_new)], dtype=torch.int32)
         table = torch.arange(B, dtype=torch.int32)[:, None] * M + torch.arange(M, dtype=torch.int32)[None, :]
-        page, pages = self._index_paging() if self._sparse is not None else (bs, M)
+        page, pages = self._index_paging() if self.sparse_on else (bs, M)
         index_table = (
             torch.arange(B, dtype=torch.int32)[:, None] * pages
             + torch.arange(pages, dtype=torch.int32)[None, :]
@@ -1010,9 +1070,14 @@ class OffloadSession:
             news = [rows_c, rows_pe] + ([rows_i.to(spec.dtype)] if needs_index else [])
             for comp, new in zip(self._kvpp.caches(layer), news, strict=True):
                 comp.view(-1, comp.shape[-1]).index_copy_(0, f.phys, new)
+        if self._resident:
+            kv_c_pages, k_pe_pages = self._resident[layer]
+            kv_c_pages.view(-1, spec.kv_lora_rank).index_copy_(0, f.index_phys, rows_c)
+            k_pe_pages.view(-1, spec.rope_dim).index_copy_(0, f.index_phys, rows_pe)
         if self._sparse is not None:
             ids = [self._request_ids[r] for r in f.row.tolist()]
             self._sparse.append(layer, ids, f.pos, rows_c, rows_pe)
+        if self.sparse_on:
             assert rows_i is not None
             cache = self._index_cache[layer]
             if self.int8_indexer:
@@ -1021,7 +1086,7 @@ class OffloadSession:
                 cache[1].view(-1).index_copy_(0, f.index_phys, sc)
             else:
                 cache[0].view(-1, spec.index_head_dim).index_copy_(0, f.index_phys, rows_i.to(cache[0].dtype))
-            if not f.decode and not f.layerwise:
+            if self._sparse is not None and not f.decode and not f.layerwise:
                 f.new_rows[layer] = (rows_c, rows_pe)
 
     # --------------------------------------------------------------------------------- attention
@@ -1054,7 +1119,7 @@ class OffloadSession:
         if index_q is not None and index_weights is not None:
             iq = index_q.reshape(B * S, *index_q.shape[2:])[f.sel]
             iw = index_weights.reshape(B * S, -1)[f.sel].float()
-        if f.decode:
+        if f.decode and self._sparse is not None:
             res = self._decode_attention(layer, f, qn, qp, iq, iw, scale)
         else:
             kv_c, k_pe, base = self._key_rows(layer, f)
@@ -1078,6 +1143,11 @@ class OffloadSession:
         if f.layerwise or self._kvpp is not None:
             c, pe = self._paged(layer)[:2]
             return c.view(-1, spec.kv_lora_rank), pe.view(-1, spec.rope_dim), [r * M * bs for r in range(f.B)]
+        if self._resident:
+            c, pe = self._resident[layer]
+            page, pages = self._index_paging()
+            starts = [r * pages * page for r in range(f.B)]
+            return c.view(-1, spec.kv_lora_rank), pe.view(-1, spec.rope_dim), starts
         # sparse only: the forward's own rows, after each request's earlier rows read from the host pool
         assert self._sparse is not None
         rows_c, rows_pe = f.new_rows[layer]
@@ -1100,7 +1170,7 @@ class OffloadSession:
         return torch.cat(parts_c), torch.cat(parts_pe), starts
 
     def _index_cache_of(self, layer: int) -> tuple[torch.Tensor, ...]:
-        if self._sparse is not None:
+        if self.sparse_on:
             return self._index_cache[layer]
         if self._kvpp is not None:
             return (self._kvpp.caches(layer)[2],)
@@ -1109,9 +1179,14 @@ class OffloadSession:
 
     def _select(self, layer: int, f: _Forward, iq: torch.Tensor, iw: torch.Tensor) -> torch.Tensor:
         """Top-k logical positions ``int32 [N, K]`` of a multi-token forward (−1 padded)."""
-        top_k = self._sparse.top_k if self._sparse is not None else self.spec.index_topk
+        if self._sparse is not None:
+            top_k = self._sparse.top_k
+        elif self.resident_on:
+            top_k = self._resident_top_k
+        else:
+            top_k = self.spec.index_topk
         cache = self._index_cache_of(layer)
-        table = f.index_table if self._sparse is not None else f.block_table
+        table = f.index_table if self.sparse_on else f.block_table
         args = (table, f.cu_seqlens_q, f.seq_lens_k)
         if self.int8_indexer:
             q8, qs = hadamard_quant_int8(iq)
@@ -1230,8 +1305,8 @@ class OffloadSession:
             tensors += [*alloc.persistent.values(), *alloc.draft.values(), *alloc.scratch]
         if self._sparse is not None:
             tensors += [*self._sparse.hot_kv_c, *self._sparse.hot_k_pe]
-            for t in self._index_cache:
-                tensors += list(t)
+        for t in [*self._index_cache, *self._resident]:
+            tensors += list(t)
         return _nbytes(t for t in tensors if t.device.type == self.spec.device.type)
 
     def dense_kv_bytes(self) -> int:

@@ -2,7 +2,8 @@
 
 Mooncake comes from the PyPI wheel ``mooncake-transfer-engine-non-cuda`` (module ``mooncake.store``;
 it needs Debian's ``libibverbs1`` even for TCP). A master (and a metadata server) must be running —
-see :mod:`torch_kvoffload.store.mooncake_master`. Calls used (``MooncakeDistributedStore``):
+see ``docs/store.md`` (the repository's ``tools/mooncake_master.py`` starts one on loopback). Calls used
+(``MooncakeDistributedStore``):
 
 * ``setup(config: dict) -> int`` with ``local_hostname``, ``metadata_server``, ``master_server_addr``,
   ``protocol`` (``"tcp"`` here), ``global_segment_size`` (memory this client lends to the pool),

@@ -14,8 +14,9 @@ pytest.importorskip("transformers")
 from hf_models import build_model, left_padded_batch
 
 import torch_kvoffload
+from torch_kvoffload.core.spec import weights_fingerprint
 from torch_kvoffload.integrations.hf import session_of
-from torch_kvoffload.integrations.hf.inspect import inspect_model, weights_fingerprint
+from torch_kvoffload.integrations.hf.inspect import inspect_model
 from torch_kvoffload.store import LocalKVStore, StoreConfig, parse_layer_block_key
 
 BS = 8

@@ -2,7 +2,8 @@
 runtimes (``OffloadSession``), supply the cache ``generate`` uses, and replace its attention (eager path).
 """
 
-from torch_kvoffload.integrations.hf.inspect import ModelSpec, inspect_model
+from torch_kvoffload.core.spec import ModelSpec
+from torch_kvoffload.integrations.hf.inspect import inspect_model
 from torch_kvoffload.integrations.hf.install import attach, detach, offload, session_of
 from torch_kvoffload.integrations.hf.session import OffloadSession
 

@@ -1,6 +1,6 @@
 """``OffloadSession``: where an offloaded Hugging Face model keeps its KV, and the attention over it.
 
-A session is built from a :class:`~torch_kvoffload.integrations.hf.inspect.ModelSpec` and an
+A session is built from a :class:`~torch_kvoffload.core.spec.ModelSpec` and an
 :class:`~torch_kvoffload.core.config.OffloadConfig`. It registers itself in ``ops.mla_runtime.runtimes`` under
 :attr:`OffloadSession.name` (the ``mla_cache_write`` / ``mla_cache_attention`` ops call it) and, with
 layerwise offload on, a hook object in ``ops.layer_hooks.runtimes`` under :attr:`layerwise_runtime`.
@@ -89,7 +89,7 @@ from torch_kvoffload.ops.sparse_attention import sparse_mla_attention
 
 if TYPE_CHECKING:
     from torch_kvoffload.core.config import OffloadConfig
-    from torch_kvoffload.integrations.hf.inspect import ModelSpec
+    from torch_kvoffload.core.spec import ModelSpec
     from torch_kvoffload.kvpp import KVPPConfig, KVPPGroup, KVPPRuntime
     from torch_kvoffload.layerwise.runtime import LayerwiseOffloadRuntime
     from torch_kvoffload.sparse.runtime import SparseDecodeOffload

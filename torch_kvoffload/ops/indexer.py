@@ -9,6 +9,12 @@ visible); ``lightning_indexer_scores`` returns the score matrix itself.
 The int8 path rotates queries and keys by the normalised Hadamard matrix and quantises them per token
 (``hadamard_quant_int8``); ``quant_lightning_indexer`` then scores with integer dot products times the
 dequant scales, with the same output contract.
+
+The argument checks live in :mod:`torch_kvoffload.ops._indexer_checks` and the formulas of the reference
+kernels in :mod:`torch_kvoffload.ops.indexer_reference`. This module defines the ops (schema, fake and
+reference kernel, typed wrapper) and what every kernel of them shares: the validators (``validate_*``),
+which keys a query sees (:func:`_visible_lengths`) and the rounding of the Hadamard scale
+(:func:`hadamard_norm`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,15 @@ import math
 import torch
 
 from torch_kvoffload.ops import _checks
+from torch_kvoffload.ops import indexer_reference as ref
+from torch_kvoffload.ops._indexer_checks import (
+    _check_paging_of,
+    _check_top_k,
+    _hadamard_structure,
+    _indexer_structure,
+    _quant_structure,
+    _validate_quant,
+)
 from torch_kvoffload.ops._registry import define_op
 
 __all__ = [
@@ -31,98 +46,6 @@ __all__ = [
     "validate_quant_lightning_indexer",
 ]
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16)
-
-
-# ------------------------------------------------------------------------------------------ shared checks
-
-
-def _check_paging(
-    op: str,
-    num_tokens: int,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens_k: torch.Tensor,
-) -> None:
-    """Structure of the request description shared by every indexer op."""
-    for arg, t, dim in (("block_table", block_table, 2), ("cu_seqlens_q", cu_seqlens_q, 1)):
-        _checks.check_dtype(op, arg, t, (torch.int32,))
-        _checks.check_dim(op, arg, t, dim)
-    _checks.check_dtype(op, "seq_lens_k", seq_lens_k, (torch.int32,))
-    _checks.check_dim(op, "seq_lens_k", seq_lens_k, 1)
-    batch = block_table.shape[0]
-    if cu_seqlens_q.shape[0] != batch + 1:
-        _checks.fail(
-            op,
-            f"argument 'cu_seqlens_q' must have shape [{batch + 1}] (batch + 1 from 'block_table'), "
-            f"got {list(cu_seqlens_q.shape)}",
-        )
-    if seq_lens_k.shape[0] != batch:
-        _checks.fail(
-            op,
-            f"argument 'seq_lens_k' must have shape [{batch}] (batch from 'block_table'), "
-            f"got {list(seq_lens_k.shape)}",
-        )
-
-
-def _check_paging_values(
-    op: str,
-    num_tokens: int,
-    num_blocks: int,
-    block_size: int,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens_k: torch.Tensor,
-) -> None:
-    """Value checks of the request description (reads the index tensors)."""
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens_k.tolist()
-    if cu[0] != 0:
-        _checks.fail(op, f"argument 'cu_seqlens_q' entry 0 must be 0, got {cu[0]}")
-    for b in range(len(lens)):
-        if cu[b + 1] < cu[b]:
-            _checks.fail(
-                op,
-                f"argument 'cu_seqlens_q' must be non-decreasing, got entry {b + 1} = {cu[b + 1]} "
-                f"< entry {b} = {cu[b]}",
-            )
-    if cu[-1] != num_tokens:
-        _checks.fail(
-            op,
-            f"argument 'cu_seqlens_q' last entry must equal the number of query tokens {num_tokens}, "
-            f"got {cu[-1]}",
-        )
-    max_blocks = block_table.shape[1]
-    capacity = max_blocks * block_size
-    table = block_table.tolist()
-    for b, s in enumerate(lens):
-        if s < 0 or s > capacity:
-            _checks.fail(
-                op,
-                f"argument 'seq_lens_k' entry {b} is {s}, expected a value in [0, {capacity}] "
-                f"(max_blocks {max_blocks} x block_size {block_size})",
-            )
-        q = cu[b + 1] - cu[b]
-        if s - (q - 1) < 0 and q > 0:
-            _checks.fail(
-                op,
-                f"argument 'seq_lens_k' entry {b} is {s}, but request {b} has {q} query tokens: the first "
-                f"query would see {s - (q - 1)} keys (need seq_len_k >= num_queries - 1)",
-            )
-        for j in range((s + block_size - 1) // block_size):
-            blk = table[b][j]
-            if blk < 0 or blk >= num_blocks:
-                _checks.fail(
-                    op,
-                    f"argument 'block_table' entry [{b}, {j}] is {blk}, expected a value in [0, {num_blocks})",
-                    IndexError,
-                )
-
-
-def _check_top_k(op: str, top_k: int) -> None:
-    if top_k < 0:
-        _checks.fail(op, f"argument 'top_k' must be >= 0, got {top_k}")
-
 
 def _visible_lengths(cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """int64 ``[T]``: how many keys each query token sees (causal inside its request)."""
@@ -135,101 +58,9 @@ def _visible_lengths(cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, num_t
     return seq_lens_k.to(torch.int64)[req] - (q_lens[req] - 1 - j)
 
 
-def _gather_keys(cache: torch.Tensor, block_table: torch.Tensor, b: int, length: int) -> torch.Tensor:
-    """Rows ``0..length-1`` of request ``b`` from a paged cache ``[num_blocks, block_size, ...]``."""
-    bs = cache.shape[1]
-    pos = torch.arange(length, device=cache.device)
-    blocks = block_table[b].to(device=cache.device, dtype=torch.int64)[pos // bs]
-    return cache[blocks, pos % bs]
-
-
-def _topk_from_scores(scores: torch.Tensor, visible: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Positions of the ``top_k`` best visible scores per row (ties by lower position), ``−1`` padded."""
-    num_tokens, width = scores.shape
-    out = torch.full((num_tokens, top_k), -1, dtype=torch.int32, device=scores.device)
-    k = min(top_k, width)
-    if k == 0 or num_tokens == 0:
-        return out
-    # A stable descending sort keeps equal scores in position order; invisible keys hold −inf and sit
-    # after every visible key (which all have lower positions), so they only appear as padding.
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
-    order = torch.where(order < visible[:, None].to(order.device), order, -1)
-    out[:, :k] = order.to(torch.int32)
-    return out
-
-
-# --------------------------------------------------------------------------- lightning_indexer_scores
-
-
-def _indexer_structure(
-    op: str,
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    k_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens_k: torch.Tensor,
-) -> None:
-    _checks.check_dtype(op, "q", q, FLOAT_DTYPES)
-    _checks.check_dim(op, "q", q, 3)
-    _checks.check_dim(op, "weights", weights, 2)
-    _checks.check_dim(op, "k_cache", k_cache, 3)
-    if weights.dtype not in (q.dtype, torch.float32):
-        _checks.fail(
-            op,
-            f"argument 'weights' must have dtype {q.dtype} (as 'q') or torch.float32, got {weights.dtype}",
-            TypeError,
-        )
-    _checks.check_same_dtype(op, "q", q, "k_cache", k_cache)
-    if tuple(weights.shape) != tuple(q.shape[:2]):
-        _checks.fail(
-            op,
-            f"argument 'weights' must have shape {list(q.shape[:2])} ([T, H] of 'q'), got {list(weights.shape)}",
-        )
-    if k_cache.shape[2] != q.shape[2]:
-        _checks.fail(
-            op,
-            f"argument 'k_cache' must have head dim {q.shape[2]} (as 'q'), got shape {list(k_cache.shape)}",
-        )
-    _check_paging(op, q.shape[0], block_table, cu_seqlens_q, seq_lens_k)
-    for arg, t in (("weights", weights), ("k_cache", k_cache)):
-        if t.device != q.device:
-            _checks.fail(op, f"argument '{arg}' must be on {q.device} (as 'q'), got {t.device}")
-
-
-def _indexer_scores_impl(
-    op: str,
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    k_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens_k: torch.Tensor,
-    logits_fn,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 score matrix ``[T, max_blocks * block_size]`` and the visible lengths ``[T]`` of validated
-    inputs."""
-    num_tokens = q.shape[0]
-    block_size = k_cache.shape[1]
-    width = block_table.shape[1] * block_size
-    scores = torch.full((num_tokens, width), -math.inf, dtype=torch.float32, device=q.device)
-    visible = _visible_lengths(cu_seqlens_q.cpu(), seq_lens_k.cpu(), num_tokens)
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens_k.tolist()
-    for b in range(len(lens)):
-        t0, t1 = cu[b], cu[b + 1]
-        if t1 == t0 or lens[b] == 0:
-            continue
-        rows = logits_fn(b, t0, t1, lens[b])  # [Q, S] fp32
-        mask = torch.arange(lens[b])[None, :] < visible[t0:t1, None]
-        scores[t0:t1, : lens[b]] = torch.where(mask.to(q.device), rows, -math.inf)
-    return scores, visible
-
-
-def _check_paging_of(op: str, num_tokens: int, k_cache: torch.Tensor, block_table, cu_seqlens_q, seq_lens_k):
-    _check_paging_values(
-        op, num_tokens, k_cache.shape[0], k_cache.shape[1], block_table, cu_seqlens_q, seq_lens_k
-    )
+def hadamard_norm(d: int) -> float:
+    """The fp32 normalisation factor ``1/√d`` of the Hadamard rotation (as the kernels round it)."""
+    return float(torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32))
 
 
 def validate_lightning_indexer_scores(q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k) -> None:
@@ -247,13 +78,25 @@ def validate_lightning_indexer(q, weights, k_cache, block_table, cu_seqlens_q, s
     _check_paging_of(op, q.shape[0], k_cache, block_table, cu_seqlens_q, seq_lens_k)
 
 
-def _float_logits(q, weights, k_cache, block_table):
-    def fn(b: int, t0: int, t1: int, length: int) -> torch.Tensor:
-        keys = _gather_keys(k_cache, block_table, b, length).float()  # [S, D]
-        logits = torch.einsum("thd,sd->ths", q[t0:t1].float(), keys)
-        return (weights[t0:t1].float()[:, :, None] * logits.relu()).sum(dim=1)
+def validate_hadamard_quant_int8(x: torch.Tensor) -> None:
+    """Every check of ``hadamard_quant_int8`` (dtype, power-of-two last dim, finite values)."""
+    op = "hadamard_quant_int8"
+    _hadamard_structure(op, x)
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        _checks.fail(op, "argument 'x' must be finite, got NaN or infinity")
 
-    return fn
+
+def validate_quant_lightning_indexer(
+    q_int8, q_scale, weights, k_int8_cache, k_scale_cache, block_table, cu_seqlens_q, seq_lens_k, top_k
+) -> None:
+    """Every check of ``quant_lightning_indexer`` (``top_k``, structure, then the request's values)."""
+    _check_top_k("quant_lightning_indexer", top_k)
+    _validate_quant(
+        q_int8, q_scale, weights, k_int8_cache, k_scale_cache, block_table, cu_seqlens_q, seq_lens_k
+    )
+
+
+# --------------------------------------------------------------------------------- lightning_indexer_scores
 
 
 def _indexer_scores_fake(q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k):
@@ -262,15 +105,16 @@ def _indexer_scores_fake(q, weights, k_cache, block_table, cu_seqlens_q, seq_len
 
 
 def _indexer_scores_reference(q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k):
-    op = "lightning_indexer_scores"
     validate_lightning_indexer_scores(q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k)
-    fn = _float_logits(q, weights, k_cache, block_table)
-    return _indexer_scores_impl(op, q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k, fn)[0]
+    visible = _visible_lengths(cu_seqlens_q.cpu(), seq_lens_k.cpu(), q.shape[0])
+    fn = ref.float_logits(q, weights, k_cache, block_table)
+    return ref.score_matrix(q, k_cache, block_table, cu_seqlens_q, seq_lens_k, visible, fn)
 
 
 _INDEXER_ARGS = (
     "Tensor q, Tensor weights, Tensor k_cache, Tensor block_table, Tensor cu_seqlens_q, Tensor seq_lens_k"
 )
+
 
 _indexer_scores_op = define_op(
     "lightning_indexer_scores",
@@ -328,7 +172,7 @@ def lightning_indexer_scores(
     return _indexer_scores_op(q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k)
 
 
-# ----------------------------------------------------------------------------------- lightning_indexer
+# ---------------------------------------------------------------------------------------- lightning_indexer
 
 
 def _indexer_fake(q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k, top_k):
@@ -339,11 +183,11 @@ def _indexer_fake(q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k, to
 
 
 def _indexer_reference(q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k, top_k):
-    op = "lightning_indexer"
     validate_lightning_indexer(q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k, top_k)
-    fn = _float_logits(q, weights, k_cache, block_table)
-    scores, visible = _indexer_scores_impl(op, q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k, fn)
-    return _topk_from_scores(scores, visible, top_k)
+    visible = _visible_lengths(cu_seqlens_q.cpu(), seq_lens_k.cpu(), q.shape[0])
+    fn = ref.float_logits(q, weights, k_cache, block_table)
+    scores = ref.score_matrix(q, k_cache, block_table, cu_seqlens_q, seq_lens_k, visible, fn)
+    return ref.topk_from_scores(scores, visible, top_k)
 
 
 _indexer_op = define_op(
@@ -386,37 +230,7 @@ def lightning_indexer(
     return _indexer_op(q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k, top_k)
 
 
-# --------------------------------------------------------------------------------- hadamard_quant_int8
-
-
-def _hadamard_structure(op: str, x: torch.Tensor) -> None:
-    _checks.check_dtype(op, "x", x, FLOAT_DTYPES)
-    _checks.check_dim(op, "x", x, 1, at_least=True)
-    d = x.shape[-1]
-    if d < 1 or d & (d - 1):
-        _checks.fail(op, f"argument 'x' must have a power-of-two last dim, got shape {list(x.shape)}")
-
-
-def hadamard_norm(d: int) -> float:
-    """The fp32 normalisation factor ``1/√d`` of the Hadamard rotation (as the kernels round it)."""
-    return float(torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32))
-
-
-def _fwht(y: torch.Tensor) -> torch.Tensor:
-    """Unnormalised fast Walsh–Hadamard transform over the last dim (Sylvester order), fp32.
-
-    Stage ``h`` (1, 2, 4, ...) replaces each pair ``(a, b)`` at distance ``h`` by ``(a + b, a − b)``: the
-    same additions, in the same order, as the C++ kernel, so both round identically.
-    """
-    d = y.shape[-1]
-    lead = y.shape[:-1]
-    h = 1
-    while h < d:
-        v = y.reshape(*lead, d // (2 * h), 2, h)
-        a, b = v[..., 0, :], v[..., 1, :]
-        y = torch.stack((a + b, a - b), dim=-2).reshape(*lead, d)
-        h *= 2
-    return y
+# -------------------------------------------------------------------------------------- hadamard_quant_int8
 
 
 def _hadamard_fake(x):
@@ -424,24 +238,9 @@ def _hadamard_fake(x):
     return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
-def validate_hadamard_quant_int8(x: torch.Tensor) -> None:
-    """Every check of ``hadamard_quant_int8`` (dtype, power-of-two last dim, finite values)."""
-    op = "hadamard_quant_int8"
-    _hadamard_structure(op, x)
-    if x.numel() and not bool(torch.isfinite(x).all()):
-        _checks.fail(op, "argument 'x' must be finite, got NaN or infinity")
-
-
 def _hadamard_reference(x):
     validate_hadamard_quant_int8(x)
-    xf = x.float()
-    y = _fwht(xf) * hadamard_norm(x.shape[-1])
-    amax = y.abs().amax(dim=-1) if y.numel() else y.new_zeros(y.shape[:-1])
-    scale = amax / 127.0
-    # A zero row has scale 0: its quantised values are 0 (dequantising gives the exact zero row back).
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(y / safe[..., None]).clamp_(-127, 127)
-    return q.to(torch.int8), scale
+    return ref.quantize_rows(ref.fwht(x.float()) * hadamard_norm(x.shape[-1]))
 
 
 _hadamard_op = define_op(
@@ -479,47 +278,7 @@ def hadamard_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _hadamard_op(x)
 
 
-# ----------------------------------------------------------------------------- quant_lightning_indexer
-
-
-def _quant_structure(
-    op, q_int8, q_scale, weights, k_int8_cache, k_scale_cache, block_table, cu_seqlens_q, seq_lens_k
-) -> None:
-    _checks.check_dtype(op, "q_int8", q_int8, (torch.int8,))
-    _checks.check_dim(op, "q_int8", q_int8, 3)
-    _checks.check_dtype(op, "q_scale", q_scale, (torch.float32,))
-    _checks.check_dtype(op, "weights", weights, (torch.float32, torch.bfloat16))
-    _checks.check_dtype(op, "k_int8_cache", k_int8_cache, (torch.int8,))
-    _checks.check_dim(op, "k_int8_cache", k_int8_cache, 3)
-    _checks.check_dtype(op, "k_scale_cache", k_scale_cache, (torch.float32,))
-    _checks.check_dim(op, "k_scale_cache", k_scale_cache, 2)
-    th = list(q_int8.shape[:2])
-    for arg, t in (("q_scale", q_scale), ("weights", weights)):
-        if list(t.shape) != th:
-            _checks.fail(
-                op, f"argument '{arg}' must have shape {th} ([T, H] of 'q_int8'), got {list(t.shape)}"
-            )
-    if k_int8_cache.shape[2] != q_int8.shape[2]:
-        _checks.fail(
-            op,
-            f"argument 'k_int8_cache' must have head dim {q_int8.shape[2]} (as 'q_int8'), "
-            f"got shape {list(k_int8_cache.shape)}",
-        )
-    if list(k_scale_cache.shape) != list(k_int8_cache.shape[:2]):
-        _checks.fail(
-            op,
-            f"argument 'k_scale_cache' must have shape {list(k_int8_cache.shape[:2])} ([num_blocks, block_size] "
-            f"of 'k_int8_cache'), got {list(k_scale_cache.shape)}",
-        )
-    _check_paging(op, q_int8.shape[0], block_table, cu_seqlens_q, seq_lens_k)
-    for arg, t in (
-        ("q_scale", q_scale),
-        ("weights", weights),
-        ("k_int8_cache", k_int8_cache),
-        ("k_scale_cache", k_scale_cache),
-    ):
-        if t.device != q_int8.device:
-            _checks.fail(op, f"argument '{arg}' must be on {q_int8.device} (as 'q_int8'), got {t.device}")
+# ---------------------------------------------------------------------------------- quant_lightning_indexer
 
 
 def _quant_fake(
@@ -533,44 +292,18 @@ def _quant_fake(
     return q_int8.new_empty((q_int8.shape[0], top_k), dtype=torch.int32)
 
 
-def _validate_quant(
-    q_int8, q_scale, weights, k_int8_cache, k_scale_cache, block_table, cu_seqlens_q, seq_lens_k
-) -> None:
-    op = "quant_lightning_indexer"
-    _quant_structure(
-        op, q_int8, q_scale, weights, k_int8_cache, k_scale_cache, block_table, cu_seqlens_q, seq_lens_k
-    )
-    _check_paging_of(op, q_int8.shape[0], k_int8_cache, block_table, cu_seqlens_q, seq_lens_k)
-
-
-def validate_quant_lightning_indexer(
-    q_int8, q_scale, weights, k_int8_cache, k_scale_cache, block_table, cu_seqlens_q, seq_lens_k, top_k
-) -> None:
-    """Every check of ``quant_lightning_indexer`` (``top_k``, structure, then the request's values)."""
-    _check_top_k("quant_lightning_indexer", top_k)
-    _validate_quant(
-        q_int8, q_scale, weights, k_int8_cache, k_scale_cache, block_table, cu_seqlens_q, seq_lens_k
-    )
-
-
 def quant_indexer_scores_reference(
     q_int8, q_scale, weights, k_int8_cache, k_scale_cache, block_table, cu_seqlens_q, seq_lens_k
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated fp32 int8-path scores ``[T, max_blocks * block_size]`` (``−inf`` where not visible) and
     the visible lengths ``[T]``: ``Σ_h w[t,h] · relu(dot_int(q[t,h], k[s]) · q_scale[t,h] · k_scale[s])``."""
-    op = "quant_lightning_indexer"
     _validate_quant(
         q_int8, q_scale, weights, k_int8_cache, k_scale_cache, block_table, cu_seqlens_q, seq_lens_k
     )
-
-    def fn(b: int, t0: int, t1: int, length: int) -> torch.Tensor:
-        keys = _gather_keys(k_int8_cache, block_table, b, length).to(torch.int32)  # [S, D]
-        ks = _gather_keys(k_scale_cache, block_table, b, length)  # [S]
-        dots = torch.einsum("thd,sd->ths", q_int8[t0:t1].to(torch.int32), keys)  # exact
-        logits = dots.float() * q_scale[t0:t1, :, None] * ks[None, None, :]
-        return (weights[t0:t1].float()[:, :, None] * logits.relu()).sum(dim=1)
-
-    return _indexer_scores_impl(op, q_int8, weights, k_int8_cache, block_table, cu_seqlens_q, seq_lens_k, fn)
+    visible = _visible_lengths(cu_seqlens_q.cpu(), seq_lens_k.cpu(), q_int8.shape[0])
+    fn = ref.quant_logits(q_int8, q_scale, weights, k_int8_cache, k_scale_cache, block_table)
+    scores = ref.score_matrix(q_int8, k_int8_cache, block_table, cu_seqlens_q, seq_lens_k, visible, fn)
+    return scores, visible
 
 
 def _quant_reference(
@@ -580,7 +313,7 @@ def _quant_reference(
     scores, visible = quant_indexer_scores_reference(
         q_int8, q_scale, weights, k_int8_cache, k_scale_cache, block_table, cu_seqlens_q, seq_lens_k
     )
-    return _topk_from_scores(scores, visible, top_k)
+    return ref.topk_from_scores(scores, visible, top_k)
 
 
 _quant_op = define_op(

@@ -168,8 +168,9 @@ def test_device_step_reads_nothing_back(case: str, monkeypatch: pytest.MonkeyPat
     sc = Scenario(seed=12)
     rt, kc = sc.runtime(cfg, step_path="device")
     guard = _SyncGuard(monkeypatch)
-    guard.around(monkeypatch, rt, "_append_device")
-    guard.around(monkeypatch, rt, "_attend_device")
+    guard.around(monkeypatch, rt._appender, "_append_device")
+    guard.around(monkeypatch, rt._step, "prepare")  # the device step up to its residency update ...
+    guard.around(monkeypatch, rt, "_finish")  # ... then its copies, attention and commit
     int8 = cfg.indexer_dtype == "int8"
     with rt:
         for s, order in enumerate([ORDERS["in_order"], ORDERS["shuffled"]]):
@@ -190,7 +191,7 @@ def test_sync_guard_catches_the_host_step(monkeypatch: pytest.MonkeyPatch) -> No
     sc = Scenario(seed=13)
     rt, kc = sc.runtime(_cfg(fused=False), step_path="host")
     guard = _SyncGuard(monkeypatch)
-    guard.around(monkeypatch, rt, "_copy_misses")
+    guard.around(monkeypatch, rt._host_step, "_copy_misses")
     with rt:
         sc.append(rt, 0, 0, [0, 1, 2, 3])
         with pytest.raises(AssertionError, match="host sync"):

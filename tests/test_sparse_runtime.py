@@ -1,18 +1,23 @@
-"""torch_kvoffload.sparse: config, ResidencyTable, HostKVPool (incl. cross-process) and its fence."""
+"""torch_kvoffload.sparse: config, ResidencyTable, HostKVPool (incl. cross-process) and its fence, appends
+on CPU."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 
 import pytest
 import torch
 
 from torch_kvoffload.ops import new_residency_outputs, residency_update
 from torch_kvoffload.sparse import (
+    DecodeRows,
     HostKVPool,
+    IndexerInputs,
     ResidencyTable,
     SparseDecodeConfig,
+    SparseDecodeOffload,
 )
 from torch_kvoffload.sparse.rows import RowMap
 
@@ -261,3 +266,98 @@ def test_residency_table_scratch_commit_and_drop_slots() -> None:
     assert table.row_request.tolist() == [-1, -1, 5]
     with pytest.raises(ValueError, match="'rows' must be int64"):
         table.gather(torch.tensor([0], dtype=torch.int32))
+
+
+# ------------------------------------------------------------------------------------ CPU appends
+
+DC, DR, BS = 16, 4, 4
+
+
+def _cpu_runtime(**cfg) -> SparseDecodeOffload:
+    config = SparseDecodeConfig(top_k=2, host_pool_blocks=12, block_size=BS, kv_dtype="fp32", **cfg)
+    return SparseDecodeOffload(
+        config, num_layers=2, max_rows=3, kv_lora_rank=DC, rope_dim=DR, device=torch.device("cpu")
+    )
+
+
+def _place(want: dict, rt: SparseDecodeOffload, layer: int, rid: int, pos: int, kv, pe) -> None:
+    """The reference pool: row ``pos`` of ``rid`` at block ``blocks[pos // BS]``, offset ``pos % BS``."""
+    block = rt.pool.blocks_of(rid)[pos // BS]
+    want["kv", layer][block, pos % BS] = kv
+    want["pe", layer][block, pos % BS] = pe
+
+
+def _pool_equals(want: dict, rt: SparseDecodeOffload) -> bool:
+    return all(
+        torch.equal(rt.pool.kv_c(layer), want["kv", layer])
+        and torch.equal(rt.pool.k_pe(layer), want["pe", layer])
+        for layer in range(2)
+    )
+
+
+def test_cpu_append_with_an_idle_stream_runs_inline_and_in_order_behind_work_in_flight() -> None:
+    """On CPU an append whose stream is idle copies on the calling thread (finished on return, bit-exact);
+    appends made while earlier work is in flight are queued behind it and land in the order made."""
+    g = torch.Generator().manual_seed(0)
+    with _cpu_runtime() as rt:
+        for rid in (0, 1, 2):
+            rt.reserve(rid, 8)
+        host = rt.transfer_streams["host"]
+        # a new pool's memory is uninitialised: zero it, so every row but the appended ones is known
+        want = {}
+        for layer in range(2):
+            for part, t in (("kv", rt.pool.kv_c(layer)), ("pe", rt.pool.k_pe(layer))):
+                t.zero_()
+                want[part, layer] = torch.zeros_like(t)
+        for pos in range(3):  # one new row x 3 requests x 2 layers per step
+            for layer in range(2):
+                kv, pe = torch.randn(3, DC, generator=g), torch.randn(3, DR, generator=g)
+                inline = host.counters.get("inline")
+                event = rt.append(layer, [0, 1, 2], torch.tensor([pos] * 3), kv, pe)
+                assert event.query(), "an append with an idle stream is done when it returns"
+                assert host.counters.get("inline") == inline + 1
+                for i, rid in enumerate((0, 1, 2)):
+                    _place(want, rt, layer, rid, pos, kv[i], pe[i])
+        assert _pool_equals(want, rt)
+        assert rt.counters.get("bytes_d2h") == 3 * 3 * 2 * rt.pool.row_bytes
+
+        gate = threading.Event()
+        blocker = host.submit(gate.wait)  # earlier work still in flight on the append stream
+        inline = host.counters.get("inline")
+        rows = [(torch.randn(1, DC, generator=g), torch.randn(1, DR, generator=g)) for _ in range(3)]
+        events = [rt.append(0, [1], torch.tensor([5]), kv, pe) for kv, pe in rows]  # one position, 3 times
+        events.append(rt.append(1, [2], torch.tensor([6]), *rows[0]))
+        assert not any(ev.query() for ev in events) and host.counters.get("inline") == inline
+        gate.set()
+        blocker.wait()
+        rt.sync()
+        assert host.counters.get("inline") == inline
+        _place(want, rt, 0, 1, 5, rows[-1][0][0], rows[-1][1][0])  # the last append made wins
+        _place(want, rt, 1, 2, 6, rows[0][0][0], rows[0][1][0])
+        assert _pool_equals(want, rt)
+        # the stream is idle again: the next append runs inline
+        rt.append(1, [0], torch.tensor([7]), *rows[1])
+        assert host.counters.get("inline") == inline + 1
+
+
+def test_cpu_unfused_miss_copy_runs_inline() -> None:
+    """The unfused step's miss copy (host pool -> hot buffers, both host memory on CPU) runs on the calling
+    thread and fills the hot buffer with the pool's rows."""
+    g = torch.Generator().manual_seed(1)
+    with _cpu_runtime(fused=False) as rt:
+        rt.reserve(0, 8)
+        kv, pe = torch.randn(4, DC, generator=g), torch.randn(4, DR, generator=g)
+        rt.append(0, [0] * 4, torch.arange(4), kv, pe)
+        bt = rt.pool.block_table([0], max_blocks=2)
+        h2d = rt.transfer_streams["h2d"]
+        res = rt.attend(
+            0, torch.randn(1, 2, DC, generator=g), torch.randn(1, 2, DR, generator=g), 0.25,
+            IndexerInputs(q=torch.randn(1, 2, 8, generator=g), weights=torch.ones(1, 2), block_table=bt,
+                          cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+                          seq_lens_k=torch.tensor([4], dtype=torch.int32), k_cache=torch.randn(12, BS, 8, generator=g)),
+            DecodeRows([0], torch.tensor([4]), bt),
+        )  # fmt: skip
+        assert h2d.counters.get("inline") == h2d.counters.get("submitted") == 1
+        for token, slot in zip(res.topk[0].tolist(), res.residency.slots[0].tolist(), strict=True):
+            assert torch.equal(rt.hot_kv_c[0][res.rows[0], slot], kv[token])
+            assert torch.equal(rt.hot_k_pe[0][res.rows[0], slot], pe[token])

@@ -15,7 +15,7 @@ import pytest
 import torch
 from references import dense_mla_attention
 
-import torch_kvoffload.sparse.runtime as runtime_module
+import torch_kvoffload.sparse.host_step as host_step_module
 from torch_kvoffload.sparse import DecodeRows, IndexerInputs, SparseDecodeConfig, SparseDecodeOffload
 
 CPU = torch.device("cpu")
@@ -244,7 +244,7 @@ def test_step_failing_part_way_keeps_state_and_stays_correct(monkeypatch: pytest
     sc = Scenario(seed=2)
     order = [0, 1, 2, 3]
     rt, kc = sc.runtime(_cfg(capacity=TOP_K))  # every miss evicts a resident
-    real = runtime_module.scatter_copy_sparse_mla_attention
+    real = host_step_module.scatter_copy_sparse_mla_attention
     seen: dict = {}
 
     def broken(*args) -> None:
@@ -262,10 +262,10 @@ def test_step_failing_part_way_keeps_state_and_stays_correct(monkeypatch: pytest
         rt.sync()
         table = rt.tables[0]
         before, counts = [t.clone() for t in table.state], _counts(rt)
-        monkeypatch.setattr(runtime_module, "scatter_copy_sparse_mla_attention", broken)
+        monkeypatch.setattr(host_step_module, "scatter_copy_sparse_mla_attention", broken)
         with pytest.raises(RuntimeError, match="kernel failed"):
             rt.attend(*sc.args(rt, kc, 2, 0, order))
-        monkeypatch.setattr(runtime_module, "scatter_copy_sparse_mla_attention", real)
+        monkeypatch.setattr(host_step_module, "scatter_copy_sparse_mla_attention", real)
         assert _counts(rt) == counts
         assert torch.equal(table.lru_order, before[1]) and torch.equal(table.row_request, before[2])
         expect = before[0].clone()
@@ -359,14 +359,14 @@ def test_bytes_moved_equal_rows_the_copies_wrote(mode: str, monkeypatch: pytest.
     sc = Scenario(seed=6)
     rt, kc = sc.runtime(_cfg(fused=mode != "unfused"))
     spied = {"h2d": 0}
-    real_copy = runtime_module.copy_rows
+    real_copy = host_step_module.copy_rows
 
     def spy(src, dst, src_slots, dst_slots) -> None:
         if any(dst is t for t in (*rt.hot_kv_c, *rt.hot_k_pe)):
             spied["h2d"] += dst_slots.numel()
         real_copy(src, dst, src_slots, dst_slots)
 
-    monkeypatch.setattr(runtime_module, "copy_rows", spy)
+    monkeypatch.setattr(host_step_module, "copy_rows", spy)
     row_bytes = (DC + DR) * 4  # fp32 latent + rope
     g = torch.Generator().manual_seed(0)
     with rt:

@@ -114,12 +114,6 @@ class HostKVPool:
         self._closed = False
 
     # ------------------------------------------------------------------------------------ creation
-    @staticmethod
-    def nbytes_for(num_layers: int, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int,
-                   dtype: torch.dtype) -> int:  # fmt: skip
-        """Bytes of row storage (both components, all layers)."""
-        return sum(_part_bytes(num_layers, num_blocks, block_size, kv_lora_rank, rope_dim, dtype))
-
     @classmethod
     def create(
         cls,
@@ -293,10 +287,6 @@ class HostKVPool:
     def row_bytes(self) -> int:
         """Bytes of one token row of one layer (``kv_c`` + ``k_pe``)."""
         return (self.kv_lora_rank + self.rope_dim) * self._kv_c.element_size()
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_layers * self.num_blocks * self.block_size * self.row_bytes
 
     # ---------------------------------------------------------------------------------- allocation
     @property

@@ -1,0 +1,80 @@
+"""The sparse decode runtime's counters: per layer and in total, and the device step's device tallies."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from torch_kvoffload.counters import Counters
+from torch_kvoffload.ops.residency import ResidencyOutputs
+from torch_kvoffload.sparse.residency import step_counts
+
+__all__ = ["COUNTER_NAMES", "StepCounters"]
+
+COUNTER_NAMES = ("hits", "misses", "evictions", "bytes_h2d", "bytes_d2h", "waits", "wait_seconds")
+#: What the device step's per-layer tallies count (``rows_h2d`` becomes ``bytes_h2d`` when read).
+_TALLY_NAMES = ("hits", "misses", "evictions", "rows_h2d")
+
+
+class StepCounters:
+    """:data:`COUNTER_NAMES` per layer (:attr:`layers`) and over every layer (:attr:`total`).
+
+    ``row_bytes``: bytes of one host-pool row (``kv_c`` + ``k_pe`` of one layer). With ``tally_device``
+    (the device path) a step's hits, misses, evictions and copied rows are added in place to an ``int64
+    [4]`` tally per layer on that device, moved into the counters only by :meth:`fold` (a device sync),
+    so a step reads nothing back and can be captured in a CUDA graph. Safe to bump from transfer threads.
+    """
+
+    def __init__(self, num_layers: int, row_bytes: int, tally_device: torch.device | None = None) -> None:
+        self.row_bytes = row_bytes
+        self.layers = [Counters(COUNTER_NAMES) for _ in range(num_layers)]
+        self.total = Counters(COUNTER_NAMES)
+        self._tally = (
+            [
+                torch.zeros(len(_TALLY_NAMES), dtype=torch.int64, device=tally_device)
+                for _ in range(num_layers)
+            ]
+            if tally_device is not None
+            else []
+        )
+        self._tally_lock = threading.Lock()
+
+    def count(self, layer: int, name: str, amount: float | torch.Tensor) -> None:
+        self.layers[layer].add(name, amount)
+        self.total.add(name, amount)
+
+    def count_wait(self, layer: int, seconds: float) -> None:
+        self.count(layer, "waits", 1)
+        self.count(layer, "wait_seconds", seconds)
+
+    def record(
+        self, layer: int, topk: torch.Tensor, res: ResidencyOutputs, copied: int | torch.Tensor
+    ) -> None:
+        """Count a committed step of ``int32 topk [T, K]`` that copied ``copied`` rows host→device."""
+        if self._tally:  # device tallies, in place (a CUDA graph replay adds to them too)
+            counts = step_counts(topk, res)
+            tally = self._tally[layer]
+            if isinstance(copied, torch.Tensor):
+                tally.add_(torch.stack([counts["hits"], counts["misses"], counts["evictions"], copied]))
+            else:
+                tally[:3].add_(torch.stack([counts["hits"], counts["misses"], counts["evictions"]]))
+                tally[3].add_(copied)
+            return
+        for name, amount in (*step_counts(topk, res).items(), ("bytes_h2d", copied * self.row_bytes)):
+            self.count(layer, name, amount)
+
+    def fold(self) -> None:
+        """Move the device tallies into the counters (a device synchronisation: only when read)."""
+        if not self._tally:
+            return
+        with self._tally_lock:
+            for layer, tally in enumerate(self._tally):
+                values = tally.tolist()
+                if not any(values):
+                    continue
+                tally.zero_()
+                for name, v in zip(_TALLY_NAMES, values, strict=True):
+                    if name == "rows_h2d":
+                        name, v = "bytes_h2d", v * self.row_bytes
+                    self.count(layer, name, v)

@@ -1,0 +1,184 @@
+"""The inputs of one decode step and layer (:class:`IndexerInputs`, :class:`DecodeRows`) and their checks.
+
+Shape, dtype and device checks always run. Checks of values (request ids, stable lengths, block-table
+entries, sequence lengths) run on tensors that live on the CPU, where reading them costs nothing; on an
+accelerator the per-layer step reads no device tensor back (the ops' kernels still reject out-of-range
+indices).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from torch_kvoffload.sparse._checks import check_layer, check_scale, check_tensor, host_ints
+from torch_kvoffload.sparse.host_pool import HostKVPool
+
+__all__ = ["DecodeRows", "IndexerInputs", "check_block_coverage", "check_step"]
+
+
+@dataclass
+class IndexerInputs:
+    """The lightning indexer's inputs for one layer and step (all on the compute device).
+
+    ``q [T, H, D]`` and ``weights [T, H]``; ``k_cache [num_blocks, block_size, D]`` (floating path) or
+    ``k_int8_cache`` int8 ``[num_blocks, block_size, D]`` + ``k_scale_cache`` fp32 ``[num_blocks,
+    block_size]`` (int8 path); ``block_table int32 [B, max_blocks]`` of the indexer cache;
+    ``cu_seqlens_q int32 [B + 1]``; ``seq_lens_k int32 [B]``.
+    """
+
+    q: torch.Tensor
+    weights: torch.Tensor
+    block_table: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens_k: torch.Tensor
+    k_cache: torch.Tensor | None = None
+    k_int8_cache: torch.Tensor | None = None
+    k_scale_cache: torch.Tensor | None = None
+
+
+@dataclass
+class DecodeRows:
+    """The decode rows of one step: ``T`` query tokens, in any order.
+
+    ``request_ids int64 [T]`` (or a list of ints): the request each row belongs to; a request's rows
+    keep their residency rows (hot buffers) by their order among that request's rows. ``stable_len
+    int64 [T]``: the verified prefix of that request (hot rows at or beyond it are reloaded).
+    ``host_block_table int32 [T, max_blocks]``: the row's request's blocks in the host pool, e.g.
+    ``pool.block_table(ids)``. Scheduler metadata: CPU tensors (the runtime moves what the device needs).
+    """
+
+    request_ids: torch.Tensor | Sequence[int]
+    stable_len: torch.Tensor
+    host_block_table: torch.Tensor
+
+
+def check_step(
+    where: str,
+    layer: object,
+    q_nope: object,
+    q_pe: object,
+    scale: object,
+    indexer: object,
+    rows: object,
+    *,
+    pool: HostKVPool,
+    max_rows: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    int8_indexer: bool,
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Check every argument of one layer's step (``attend``); return ``(request ids as ints, stable_len
+    int64 [T], host block table int32 [T, W])``.
+
+    ``q_nope [T, H, Dc]`` / ``q_pe [T, H, Dr]`` in the KV ``dtype`` on ``device`` with ``1 <= T <=
+    max_rows``; ``rows`` a :class:`DecodeRows` and ``indexer`` :class:`IndexerInputs` of the same ``T``
+    rows, with the int8 caches when ``int8_indexer`` else ``k_cache``; then
+    :func:`check_block_coverage`.
+    """
+    check_layer(where, layer, pool.num_layers)
+    dev = (device,)
+    Dc, Dr = pool.kv_lora_rank, pool.rope_dim
+    q_nope = check_tensor(where, "q_nope", q_nope, shape=(None, None, Dc), dtypes=(dtype,), devices=dev)
+    T, H = q_nope.shape[:2]
+    if not 1 <= T <= max_rows:
+        raise ValueError(f"{where}: {T} decode rows, expected 1..max_rows={max_rows}")
+    check_tensor(where, "q_pe", q_pe, shape=(T, H, Dr), dtypes=(dtype,), devices=dev)
+    check_scale(where, scale)
+    if not isinstance(rows, DecodeRows):
+        raise TypeError(f"{where}: 'rows' must be a DecodeRows, got {type(rows).__name__}")
+    if not isinstance(indexer, IndexerInputs):
+        raise TypeError(f"{where}: 'indexer' must be IndexerInputs, got {type(indexer).__name__}")
+    ids = host_ints(where, "rows.request_ids", rows.request_ids, T)
+    stable = check_tensor(where, "rows.stable_len", rows.stable_len, shape=(T,), dtypes=(torch.int64,),
+                          devices=(torch.device("cpu"), device))  # fmt: skip
+    if stable.device.type == "cpu" and bool((stable < 0).any()):
+        raise ValueError(f"{where}: rows.stable_len entries must be >= 0, got {stable.tolist()}")
+    host_bt = check_tensor(where, "rows.host_block_table", rows.host_block_table, dim=2, dtypes=(torch.int32,),
+                           devices=(torch.device("cpu"), device))  # fmt: skip
+    if host_bt.shape[0] != T:
+        raise ValueError(f"{where}: rows.host_block_table must have {T} rows, got {list(host_bt.shape)}")
+    check_tensor(where, "indexer.q", indexer.q, dim=3, devices=dev)
+    if indexer.q.shape[0] != T:
+        raise ValueError(f"{where}: indexer.q must have {T} rows (T of q_nope), got {list(indexer.q.shape)}")
+    check_tensor(where, "indexer.weights", indexer.weights, shape=(T, indexer.q.shape[1]), devices=dev)
+    cu = check_tensor(where, "indexer.cu_seqlens_q", indexer.cu_seqlens_q, dim=1, dtypes=(torch.int32,),
+                      devices=dev)  # fmt: skip
+    lens = check_tensor(where, "indexer.seq_lens_k", indexer.seq_lens_k, shape=(cu.shape[0] - 1,),
+                        dtypes=(torch.int32,), devices=dev)  # fmt: skip
+    check_tensor(where, "indexer.block_table", indexer.block_table, shape=(cu.shape[0] - 1, None),
+                 dtypes=(torch.int32,), devices=dev)  # fmt: skip
+    if int8_indexer:
+        if indexer.k_int8_cache is None or indexer.k_scale_cache is None:
+            raise ValueError(f"{where}: the int8 indexer path needs indexer.k_int8_cache and k_scale_cache")
+        check_tensor(where, "indexer.k_int8_cache", indexer.k_int8_cache, dim=3, dtypes=(torch.int8,),
+                     devices=dev)  # fmt: skip
+        check_tensor(where, "indexer.k_scale_cache", indexer.k_scale_cache, dim=2, dtypes=(torch.float32,),
+                     devices=dev)  # fmt: skip
+    else:
+        if indexer.k_cache is None:
+            raise ValueError(f"{where}: the floating indexer path needs indexer.k_cache")
+        check_tensor(where, "indexer.k_cache", indexer.k_cache, dim=3, devices=dev)
+    check_block_coverage(where, pool, ids, host_bt, cu, lens)
+    return ids, stable, host_bt
+
+
+def check_block_coverage(
+    where: str,
+    pool: HostKVPool,
+    request_ids: list[int],
+    host_block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+) -> None:
+    """Every position a row's indexer may select (``< seq_lens_k`` of its batch entry) has a host row.
+
+    ``host_block_table int32 [T, W]`` row ``t`` must cover ``seq_lens_k[b]`` positions (``b`` the batch
+    entry of query ``t`` through ``cu_seqlens_q``) with blocks of the pool; where this pool object
+    allocated the request's blocks (the writer, or a rank replaying the allocations), the entries must
+    be those blocks. Skipped for tensors off the CPU (reading them would synchronise).
+    """
+    if any(t.device.type != "cpu" for t in (host_block_table, cu_seqlens_q, seq_lens_k)):
+        return
+    T, width = host_block_table.shape
+    cu, lens = cu_seqlens_q.tolist(), seq_lens_k.tolist()
+    if len(cu) != len(lens) + 1 or cu[0] != 0 or cu[-1] != T or any(a > b for a, b in itertools.pairwise(cu)):
+        raise ValueError(
+            f"{where}: indexer.cu_seqlens_q must rise from 0 to T = {T} with one more entry than "
+            f"seq_lens_k ({len(lens)}), got {cu}"
+        )
+    bs = pool.block_size
+    table = host_block_table.tolist()
+    for b, seq in enumerate(lens):
+        if seq < 0:
+            raise ValueError(f"{where}: indexer.seq_lens_k entry {b} is {seq}, expected >= 0")
+        need = math.ceil(seq / bs)
+        for t in range(cu[b], cu[b + 1]):
+            rid = request_ids[t]
+            if need > width:
+                raise ValueError(
+                    f"{where}: rows.host_block_table has {width} blocks per row, row {t} (request {rid}) "
+                    f"attends to {seq} positions = {need} blocks of {bs}"
+                )
+            entries = table[t][:need]
+            bad = [e for e in entries if not 0 <= e < pool.num_blocks]
+            if bad:
+                raise IndexError(
+                    f"{where}: rows.host_block_table row {t} (request {rid}) holds block {bad[0]} among its "
+                    f"first {need} entries, expected a value in [0, {pool.num_blocks})"
+                )
+            if pool.knows(rid):
+                if pool.reserved_tokens(rid) < seq:
+                    raise ValueError(
+                        f"{where}: request {rid} (row {t}) attends to {seq} positions but only "
+                        f"{pool.reserved_tokens(rid)} are reserved in the host pool"
+                    )
+                if entries != pool.blocks_of(rid)[:need]:
+                    raise ValueError(
+                        f"{where}: rows.host_block_table row {t} is {entries}, but request {rid}'s blocks "
+                        f"in the host pool are {pool.blocks_of(rid)[:need]}"
+                    )

@@ -41,6 +41,10 @@ Errors (state and outputs untouched): bad shapes / dtypes / devices, ``K > C``, 
 occurring twice in one row, a non-reset row whose ``lru_order`` is not a permutation or whose
 ``slot_to_token`` holds an entry below ``-1`` or holds a top-k position in two slots, a negative
 ``stable_len``, ``policy="score"`` without ``scores``, an unknown policy.
+
+This module defines the two ops (schema, fake and reference kernel, typed wrapper) and their checks,
+which the device kernels run too; the reference kernels' formula is
+:mod:`torch_kvoffload.ops.residency_reference`.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from torch_kvoffload.ops import _checks
+from torch_kvoffload.ops import residency_reference as ref
 from torch_kvoffload.ops._registry import define_op
 
 __all__ = [
@@ -281,87 +286,6 @@ def check_residency_values(
     )
 
 
-def _plan_rows(
-    op: str,
-    slot_to_token: torch.Tensor,
-    lru_order: torch.Tensor,
-    row_request: torch.Tensor,
-    topk: torch.Tensor,
-    request_ids: torch.Tensor,
-    stable_len: torch.Tensor,
-    scores: torch.Tensor | None,
-    policy: str,
-) -> list[tuple[torch.Tensor, ...]]:
-    """Validate every row and compute its new state and outputs without writing anything."""
-    R, C = slot_to_token.shape
-    K = topk.shape[1]
-    device = slot_to_token.device
-    check_residency_values(op, slot_to_token, lru_order, row_request, topk, request_ids, stable_len)
-    iota = torch.arange(C, dtype=torch.int32, device=device)
-    plans = []
-    for r in range(R):
-        reset = int(row_request[r]) != int(request_ids[r])
-        if reset:
-            stt = torch.full((C,), -1, dtype=torch.int32, device=device)
-            order = iota.clone()
-        else:
-            stt = slot_to_token[r].clone()
-            order = lru_order[r]
-        row_topk = topk[r]
-        valid = row_topk >= 0
-        tokens = row_topk[valid]
-        stt[stt.long() >= int(stable_len[r])] = -1
-        # token -> slot lookup for the top-k entries among residents
-        resident = stt >= 0
-        hit_mask_slot = resident & torch.isin(stt, tokens)
-        hit_tokens = stt[hit_mask_slot]
-        hit_slot_ids = hit_mask_slot.nonzero().flatten().to(torch.int32)
-        slots_row = torch.full((K,), -1, dtype=torch.int32, device=device)
-        if hit_tokens.numel():
-            sorted_tok, perm = torch.sort(hit_tokens)
-            pos = torch.searchsorted(sorted_tok, row_topk.clamp(min=0))
-            pos = pos.clamp(max=sorted_tok.numel() - 1)
-            is_hit = valid & (sorted_tok[pos] == row_topk)
-            slots_row = torch.where(is_hit, hit_slot_ids[perm[pos]], slots_row)
-        else:
-            is_hit = torch.zeros(K, dtype=torch.bool, device=device)
-        miss_k = (valid & ~is_hit).nonzero().flatten()
-        n_miss = miss_k.numel()
-        hit_in_order = hit_mask_slot[order.long()]
-        nonhit_order = order[~hit_in_order]
-        if policy == "lru" or n_miss == 0:
-            victims = nonhit_order[:n_miss]
-            chosen = torch.zeros(nonhit_order.numel(), dtype=torch.bool, device=device)
-            chosen[:n_miss] = True
-        else:
-            assert scores is not None
-            cand_tok = stt[nonhit_order.long()].long()
-            L = scores.shape[1]
-            sc = torch.full(cand_tok.shape, float("-inf"), dtype=torch.float32, device=device)
-            in_range = (cand_tok >= 0) & (cand_tok < L)
-            sc[in_range] = scores[r, cand_tok[in_range]].float()
-            sc = torch.nan_to_num(sc, nan=float("-inf"))
-            empty = cand_tok < 0
-            # lexicographic (resident?, score, lru rank): stable sorts from the last key to the first
-            rank = torch.arange(cand_tok.numel(), device=device)
-            idx = rank[torch.sort(sc, stable=True).indices]
-            idx = idx[torch.sort((~empty).to(torch.int8)[idx], stable=True).indices]
-            chosen = torch.zeros(cand_tok.numel(), dtype=torch.bool, device=device)
-            chosen[idx[:n_miss]] = True
-            victims = nonhit_order[chosen]
-        miss_tokens_row = torch.full((K,), -1, dtype=torch.int32, device=device)
-        miss_slots_row = torch.full((K,), -1, dtype=torch.int32, device=device)
-        evictions = int((stt[victims.long()] >= 0).sum()) if n_miss else 0
-        if n_miss:
-            miss_tokens_row[:n_miss] = row_topk[miss_k]
-            miss_slots_row[:n_miss] = victims
-            slots_row[miss_k] = victims
-            stt[victims.long()] = row_topk[miss_k]
-        new_order = torch.cat([nonhit_order[~chosen], victims, order[hit_in_order]])
-        plans.append((stt, new_order, slots_row, miss_tokens_row, miss_slots_row, n_miss, evictions))
-    return plans
-
-
 def _residency_update_reference(
     slot_to_token, lru_order, row_request, topk, request_ids, stable_len, scores, policy,
     slots, miss_tokens, miss_slots, miss_count, evictions,
@@ -371,25 +295,12 @@ def _residency_update_reference(
         op, slot_to_token, lru_order, row_request, topk, request_ids, stable_len,
         scores, policy, slots, miss_tokens, miss_slots, miss_count, evictions,
     )  # fmt: skip
-    plans = _plan_rows(
-        op, slot_to_token, lru_order, row_request, topk, request_ids, stable_len, scores, policy
+    check_residency_values(op, slot_to_token, lru_order, row_request, topk, request_ids, stable_len)
+    plans = ref.plan_rows(
+        slot_to_token, lru_order, row_request, topk, request_ids, stable_len, scores, policy
     )
-    _commit(plans, slot_to_token, lru_order, row_request, request_ids, slots, miss_tokens, miss_slots,
-            miss_count, evictions)  # fmt: skip
-
-
-def _commit(plans, slot_to_token, lru_order, row_request, request_ids, slots, miss_tokens, miss_slots,
-            miss_count, evictions) -> None:  # fmt: skip
-    for r, (stt, order, slots_row, mt, ms, n_miss, ev) in enumerate(plans):
-        slot_to_token[r] = stt
-        lru_order[r] = order
-        slots[r] = slots_row
-        miss_tokens[r] = mt
-        miss_slots[r] = ms
-        miss_count[r] = n_miss
-        evictions[r] = ev
-    if plans:
-        row_request.copy_(request_ids)
+    ref.commit(plans, slot_to_token, lru_order, row_request, request_ids, slots, miss_tokens, miss_slots,
+               miss_count, evictions)  # fmt: skip
 
 
 _residency_update_op = define_op(
@@ -508,12 +419,13 @@ def _lim_reference(
         scores = torch.ops.kvoffload.lightning_indexer_scores(
             q, weights, k_cache, block_table, cu_seqlens_q, seq_lens_k
         )
-    plans = _plan_rows(
-        op, slot_to_token, lru_order, row_request, new_topk, request_ids, stable_len, scores, policy
+    check_residency_values(op, slot_to_token, lru_order, row_request, new_topk, request_ids, stable_len)
+    plans = ref.plan_rows(
+        slot_to_token, lru_order, row_request, new_topk, request_ids, stable_len, scores, policy
     )
     topk.copy_(new_topk)
-    _commit(plans, slot_to_token, lru_order, row_request, request_ids, slots, miss_tokens, miss_slots,
-            miss_count, evictions)  # fmt: skip
+    ref.commit(plans, slot_to_token, lru_order, row_request, request_ids, slots, miss_tokens, miss_slots,
+               miss_count, evictions)  # fmt: skip
 
 
 _lim_op = define_op(

@@ -304,9 +304,11 @@ def main() -> None:
         pre.start()
         p_out = pre_q.get(timeout=120)
         try:
-            d_out = dec_q.get(timeout=10)
+            # decode still generates its tokens after prefill is done: slow on a loaded machine
+            d_out = dec_q.get(timeout=120)
         except Exception:
-            d_out = {"error": f"decode process exited (code {dec.exitcode})"}
+            state = "still running" if dec.exitcode is None else f"exited with code {dec.exitcode}"
+            d_out = {"error": f"no result from the decode process within 120 s of prefill's ({state})"}
         stop.set()
         for proc in (pre, dec):
             proc.join(10)

@@ -4,6 +4,12 @@ One I/O thread owns the socket. Other threads hand it messages through an ``inpr
 their own, so sending never touches the network socket from two threads. ``on_tick()`` runs on the I/O
 thread every ``tick_s`` (heartbeats, deadlines). Callbacks must not block.
 
+The I/O thread is not a transfer and so not a :class:`~torch_kvoffload.transfer.TransferStream`: it
+carries small control messages, never KV bytes, and a poll loop that must own its socket for the
+endpoint's whole life is not work submitted and waited for. What does move or wait for KV bytes goes
+through :mod:`torch_kvoffload.transfer`: decode's reads (its read stream) and prefill's wait for a
+layer's writes before it announces the layer (its send stream).
+
 Trust: every connection first proves the shared ``secret`` (:mod:`torch_kvoffload.pd.auth`; the dealer
 starts, the router challenges, each side checks the other). Only then are its frames — each sealed for
 that connection, once — decoded (:func:`~torch_kvoffload.pd.messages.decode_message`) and passed to

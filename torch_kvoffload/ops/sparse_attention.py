@@ -8,15 +8,18 @@ space, ``Dc`` wide) and ``lse[t,h] = log Σ_i exp(s_i)``. Everything accumulates
 ``scatter_copy_sparse_mla_attention`` (Copy-SFA) is the sparse-decode step of one layer: it copies the
 rows missed by the residency table from the paged host pool into per-row hot buffers, then attends over
 the hot-buffer slots chosen by the residency table.
+
+This module defines the two ops (schema, fake and reference kernel, typed wrapper) and their checks,
+which the device kernels run too; the reference kernels' formulas are
+:mod:`torch_kvoffload.ops.sparse_attention_reference`.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from torch_kvoffload.ops import _checks
+from torch_kvoffload.ops import sparse_attention_reference as ref
 from torch_kvoffload.ops._registry import define_op
 
 __all__ = [
@@ -90,34 +93,6 @@ def _check_index_range(op: str, arg: str, idx: torch.Tensor, limit: int) -> None
         )
 
 
-def _attend_reference(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    rows_c: torch.Tensor,
-    rows_pe: torch.Tensor,
-    valid: torch.Tensor,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 attention of ``[T, H, *]`` queries over gathered rows ``[T, K, *]`` where ``valid [T, K]``.
-
-    Rows where ``valid`` is false (``−1`` entries, gathered from a placeholder row) are replaced by zeros
-    before use, so NaN / inf in rows no query selected never reach a product: ``0 · NaN`` is NaN.
-    """
-    skip = ~valid[..., None]
-    rows_c, rows_pe = rows_c.masked_fill(skip, 0), rows_pe.masked_fill(skip, 0)
-    s = torch.einsum("thd,tkd->thk", q_nope.float(), rows_c.float())
-    s = s + torch.einsum("thd,tkd->thk", q_pe.float(), rows_pe.float())
-    s = (s * scale).masked_fill(~valid[:, None, :], -math.inf)
-    lse = torch.logsumexp(s, dim=-1) if s.shape[-1] else s.new_full(s.shape[:-1], -math.inf)
-    # Rows without a valid index: lse = −inf, p = 0 (not NaN), out = 0.
-    finite = torch.isfinite(lse)
-    p = torch.where(
-        valid[:, None, :] & finite[..., None], torch.exp(s - torch.where(finite, lse, 0)[..., None]), 0
-    )
-    out = torch.einsum("thk,tkd->thd", p, rows_c.float())
-    return out.to(q_nope.dtype), lse
-
-
 # ----------------------------------------------------------------------------------- sparse_mla_attention
 
 
@@ -143,15 +118,7 @@ def _sparse_reference(q_nope, q_pe, kv_c, k_pe, indices, scale):
     op = "sparse_mla_attention"
     _sparse_structure(op, q_nope, q_pe, kv_c, k_pe, indices)
     _check_index_range(op, "indices", indices, kv_c.shape[0])
-    idx = indices.to(torch.int64)
-    valid = idx >= 0
-    safe = idx.clamp(min=0)
-    if kv_c.shape[0] == 0:  # nothing to gather from: every index is −1
-        rows_c = kv_c.new_zeros((*idx.shape, kv_c.shape[1]))
-        rows_pe = k_pe.new_zeros((*idx.shape, k_pe.shape[1]))
-    else:
-        rows_c, rows_pe = kv_c[safe], k_pe[safe]
-    return _attend_reference(q_nope, q_pe, rows_c, rows_pe, valid, scale)
+    return ref.attend_rows(q_nope, q_pe, kv_c, k_pe, indices, scale)
 
 
 _sparse_op = define_op(
@@ -399,29 +366,14 @@ def _copy_sfa_reference(
         miss_count, slots, out, lse,
     )  # fmt: skip
     src, dst = copy_sfa_miss_slots(op, host_kv_c, block_table, hot_kv_c, miss_tokens, miss_slots, miss_count)
-    capacity = hot_kv_c.shape[1]
-    _check_index_range(op, "slots", slots, capacity)
-    rows = q_nope.shape[0]
+    _check_index_range(op, "slots", slots, hot_kv_c.shape[1])
     # Snapshot the inputs that share memory with a written tensor: the op reads them as they were.
     host_kv_c = _checks.unaliased_source(host_kv_c, hot_kv_c)
     host_k_pe = _checks.unaliased_source(host_k_pe, hot_k_pe)
     q_nope = _checks.unaliased_source(_checks.unaliased_source(q_nope, out), lse)
     q_pe = _checks.unaliased_source(_checks.unaliased_source(q_pe, out), lse)
-    if src.numel():
-        bs = host_kv_c.shape[1]
-        s, d = src.to(host_kv_c.device), dst.to(hot_kv_c.device)
-        hot_kv_c[d // capacity, d % capacity] = host_kv_c[s // bs, s % bs].to(hot_kv_c.device)
-        hot_k_pe[d // capacity, d % capacity] = host_k_pe[s // bs, s % bs].to(hot_k_pe.device)
-    idx = slots.to(torch.int64)
-    valid = idx >= 0
-    safe = idx.clamp(min=0)
-    r = torch.arange(rows, device=idx.device)[:, None]
-    if capacity == 0:
-        rows_c = hot_kv_c.new_zeros((*idx.shape, hot_kv_c.shape[2]))
-        rows_pe = hot_k_pe.new_zeros((*idx.shape, hot_k_pe.shape[2]))
-    else:
-        rows_c, rows_pe = hot_kv_c[r, safe], hot_k_pe[r, safe]
-    o, lse_ = _attend_reference(q_nope, q_pe, rows_c, rows_pe, valid, scale)
+    ref.copy_miss_rows(host_kv_c, host_k_pe, hot_kv_c, hot_k_pe, src, dst)
+    o, lse_ = ref.attend_hot_slots(q_nope, q_pe, hot_kv_c, hot_k_pe, slots, scale)
     out.copy_(o)
     lse.copy_(lse_)
 

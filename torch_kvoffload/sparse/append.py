@@ -196,22 +196,32 @@ class RowAppender:
         self._pending_publish.append(self.host.submit(finished, after=[event]))
 
     def _pool_slots(self, where: str, ids: list[int], pos: torch.Tensor) -> torch.Tensor:
-        """Pool rows of ``(ids[i], pos[i])``; a rank whose pool does not know a request gets ``-1``."""
-        dst = torch.full((pos.numel(),), -1, dtype=torch.int64)
-        ids_t = torch.tensor(ids, dtype=torch.int64)
+        """Pool rows ``int64 [n]`` of ``(ids[i], pos[i])``; a rank whose pool does not know a request gets
+        ``-1``. Computed on Python ints: a decode step appends a few rows, where per-request tensor ops
+        would cost more than the copy."""
+        positions = pos.tolist()
+        bs = self.pool.block_size
+        tables: dict[int, list[int]] = {}
         for rid in sorted(set(ids)):
-            m = ids_t == rid
             if self.pool.knows(rid):
-                try:
-                    dst[m] = self.pool.slots(rid, pos[m])
-                except IndexError as exc:
-                    raise IndexError(f"{where}: {exc}") from None
+                table = self.pool.blocks_of(rid)
+                mine = [p for r, p in zip(ids, positions, strict=True) if r == rid]
+                if min(mine) < 0 or max(mine) >= len(table) * bs:
+                    try:  # the pool's own check names the range
+                        self.pool.slots(rid, torch.tensor(mine, dtype=torch.int64))
+                    except IndexError as exc:
+                        raise IndexError(f"{where}: {exc}") from None
+                tables[rid] = table
             elif self.writer:
                 raise ValueError(f"{where}: request {rid} has no host-pool blocks; reserve() it first")
-        known = dst[dst >= 0]
-        if known.unique().numel() != known.numel():
+        dst = [
+            tables[r][p // bs] * bs + p % bs if r in tables else -1
+            for r, p in zip(ids, positions, strict=True)
+        ]
+        known = [d for d in dst if d >= 0]
+        if len(set(known)) != len(known):
             raise ValueError(f"{where}: a (request, position) pair occurs twice in one append")
-        return dst
+        return torch.tensor(dst, dtype=torch.int64)
 
     def _wait(self, layer: int, on_compute: bool = False) -> None:
         """Wait for ``layer``'s pending appends: on the host, or (``on_compute``) with a stream wait of

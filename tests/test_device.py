@@ -183,8 +183,8 @@ def test_event_releases_every_waiter_once_set() -> None:
         w.start()
     time.sleep(0.02)
     assert released == []
-    ev._set_done()
-    ev._set_done()  # setting twice is harmless
+    ev.set_done()
+    ev.set_done()  # setting twice is harmless
     for w in waiters:
         w.join(10)
     assert released == [1] * 4 and ev.query() and ev.succeeded()
@@ -238,14 +238,14 @@ def test_event_finishes_once_and_short_timeouts_do_not_block() -> None:
     for timeout in (0, -1.0, 0.001):
         with pytest.raises(TimeoutError):
             ev.wait(timeout=timeout)
-    ev._set_error(OSError("first"))
-    ev._set_done()  # a later outcome does not replace the first
+    ev.set_error(OSError("first"))
+    ev.set_done()  # a later outcome does not replace the first
     with pytest.raises(TransferError, match="first"):
         ev.wait(0)
     racing = [TransferEvent() for _ in range(200)]
     setters = [
         threading.Thread(target=lambda f=f: [f(ev) for ev in racing])
-        for f in (TransferEvent._set_done, lambda ev: ev._set_error(OSError("x")))
+        for f in (TransferEvent.set_done, lambda ev: ev.set_error(OSError("x")))
     ]
     for t in setters:
         t.start()
@@ -373,7 +373,7 @@ def test_submit_split_done_and_dependencies_decide_the_outcome() -> None:
         ev = transfer.submit_split([a, b], 2, lambda begin, end: order.append(begin), after=[gate])
         time.sleep(0.05)
         assert order == [] and not ev.query()
-        gate._set_done()
+        gate.set_done()
         ev.wait(10)
         assert sorted(order) == [0, 1]
         with pytest.raises(ValueError, match="'streams' must hold at least one"):
@@ -474,7 +474,7 @@ def test_inline_submit_runs_on_the_caller_only_when_the_stream_is_idle() -> None
         pending = TransferEvent()
         third = stream.submit(lambda: order.append("after"), after=[pending], inline=True)
         assert not third.query()  # its dependency is not finished: queued
-        pending._set_done()
+        pending.set_done()
         third.wait(10)
         assert order[-1] == "after"
 

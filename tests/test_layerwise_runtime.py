@@ -367,11 +367,11 @@ def test_completion_provider_gates_reuse() -> None:
         th.start()
         time.sleep(0.1)
         assert not entered.is_set()
-        releases[1]._set_done()
+        releases[1].set_done()
         th.join(5)
         assert entered.is_set()
         rt.save_layer(2)
-        releases[2]._set_error(ConnectionError("remote read failed"))
+        releases[2].set_error(ConnectionError("remote read failed"))
         with pytest.raises(TransferError, match="remote read failed"):
             rt.wait_layer(3)
         assert rt.poisoned_slots() == [1]
@@ -383,7 +383,7 @@ def test_completion_provider_gates_reuse() -> None:
     finally:
         for ev in releases.values():
             if not ev.query():
-                ev._set_done()
+                ev.set_done()
         rt.close()
 
 

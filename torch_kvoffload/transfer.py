@@ -79,7 +79,7 @@ class TransferEvent:
     @classmethod
     def completed(cls) -> TransferEvent:
         ev = cls()
-        ev._set_done()
+        ev.set_done()
         return ev
 
     @classmethod
@@ -87,19 +87,22 @@ class TransferEvent:
         """Work already enqueued on a device stream, ``device_event`` recorded after it: done on the host,
         ``wait_on_compute`` makes the compute stream wait on the device event."""
         ev = cls(device_event=device_event)
-        ev._set_done()
+        ev.set_done()
         return ev
 
     @classmethod
     def failed(cls, error: BaseException) -> TransferEvent:
         ev = cls()
-        ev._set_error(error)
+        ev.set_error(error)
         return ev
 
-    def _set_done(self) -> None:
+    def set_done(self) -> None:
+        """Settle a pending event as succeeded (for completions that arrive from outside a stream, such as
+        a peer's answer); the first outcome stays, a later one is ignored."""
         self._finish(None)
 
-    def _set_error(self, error: BaseException) -> None:
+    def set_error(self, error: BaseException) -> None:
+        """Settle a pending event as failed with ``error`` (waiters raise :class:`TransferError`)."""
         self._finish(error)
 
     def _finish(self, error: BaseException | None) -> None:
@@ -254,10 +257,10 @@ class TransferStream:
         except BaseException as exc:  # delivered to waiters, not lost in the worker thread
             self.counters.add("failed")
             logger.debug("transfer on %s failed: %s", self.name, exc)
-            event._set_error(exc)
+            event.set_error(exc)
         else:
             self.counters.add("completed")
-            event._set_done()
+            event.set_done()
         finally:
             self.counters.add("busy_seconds", time.perf_counter() - start)
 
@@ -400,9 +403,9 @@ class _SplitJob:
             error = exc
         if error is not None:
             logger.debug("split transfer failed: %s", error)
-            self.event._set_error(error)
+            self.event.set_error(error)
         else:
-            self.event._set_done()
+            self.event.set_done()
 
 
 def submit_split(

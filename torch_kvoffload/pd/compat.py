@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from torch_kvoffload._utils import dtype_name
+from torch_kvoffload._version import __version__
 from torch_kvoffload.pd.messages import Compatibility
 
 __all__ = ["make_compatibility", "row_layout"]
@@ -29,12 +30,10 @@ def make_compatibility(
     block size, and the row layout of one layer's ``main`` and ``indexer`` components (examples:
     ``[num_blocks, block_size, kv_lora_rank]``, ``[..., rope_dim]``; ``[..., index_dim]`` int8 +
     ``[..., 1]`` fp32 scale)."""
-    import torch_kvoffload
-
     if not main:
         raise ValueError("make_compatibility: 'main' needs at least one component")
     return Compatibility(
-        library_version=torch_kvoffload.__version__,
+        library_version=__version__,
         model_fingerprint=model_fingerprint,
         kv_dtype=dtype_name(main[0].dtype),
         num_layers=num_layers,

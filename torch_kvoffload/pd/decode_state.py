@@ -76,14 +76,14 @@ class ExpectedRequest:
     def complete(self) -> None:
         """Every part landed: ``"done"``; its waiters return."""
         self.state = DONE
-        self.landed._set_done()
+        self.landed.set_done()
 
     def fail(self, reason: str) -> bool:
         """``"failed"`` with ``reason`` (its waiters raise); False if it had already left ``"pending"``."""
         if self.state != PENDING:
             return False
         self.state, self.error = FAILED, reason
-        self.landed._set_error(PDTransferError(reason))
+        self.landed.set_error(PDTransferError(reason))
         return True
 
     def wait(self, where: str, parts: int, timeout: float | None) -> None:

@@ -144,11 +144,11 @@ class LayerAnswers:
             self._left -= 1
             last = self._left == 0
         if last:
-            self.event._set_done()
+            self.event.set_done()
 
     def failed(self, error: BaseException) -> None:
         """One peer's batch failed: the layer fails (the first failure stays)."""
-        self.event._set_error(error)
+        self.event.set_error(error)
 
 
 @dataclass
@@ -183,14 +183,14 @@ class RequestTracker:
         self.remaining.discard(layer)
         if self.remaining:
             return False
-        self.acked._set_done()
+        self.acked.set_done()
         return True
 
     def fail(self, error: BaseException) -> bool:
         """The request failed with ``error``; False if it had already finished."""
         if self.finished():
             return False
-        self.acked._set_error(error)
+        self.acked.set_error(error)
         return True
 
 

@@ -1,6 +1,6 @@
 """Sparse decode offload (DESIGN §7): host-resident main KV, per-layer hot buffers managed by residency.
 
-Residency policy studies (reuse traces, Belady's optimum) live in :mod:`torch_kvoffload.analysis`.
+Residency policy studies (reuse traces, Belady's optimum) live in ``tools/residency_policies.py`` (not part of the package).
 """
 
 from torch_kvoffload.sparse.config import SparseDecodeConfig

@@ -84,11 +84,12 @@ class StepClock:
 
     attn: float = 0.0
     ops: float = 0.0
+    write: float = 0.0  # the mla_cache_write share of ``ops``
     op_calls: int = 0
     _entered: float = 0.0
 
     def reset(self) -> None:
-        self.attn = self.ops = 0.0
+        self.attn = self.ops = self.write = 0.0
         self.op_calls = 0
 
     def hook(self, model: torch.nn.Module) -> None:
@@ -113,19 +114,21 @@ def timed_cache_ops():
     ``torch_kvoffload.ops.mla_runtime`` (the functions are wrapped for the duration)."""
     originals = {name: getattr(mla_runtime, name) for name in ("mla_cache_write", "mla_cache_attention")}
 
-    def wrap(fn):
+    def wrap(fn, is_write: bool):
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                CLOCK.ops += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                CLOCK.ops += dt
+                CLOCK.write += dt if is_write else 0.0
                 CLOCK.op_calls += 1
 
         return timed
 
     for name, fn in originals.items():
-        setattr(mla_runtime, name, wrap(fn))
+        setattr(mla_runtime, name, wrap(fn, name == "mla_cache_write"))
     try:
         yield
     finally:
@@ -139,9 +142,11 @@ class Variant:
     model: torch.nn.Module
     cache: Any
     tokens: list[int] = field(default_factory=list)
+    fill_s: float = 0.0  # seconds of the prefill / direct fill, model build included
     step_s: list[float] = field(default_factory=list)
     attn_s: list[float] = field(default_factory=list)
     ops_s: list[float] = field(default_factory=list)
+    write_s: list[float] = field(default_factory=list)
 
     @property
     def library(self) -> bool:
@@ -165,6 +170,7 @@ class Variant:
             self.step_s.append(dt)
             self.attn_s.append(CLOCK.attn)
             self.ops_s.append(CLOCK.ops)
+            self.write_s.append(CLOCK.write)
 
 
 def quantiles(xs: list[float]) -> dict[str, float]:
@@ -263,27 +269,37 @@ def make_variants(n: int, args, names=VARIANTS) -> tuple[dict[str, Variant], boo
                 fill_library(model, cache, rows, n)
             first = int(prompt[0, -1])
         CLOCK.hook(model)
-        out[name] = Variant(name, model, cache, tokens=[first])
+        out[name] = Variant(name, model, cache, tokens=[first], fill_s=time.perf_counter() - t0)
         how = "prefill" if prefilled else "fill"
-        print(f"  {name}: {how} of {n} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"  {name}: {how} of {n} tokens in {out[name].fill_s:.1f} s", flush=True)
     return out, prefilled
 
 
 # ------------------------------------------------------------------------------------------- run
-def profile_steps(v: Variant, steps: int, top: int) -> list[dict[str, Any]]:
-    """The ops of ``steps`` decode steps of ``v`` by self CPU time (ms per step)."""
+def profile_steps(variants: dict[str, Variant], steps: int, top: int) -> dict[str, list[dict[str, Any]]]:
+    """Per library variant, the ops of ``steps`` decode steps by self CPU time (ms per step); the
+    variants' steps alternate, each profiled on its own."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            v.step(record=False)
-    rows = [
-        {"op": e.key, "calls_per_step": e.count / steps, "self_ms": e.self_cpu_time_total / 1e3 / steps,
-         "total_ms": e.cpu_time_total / 1e3 / steps}
-        for e in prof.key_averages()
-    ]  # fmt: skip
-    rows.sort(key=lambda r: -r["self_ms"])
-    return rows[:top]
+    acc: dict[str, dict[str, list[float]]] = {name: {} for name in LIBRARY}
+    for i in range(steps):
+        for name in LIBRARY if i % 2 == 0 else LIBRARY[::-1]:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                variants[name].step(record=False)
+            for e in prof.key_averages():
+                a = acc[name].setdefault(e.key, [0.0, 0.0, 0.0])
+                a[0] += e.count
+                a[1] += e.self_cpu_time_total
+                a[2] += e.cpu_time_total
+    out = {}
+    for name, ops in acc.items():
+        rows = [
+            {"op": op, "calls_per_step": c / steps, "self_ms": s / 1e3 / steps, "total_ms": t / 1e3 / steps}
+            for op, (c, s, t) in ops.items()
+        ]
+        rows.sort(key=lambda r: -r["self_ms"])
+        out[name] = rows[:top]
+    return out
 
 
 def overhead(off: list[float], res: list[float]) -> float:
@@ -323,7 +339,7 @@ def run_length(n: int, args) -> tuple[dict[str, Any], dict[str, Any] | None]:
     after = torch_kvoffload.stats(off_model)
     prof = None
     if args.profile:
-        prof = {name: profile_steps(variants[name], args.profile_steps, 60) for name in LIBRARY}
+        prof = profile_steps(variants, args.profile_steps, 60)
     common = min(len(v.tokens) for v in variants.values())
     toks = {name: v.tokens[:common] for name, v in variants.items()}
     res, off, un = variants["resident"], variants["offloaded"], variants["unmodified"]
@@ -342,7 +358,8 @@ def run_length(n: int, args) -> tuple[dict[str, Any], dict[str, Any] | None]:
             "decode_tok_s": 1e3 / q["p50_ms"],
             "step": q,
             "attn_module": quantiles(v.attn_s),
-            **({"cache_ops": quantiles(v.ops_s)} if v.library else {}),
+            "fill_s": v.fill_s,
+            **({"cache_ops": quantiles(v.ops_s), "cache_write": quantiles(v.write_s)} if v.library else {}),
         }
     out["overhead_step"] = overhead(off.step_s, res.step_s)
     out["overhead_attn_module"] = overhead(off.attn_s, res.attn_s)
@@ -413,6 +430,15 @@ def print_tables(results: list[dict[str, Any]], kv_rows: list[dict[str, Any]], p
                "ovh attn module (paired)", "ovh cache ops (paired)", "hit rate", "tokens eq res=off / all (n)"]  # fmt: skip
     print(format_table(headers, rows))
     print()
+    parts = [
+        [r["prompt_len"], r["unmodified"]["attn_module"]["p50_ms"],
+         *[r[v][k]["p50_ms"] for k in ("attn_module", "cache_ops", "cache_write") for v in LIBRARY],
+         r["h2d_bytes_per_step_offloaded"]]
+        for r in results
+    ]  # fmt: skip
+    print(format_table(["prompt", "attn module unmod", "attn module res", "attn module off", "cache ops res",
+                        "cache ops off", "write res", "write off", "H2D B/step off"], parts))  # fmt: skip
+    print("(ms per decode step, median; all layers)\n")
     kvt = [
         [k["tokens"], k["unmodified"], k["resident"], k["offloaded"], k["resident"] / k["unmodified"],
          k["offloaded"] / k["unmodified"], k["unmodified_source"]]
@@ -509,7 +535,7 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="profile decode steps of both library variants")
-    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--profile-steps", type=int, default=6)
     p.add_argument("--smoke", action="store_true", help="a small run checking the script (< 2 minutes)")
     args = p.parse_args()  # fmt: skip
     if args.smoke:

@@ -478,27 +478,37 @@ def plot(results: list[dict[str, Any]], kv_rows: list[dict[str, Any]], path: Pat
     except ImportError:
         print("matplotlib not installed: no PNG")
         return
+    colour = {"unmodified": "tab:blue", "resident": "tab:orange", "offloaded": "tab:green"}
+
+    def tokens_axis(a, ticks: list[int]) -> None:
+        a.set_xscale("log", base=2)
+        a.set_xticks(ticks, [f"{t // 1024}K" if t >= 1024 else str(t) for t in ticks])
+        a.minorticks_off()
+
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
     xs = [r["prompt_len"] for r in results]
     for v in VARIANTS:
         med = [r[v]["decode_tok_s"] for r in results]
         lo = [m - 1e3 / r[v]["step"]["p90_ms"] for m, r in zip(med, results, strict=True)]
         hi = [1e3 / r[v]["step"]["p10_ms"] - m for m, r in zip(med, results, strict=True)]
-        ax[0].errorbar(xs, med, yerr=[lo, hi], fmt="o-", capsize=3, label=v)
-    ax[0].set(xlabel="prompt tokens", ylabel="decode tokens/s (p10-p90)", xscale="log", yscale="log")
+        ax[0].errorbar(xs, med, yerr=[lo, hi], fmt="o-", capsize=3, label=v, color=colour[v])
+    ax[0].set(xlabel="prompt tokens", ylabel="decode tokens/s (median, p10-p90)", yscale="log")
+    tokens_axis(ax[0], xs)
     ax[0].legend()
-    for key, label in (("overhead_step", "whole step"), ("overhead_attn_module", "attention module"),
-                       ("overhead_cache_ops", "cache ops")):  # fmt: skip
-        ax[1].plot(xs, [100 * r[key] for r in results], "o-", label=label)
+    for key, label, c in (("overhead_step", "whole step", "black"), ("overhead_attn_module", "attention module",
+                          "tab:purple"), ("overhead_cache_ops", "cache ops", "tab:red")):  # fmt: skip
+        ax[1].plot(xs, [100 * r[key] for r in results], "o-", label=label, color=c)
     ax[1].axhline(5, ls="--", c="grey", lw=0.8)
     ax[1].axhline(10, ls=":", c="grey", lw=0.8)
-    ax[1].set(xlabel="prompt tokens", ylabel="offloaded / resident - 1 (%)", xscale="log",
-              title="offload overhead (targets 5 % / 10 %)")  # fmt: skip
+    ax[1].set(xlabel="prompt tokens", ylabel="offloaded / resident - 1 (%, medians)",
+              title="offload overhead (targets: step 5 %, attention 10 %)")  # fmt: skip
+    tokens_axis(ax[1], xs)
     ax[1].legend()
     kx = [k["tokens"] for k in kv_rows]
     for v in LIBRARY:
-        ax[2].plot(kx, [k[v] / k["unmodified"] for k in kv_rows], "o-", label=v)
-    ax[2].set(xlabel="tokens", ylabel="device KV / unmodified cache", xscale="log")
+        ax[2].plot(kx, [k[v] / k["unmodified"] for k in kv_rows], "o-", label=v, color=colour[v])
+    ax[2].set(xlabel="tokens", ylabel="device KV / unmodified cache", ylim=(0, 1.1))
+    tokens_axis(ax[2], kx)
     ax[2].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -37,6 +37,7 @@ Writes ``benchmarks/results/hf_generate_bench.json`` and ``hf_generate_bench.png
 
     python benchmarks/hf_generate_bench.py                # 2K / 8K prefilled, 32K / 64K filled, 2 layers
     python benchmarks/hf_generate_bench.py --smoke        # a check of the script (< 2 minutes; files in /tmp)
+    python benchmarks/hf_generate_bench.py --lengths 2048 --prefill-up-to 0 --kv-lengths --output-dir /tmp/x
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import RESULTS_DIR, format_table, write_json
+from _common import RESULTS_DIR, format_table, machine_info, write_json
 
 import torch_kvoffload
 from torch_kvoffload.ops import mla_runtime
@@ -521,7 +522,7 @@ def main() -> None:
     p.add_argument(
         "--kv-lengths",
         type=int,
-        nargs="+",
+        nargs="*",
         default=[32768, 65536, 131072],
         help="lengths whose device KV is reported (measured where a timed run had that length)",
     )
@@ -547,6 +548,12 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="profile decode steps of both library variants")
     p.add_argument("--profile-steps", type=int, default=6)
     p.add_argument("--smoke", action="store_true", help="a small run checking the script (< 2 minutes)")
+    p.add_argument(
+        "--output-dir",
+        type=Path,
+        default=None,
+        help="where the JSON and PNG go (default benchmarks/results/, a temporary one with --smoke)",
+    )
     args = p.parse_args()  # fmt: skip
     if args.smoke:
         args.lengths, args.kv_lengths, args.prefill_up_to, args.layers = [1024, 4096], [8192], 1024, 1
@@ -564,15 +571,18 @@ def main() -> None:
             timed = next((r["device_kv"] for r in results if r["prompt_len"] == n), None)
             kv_rows.append(timed if timed is not None else kv_only(n, args))
     print_tables(results, kv_rows, profiles)
-    payload = {"config": vars(args), "wall_s": time.perf_counter() - t0, "results": results,
+    payload = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "wall_s": time.perf_counter() - t0, "results": results,
                "device_kv": kv_rows, "profile": {str(n): p for n, p in profiles.items()}}  # fmt: skip
-    if args.smoke:  # the committed results stay those of a full run
-        out_dir = Path(tempfile.mkdtemp(prefix="hf_generate_bench_smoke_"))
-        (out_dir / "hf_generate_bench.json").write_text(json.dumps(payload, indent=2) + "\n")
-        print(f"wrote {out_dir / 'hf_generate_bench.json'} ({payload['wall_s']:.0f} s)")
+    out_dir = args.output_dir
+    if out_dir is None:  # a smoke run leaves the committed results alone
+        out_dir = Path(tempfile.mkdtemp(prefix="hf_generate_bench_smoke_")) if args.smoke else RESULTS_DIR
+    if out_dir.resolve() == RESULTS_DIR.resolve():
+        path = write_json("hf_generate_bench", payload)
     else:
-        out_dir = RESULTS_DIR
-        print(f"wrote {write_json('hf_generate_bench', payload)} ({payload['wall_s']:.0f} s)")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / "hf_generate_bench.json"
+        path.write_text(json.dumps({"machine": machine_info(), **payload}, indent=2) + "\n")
+    print(f"wrote {path} ({payload['wall_s']:.0f} s)")
     plot(results, kv_rows, out_dir / "hf_generate_bench.png")
 
 

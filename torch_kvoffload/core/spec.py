@@ -3,6 +3,9 @@
 A model integration (``integrations.hf.inspect`` for Hugging Face) finds the attention modules and fills a
 :class:`ModelSpec`; the KV core and its backends read only the spec. :func:`weights_fingerprint` names a
 model's weights (the layerwise store keys carry it).
+
+Not a transfer: the thread pool of :func:`weights_fingerprint` hashes parameters on the host; it moves no
+KV.
 """
 
 from __future__ import annotations

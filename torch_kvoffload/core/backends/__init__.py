@@ -1,0 +1,136 @@
+"""The KV backends, one per feature, and :func:`build_backends`, which picks them from the configuration.
+
+Dispatch is on the type of each configured feature (as torchao dispatches on its config types):
+:class:`~torch_kvoffload.layerwise.LayerwiseConfig` → :class:`LayerwiseBackend`,
+:class:`~torch_kvoffload.kvpp.KVPPConfig` (requested) → :class:`KVPPBackend`,
+:class:`~torch_kvoffload.core.config.SparseOptions` → :class:`SparseOffloadBackend` (``offload=True``) or
+:class:`ResidentSparseBackend` (``offload=False``); a P/D role (built by the integration from the
+:class:`~torch_kvoffload.pd.PDConfig`) comes first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch_kvoffload.core.backends.kvpp import KVPPBackend
+from torch_kvoffload.core.backends.layerwise import LayerwiseBackend
+from torch_kvoffload.core.backends.sparse_offload import SparseOffloadBackend
+from torch_kvoffload.core.backends.sparse_resident import ResidentSparseBackend
+from torch_kvoffload.core.config import OffloadConfig, SparseOptions
+from torch_kvoffload.core.kv_backend import KVBackend, PDRole
+from torch_kvoffload.core.spec import ModelSpec
+from torch_kvoffload.kvpp import KVPPConfig
+from torch_kvoffload.layerwise import LayerwiseConfig
+
+__all__ = [
+    "Backends",
+    "KVPPBackend",
+    "LayerwiseBackend",
+    "ResidentSparseBackend",
+    "SparseOffloadBackend",
+    "build_backends",
+]
+
+
+@dataclass
+class Backends:
+    """The backends of one model, in call order (``all``), and the ones the core addresses by feature."""
+
+    all: list[KVBackend] = field(default_factory=list)
+    role: PDRole | None = None
+    layerwise: LayerwiseBackend | None = None
+    kvpp: KVPPBackend | None = None
+    sparse: SparseOffloadBackend | ResidentSparseBackend | None = None
+
+    @property
+    def indexer(self) -> KVBackend | None:
+        """The backend owning the indexer cache the top-k is selected over: the sparse one's device
+        indexer cache, else KVPP's bundle, else the layerwise buffers when they carry the indexer keys."""
+        if self.sparse is not None:
+            return self.sparse
+        if self.kvpp is not None and self.kvpp.spec.has_indexer:
+            return self.kvpp
+        if self.layerwise is not None and self.layerwise.indexed:
+            return self.layerwise
+        return None
+
+    def close(self) -> None:
+        """Close the role's endpoints first (outstanding transfers fail instead of holding the buffers),
+        then the backends, then the role."""
+        if self.role is not None:
+            self.role.stop()
+        try:
+            for b in self.all:
+                if b is not self.role:
+                    b.close()
+        finally:
+            if self.role is not None:
+                self.role.close()
+
+
+@dataclass
+class _Context:
+    spec: ModelSpec
+    config: OffloadConfig
+    block_size: int
+    kvpp_name: str
+    role: PDRole | None
+
+
+def _layerwise(ctx: _Context, cfg: LayerwiseConfig) -> LayerwiseBackend:
+    # the layer buffers carry the indexer keys when no sparse indexer cache exists, and on a P/D prefill
+    # node whatever else runs (the decode peer reads the indexer from them)
+    indexed = ctx.spec.has_indexer and (ctx.config.sparse is None or ctx.role is not None)
+    factory = None
+    if ctx.role is not None:
+        role = ctx.role
+
+        def factory(lw, specs, store):
+            return role.build_layerwise_runtime(lw, specs, store=store)
+
+    return LayerwiseBackend(ctx.spec, cfg, block_size=ctx.block_size, indexed=indexed, build_runtime=factory)
+
+
+def _kvpp(ctx: _Context, cfg: KVPPConfig) -> KVPPBackend:
+    return KVPPBackend(ctx.spec, ctx.config, block_size=ctx.block_size, name=ctx.kvpp_name)
+
+
+def _sparse(ctx: _Context, cfg: SparseOptions) -> SparseOffloadBackend | ResidentSparseBackend:
+    if cfg.offload:
+        return SparseOffloadBackend(ctx.spec, ctx.config)
+    return ResidentSparseBackend(ctx.spec, ctx.config)
+
+
+_BUILDERS: dict[type, Callable[[_Context, Any], KVBackend]] = {
+    LayerwiseConfig: _layerwise,
+    KVPPConfig: _kvpp,
+    SparseOptions: _sparse,
+}
+_SLOTS = {LayerwiseConfig: "layerwise", KVPPConfig: "kvpp", SparseOptions: "sparse"}
+
+
+def build_backends(
+    spec: ModelSpec, config: OffloadConfig, *, block_size: int, kvpp_name: str, role: PDRole | None = None
+) -> Backends:
+    """The backends ``config`` enables for ``spec``, in call order: the P/D ``role``, layerwise, KVPP,
+    sparse. A backend that fails to build closes the ones built before it."""
+    ctx = _Context(spec, config, block_size, kvpp_name, role)
+    out = Backends(role=role)
+    if role is not None:
+        out.all.append(role)
+    features = [config.layerwise, config.kvpp if config.kvpp_requested else None, config.sparse]
+    try:
+        for feature in features:
+            if feature is None:
+                continue
+            backend = _BUILDERS[type(feature)](ctx, feature)
+            setattr(out, _SLOTS[type(feature)], backend)
+            out.all.append(backend)
+    except BaseException:
+        for b in out.all:
+            if b is not role:
+                b.close()
+        raise
+    return out

@@ -1,0 +1,42 @@
+"""``IndexerCache``: the device indexer cache of the sparse backends (offloaded and resident).
+
+Per layer, in the per-request paging of :class:`~torch_kvoffload.core.paged.SlotPages`: the indexer keys
+``[pages, page, Di]`` in the model's dtype, or (``int8``) Hadamard-rotated int8 keys and their fp32 dequant
+scales ``[pages, page]`` (DESIGN §7, "LIC8").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_kvoffload.core.forward import ForwardPlan
+from torch_kvoffload.core.kv_backend import IndexerView
+from torch_kvoffload.core.paged import SlotPages
+from torch_kvoffload.core.spec import ModelSpec
+from torch_kvoffload.ops.indexer import hadamard_quant_int8
+
+__all__ = ["IndexerCache"]
+
+
+class IndexerCache(SlotPages):
+    """The indexer keys of ``spec``'s layers (see the module docstring)."""
+
+    def __init__(self, spec: ModelSpec, *, int8: bool) -> None:
+        comps = (
+            [(spec.index_head_dim, torch.int8), (None, torch.float32)]
+            if int8
+            else [(spec.index_head_dim, spec.dtype)]
+        )
+        super().__init__(spec.num_layers, comps, spec.device)
+        self.int8 = int8
+
+    def write_keys(self, layer: int, rows_at: torch.Tensor, index_k: torch.Tensor) -> None:
+        """Write ``index_k [N, Di]`` at flat rows ``rows_at int64 [N]`` of ``layer`` (quantised for int8)."""
+        if self.int8:
+            self.write(layer, rows_at, hadamard_quant_int8(index_k))
+        else:
+            self.write(layer, rows_at, [index_k])
+
+    def view(self, layer: int, fwd: ForwardPlan, top_k: int) -> IndexerView:
+        """``layer``'s cache as the indexer of forward ``fwd`` reads it (the requests' pages)."""
+        return IndexerView(self.layers[layer], fwd.index_table, top_k, quantized=self.int8)

@@ -1,0 +1,151 @@
+"""``KVPPBackend``: KV layer parallelism as a KV backend (DESIGN §8).
+
+Every rank of the group runs the same model replica and the same forwards. Each layer's bundle (``c_kv``,
+``k_pe`` [, indexer key]) is paged ``[num_blocks, block_size, D]`` in the KVPP runtime's views: an owned
+layer's persistent buffer, another layer's scratch buffer. ``begin_forward`` schedules the forward with the
+blocks holding each request's earlier tokens; the ``kvpp_wait_layer`` / ``kvpp_prefetch_layer`` ops before
+each layer's first KV access bring the owner's broadcast; every rank writes the new rows itself and attends
+over the view; ``end_forward`` completes the forward. Sizes are fixed per sequence (no growth in place).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from torch_kvoffload.core.config import OffloadConfig
+from torch_kvoffload.core.forward import ForwardPlan
+from torch_kvoffload.core.kv_backend import IndexerView, KeyRows, KVBackend, NewRows
+from torch_kvoffload.core.layout import KVLayout
+from torch_kvoffload.core.requests import Request
+from torch_kvoffload.core.spec import ModelSpec
+from torch_kvoffload.counters import Counters
+from torch_kvoffload.kvpp import BundleSpec, KVPPConfig, KVPPRuntime, create_kvpp_group
+
+__all__ = ["KVPPBackend"]
+
+_TOTALS = ("broadcasts", "broadcast_spans", "bytes_broadcast", "waits", "wait_seconds")
+
+
+def _world_size() -> int:
+    """World size of the default process group (``ValueError`` when torch.distributed is not initialised)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "KVPP needs torch.distributed initialised (init_process_group) on every rank of its group before "
+            "the model is offloaded"
+        )
+    return dist.get_world_size()
+
+
+class KVPPBackend(KVBackend):
+    """This rank's KVPP over ``spec``'s KV (see the module docstring); the scheduler is registered for the
+    ``kvpp_*`` ops under ``name``.
+
+    ``ValueError`` naming the model when KVPP cannot run in the default process group.
+    """
+
+    name = "KVPP"
+
+    def __init__(self, spec: ModelSpec, config: OffloadConfig, *, block_size: int, name: str) -> None:
+        try:
+            self.config: KVPPConfig = config.kvpp_config(spec, world_size=_world_size())
+        except ValueError as exc:
+            raise ValueError(f"torch_kvoffload cannot offload {spec.model_class}: {exc}") from exc
+        self.spec, self.block_size, self.runtime_name = spec, block_size, name
+        cfg = self.config
+        self.group = create_kvpp_group(dp=1, pp=1, pcp=cfg.pcp_size, tp=cfg.tp_size, device=spec.device)
+        self.runtime: KVPPRuntime | None = None
+        self._layout: KVLayout | None = None
+        self._totals = Counters(_TOTALS)
+
+    @property
+    def built(self) -> bool:
+        return self.runtime is not None
+
+    def can_grow(self, layout: KVLayout, live: Sequence[Request]) -> bool:
+        return False  # every rank of the group numbers the blocks alike: fixed per sequence
+
+    def resize(self, layout: KVLayout, live: Sequence[Request]) -> None:
+        assert not live, "KVPP caches do not grow in place"
+        self.free()
+        spec = self.spec
+        bundle = BundleSpec.mla(
+            self.block_size, spec.kv_lora_rank, spec.rope_dim, spec.dtype,
+            index_dim=spec.index_head_dim if spec.has_indexer else 0, index_dtype=spec.dtype,
+        )  # fmt: skip
+        self.runtime = self.config.build_runtime(
+            self.group, dict.fromkeys(range(spec.num_layers), bundle), num_blocks=layout.num_blocks,
+            device=spec.device, name=self.runtime_name,
+        )  # fmt: skip
+        self._layout = layout
+
+    def free(self) -> None:
+        rt, self.runtime = self.runtime, None
+        if rt is None:
+            return
+        snap = rt.counters.snapshot()
+        for k in _TOTALS:
+            self._totals.add(k, snap.get(k, 0))
+        rt.close()
+
+    def begin_forward(self, fwd: ForwardPlan) -> None:
+        """Schedule the forward with the blocks holding each request's tokens before it (``int64 [B, M]``,
+        ``-1`` padded): what a broadcast must bring (every rank writes the forward's new rows itself)."""
+        assert self.runtime is not None and self._layout is not None
+        bs, M = self.block_size, self._layout.blocks_per_request
+        table = torch.full((fwd.B, M), -1, dtype=torch.int64)
+        for r, (slot, old) in enumerate(zip(fwd.slots, fwd.old_len, strict=True)):
+            n = -(-old // bs)
+            table[r, :n] = torch.arange(slot * M, slot * M + n)
+        self.runtime.scheduler.begin_forward(any(fwd.old_len), table)
+
+    def end_forward(self, fwd: ForwardPlan) -> None:
+        if self.runtime is not None:
+            self.runtime.scheduler.end_forward()
+
+    def layer_caches(self, layer: int) -> list[torch.Tensor]:
+        return [] if self.runtime is None else self.runtime.caches(layer)
+
+    def write(self, layer: int, fwd: ForwardPlan, rows: NewRows) -> None:
+        assert self.runtime is not None
+        news = [rows.kv_c, rows.k_pe]
+        if rows.index_k is not None:
+            news.append(rows.index_k.to(self.spec.dtype))
+        for comp, new in zip(self.runtime.caches(layer), news, strict=True):
+            comp.view(-1, comp.shape[-1]).index_copy_(0, fwd.phys, new)
+
+    def keys(self, layer: int, fwd: ForwardPlan) -> KeyRows:
+        assert self.runtime is not None and self._layout is not None
+        c, pe = self.runtime.caches(layer)[:2]
+        rows = self._layout.blocks_per_request * self.block_size
+        return KeyRows(c.view(-1, c.shape[-1]), pe.view(-1, pe.shape[-1]), [s * rows for s in fwd.slots])
+
+    def indexer(self, layer: int, fwd: ForwardPlan) -> IndexerView | None:
+        if not self.spec.has_indexer or self.runtime is None:
+            return None
+        keys = self.runtime.caches(layer)[2]
+        return IndexerView((keys,), fwd.block_table, self.spec.index_topk, quantized=False)
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        if self.runtime is None:
+            return []
+        alloc = self.runtime.allocation
+        return [*alloc.persistent.values(), *alloc.draft.values(), *alloc.scratch]
+
+    def stats(self) -> dict[str, float]:
+        kv = self._totals.snapshot()
+        alloc = None
+        if self.runtime is not None:
+            snap = self.runtime.counters.snapshot()
+            kv = {k: kv[k] + snap.get(k, 0) for k in _TOTALS}
+            alloc = self.runtime.allocation
+        return {
+            "broadcasts": kv["broadcasts"],
+            "bytes_broadcast": kv["bytes_broadcast"],
+            "kvpp_owned_layers": len(alloc.plan.owned) if alloc is not None else 0,
+            "kvpp_persistent_bytes": alloc.persistent_bytes if alloc is not None else 0,
+            "kvpp_scratch_bytes": alloc.scratch_bytes if alloc is not None else 0,
+        }

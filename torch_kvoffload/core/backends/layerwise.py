@@ -1,0 +1,329 @@
+"""``LayerwiseBackend``: layerwise prefill offload as a KV backend (DESIGN §6).
+
+Every forward it takes part in runs the layerwise pipeline over the planned physical buffers
+(``num_shared_buffers`` buffers shared by the reusable layers, one page of ``[num_blocks, block_size, D]``
+per component; slot ``s`` owns blocks ``s * M .. s * M + M - 1``). Full blocks are saved to the host store
+and loaded back by the next forward. The partial last block of each request survives between forwards in a
+small per-layer device *tail* (``[slots, tail rows, D]`` per component, counted in the device bytes): after
+a layer's write its partial block is copied into the tail, and the next forward copies it back into the
+buffer. A prompt prefix found in the store is loaded instead of written: the model still computes its
+projections, its attention reads the loaded KV.
+
+The backend is also the layer-hook object the ``layer_wait`` / ``layer_prefetch`` / ``layer_save`` ops
+reach (``wait_layer`` / ``prefetch_layer`` / ``save_layer``): during a forward it takes part in they run the
+runtime's hooks, otherwise nothing.
+
+A forward whose stored prefix cannot be loaded when its layer needs it (:class:`PrefixEvictedError`) may be
+run again with each request's prefix cut at its first bad block: :meth:`retry_caps` / :meth:`restart`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from torch_kvoffload.core.forward import ForwardPlan
+from torch_kvoffload.core.kv_backend import IndexerView, KeyRows, KVBackend, NewRows
+from torch_kvoffload.core.layout import KVLayout
+from torch_kvoffload.core.requests import Request
+from torch_kvoffload.core.spec import ModelSpec
+from torch_kvoffload.counters import Counters
+from torch_kvoffload.layerwise import (
+    LayerCacheSpec,
+    LayerwiseConfig,
+    LayerwiseOffloadRuntime,
+    PrefixEvictedError,
+    TensorSpec,
+)
+from torch_kvoffload.store.base import KVStore
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LayerwiseBackend", "RuntimeFactory"]
+
+#: builds the runtime over externally supplied buffers (a P/D prefill role); ``None``: allocate locally
+RuntimeFactory = Callable[
+    [LayerwiseConfig, Sequence[LayerCacheSpec], KVStore], "LayerwiseOffloadRuntime | None"
+]
+
+_TOTALS = (
+    "bytes_loaded",
+    "bytes_saved",
+    "loads",
+    "saves",
+    "store_hits",
+    "store_misses",
+    "store_errors",
+    "forward_retries",
+)
+
+
+@dataclass
+class _Pass:
+    """What one forward through the pipeline needs between its hooks (device tensors)."""
+
+    cached: list[int] = field(default_factory=list)  # prefix tokens loaded per request
+    write: torch.Tensor | None = None  # bool [N]: rows written into the layer buffer
+    tail_restore: tuple[torch.Tensor, torch.Tensor] | None = None  # (tail rows, paged rows)
+    tail_keep: tuple[torch.Tensor, torch.Tensor] | None = None  # (paged rows, tail rows)
+
+
+class LayerwiseBackend(KVBackend):
+    """Layerwise offload of ``spec``'s KV (see the module docstring).
+
+    Parameters
+    ----------
+    spec : ModelSpec
+        With the weights' fingerprint: the store keys carry it.
+    config : LayerwiseConfig
+    block_size : int
+    indexed : bool
+        Whether the layer buffers carry the indexer keys (a third component).
+    build_runtime : RuntimeFactory, optional
+        Supplies the runtime over buffers allocated elsewhere (returns ``None`` to let the backend allocate).
+    """
+
+    name = "layerwise"
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        config: LayerwiseConfig,
+        *,
+        block_size: int,
+        indexed: bool,
+        build_runtime: RuntimeFactory | None = None,
+    ) -> None:
+        self.spec, self.config, self.block_size = spec, config, block_size
+        self.indexed = indexed
+        self.components = 3 if indexed else 2
+        self._factory = build_runtime
+        self.store: KVStore = config.store.build()
+        self.runtime: LayerwiseOffloadRuntime | None = None
+        self._tails: list[tuple[torch.Tensor, ...]] = []
+        self._layout: KVLayout | None = None
+        self._totals = Counters(_TOTALS)
+        self._pass: _Pass | None = None
+
+    # -------------------------------------------------------------------------------- sizing
+    @property
+    def built(self) -> bool:
+        return self.runtime is not None
+
+    def resize(self, layout: KVLayout, live: Sequence[Request]) -> None:
+        old, self._layout = self._layout, layout
+        if live:  # the running requests grow: buffers of another block count, tails with their rows
+            if self.runtime is None:
+                return  # released for decode: nothing to grow
+            if old is None or old.blocks_per_request != layout.blocks_per_request:
+                self._retire()
+                self._build_runtime(layout)
+            self._build_tails(layout)
+            return
+        self.free()
+        self._build_runtime(layout)
+        self._build_tails(layout)
+
+    def free(self) -> None:
+        """Release the layer buffers and tails (decode continues without them)."""
+        if self.runtime is not None:
+            self._retire()
+        self._tails = []
+
+    def _build_runtime(self, layout: KVLayout) -> None:
+        spec, bs, dt = self.spec, self.block_size, self.spec.dtype
+        nb = layout.num_blocks
+        idx = (TensorSpec((nb, bs, spec.index_head_dim), dt),) if self.indexed else None
+        main = (TensorSpec((nb, bs, spec.kv_lora_rank), dt), TensorSpec((nb, bs, spec.rope_dim), dt))
+        specs = [LayerCacheSpec(main, idx) for _ in range(spec.num_layers)]
+        # the architecture, the weights (fine-tunes of one architecture never share KV) and the components
+        parts = (
+            self.config.model_id,
+            spec.fingerprint,
+            spec.weights_fingerprint,
+            "i" if self.indexed else "m",
+        )
+        lw = self.config.model_copy(update={"model_id": "/".join(p for p in parts if p)})
+        rt = self._factory(lw, specs, self.store) if self._factory is not None else None
+        self.runtime = rt if rt is not None else lw.build_runtime(specs, device=spec.device, store=self.store)
+
+    def _tail_rows(self, layout: KVLayout) -> int:
+        """Rows per request of a tail: a partial block, never more than a request's tokens."""
+        return min(self.block_size, layout.tokens)
+
+    def _build_tails(self, layout: KVLayout) -> None:
+        """Per-layer tails ``[slots, tail rows, D]``; rows already kept are copied."""
+        spec, slots, rows = self.spec, layout.slots, self._tail_rows(layout)
+        if self._tails and self._tails[0][0].shape[:2] == (slots, rows):
+            return
+        widths = [spec.kv_lora_rank, spec.rope_dim] + ([spec.index_head_dim] if self.indexed else [])
+        old = self._tails if self._tails and self._tails[0][0].shape[0] == slots else []
+        self._tails = [
+            tuple(torch.zeros(slots, rows, w, dtype=spec.dtype, device=spec.device) for w in widths)
+            for _ in range(spec.num_layers)
+        ]
+        for new_layer, old_layer in zip(self._tails, old, strict=False):
+            for t, o in zip(new_layer, old_layer, strict=True):
+                n = min(rows, o.shape[1])
+                t[:, :n] = o[:, :n]
+
+    def _retire(self) -> None:
+        rt, self.runtime = self.runtime, None
+        if rt is None:
+            return
+        snap = rt.counters.snapshot()
+        for k in _TOTALS:
+            self._totals.add(k, snap.get(k, 0))
+        rt.close()
+
+    # ------------------------------------------------------------------------------ forwards
+    def takes_part(self, fwd: ForwardPlan) -> bool:
+        return fwd.layerwise
+
+    def begin_forward(self, fwd: ForwardPlan, max_cached_tokens: list[int] | None = None) -> None:
+        rt, layout = self.runtime, self._layout
+        assert rt is not None and layout is not None
+        bs, M, tr = self.block_size, layout.blocks_per_request, self._tail_rows(layout)
+        caps = {} if max_cached_tokens is None else {"max_cached_tokens": max_cached_tokens}
+        cached = rt.begin_forward(
+            [list(r.tokens) for r in fwd.requests], fwd.block_table.cpu().tolist(), **caps
+        )
+        restore_src, restore_dst, keep_src, keep_dst = [], [], [], []
+        for r, (slot, c, old, new) in enumerate(
+            zip(fwd.slots, cached, fwd.old_len, fwd.new_len, strict=True)
+        ):
+            full_old = old // bs * bs
+            if old > 0 and c < full_old:
+                rt.end_forward()
+                raise RuntimeError(
+                    f"OffloadSession: the host store no longer holds blocks of request {r} ({c} of {full_old} "
+                    "cached tokens found); raise the store capacity (layerwise.store.capacity_bytes)"
+                )
+            for p in range(max(c, full_old), old):  # rows of the partial block kept in the tail
+                restore_src.append(slot * tr + p - full_old)
+                restore_dst.append(slot * M * bs + p)
+            full_new = new // bs * bs
+            for p in range(full_new, new):
+                keep_src.append(slot * M * bs + p)
+                keep_dst.append(slot * tr + p - full_new)
+        dev = self.spec.device
+        p = _Pass(cached=cached)
+        p.write = fwd.pos >= torch.tensor(cached, dtype=torch.int64, device=dev)[fwd.row]
+        if restore_src:
+            p.tail_restore = (torch.tensor(restore_src, device=dev), torch.tensor(restore_dst, device=dev))
+        if keep_src:
+            p.tail_keep = (torch.tensor(keep_src, device=dev), torch.tensor(keep_dst, device=dev))
+        self._pass = p
+
+    def end_forward(self, fwd: ForwardPlan) -> None:
+        self._pass = None
+        if self.runtime is not None:
+            self.runtime.end_forward()
+
+    # -------------------------------------------------------------------------------- retries
+    def retry_caps(self, fwd: ForwardPlan, caps: list[int] | None, exc: BaseException) -> list[int] | None:
+        """The prefix caps of the next try of ``fwd``, which raised ``exc``; ``None`` when it cannot run
+        again (another error, blocks of the requests' earlier tokens missing, or earlier tokens in a partial
+        block whose device tail the failed try may have overwritten)."""
+        rt, p = self.runtime, self._pass
+        if not isinstance(exc, PrefixEvictedError) or rt is None or p is None or not fwd.layerwise:
+            return None
+        if len(exc.usable_tokens) != len(p.cached) or any(old % self.block_size for old in fwd.old_len):
+            return None
+        if any(u < old for u, old in zip(exc.usable_tokens, fwd.old_len, strict=True)):
+            return None
+        return rt.retry_caps(p.cached, caps, exc)
+
+    def restart(self, fwd: ForwardPlan, caps: list[int]) -> None:
+        """Close ``fwd``'s failed pass and begin it again with the prefixes capped at ``caps``."""
+        assert self.runtime is not None
+        self._pass = None
+        self.runtime.end_aborted_forward()
+        self.begin_forward(fwd, caps)
+
+    # --------------------------------------------------------------------------- layer hooks
+    def _hook(self, method: str, layer: int, caches: Sequence[torch.Tensor] | None) -> None:
+        if self._pass is None or self.runtime is None:
+            return  # a forward that does not run the layerwise pipeline
+        own = None if caches is None else list(caches)[: self.components]
+        getattr(self.runtime, method)(layer, own)
+
+    def wait_layer(self, layer: int, caches: Sequence[torch.Tensor] | None = None) -> None:
+        self._hook("wait_layer", layer, caches)
+
+    def prefetch_layer(self, layer: int, caches: Sequence[torch.Tensor] | None = None) -> None:
+        self._hook("prefetch_layer", layer, caches)
+
+    def save_layer(self, layer: int, caches: Sequence[torch.Tensor] | None = None) -> None:
+        self._hook("save_layer", layer, caches)
+
+    # ------------------------------------------------------------------------------ per layer
+    def layer_caches(self, layer: int) -> list[torch.Tensor]:
+        return [] if self.runtime is None else list(self.runtime.layer_caches(layer))
+
+    def write(self, layer: int, fwd: ForwardPlan, rows: NewRows) -> None:
+        p, rt = self._pass, self.runtime
+        assert p is not None and p.write is not None and rt is not None
+        comps = [c.view(-1, c.shape[-1]) for c in rt.layer_caches(layer)]
+        tails = [t.view(-1, t.shape[-1]) for t in self._tails[layer]]
+        news = [rows.kv_c, rows.k_pe]
+        if self.indexed:
+            assert rows.index_k is not None
+            news.append(rows.index_k.to(self.spec.dtype))
+        w = p.write
+        for comp, tail, new in zip(comps, tails, news, strict=True):
+            if p.tail_restore is not None:
+                comp.index_copy_(0, p.tail_restore[1], tail[p.tail_restore[0]])
+            comp.index_copy_(0, fwd.phys[w], new[w])
+            if p.tail_keep is not None:
+                tail.index_copy_(0, p.tail_keep[1], comp[p.tail_keep[0]])
+
+    def keys(self, layer: int, fwd: ForwardPlan) -> KeyRows | None:
+        if not fwd.layerwise or self.runtime is None or self._layout is None:
+            return None
+        c, pe = self.runtime.layer_caches(layer)[:2]
+        rows = self._layout.blocks_per_request * self.block_size
+        return KeyRows(c.view(-1, c.shape[-1]), pe.view(-1, pe.shape[-1]), [s * rows for s in fwd.slots])
+
+    def indexer(self, layer: int, fwd: ForwardPlan) -> IndexerView | None:
+        if not self.indexed or self.runtime is None:
+            return None
+        keys = self.runtime.layer_caches(layer)[2]
+        return IndexerView((keys,), fwd.block_table, self.spec.index_topk, quantized=False)
+
+    # ------------------------------------------------------------------------------ accounting
+    def device_tensors(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        if self.runtime is not None:
+            for layer in range(self.spec.num_layers):
+                out += list(self.runtime.layer_caches(layer))
+        for t in self._tails:
+            out += list(t)
+        return out
+
+    def stats(self) -> dict[str, float]:
+        lw = self._totals.snapshot()
+        if self.runtime is not None:
+            snap = self.runtime.counters.snapshot()
+            lw = {k: lw[k] + snap.get(k, 0) for k in _TOTALS}
+        store = self.store.counters.snapshot()
+        return {
+            "bytes_h2d": lw["bytes_loaded"],
+            "bytes_d2h": lw["bytes_saved"],
+            "layer_loads": lw["loads"],
+            "layer_saves": lw["saves"],
+            "store_hits": lw["store_hits"],
+            "store_misses": lw["store_misses"],
+            "corrupt_records": store.get("corrupt_records", 0),
+            "store_errors": store.get("store_errors", 0) + lw["store_errors"],
+            "forward_retries": lw["forward_retries"],
+        }
+
+    def close(self) -> None:
+        self.free()
+        close = getattr(self.store, "close", None)
+        if close is not None:
+            close()

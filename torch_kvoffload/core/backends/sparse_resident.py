@@ -1,0 +1,93 @@
+"""``ResidentSparseBackend``: sparse attention with the whole main KV resident on the device.
+
+``OffloadConfig(sparse={"offload": False})``: absorbed sparse MLA attention over the lightning indexer's
+top-k, what a server runs for V3.2-style models when the KV fits, and the baseline sparse decode offload
+is measured against. Per layer the latent ``kv_c [pages, page, Dc]`` and rotary key ``k_pe [pages, page,
+Dr]`` live on the device in the model's dtype, paged like the indexer cache (one page of ``tokens`` rows
+per request, grown in place). Every forward, decode steps included, writes its rows there, selects with
+the indexer over the device indexer cache and attends over the selected rows in place: no host pool, no
+hot buffers, nothing moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from torch_kvoffload._utils import dtype_name, parse_dtype
+from torch_kvoffload.core.backends.indexer_cache import IndexerCache
+from torch_kvoffload.core.config import OffloadConfig
+from torch_kvoffload.core.forward import ForwardPlan
+from torch_kvoffload.core.kv_backend import IndexerView, KeyRows, KVBackend, NewRows
+from torch_kvoffload.core.layout import KVLayout
+from torch_kvoffload.core.paged import SlotPages
+from torch_kvoffload.core.requests import Request
+from torch_kvoffload.core.spec import ModelSpec
+
+__all__ = ["ResidentSparseBackend"]
+
+
+class ResidentSparseBackend(KVBackend):
+    """Resident sparse attention over ``spec``'s KV under ``config.sparse`` (see the module docstring).
+
+    ``ValueError`` when ``sparse.kv_dtype`` names another dtype than the model's (the resident KV is the
+    model's own rows).
+    """
+
+    name = "resident sparse"
+
+    def __init__(self, spec: ModelSpec, config: OffloadConfig) -> None:
+        sparse = config.sparse
+        assert sparse is not None and not sparse.offload
+        want = sparse.kv_dtype
+        if want is not None and parse_dtype("sparse.kv_dtype", want) != spec.dtype:
+            raise ValueError(
+                f"OffloadConfig.sparse: offload=False keeps the main KV resident in the model's dtype "
+                f"{dtype_name(spec.dtype)}; got kv_dtype={want!r}"
+            )
+        self.spec = spec
+        self.top_k = sparse.top_k or spec.index_topk
+        self.index = IndexerCache(spec, int8=sparse.indexer_dtype == "int8")
+        self.main = SlotPages(
+            spec.num_layers, [(spec.kv_lora_rank, spec.dtype), (spec.rope_dim, spec.dtype)], spec.device
+        )
+        self._layout: KVLayout | None = None
+
+    @property
+    def built(self) -> bool:
+        return self.main.built
+
+    def resize(self, layout: KVLayout, live: Sequence[Request]) -> None:
+        self._layout = layout
+        self.index.allocate(layout, live)
+        self.main.allocate(layout, live)
+
+    def free(self) -> None:
+        self.index.free()
+        self.main.free()
+
+    def layer_caches(self, layer: int) -> list[torch.Tensor]:
+        if not self.main.built:
+            return []
+        return [*self.index.layers[layer], *self.main.layers[layer]]
+
+    def write(self, layer: int, fwd: ForwardPlan, rows: NewRows) -> None:
+        assert rows.index_k is not None
+        self.main.write(layer, fwd.index_phys, [rows.kv_c, rows.k_pe])
+        self.index.write_keys(layer, fwd.index_phys, rows.index_k)
+
+    def keys(self, layer: int, fwd: ForwardPlan) -> KeyRows:
+        assert self._layout is not None
+        page, pages = self._layout.page
+        kv_c, k_pe = self.main.flat(layer)
+        return KeyRows(kv_c, k_pe, [s * pages * page for s in fwd.slots])
+
+    def indexer(self, layer: int, fwd: ForwardPlan) -> IndexerView:
+        """The configured top-k (default the model's ``index_topk``), at most the reserved tokens: a top-k
+        covering every row selects them all."""
+        assert self._layout is not None
+        return self.index.view(layer, fwd, min(self.top_k, self._layout.tokens))
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        return self.index.tensors() + self.main.tensors()

@@ -1,0 +1,90 @@
+"""``ForwardPlan``: the index tensors of one forward over a batch of requests.
+
+A forward feeds ``S`` positions of ``B`` requests (one per batch row). Row ``b``'s real new tokens are the
+positions where ``new_mask[b]`` is true (left padding only, in the first forward of a request); they take
+the request's logical positions ``old_len[b] .. new_len[b] - 1``. Every paged cache is addressed through the
+request's device slot (see :mod:`torch_kvoffload.core.requests`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from torch_kvoffload.core.layout import KVLayout
+from torch_kvoffload.core.requests import Request
+
+__all__ = ["ForwardPlan", "plan_forward"]
+
+
+@dataclass
+class ForwardPlan:
+    """Index tensors of one forward (device tensors unless noted)."""
+
+    B: int
+    S: int
+    requests: list[Request]  # per batch row; their tokens include this forward's
+    decode: bool  # one new token per request after earlier ones, on a model with a sparse backend
+    layerwise: bool  # runs the layerwise pipeline
+    old_len: list[int]  # per request, tokens before this forward (host ints)
+    new_len: list[int]
+    sel: torch.Tensor  # int64 [N]: flat (b * S + s) of the real positions, request-major
+    pos: torch.Tensor  # int64 [N]: their logical positions
+    row: torch.Tensor  # int64 [N]: their batch row
+    phys: torch.Tensor  # int64 [N]: their row in a cache paged in blocks (slot * M * bs + pos)
+    block_table: torch.Tensor  # int32 [B, M]: each request's blocks
+    index_table: torch.Tensor  # int32 [B, pages]: each request's pages of the per-request caches
+    index_phys: torch.Tensor  # int64 [N]: the rows' rows in the per-request caches
+    cu_seqlens_q: torch.Tensor  # int32 [B + 1]
+    seq_lens_k: torch.Tensor  # int32 [B]
+
+    @property
+    def request_ids(self) -> list[int]:
+        return [r.id for r in self.requests]
+
+    @property
+    def slots(self) -> list[int]:
+        return [r.slot for r in self.requests]
+
+    @property
+    def first(self) -> bool:
+        """Whether no request had tokens before this forward."""
+        return not any(self.old_len)
+
+
+def plan_forward(
+    requests: Sequence[Request],
+    old_len: Sequence[int],
+    new_mask: torch.Tensor,
+    layout: KVLayout,
+    *,
+    decode: bool,
+    layerwise: bool,
+    device: torch.device,
+) -> ForwardPlan:
+    """The plan of a forward of ``requests`` (batch rows) whose real new positions are ``new_mask bool [B,
+    S]`` (host), ``old_len[b]`` tokens of request ``b`` before it."""
+    B, S = new_mask.shape
+    bs, M = layout.block_size, layout.blocks_per_request
+    page, pages = layout.page
+    slots = torch.tensor([r.slot for r in requests], dtype=torch.int64)
+    flat = new_mask.reshape(-1)
+    sel = torch.nonzero(flat).reshape(-1)
+    row = sel // S
+    rank = torch.cumsum(new_mask.int(), dim=1) - 1  # index among the row's new tokens
+    pos = torch.tensor(list(old_len), dtype=torch.int64)[row] + rank.reshape(-1)[sel].to(torch.int64)
+    n_new = new_mask.sum(dim=1).tolist()
+    new_len = [o + n for o, n in zip(old_len, n_new, strict=True)]
+    cu = torch.tensor([0, *itertools.accumulate(n_new)], dtype=torch.int32)
+    table = (slots[:, None] * M + torch.arange(M)[None, :]).to(torch.int32)
+    index_table = (slots[:, None] * pages + torch.arange(pages)[None, :]).to(torch.int32)
+    return ForwardPlan(
+        B=B, S=S, requests=list(requests), decode=decode, layerwise=layerwise, old_len=list(old_len),
+        new_len=new_len, sel=sel.to(device), pos=pos.to(device), row=row.to(device),
+        phys=(slots[row] * (M * bs) + pos).to(device), block_table=table.to(device),
+        index_table=index_table.to(device), index_phys=(slots[row] * (pages * page) + pos).to(device),
+        cu_seqlens_q=cu.to(device), seq_lens_k=torch.tensor(new_len, dtype=torch.int32).to(device),
+    )  # fmt: skip

@@ -1,0 +1,411 @@
+"""``KVCore``: the request-level KV of one model, independent of any model library.
+
+It owns the :class:`~torch_kvoffload.core.requests.RequestTable`, the :class:`~torch_kvoffload.core.layout.
+KVLayout` every device cache is sized for, and the backends the configuration enables
+(:func:`~torch_kvoffload.core.backends.build_backends`), and dispatches to them:
+
+* sizing: :meth:`size` (no live request: caches for ``slots`` requests of ``tokens`` tokens, rebuilt only
+  when the layout changes; a P/D node keeps sizes that suffice) and :meth:`grow` (live requests need more
+  tokens: every backend grows in place, or the growth is refused before anything changes);
+* requests: :meth:`admit` / :meth:`finish`, each request independently (a request may finish while others
+  continue; its slot is reused by the next admission);
+* forwards: :meth:`begin_forward` plans the index tensors of a forward over some live requests and begins
+  it on the backends that take part; per layer :meth:`write` and :meth:`attend`; :meth:`end_forward` /
+  :meth:`abort_forward`; :meth:`retry_caps` / :meth:`restart` run a layerwise forward again whose stored
+  prefix could not be loaded.
+
+A model with a sparse backend runs decode steps (one new token per request after earlier ones) on it
+alone: the layerwise buffers are released at the first decode step and allocated again by the next
+:meth:`size`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from torch_kvoffload.core import attention
+from torch_kvoffload.core.backends import Backends, build_backends
+from torch_kvoffload.core.config import OffloadConfig
+from torch_kvoffload.core.forward import ForwardPlan, plan_forward
+from torch_kvoffload.core.kv_backend import KVBackend, NewRows, PDRole, Queries
+from torch_kvoffload.core.layout import KVLayout
+from torch_kvoffload.core.requests import Request, RequestTable
+from torch_kvoffload.core.spec import ModelSpec
+from torch_kvoffload.counters import Counters
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KVCore"]
+
+_COUNTERS = ("forwards", "prefill_forwards", "decode_forwards", "resizes", "failed_forwards")
+
+
+def _nbytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+class KVCore:
+    """The KV of ``spec`` under ``config`` (see the module docstring).
+
+    Parameters
+    ----------
+    spec : ModelSpec
+    config : OffloadConfig
+        Resolved (``None`` features off).
+    name : str
+        Names the model in logs; the KVPP scheduler is registered as ``f"{name}/kvpp"``.
+    role : PDRole, optional
+        The node's P/D role (``config.pd``).
+    """
+
+    def __init__(
+        self, spec: ModelSpec, config: OffloadConfig, *, name: str, role: PDRole | None = None
+    ) -> None:
+        self.spec, self.config, self.name = spec, config, name
+        self.block_size = config.resolved_block_size
+        self.backends: Backends = build_backends(
+            spec, config, block_size=self.block_size, kvpp_name=f"{name}/kvpp", role=role
+        )
+        self._indexer = self.backends.indexer
+        self.requests = RequestTable()
+        self.layout: KVLayout | None = None
+        self.forward: ForwardPlan | None = None
+        self.counters = Counters(_COUNTERS)
+
+    # ------------------------------------------------------------------------------------ sizing
+    @property
+    def reserved_tokens(self) -> int:
+        """Tokens per request the device caches are sized for (0 before sizing)."""
+        return self.layout.tokens if self.layout is not None else 0
+
+    @property
+    def blocks_per_request(self) -> int:
+        """Blocks of ``block_size`` tokens each request owns in the paged caches (0 before sizing)."""
+        return self.layout.blocks_per_request if self.layout is not None else 0
+
+    def size(self, slots: int, tokens: int) -> None:
+        """Caches for ``slots`` requests of ``tokens`` tokens (no request may be live)."""
+        if len(self.requests):
+            raise RuntimeError(f"KVCore.size: {len(self.requests)} requests are live; finish them first")
+        cur, role = self.layout, self.backends.role
+        same = (
+            cur is not None
+            and slots == cur.slots
+            and (tokens == cur.tokens or (role is not None and tokens <= cur.tokens))
+        )
+        if not same:
+            self._build(KVLayout(slots, tokens, self.block_size, paged_by_block=role is not None))
+            return
+        assert cur is not None
+        for b in self.backends.all:
+            if not b.built:  # layer buffers released for decode by the previous requests
+                b.resize(cur, [])
+
+    def _build(self, layout: KVLayout) -> None:
+        self.discard()
+        self.layout = layout
+        self.requests.resize(layout.slots)
+        try:
+            for b in self.backends.all:
+                b.resize(layout, [])
+        except BaseException:
+            self.discard()
+            raise
+        self.counters.add("resizes")
+        logger.info(
+            "offload session %s: %d requests x %d tokens, device KV %d bytes",
+            self.name, layout.slots, layout.tokens, self.device_kv_bytes(),
+        )  # fmt: skip
+
+    def check_growth(self, tokens: int) -> None:
+        """``ValueError`` (nothing changes) when the live requests cannot grow to ``tokens`` tokens each in
+        place: a backend keeps the sizes of the requests' first forward (a host pool, KVPP, a P/D role)."""
+        cur = self.layout
+        assert cur is not None
+        if tokens <= cur.tokens:
+            return
+        new = dataclasses.replace(cur, tokens=tokens)
+        live = list(self.requests)
+        if not all(b.can_grow(new, live) for b in self.backends.all):
+            raise ValueError(
+                f"OffloadSession: the running sequence needs {tokens} tokens per request but {cur.tokens} "
+                "were reserved; pass max_new_tokens to generate() (or call reserve() before the first forward)"
+            )
+
+    def grow(self, tokens: int) -> None:
+        """The live requests need ``tokens`` tokens each: grow every device cache in place, keeping their
+        rows (:meth:`check_growth` first). A failure part way leaves caches of mixed sizes: discard them."""
+        self.check_growth(tokens)
+        cur = self.layout
+        assert cur is not None
+        if tokens <= cur.tokens:
+            return
+        new = dataclasses.replace(cur, tokens=tokens)
+        live = list(self.requests)
+        self.layout = new
+        for b in self.backends.all:
+            b.resize(new, live)
+        self.counters.add("resizes")
+        logger.info(
+            "offload session %s: the running sequence grew to %d tokens per request, device KV %d bytes",
+            self.name, tokens, self.device_kv_bytes(),
+        )  # fmt: skip
+
+    def drop_prefill_buffers(self) -> None:
+        """Release the layerwise buffers: the running requests continue on the sparse backend alone (the
+        next :meth:`size` allocates them again)."""
+        lw = self.backends.layerwise
+        if lw is not None and lw.built:
+            lw.free()
+
+    def discard(self) -> None:
+        """Free every device cache; the live requests go with them (the core is unsized afterwards)."""
+        for rid in self.requests.ids:
+            self.requests.finish(rid)
+        self.layout = None
+        first: BaseException | None = None
+        for b in self.backends.all:
+            try:
+                b.free()
+            except BaseException as exc:  # free the others first
+                first = first or exc
+        if first is not None:
+            raise first
+
+    # ---------------------------------------------------------------------------------- requests
+    def admit(self, count: int) -> list[Request]:
+        """``count`` new requests in free slots; every backend reserves what they need."""
+        assert self.layout is not None, "KVCore.admit before size()"
+        reqs = self.requests.admit(count)
+        try:
+            for b in self.backends.all:
+                b.admit(self.layout, reqs)
+        except BaseException:
+            self.finish([r.id for r in reqs])
+            raise
+        return reqs
+
+    def finish(self, request_ids: Sequence[int]) -> None:
+        """End requests (their slots are free); a backend failing to release them drops every cache."""
+        ids = [rid for rid in request_ids if rid in self.requests]
+        for rid in ids:
+            self.requests.finish(rid)
+        if not ids:
+            return
+        try:
+            for b in self.backends.all:
+                b.release(ids)
+        except Exception as exc:  # a failed transfer: drop the caches rather than keep the blocks
+            logger.warning(
+                "offload session %s: releasing requests failed (%s); caches rebuilt", self.name, exc
+            )
+            self.discard()
+
+    # ---------------------------------------------------------------------------------- forwards
+    def _taking_part(self, fwd: ForwardPlan) -> list[KVBackend]:
+        return [b for b in self.backends.all if b.takes_part(fwd)]
+
+    def begin_forward(
+        self, requests: Sequence[Request], new_tokens: Sequence[Sequence[int]], new_mask: torch.Tensor
+    ) -> ForwardPlan:
+        """Begin a forward of live ``requests`` (one per batch row) whose real new positions are
+        ``new_mask bool [B, S]`` (host) holding ``new_tokens[b]``; return its plan. A backend failing to
+        begin ends the ones that began, and the error propagates (no forward is running then)."""
+        if self.forward is not None:
+            raise RuntimeError("KVCore.begin_forward: a forward is running; call end_forward()")
+        assert self.layout is not None
+        old_len = [r.length for r in requests]
+        n_new = [len(t) for t in new_tokens]
+        decode = self.backends.sparse is not None and all(old_len) and all(n == 1 for n in n_new)
+        if decode:
+            self.drop_prefill_buffers()  # prefill is over: decode runs on the sparse backend alone
+        lw = self.backends.layerwise
+        layerwise = lw is not None and not decode and lw.built
+        for r, toks in zip(requests, new_tokens, strict=True):
+            self.requests.extend(r.id, toks)
+        fwd = plan_forward(
+            requests,
+            old_len,
+            new_mask,
+            self.layout,
+            decode=decode,
+            layerwise=layerwise,
+            device=self.spec.device,
+        )
+        self.counters.add("forwards")
+        self.counters.add("decode_forwards" if decode else "prefill_forwards")
+        begun: list[KVBackend] = []
+        try:
+            for b in self._taking_part(fwd):
+                b.begin_forward(fwd)
+                begun.append(b)
+        except BaseException:
+            self._close_failed(fwd, begun)
+            raise
+        self.forward = fwd
+        return fwd
+
+    def end_forward(self) -> None:
+        """End the running forward on every backend that took part (in reverse order); raise the first
+        failure after all ended."""
+        fwd, self.forward = self.forward, None
+        if fwd is None:
+            raise RuntimeError("KVCore.end_forward: no forward is running")
+        first: BaseException | None = None
+        for b in reversed(self._taking_part(fwd)):
+            try:
+                b.end_forward(fwd)
+            except BaseException as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def abort_forward(self) -> None:
+        """Close a forward that raised; the backends' errors are logged (the forward's own is reported)."""
+        fwd, self.forward = self.forward, None
+        if fwd is not None:
+            self._close_failed(fwd, self._taking_part(fwd))
+
+    def _close_failed(self, fwd: ForwardPlan, begun: Sequence[KVBackend]) -> None:
+        for b in reversed(begun):
+            try:
+                b.abort_forward(fwd)
+            except Exception as exc:
+                logger.warning("offload session %s: closing a failed %s forward: %s", self.name, b.name, exc)
+
+    def retry_caps(self, caps: list[int] | None, exc: BaseException) -> list[int] | None:
+        """Prefix caps of another try of the running forward, which raised ``exc``; ``None`` when it cannot
+        run again (see :meth:`LayerwiseBackend.retry_caps`; never on a P/D node, whose peer was told of
+        the first try)."""
+        lw, fwd = self.backends.layerwise, self.forward
+        if lw is None or fwd is None or self.backends.role is not None:
+            return None
+        return lw.retry_caps(fwd, caps, exc)
+
+    def restart(self, caps: list[int]) -> None:
+        """Begin the running forward again with its prefixes capped at ``caps`` (after :meth:`retry_caps`);
+        on failure no forward is running."""
+        lw, fwd = self.backends.layerwise, self.forward
+        assert lw is not None and fwd is not None
+        try:
+            lw.restart(fwd, caps)
+        except BaseException:
+            self.forward = None
+            raise
+
+    # --------------------------------------------------------------------------------- per layer
+    def check_layer(self, fn: str, layer: object) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.spec.num_layers:
+            raise ValueError(
+                f"OffloadSession.{fn}: layer must be an int in [0, {self.spec.num_layers}), got {layer!r}"
+            )
+        return layer
+
+    def _running(self, fn: str, layer: int) -> ForwardPlan:
+        if self.forward is None:
+            raise RuntimeError(f"OffloadSession.{fn}: no forward is running; call begin_forward()")
+        self.check_layer(fn, layer)
+        return self.forward
+
+    def layer_caches(self, layer: int) -> list[torch.Tensor]:
+        """The tensors every op of ``layer`` takes: each backend's, in call order (empty before sizing)."""
+        self.check_layer("layer_caches", layer)
+        return [t for b in self.backends.all for t in b.layer_caches(layer)]
+
+    def write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, index_k: torch.Tensor | None) -> None:
+        """Keep ``layer``'s new rows of the running forward (``kv_c [B,S,Dc]``, ``k_pe [B,S,Dr]``,
+        ``index_k [B,S,Di]`` or ``None``) in every backend that takes part."""
+        f = self._running("cache_write", layer)
+        spec = self.spec
+        if kv_c.shape != (f.B, f.S, spec.kv_lora_rank) or k_pe.shape != (f.B, f.S, spec.rope_dim):
+            raise ValueError(
+                f"kvoffload::mla_cache_write: 'kv_c' / 'k_pe' must be [{f.B}, {f.S}, {spec.kv_lora_rank}] / "
+                f"[{f.B}, {f.S}, {spec.rope_dim}], got {list(kv_c.shape)} / {list(k_pe.shape)}"
+            )
+        if spec.has_indexer and (index_k is None or index_k.shape != (f.B, f.S, spec.index_head_dim)):
+            raise ValueError(
+                f"kvoffload::mla_cache_write: 'index_k' must be [{f.B}, {f.S}, {spec.index_head_dim}] for "
+                f"{spec.model_class}, got {None if index_k is None else list(index_k.shape)}"
+            )
+        rows = NewRows(
+            kv_c.reshape(-1, spec.kv_lora_rank)[f.sel].to(spec.dtype),
+            k_pe.reshape(-1, spec.rope_dim)[f.sel].to(spec.dtype),
+            index_k.reshape(-1, spec.index_head_dim)[f.sel] if spec.has_indexer else None,
+        )
+        for b in self._taking_part(f):
+            b.write(layer, f, rows)
+
+    def attend(
+        self,
+        layer: int,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        index_q: torch.Tensor | None,
+        index_weights: torch.Tensor | None,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Absorbed MLA attention of ``layer`` into ``out [B,S,H,Dc]`` (zero at padding positions); see
+        ``kvoffload::mla_cache_attention``."""
+        f = self._running("cache_attention", layer)
+        spec = self.spec
+        B, S, H = f.B, f.S, spec.num_heads
+        if q_nope.shape != (B, S, H, spec.kv_lora_rank) or q_pe.shape != (B, S, H, spec.rope_dim):
+            raise ValueError(
+                f"kvoffload::mla_cache_attention: 'q_nope' / 'q_pe' must be [{B}, {S}, {H}, {spec.kv_lora_rank}] / "
+                f"[{B}, {S}, {H}, {spec.rope_dim}], got {list(q_nope.shape)} / {list(q_pe.shape)}"
+            )
+        if spec.has_indexer and index_q is None:
+            raise ValueError(
+                f"kvoffload::mla_cache_attention: {spec.model_class} needs 'index_q' and 'index_weights'"
+            )
+        iq = iw = None
+        if index_q is not None and index_weights is not None:
+            iq = index_q.reshape(B * S, *index_q.shape[2:])[f.sel]
+            iw = index_weights.reshape(B * S, -1)[f.sel].float()
+        q = Queries(q_nope.reshape(B * S, H, -1)[f.sel], q_pe.reshape(B * S, H, -1)[f.sel], iq, iw, scale)
+        res = self._attend(layer, f, q)
+        out.zero_()
+        out.view(B * S, H, -1).index_copy_(0, f.sel, res.to(out.dtype))
+
+    def _attend(self, layer: int, f: ForwardPlan, q: Queries) -> torch.Tensor:
+        taking_part = self._taking_part(f)
+        for b in taking_part:
+            res = b.attend(layer, f, q)
+            if res is not None:
+                return res
+        keys = next((k for b in taking_part if (k := b.keys(layer, f)) is not None), None)
+        assert keys is not None, "no backend holds the keys of this forward"
+        if q.index_q is None:
+            return attention.dense_attention(f, q, keys)
+        assert self._indexer is not None
+        view = self._indexer.indexer(layer, f)
+        assert view is not None
+        return attention.topk_attention(f, q, keys, attention.select_topk(view, f, q))
+
+    # ------------------------------------------------------------------------------ accounting
+    def device_kv_bytes(self) -> int:
+        """Bytes of KV the backends hold on the compute device now (from the allocated tensors)."""
+        tensors = [t for b in self.backends.all for t in b.device_tensors()]
+        return _nbytes(t for t in tensors if t.device.type == self.spec.device.type)
+
+    def backend_stats(self) -> dict[str, float]:
+        """The backends' counters, summed by name."""
+        out: dict[str, float] = {}
+        for b in self.backends.all:
+            for k, v in b.stats().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def close(self) -> None:
+        """Close the role's endpoints, the backends, the role."""
+        self.backends.close()

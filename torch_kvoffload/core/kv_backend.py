@@ -1,0 +1,184 @@
+"""The KV backend interface: one feature's way of keeping a model's KV, behind one small set of methods.
+
+A :class:`~torch_kvoffload.core.kv.KVCore` owns the requests and the sizes and calls its backends (one per
+enabled feature, chosen once from the configuration: layerwise, sparse offload, resident sparse, KVPP, and a
+P/D role) in a fixed order. Per forward it calls ``begin_forward`` / ``end_forward`` of the backends that
+take part; per layer ``write`` the new rows to each, then attention: the first backend whose ``attend``
+returns a result (sparse offload's decode step) decides it, otherwise the core attends over the ``keys`` of
+the first backend that has them, selecting with the indexer of the backend that owns the indexer cache.
+
+Shapes: ``N`` rows of the forward (its real tokens, request-major), ``H`` heads, ``Dc`` the latent width
+(``kv_lora_rank``), ``Dr`` the rotary width, ``Hi`` / ``Di`` the indexer's heads and width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
+
+    from torch_kvoffload.core.forward import ForwardPlan
+    from torch_kvoffload.core.layout import KVLayout
+    from torch_kvoffload.core.requests import Request
+    from torch_kvoffload.layerwise import LayerCacheSpec, LayerwiseConfig, LayerwiseOffloadRuntime
+    from torch_kvoffload.store.base import KVStore
+
+__all__ = ["IndexerView", "KVBackend", "KeyRows", "NewRows", "PDRole", "Queries"]
+
+
+class NewRows(NamedTuple):
+    """A layer's new rows in one forward: ``kv_c [N, Dc]`` and ``k_pe [N, Dr]`` in the model's dtype,
+    ``index_k [N, Di]`` (models with an indexer) or ``None``."""
+
+    kv_c: torch.Tensor
+    k_pe: torch.Tensor
+    index_k: torch.Tensor | None
+
+
+class Queries(NamedTuple):
+    """A layer's queries in one forward: absorbed ``q_nope [N, H, Dc]``, ``q_pe [N, H, Dr]``, the indexer's
+    ``index_q [N, Hi, Di]`` and fp32 ``index_weights [N, Hi]`` (or both ``None``), the softmax ``scale``."""
+
+    q_nope: torch.Tensor
+    q_pe: torch.Tensor
+    index_q: torch.Tensor | None
+    index_weights: torch.Tensor | None
+    scale: float
+
+
+class KeyRows(NamedTuple):
+    """Rows attention reads: ``kv_c [R, Dc]``, ``k_pe [R, Dr]``; request ``r`` of the forward (batch row)
+    has its logical position ``p`` at row ``starts[r] + p``."""
+
+    kv_c: torch.Tensor
+    k_pe: torch.Tensor
+    starts: list[int]
+
+
+class IndexerView(NamedTuple):
+    """A layer's device indexer cache as the lightning indexer reads it: ``caches`` = ``(keys [pages,
+    page, Di],)`` in a floating dtype or ``(int8 keys, fp32 scales [pages, page])`` when ``quantized``;
+    ``block_table int32 [B, pages per request]`` of the forward's requests; ``top_k`` to select."""
+
+    caches: tuple[torch.Tensor, ...]
+    block_table: torch.Tensor
+    top_k: int
+    quantized: bool
+
+
+class KVBackend:
+    """One feature's KV (see the module docstring). Every method has a neutral default, so a backend
+    defines only what its feature does.
+
+    Sizing: :meth:`resize` allocates for a layout (``live`` empty) or grows the caches of live requests in
+    place (``live`` the running requests, whose rows are kept); :meth:`can_grow` says whether growth to a
+    layout is possible at all (checked for every backend before any changes); :meth:`free` drops the
+    device caches (:attr:`built` is then false). Requests: :meth:`admit` / :meth:`release`. Forwards:
+    :meth:`takes_part`, :meth:`begin_forward`, :meth:`end_forward`, :meth:`abort_forward` (a forward that
+    raised: end it, its own error is the one reported). Per layer: :meth:`layer_caches` (the tensors every
+    op of the layer takes, declared mutated), :meth:`write`, :meth:`keys`, :meth:`indexer`, :meth:`attend`.
+    Accounting: :meth:`device_tensors`, :meth:`stats`. :meth:`close` releases everything.
+    """
+
+    #: short name used in logs
+    name = "backend"
+
+    # -------------------------------------------------------------------------------- sizing
+    @property
+    def built(self) -> bool:
+        """Whether the backend holds caches for the current layout."""
+        return True
+
+    def can_grow(self, layout: KVLayout, live: Sequence[Request]) -> bool:
+        """Whether ``live`` requests can continue in ``layout`` (more tokens each) without a new sequence."""
+        return True
+
+    def resize(self, layout: KVLayout, live: Sequence[Request]) -> None:
+        """Caches for ``layout``; rows of the ``live`` requests are kept (growth in place)."""
+
+    def free(self) -> None:
+        """Drop the device caches (the requests' rows with them)."""
+
+    # ------------------------------------------------------------------------------ requests
+    def admit(self, layout: KVLayout, requests: Sequence[Request]) -> None:
+        """New ``requests`` (no tokens yet) start."""
+
+    def release(self, request_ids: Sequence[int]) -> None:
+        """Requests end; what they hold is freed."""
+
+    # ------------------------------------------------------------------------------ forwards
+    def takes_part(self, fwd: ForwardPlan) -> bool:
+        """Whether forward ``fwd`` runs through this backend."""
+        return True
+
+    def begin_forward(self, fwd: ForwardPlan) -> None:
+        """Before the layers of ``fwd`` run."""
+
+    def end_forward(self, fwd: ForwardPlan) -> None:
+        """After every layer of ``fwd`` ran; raises the first failure of its transfers."""
+
+    def abort_forward(self, fwd: ForwardPlan) -> None:
+        """``fwd`` raised: end what :meth:`begin_forward` started."""
+        self.end_forward(fwd)
+
+    # ------------------------------------------------------------------------------- per layer
+    def layer_caches(self, layer: int) -> list[torch.Tensor]:
+        """The device tensors of ``layer`` every op of the layer takes (declared mutated by the ops)."""
+        return []
+
+    def write(self, layer: int, fwd: ForwardPlan, rows: NewRows) -> None:
+        """Keep ``layer``'s new rows of ``fwd``."""
+
+    def keys(self, layer: int, fwd: ForwardPlan) -> KeyRows | None:
+        """The rows ``layer``'s attention of ``fwd`` reads, if this backend holds them."""
+        return None
+
+    def indexer(self, layer: int, fwd: ForwardPlan) -> IndexerView | None:
+        """``layer``'s indexer cache, if this backend owns the model's indexer cache."""
+        return None
+
+    def attend(self, layer: int, fwd: ForwardPlan, q: Queries) -> torch.Tensor | None:
+        """``out [N, H, Dc]`` when this backend runs ``layer``'s whole attention of ``fwd`` itself."""
+        return None
+
+    # ------------------------------------------------------------------------------ accounting
+    def device_tensors(self) -> list[torch.Tensor]:
+        """Every KV tensor the backend holds now (those on the compute device are counted)."""
+        return []
+
+    def stats(self) -> dict[str, float]:
+        """Counters under the names of ``OffloadSession.stats`` (summed over backends)."""
+        return {}
+
+    def close(self) -> None:
+        """Release everything (idempotent)."""
+        self.free()
+
+
+class PDRole(KVBackend):
+    """A node's role in a disaggregated deployment, as the KV core sees it: a backend (forward hooks, no
+    KV of its own) that may supply the layerwise runtime over buffers its transport exports.
+
+    :meth:`stop` closes the endpoints before the core closes its backends (outstanding transfers fail
+    instead of holding the buffers); :meth:`close` afterwards.
+    """
+
+    name = "P/D"
+
+    def can_grow(self, layout: KVLayout, live: Sequence[Request]) -> bool:
+        return False  # the peer was told the requests' blocks: sizes are fixed per sequence
+
+    def build_layerwise_runtime(
+        self, config: LayerwiseConfig, specs: Sequence[LayerCacheSpec], *, store: KVStore
+    ) -> LayerwiseOffloadRuntime | None:
+        """The layerwise runtime over this role's layer buffers; ``None``: the layerwise backend allocates
+        its own."""
+        return None
+
+    def stop(self) -> None:
+        """Close the role's endpoints."""
+
+    def close(self) -> None:
+        self.stop()

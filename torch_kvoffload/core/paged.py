@@ -1,0 +1,92 @@
+"""``SlotPages``: per-layer device caches with one set of pages per request slot.
+
+The device indexer cache (sparse offload and resident sparse) and the resident main KV are laid out alike:
+per layer, one tensor per component, ``[slots * pages, page, width]`` (``width`` ``None``: ``[slots *
+pages, page]``, a per-row scalar such as an int8 scale), where slot ``s`` owns pages ``s * pages ..
+s * pages + pages - 1`` (``KVLayout.page``). Growing the layout copies every live request's rows into the
+new pages; the old tensors are then dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from torch_kvoffload.core.layout import KVLayout
+from torch_kvoffload.core.requests import Request
+
+__all__ = ["SlotPages"]
+
+
+class SlotPages:
+    """Per-layer paged tensors (see the module docstring).
+
+    Parameters
+    ----------
+    num_layers : int
+    components : sequence of ``(width or None, dtype)``
+        One tensor per component and layer.
+    device : torch.device
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        components: Sequence[tuple[int | None, torch.dtype]],
+        device: torch.device,
+    ) -> None:
+        self.num_layers = num_layers
+        self.components = tuple(components)
+        self.device = device
+        self.layers: list[tuple[torch.Tensor, ...]] = []
+        self._layout: KVLayout | None = None
+
+    def _new(self, layout: KVLayout) -> list[tuple[torch.Tensor, ...]]:
+        page, pages = layout.page
+        n = layout.slots * pages
+        return [
+            tuple(
+                torch.zeros((n, page) if w is None else (n, page, w), dtype=dt, device=self.device)
+                for w, dt in self.components
+            )
+            for _ in range(self.num_layers)
+        ]
+
+    def allocate(self, layout: KVLayout, live: Sequence[Request] = ()) -> None:
+        """Tensors for ``layout``; the rows of ``live`` requests (their ``length`` rows from position 0)
+        are copied from the current tensors."""
+        old, old_layout = self.layers, self._layout
+        self.layers = []  # the old tensors are dropped as soon as the copy is done
+        new = self._new(layout)
+        if live and old_layout is not None:
+            o_page, o_pages = old_layout.page
+            page, pages = layout.page
+            for old_layer, new_layer in zip(old, new, strict=True):
+                for src, dst in zip(old_layer, new_layer, strict=True):
+                    s = src.view(-1, *src.shape[2:])
+                    d = dst.view(-1, *dst.shape[2:])
+                    for r in live:
+                        n, a, b = r.length, r.slot * o_pages * o_page, r.slot * pages * page
+                        d[b : b + n] = s[a : a + n]
+        self.layers, self._layout = new, layout
+
+    def free(self) -> None:
+        self.layers, self._layout = [], None
+
+    @property
+    def built(self) -> bool:
+        return bool(self.layers)
+
+    def write(self, layer: int, rows_at: torch.Tensor, values: Sequence[torch.Tensor]) -> None:
+        """Write ``values[c]`` (``[N, width]`` or ``[N]``) at flat rows ``rows_at int64 [N]`` of component
+        ``c`` of ``layer``."""
+        for t, v in zip(self.layers[layer], values, strict=True):
+            t.view(-1, *t.shape[2:]).index_copy_(0, rows_at, v.to(t.dtype))
+
+    def flat(self, layer: int) -> list[torch.Tensor]:
+        """``layer``'s components as ``[slots * pages * page, width]`` views."""
+        return [t.view(-1, *t.shape[2:]) for t in self.layers[layer]]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for layer in self.layers for t in layer]

@@ -273,7 +273,7 @@ def test_both_releases_layer_buffers_for_decode(batch, reference):
     hot = L * len(LENGTHS) * 16 * (64 + 16) * 4
     assert s["device_kv_bytes"] == hot + L * len(LENGTHS) * (ids.shape[1] + NEW - 1) * 32 * 4
     # a multi-token forward after decode steps continues through the host pool
-    cache = session_of(model)._owner
+    cache = session_of(model).owner
     assert model(
         input_ids=torch.randint(3, 1000, (2, 3)),
         attention_mask=torch.ones(2, cache.seen_tokens + 3, dtype=torch.int64),

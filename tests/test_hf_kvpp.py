@@ -44,12 +44,12 @@ def _worker(rank: int, world: int, cases: list[tuple], out_dir: str) -> None:
             got = model.generate(**kwargs)
         session = session_of(model)
         stats = torch_kvoffload.stats(model)
-        owned = list(session._kvpp.plan.owned)
+        owned = list(session.kvpp_offload.plan.owned)
         # what this rank stores persistently: its owned layers' rows, per request (request r: blocks r*M..)
         rows_per_request = session.blocks_per_request * BS
         stored = {}
         for layer in owned:
-            views = session._kvpp.views(layer)
+            views = session.kvpp_offload.views(layer)
             stored[layer] = {
                 c: [views[c].reshape(-1, views[c].shape[-1])[b * rows_per_request :][: n + NEW - 1].clone()
                     for b, n in enumerate(lengths)]
@@ -57,7 +57,7 @@ def _worker(rank: int, world: int, cases: list[tuple], out_dir: str) -> None:
             }  # fmt: skip
         explained = torch_kvoffload.explain(model) if compiled else ""
         results[name] = {
-            "want": want, "got": got, "stats": stats, "owned": owned, "tp": session._kvpp_cfg.tp_size,
+            "want": want, "got": got, "stats": stats, "owned": owned, "tp": session.kvpp_config.tp_size,
             "explain": explained, "graphs": len(getattr(model, "_kvoffload_compile_reports", [])),
             "stored": stored, "ref_cache": ref_cache,
         }  # fmt: skip

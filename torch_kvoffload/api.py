@@ -38,6 +38,6 @@ def stats(model: torch.nn.Module) -> dict[str, float]:
     """What the offloaded ``model`` holds and moved: ``device_kv_bytes``, ``dense_kv_bytes``,
     ``bytes_h2d``, ``bytes_d2h``, ``hits``, ``misses``, ``layer_loads``, ``layer_saves``, ``broadcasts``
     and more (see :meth:`OffloadSession.stats`)."""
-    from torch_kvoffload.integrations.hf.install import session_of
+    from torch_kvoffload.integrations.hf.session import session_of
 
     return session_of(model).stats()

@@ -4,7 +4,7 @@ runtimes (``OffloadSession``), supply the cache ``generate`` uses, and replace i
 
 from torch_kvoffload.core.spec import ModelSpec
 from torch_kvoffload.integrations.hf.inspect import inspect_model
-from torch_kvoffload.integrations.hf.install import attach, detach, offload, session_of
-from torch_kvoffload.integrations.hf.session import OffloadSession
+from torch_kvoffload.integrations.hf.install import attach, detach, offload
+from torch_kvoffload.integrations.hf.session import OffloadSession, session_of
 
 __all__ = ["ModelSpec", "OffloadSession", "attach", "detach", "inspect_model", "offload", "session_of"]

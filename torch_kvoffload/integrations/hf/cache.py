@@ -16,14 +16,21 @@ limit) or a model runs the library's cache without the library's attention.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from torch_kvoffload.integrations.hf.session import OffloadSession
+    from torch_kvoffload.core.spec import ModelSpec
 
-__all__ = ["new_offload_cache"]
+__all__ = ["is_offload_cache", "new_offload_cache"]
+
+
+class _Session(Protocol):
+    """What the cache reads of its session (``integrations.hf.session.OffloadSession``)."""
+
+    spec: ModelSpec
+
 
 _CLASSES: dict[str, type] = {}
 
@@ -119,7 +126,7 @@ def _classes() -> tuple[type, type]:
     class OffloadCache(Cache):
         """A cache that stores nothing itself: the session keeps the KV (see the module docstring)."""
 
-        def __init__(self, session: OffloadSession) -> None:
+        def __init__(self, session: _Session) -> None:
             self.session = session
             self.seen_tokens = 0
             indexed = session.spec.has_indexer
@@ -153,7 +160,7 @@ def _classes() -> tuple[type, type]:
     return OffloadCache, OffloadCacheLayer
 
 
-def new_offload_cache(session: OffloadSession) -> Any:
+def new_offload_cache(session: _Session) -> Any:
     """A fresh :class:`OffloadCache` bound to ``session`` (a ``transformers.Cache``)."""
     cache_cls, _ = _classes()
     return cache_cls(session)

@@ -1,4 +1,4 @@
-"""Attach an :class:`OffloadSession` to a Hugging Face model: :func:`attach`, :func:`offload`, :func:`session_of`.
+"""Attach an :class:`OffloadSession` to a Hugging Face model: :func:`attach`, :func:`offload`, :func:`detach`.
 
 ``attach(model, config)`` inspects the model (``ValueError`` before any allocation if unsupported), builds
 the session, stores it as ``model._kvoffload_session``, wraps ``model.forward`` so that
@@ -33,21 +33,23 @@ from typing import Any
 
 import torch
 
+from torch_kvoffload.backend import SESSION_ATTR
+from torch_kvoffload.core.config import OffloadConfig
 from torch_kvoffload.integrations.hf.inspect import inspect_model
-from torch_kvoffload.integrations.hf.session import OffloadSession
+from torch_kvoffload.integrations.hf.pd import make_role
+from torch_kvoffload.integrations.hf.session import OffloadSession, session_of
 
-__all__ = ["attach", "detach", "offload", "session_of"]
+__all__ = [
+    "attach", "bind_method", "check_no_grad", "deepcopy_rebound", "detach", "exclusive", "new_session", "offload",
+]  # fmt: skip
 
-_ATTR = "_kvoffload_session"
 
 # one re-entrant lock per session: the thread holding it may call again (a forward inside generate)
 _LOCKS: weakref.WeakKeyDictionary[OffloadSession, threading.RLock] = weakref.WeakKeyDictionary()
 _LOCKS_LOCK = threading.Lock()
 
 
-def _resolve_config(config: Any, has_indexer: bool):
-    from torch_kvoffload.core.config import OffloadConfig
-
+def _resolve_config(config: Any, has_indexer: bool) -> OffloadConfig:
     if config is None:
         return OffloadConfig.default(has_indexer)
     if isinstance(config, dict):
@@ -57,16 +59,6 @@ def _resolve_config(config: Any, has_indexer: bool):
             f"torch_kvoffload: config must be an OffloadConfig, a dict or None, got {type(config).__name__}"
         )
     return config
-
-
-def session_of(model: torch.nn.Module) -> OffloadSession:
-    """The session attached to ``model`` (``ValueError`` if none)."""
-    session = getattr(model, _ATTR, None)
-    if session is None:
-        raise ValueError(
-            f"{type(model).__name__} is not offloaded; call torch_kvoffload.offload(model) (or compile) first"
-        )
-    return session
 
 
 @contextlib.contextmanager
@@ -232,18 +224,18 @@ def new_session(model: torch.nn.Module, config: Any = None) -> OffloadSession:
     cfg = _resolve_config(config, spec.has_indexer)
     if cfg.layerwise is not None:
         spec = spec.with_weights(model)
-    return OffloadSession(spec, cfg)
+    return OffloadSession(spec, cfg, role_factory=make_role)
 
 
 def attach(model: torch.nn.Module, config: Any = None) -> OffloadSession:
     """Inspect ``model``, build its session and wrap ``forward`` / ``generate`` (see the module docstring)."""
-    if getattr(model, _ATTR, None) is not None:
+    if getattr(model, SESSION_ATTR, None) is not None:
         raise ValueError(f"{type(model).__name__} is already offloaded (model._kvoffload_session is set)")
     session = new_session(model, config)
     originals = Originals(forward=model.forward, generate=model.generate)
     model.forward = bind_method(model, _forward, originals["forward"])
     model.generate = bind_method(model, _generate, originals["generate"])
-    setattr(model, _ATTR, session)
+    setattr(model, SESSION_ATTR, session)
     model._kvoffload_originals = originals
     return session
 
@@ -274,5 +266,5 @@ def detach(model: torch.nn.Module) -> None:
     originals = model._kvoffload_originals
     model.forward, model.generate = originals["forward"], originals["generate"]
     del model._kvoffload_originals
-    delattr(model, _ATTR)
+    delattr(model, SESSION_ATTR)
     session.close()

@@ -1,7 +1,9 @@
 """The P/D roles of an :class:`~torch_kvoffload.integrations.hf.session.OffloadSession` (DESIGN §9).
 
 ``OffloadConfig(pd=PDConfig(role=...))`` gives the session a role, reachable as ``session.pd``
-(:func:`prefill_role` / :func:`decode_role` check and return it):
+(:func:`prefill_role` / :func:`decode_role` check and return it). A role is a
+:class:`~torch_kvoffload.core.kv_backend.PDRole` of the session's KV core (forward hooks, the layerwise
+runtime over exported buffers) and drives the session through its public methods only:
 
 * :class:`PrefillRole` (``role="prefill"``, layerwise offload on): the session's layer buffers are
   allocated by the transport (:func:`~torch_kvoffload.pd.export_layer_buffers` for ``shm``, registered
@@ -31,10 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torch_kvoffload.core.kv_backend import PDRole
+from torch_kvoffload.integrations.hf.session import OffloadSession, session_of
 from torch_kvoffload.pd.config import PDConfig
 
 if TYPE_CHECKING:
-    from torch_kvoffload.integrations.hf.session import OffloadSession
+    from torch_kvoffload.core.forward import ForwardPlan
     from torch_kvoffload.layerwise import LayerCacheSpec, LayerwiseConfig, LayerwiseOffloadRuntime
     from torch_kvoffload.pd import DecodeReceiver, PrefillSender, TransferTicket
     from torch_kvoffload.store.base import KVStore
@@ -69,9 +73,6 @@ def make_role(session: OffloadSession, config: PDConfig) -> PrefillRole | Decode
 
 
 def _role(model_or_session: Any, cls: type, role: str):
-    from torch_kvoffload.integrations.hf.install import session_of
-    from torch_kvoffload.integrations.hf.session import OffloadSession
-
     session = (
         model_or_session if isinstance(model_or_session, OffloadSession) else session_of(model_or_session)
     )
@@ -102,8 +103,10 @@ def _compatibility(session: OffloadSession, main: Sequence[torch.Tensor], indexe
     )  # fmt: skip
 
 
-class PrefillRole:
+class PrefillRole(PDRole):
     """The prefill side of a session (see the module docstring). Built by the session."""
+
+    name = "P/D prefill"
 
     def __init__(self, session: OffloadSession, config: PDConfig) -> None:
         if session.config.layerwise is None:
@@ -121,9 +124,9 @@ class PrefillRole:
         """The layerwise runtime whose buffers the sender publishes."""
         return self.session.layerwise_offload
 
-    # -------------------------------------------------------------------------- session hooks
-    def build_runtime(
-        self, lw: LayerwiseConfig, specs: Sequence[LayerCacheSpec], *, store: KVStore | None
+    # ------------------------------------------------------------------------------ core hooks
+    def build_layerwise_runtime(
+        self, lw: LayerwiseConfig, specs: Sequence[LayerCacheSpec], *, store: KVStore
     ) -> LayerwiseOffloadRuntime:
         """What ``LayerwiseConfig.build_runtime`` does, with the buffers exported through a fresh
         transport and a :class:`PrefillSender` over them registered as completion provider."""
@@ -161,27 +164,30 @@ class PrefillRole:
         self._transport, self.sender = transport, sender
         return rt
 
-    def begin_forward(self, block_table: list[list[int]]) -> None:
+    def takes_part(self, fwd: ForwardPlan) -> bool:
+        return fwd.layerwise
+
+    def begin_forward(self, fwd: ForwardPlan) -> None:
         """Before a layerwise forward: start publishing it when tickets were submitted."""
         tickets, self._tickets = self._tickets, None
         self._forward = []
         if tickets is None:
             return
         where = "PrefillRole.begin_forward"
-        tokens = self.session._tokens
-        if len(tickets) != len(tokens):
-            raise ValueError(f"{where}: {len(tickets)} tickets were submitted for a batch of {len(tokens)}")
-        for r, (t, toks) in enumerate(zip(tickets, tokens, strict=True)):
-            if t.num_tokens != len(toks):
+        lengths = fwd.new_len
+        if len(tickets) != len(lengths):
+            raise ValueError(f"{where}: {len(tickets)} tickets were submitted for a batch of {len(lengths)}")
+        for r, (t, n) in enumerate(zip(tickets, lengths, strict=True)):
+            if t.num_tokens != n:
                 raise ValueError(
                     f"{where}: the ticket of request {t.request_id} (batch row {r}) is for {t.num_tokens} tokens, "
-                    f"the row has {len(toks)} (padding dropped)"
+                    f"the row has {n} (padding dropped)"
                 )
         assert self.sender is not None
-        self.sender.begin_forward(tickets, block_table)
+        self.sender.begin_forward(tickets, fwd.block_table.cpu().tolist())
         self._forward = [t.request_id for t in tickets]
 
-    def end_forward(self) -> None:
+    def end_forward(self, fwd: ForwardPlan) -> None:
         if self.sender is not None and self._forward:
             self.sender.end_forward()
             self.last_requests, self._forward = self._forward, []
@@ -192,7 +198,7 @@ class PrefillRole:
         (from :meth:`DecodeRole.expect`, through the router) holds batch row ``r``'s destinations."""
         from torch_kvoffload.pd import TransferTicket
 
-        if self.session._fwd is not None:
+        if self.session.forward_running:
             raise RuntimeError("PrefillRole.submit: a forward is running")
         tickets = list(tickets)
         bad = [type(t).__name__ for t in tickets if not isinstance(t, TransferTicket)]
@@ -226,8 +232,14 @@ class PrefillRole:
         self._close_transport()
 
 
-class DecodeRole:
-    """The decode side of a session (see the module docstring). Built by the session."""
+class DecodeRole(PDRole):
+    """The decode side of a session (see the module docstring). Built by the session. It takes part in
+    no forward: the prompt's KV arrives before the sequence's first forward."""
+
+    name = "P/D decode"
+
+    def takes_part(self, fwd: ForwardPlan) -> bool:
+        return False
 
     def __init__(self, session: OffloadSession, config: PDConfig) -> None:
         sparse = session.config.sparse
@@ -295,7 +307,7 @@ class DecodeRole:
         if not isinstance(max_tokens, int) or max_tokens <= S:
             raise ValueError(f"{where}: max_tokens must be an int > the prompt width {S}, got {max_tokens!r}")
         s = self.session
-        if s._fwd is not None:
+        if s.forward_running:
             raise RuntimeError(f"{where}: a forward is running")
         s.end_sequence()  # the previous sequence ends here; its requests are released
         self.reserve(B, max_tokens)
@@ -307,12 +319,12 @@ class DecodeRole:
         self.cache = s.new_cache()
         rids = s.begin_external_sequence(tokens, S, self.cache)
         self.cache.seen_tokens = S
-        pool, bs, M = self._sparse.pool, s.block_size, s.blocks_per_request
+        pool, bs = self._sparse.pool, s.block_size
         tickets = []
-        for r, (rid, toks) in enumerate(zip(rids, tokens, strict=True)):
+        for rid, toks in zip(rids, tokens, strict=True):
             nb = math.ceil(len(toks) / bs)
             main = pool.blocks_of(rid)[:nb]
-            part = recv.expect(rid, len(toks), main, list(range(r * M, r * M + nb)))
+            part = recv.expect(rid, len(toks), main, s.device_blocks(rid)[:nb])
             tickets.append(TransferTicket.combine(rid, len(toks), 0, main, [part]))
             self._requests.append(rid)
         return tickets

@@ -211,3 +211,15 @@ def test_model_spec_describes_the_attention():
     assert [m.layer_idx for m in spec.attention_modules] == [0, 1]
     v3 = inspect_model(build_model("deepseek_v3", num_hidden_layers=2))
     assert not v3.has_indexer and v3.fingerprint != spec.fingerprint
+
+
+def test_a_taken_registry_name_leaves_nothing_registered():
+    model = build_model("deepseek_v3", num_hidden_layers=2)
+    spec = inspect_model(model).with_weights(model)
+    first = OffloadSession(spec, OffloadConfig(layerwise={}, block_size=4), name="taken")
+    before = mla_runtime.runtimes.names()
+    with pytest.raises(ValueError, match="taken"):
+        OffloadSession(spec, OffloadConfig(layerwise={}, block_size=4), name="taken")
+    assert mla_runtime.runtimes.names() == before and mla_runtime.runtimes.get("taken") is first
+    first.close()
+    assert "taken" not in mla_runtime.runtimes.names()

@@ -143,12 +143,20 @@ class OffloadSession:
             raise
         self._seq = HFSequence(self._core)
         backends = self._core.backends
-        mla_runtime.runtimes.register(self.name, self)
         self.layerwise_runtime: str | None = None
-        if backends.layerwise is not None:
-            self.layerwise_runtime = f"{self.name}/layerwise"
-            layer_hooks.runtimes.register(self.layerwise_runtime, backends.layerwise)
         self.kvpp_runtime: str | None = f"{self.name}/kvpp" if backends.kvpp is not None else None
+        registered = False
+        try:
+            mla_runtime.runtimes.register(self.name, self)
+            registered = True
+            if backends.layerwise is not None:
+                layer_hooks.runtimes.register(f"{self.name}/layerwise", backends.layerwise)
+                self.layerwise_runtime = f"{self.name}/layerwise"
+        except BaseException:  # a name taken: nothing of this session stays registered or allocated
+            if registered:
+                mla_runtime.runtimes.unregister(self.name)
+            self._core.close()
+            raise
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OffloadSession:
         """A new, empty session for a deep copy of the model: the spec (its attention modules mapped through

@@ -365,6 +365,9 @@ def run_length(n: int, args) -> tuple[dict[str, Any], dict[str, Any] | None]:
     out["overhead_step"] = overhead(off.step_s, res.step_s)
     out["overhead_attn_module"] = overhead(off.attn_s, res.attn_s)
     out["overhead_cache_ops"] = overhead(off.ops_s, res.ops_s)
+    for key, o, r in (("step", off.step_s, res.step_s), ("attn_module", off.attn_s, res.attn_s),
+                      ("cache_ops", off.ops_s, res.ops_s), ("cache_write", off.write_s, res.write_s)):  # fmt: skip
+        out[f"overhead_{key}_ms"] = 1e3 * (statistics.median(o) - statistics.median(r))
     out["overhead_step_paired"] = paired_overhead(off.step_s, res.step_s, args.rounds)
     out["overhead_attn_module_paired"] = paired_overhead(off.attn_s, res.attn_s, args.rounds)
     out["overhead_cache_ops_paired"] = paired_overhead(off.ops_s, res.ops_s, args.rounds)
@@ -434,11 +437,12 @@ def print_tables(results: list[dict[str, Any]], kv_rows: list[dict[str, Any]], p
     parts = [
         [r["prompt_len"], r["unmodified"]["attn_module"]["p50_ms"],
          *[r[v][k]["p50_ms"] for k in ("attn_module", "cache_ops", "cache_write") for v in LIBRARY],
-         r["h2d_bytes_per_step_offloaded"]]
+         *[r[f"overhead_{k}_ms"] for k in ("step", "cache_ops", "cache_write")], r["h2d_bytes_per_step_offloaded"]]
         for r in results
     ]  # fmt: skip
     print(format_table(["prompt", "attn module unmod", "attn module res", "attn module off", "cache ops res",
-                        "cache ops off", "write res", "write off", "H2D B/step off"], parts))  # fmt: skip
+                        "cache ops off", "write res", "write off", "off-res step", "off-res cache ops",
+                        "off-res write", "H2D B/step off"], parts))  # fmt: skip
     print("(ms per decode step, median; all layers)\n")
     kvt = [
         [k["tokens"], k["unmodified"], k["resident"], k["offloaded"], k["resident"] / k["unmodified"],

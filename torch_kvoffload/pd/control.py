@@ -4,7 +4,7 @@ One I/O thread owns the socket. Other threads hand it messages through an ``inpr
 their own, so sending never touches the network socket from two threads. ``on_tick()`` runs on the I/O
 thread every ``tick_s`` (heartbeats, deadlines). Callbacks must not block.
 
-The I/O thread is not a transfer and so not a :class:`~torch_kvoffload.transfer.TransferStream`: it
+Not a transfer: the I/O thread is no :class:`~torch_kvoffload.transfer.TransferStream` because it
 carries small control messages, never KV bytes, and a poll loop that must own its socket for the
 endpoint's whole life is not work submitted and waited for. What does move or wait for KV bytes goes
 through :mod:`torch_kvoffload.transfer`: decode's reads (its read stream) and prefill's wait for a

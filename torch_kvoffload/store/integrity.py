@@ -11,9 +11,9 @@ A value whose bytes do not match (a flipped byte), or whose object is not a comp
 of the expected size (truncated, foreign), is a miss for the reader — never copied out — counted in the
 store's ``corrupt_records`` counter and removed from the store.
 
-Large batches are checksummed on a small thread pool of this module (``zlib.crc32`` releases the GIL). It
-only reads bytes already in place and moves no data: every copy a store makes runs on its caller's thread
-(for the runtimes, a :class:`~torch_kvoffload.transfer.TransferStream`).
+Not a transfer: large batches are checksummed on a small thread pool of this module (``zlib.crc32``
+releases the GIL); it only reads bytes already in place and moves no data: every copy a store makes runs
+on its caller's thread (for the runtimes, a :class:`~torch_kvoffload.transfer.TransferStream`).
 """
 
 from __future__ import annotations

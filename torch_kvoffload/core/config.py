@@ -241,7 +241,7 @@ class OffloadConfig(ConfigModel):
         if self.sparse is None:
             raise ValueError("OffloadConfig.sparse_config: sparse decode offload is off")
         from torch_kvoffload._utils import dtype_name
-        from torch_kvoffload.store.factory import check_host_bytes
+        from torch_kvoffload.store.sizes import check_host_bytes
 
         fields = {
             "top_k": spec.index_topk,

@@ -549,6 +549,7 @@ def main() -> None:
     )
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--profile", action="store_true", help="profile decode steps of both library variants")
     p.add_argument("--profile-steps", type=int, default=6)
     p.add_argument("--smoke", action="store_true", help="a small run checking the script (< 2 minutes)")
@@ -562,6 +563,8 @@ def main() -> None:
     if args.smoke:
         args.lengths, args.kv_lengths, args.prefill_up_to, args.layers = [1024, 4096], [8192], 1024, 1
         args.rounds, args.steps, args.warmup, args.profile_steps, args.unmodified_steps = 2, 2, 1, 1, 2
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     args.total_steps = args.warmup + args.rounds * args.steps + (args.profile_steps if args.profile else 0)
     t0 = time.perf_counter()
     results, profiles, kv_rows = [], {}, []

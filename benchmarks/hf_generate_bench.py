@@ -33,7 +33,9 @@ the unmodified cache: measured from the cache tensors where the unmodified model
 the accounting ``layers x tokens x (512 + 64 + 128) x 4`` (``stats()["dense_kv_bytes"]``). ``--profile``
 profiles decode steps of both library variants per length (torch.profiler, CPU).
 
-Writes ``benchmarks/results/hf_generate_bench.json`` and ``hf_generate_bench.png``.
+Writes ``benchmarks/results/hf_generate_bench.json`` and ``hf_generate_bench.png``. One file of about 600
+lines, like the other benchmarks a script that runs as it is: variant setup and filling, interleaved
+timing, profiling, tables and plot each take a section.
 
     python benchmarks/hf_generate_bench.py                # 2K / 8K prefilled, 32K / 64K filled, 2 layers
     python benchmarks/hf_generate_bench.py --smoke        # a check of the script (< 2 minutes; files in /tmp)

@@ -361,3 +361,117 @@ def test_cpu_unfused_miss_copy_runs_inline() -> None:
         for token, slot in zip(res.topk[0].tolist(), res.residency.slots[0].tolist(), strict=True):
             assert torch.equal(rt.hot_kv_c[0][res.rows[0], slot], kv[token])
             assert torch.equal(rt.hot_k_pe[0][res.rows[0], slot], pe[token])
+
+
+def _two_layer_step(rt: SparseDecodeOffload, rows_of, g: torch.Generator, n: int):
+    """One decode step of request 0 over ``n`` positions in both layers; ``rows_of(indexer)`` gives the
+    rows passed to ``attend``. Returns the two layers' results."""
+    bt = rt.pool.block_table([0], max_blocks=2)
+    cu, lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([n], dtype=torch.int32)
+    k_cache = torch.randn(12, BS, 8, generator=g)
+    out = []
+    rows = None
+    for layer in range(2):
+        idx = IndexerInputs(q=torch.randn(1, 2, 8, generator=g), weights=torch.ones(1, 2), block_table=bt,
+                            cu_seqlens_q=cu, seq_lens_k=lens, k_cache=k_cache)  # fmt: skip
+        rows = rows_of(idx, bt, rows)
+        q_nope, q_pe = torch.randn(1, 2, DC, generator=g), torch.randn(1, 2, DR, generator=g)
+        out.append(rt.attend(layer, q_nope, q_pe, 0.25, idx, rows))
+    return out
+
+
+def test_rows_checked_once_per_forward_give_the_per_layer_results_and_go_stale() -> None:
+    """``check_rows`` once for both layers: the same outputs, top-k and counters as ``DecodeRows`` checked
+    per layer; the checked rows are rejected after a reservation, an in-place change of their tensors or
+    with other indexer lengths; ``check_rows`` rejects what ``attend`` rejects."""
+    results = {}
+    for mode in ("per_layer", "checked"):
+        g = torch.Generator().manual_seed(3)
+        with _cpu_runtime() as rt:
+            rt.reserve(0, 8)
+            kv, pe = torch.randn(8, DC, generator=g), torch.randn(8, DR, generator=g)
+            for layer in range(2):
+                rt.append(layer, [0] * 8, torch.arange(8), kv, pe)
+
+            def rows_of(idx, bt, prev, rt=rt, mode=mode):
+                decode = DecodeRows([0], torch.tensor([7]), bt)
+                if mode == "per_layer":
+                    return decode
+                return prev if prev is not None else rt.check_rows(decode, idx.cu_seqlens_q, idx.seq_lens_k)
+
+            steps = [_two_layer_step(rt, rows_of, g, n) for n in (6, 8)]
+            counts = [rt.counters.snapshot(), *(c.snapshot() for c in rt.layer_counters)]
+            for c in counts:
+                c.pop("wait_seconds")  # timing, not a count
+            results[mode] = (steps, counts[0], counts[1:])
+    (want, want_tot, want_layers), (got, got_tot, got_layers) = results["per_layer"], results["checked"]
+    for a_step, b_step in zip(want, got, strict=True):
+        for a, b in zip(a_step, b_step, strict=True):
+            assert torch.equal(a.out, b.out) and torch.equal(a.lse, b.lse) and torch.equal(a.topk, b.topk)
+    assert want_tot == got_tot and want_layers == got_layers and want_tot["hits"] > 0
+
+    g = torch.Generator().manual_seed(4)
+    with _cpu_runtime() as rt:
+        rt.reserve(0, 8)
+        rt.append(
+            0, [0] * 8, torch.arange(8), torch.randn(8, DC, generator=g), torch.randn(8, DR, generator=g)
+        )
+        bt = rt.pool.block_table([0], max_blocks=2)
+        cu, lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([8], dtype=torch.int32)
+        idx = IndexerInputs(q=torch.randn(1, 2, 8, generator=g), weights=torch.ones(1, 2), block_table=bt,
+                            cu_seqlens_q=cu, seq_lens_k=lens, k_cache=torch.randn(12, BS, 8, generator=g))  # fmt: skip
+        q = (torch.randn(1, 2, DC, generator=g), torch.randn(1, 2, DR, generator=g))
+        with pytest.raises(ValueError, match="has 1 blocks per row"):
+            rt.attend(0, *q, 0.25, idx, DecodeRows([0], torch.tensor([8]), bt[:, :1]))
+        with pytest.raises(ValueError, match="has 1 blocks per row"):
+            rt.check_rows(DecodeRows([0], torch.tensor([8]), bt[:, :1]), cu, lens)
+        with pytest.raises(ValueError, match="stable_len entries must be >= 0"):
+            rt.check_rows(DecodeRows([0], torch.tensor([-1]), bt), cu, lens)
+        checked = rt.check_rows(DecodeRows([0], torch.tensor([8]), bt), cu, lens)
+        other = IndexerInputs(**{**idx.__dict__, "seq_lens_k": lens.clone()})
+        with pytest.raises(ValueError, match=r"other indexer\.cu_seqlens_q / seq_lens_k"):
+            rt.attend(0, *q, 0.25, other, checked)
+        checked.stable_len.fill_(3)
+        with pytest.raises(ValueError, match="stale"):
+            rt.attend(0, *q, 0.25, idx, checked)
+        checked = rt.check_rows(DecodeRows([0], torch.tensor([8]), bt), cu, lens)
+        rt.reserve(1, 4)
+        with pytest.raises(ValueError, match="stale"):
+            rt.attend(0, *q, 0.25, idx, checked)
+        assert rt.counters.get("hits") == rt.counters.get("misses") == 0  # nothing ran
+
+
+def test_step_counters_read_lazily_equal_each_steps_counts() -> None:
+    """Hits, misses, evictions and H2D bytes read after several steps equal the sums of each step's
+    counts recomputed from its results (top-k entries, miss counts, evictions)."""
+    g = torch.Generator().manual_seed(5)
+    with _cpu_runtime() as rt:
+        rt.reserve(0, 8)
+        rt.append(
+            0, [0] * 8, torch.arange(8), torch.randn(8, DC, generator=g), torch.randn(8, DR, generator=g)
+        )
+        rt.append(
+            1, [0] * 8, torch.arange(8), torch.randn(8, DC, generator=g), torch.randn(8, DR, generator=g)
+        )
+        want = {"hits": 0, "misses": 0, "evictions": 0}
+        per_layer = [dict.fromkeys(want, 0) for _ in range(2)]
+        for n in (3, 5, 8, 8, 8):
+            for layer, r in enumerate(
+                _two_layer_step(rt, lambda idx, bt, prev, n=n: DecodeRows([0], torch.tensor([n]), bt), g, n)
+            ):
+                valid = int((r.topk >= 0).sum())
+                misses = int(r.residency.miss_count.sum())
+                counts = {
+                    "hits": valid - misses,
+                    "misses": misses,
+                    "evictions": int(r.residency.evictions.sum()),
+                }
+                for k, v in counts.items():
+                    want[k] += v
+                    per_layer[layer][k] += v
+        got = rt.counters.snapshot()
+        assert {k: got[k] for k in want} == want and want["hits"] > 0 and want["evictions"] > 0
+        assert got["bytes_h2d"] == want["misses"] * rt.pool.row_bytes
+        for layer, c in enumerate(rt.layer_counters):
+            assert {k: c.get(k) for k in want} == per_layer[layer]
+        assert rt.counters.snapshot() == got  # reading again adds nothing

@@ -50,13 +50,20 @@ from torch_kvoffload.sparse.hot import HotBuffers
 from torch_kvoffload.sparse.residency import ResidencyTable
 from torch_kvoffload.sparse.rows import RowMap, RowPlan
 from torch_kvoffload.sparse.stats import COUNTER_NAMES, StepCounters
-from torch_kvoffload.sparse.step_inputs import DecodeRows, IndexerInputs, check_step
+from torch_kvoffload.sparse.step_inputs import (
+    CheckedRows,
+    DecodeRows,
+    IndexerInputs,
+    check_rows,
+    check_step,
+    check_step_checked,
+)
 from torch_kvoffload.sparse.step_outputs import PreparedStep, StepOutputs, StepResult
 from torch_kvoffload.sparse.step_path import check_device_capacity, resolve_step_path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COUNTER_NAMES", "DecodeRows", "IndexerInputs", "SparseDecodeOffload", "StepResult"]
+__all__ = ["COUNTER_NAMES", "CheckedRows", "DecodeRows", "IndexerInputs", "SparseDecodeOffload", "StepResult"]
 
 
 class SparseDecodeOffload:
@@ -144,6 +151,7 @@ class SparseDecodeOffload:
         self._outputs = outputs
         self._host_step = HostStep(config, pool, self._hot, outputs, self.device)
         self._step = DeviceStep(config, pool, self._hot, outputs, self.device) if self._device_step else None
+        self._epoch = 0  # bumped when requests are reserved / released or the hot buffers resized
         self._closed = False
 
     def _check_pool(self, pool: HostKVPool, kv_lora_rank: int, rope_dim: int) -> None:
@@ -230,6 +238,7 @@ class SparseDecodeOffload:
 
         A reader rank replays the writer's reservations so that its pool object knows the block tables.
         """
+        self._epoch += 1
         self.pool.allocate(request_id, num_tokens)
 
     def release(self, request_id: int) -> None:
@@ -239,6 +248,7 @@ class SparseDecodeOffload:
         """
         request_id = check_int("SparseDecodeOffload.release", "request_id", request_id, minimum=0)
         self.sync()
+        self._epoch += 1
         self.pool.free(request_id)
         self._hot.release(request_id)
 
@@ -265,6 +275,7 @@ class SparseDecodeOffload:
         if self._device_path:
             check_device_capacity(where, capacity)
         self.sync()
+        self._epoch += 1
         self._hot.resize(capacity, top_k)
         # per-layer outputs and scratch state are shaped by top_k / capacity
         self._outputs.clear()
@@ -300,6 +311,21 @@ class SparseDecodeOffload:
         self._appender.sync()
 
     # ----------------------------------------------------------------------------------- attend
+    def check_rows(
+        self, rows: DecodeRows, cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor
+    ) -> CheckedRows:
+        """Check ``rows`` and the indexer's ``cu_seqlens_q int32 [B + 1]`` / ``seq_lens_k int32 [B]`` once
+        for the steps of every layer of a forward (what :meth:`attend` checks of them per layer).
+
+        The returned :class:`CheckedRows` stand for ``rows`` in :meth:`attend` calls whose indexer inputs
+        hold these same two tensors, unmodified, until the next :meth:`reserve`, :meth:`release` or
+        :meth:`resize_hot` (after which :meth:`attend` rejects them).
+        """
+        return check_rows(
+            "SparseDecodeOffload.check_rows", rows, cu_seqlens_q, seq_lens_k, pool=self.pool,
+            max_rows=self.max_rows, device=self.device, epoch=self._epoch,
+        )  # fmt: skip
+
     def attend(
         self,
         layer: int,
@@ -307,20 +333,25 @@ class SparseDecodeOffload:
         q_pe: torch.Tensor,
         scale: float,
         indexer: IndexerInputs,
-        rows: DecodeRows,
+        rows: DecodeRows | CheckedRows,
     ) -> StepResult:
         """Steps 3–7 for ``layer``: select, manage, copy misses, sparse attention over the hot rows.
 
         ``q_nope [T, H, Dc]``, ``q_pe [T, H, Dr]`` (absorbed queries, the KV dtype, on the compute
         device); ``indexer`` and ``rows`` describe the same ``T`` decode rows. Every argument is checked
         before anything changes; see :func:`torch_kvoffload.sparse.step_inputs.check_block_coverage` for
-        the block-table checks.
+        the block-table checks. ``rows`` from :meth:`check_rows` skip the checks made there (the same
+        rows for every layer of a forward).
         """
         where = "SparseDecodeOffload.attend"
-        ids, stable, host_bt = check_step(
-            where, layer, q_nope, q_pe, scale, indexer, rows, pool=self.pool, max_rows=self.max_rows,
-            dtype=self.dtype, device=self.device, int8_indexer=self.config.indexer_dtype == "int8",
-        )  # fmt: skip
+        kw = dict(pool=self.pool, max_rows=self.max_rows, dtype=self.dtype, device=self.device,
+                  int8_indexer=self.config.indexer_dtype == "int8")  # fmt: skip
+        if isinstance(rows, CheckedRows):
+            ids, stable, host_bt = check_step_checked(
+                where, layer, q_nope, q_pe, scale, indexer, rows, **kw, epoch=self._epoch
+            )
+        else:
+            ids, stable, host_bt = check_step(where, layer, q_nope, q_pe, scale, indexer, rows, **kw)
         if self._step is not None:
             self._step.host_constants(indexer)
         plan = self.rows.plan(where, ids)

@@ -20,24 +20,24 @@ _TALLY_NAMES = ("hits", "misses", "evictions", "rows_h2d")
 class StepCounters:
     """:data:`COUNTER_NAMES` per layer (:attr:`layers`) and over every layer (:attr:`total`).
 
-    ``row_bytes``: bytes of one host-pool row (``kv_c`` + ``k_pe`` of one layer). With ``tally_device``
-    (the device path) a step's hits, misses, evictions and copied rows are added in place to an ``int64
-    [4]`` tally per layer on that device, moved into the counters only by :meth:`fold` (a device sync),
-    so a step reads nothing back and can be captured in a CUDA graph. Safe to bump from transfer threads.
+    ``row_bytes``: bytes of one host-pool row (``kv_c`` + ``k_pe`` of one layer). A step's hits, misses,
+    evictions and copied rows are added in place to an ``int64 [4]`` tally per layer, moved into the
+    counters only by :meth:`fold` (when they are read). With ``tally_device`` (the device path) the
+    tallies live on that device, so a step reads nothing back (the fold is a device sync) and can be
+    captured in a CUDA graph; otherwise on the CPU, where one in-place add per step costs less than
+    bumping eight counters. Safe to bump from transfer threads.
     """
 
     def __init__(self, num_layers: int, row_bytes: int, tally_device: torch.device | None = None) -> None:
         self.row_bytes = row_bytes
         self.layers = [Counters(COUNTER_NAMES) for _ in range(num_layers)]
         self.total = Counters(COUNTER_NAMES)
-        self._tally = (
-            [
-                torch.zeros(len(_TALLY_NAMES), dtype=torch.int64, device=tally_device)
-                for _ in range(num_layers)
-            ]
-            if tally_device is not None
-            else []
-        )
+        self._on_device = tally_device is not None
+        where = tally_device if tally_device is not None else torch.device("cpu")
+        self._tally = [
+            torch.zeros(len(_TALLY_NAMES), dtype=torch.int64, device=where) for _ in range(num_layers)
+        ]
+        self._copied = [0] * num_layers  # rows copied by steps that counted them on the host (ints)
         self._tally_lock = threading.Lock()
 
     def count(self, layer: int, name: str, amount: float | torch.Tensor) -> None:
@@ -52,28 +52,35 @@ class StepCounters:
         self, layer: int, topk: torch.Tensor, res: ResidencyOutputs, copied: int | torch.Tensor
     ) -> None:
         """Count a committed step of ``int32 topk [T, K]`` that copied ``copied`` rows host→device."""
-        if self._tally:  # device tallies, in place (a CUDA graph replay adds to them too)
-            counts = step_counts(topk, res)
-            tally = self._tally[layer]
+        counts = step_counts(topk, res)
+        tally = self._tally[layer]
+        if self._on_device:  # in place on the device (a CUDA graph replay adds to them too)
             if isinstance(copied, torch.Tensor):
                 tally.add_(torch.stack([counts["hits"], counts["misses"], counts["evictions"], copied]))
             else:
                 tally[:3].add_(torch.stack([counts["hits"], counts["misses"], counts["evictions"]]))
                 tally[3].add_(copied)
             return
-        for name, amount in (*step_counts(topk, res).items(), ("bytes_h2d", copied * self.row_bytes)):
-            self.count(layer, name, amount)
+        parts = [counts["hits"], counts["misses"], counts["evictions"]]
+        if isinstance(copied, torch.Tensor):
+            parts.append(copied.to(torch.int64))
+            copied = 0
+        step = torch.stack(parts)
+        with self._tally_lock:
+            tally[: len(parts)].add_(step)
+            self._copied[layer] += copied
 
     def fold(self) -> None:
-        """Move the device tallies into the counters (a device synchronisation: only when read)."""
-        if not self._tally:
-            return
+        """Move the tallies into the counters (on the device path a device synchronisation: only when
+        read)."""
         with self._tally_lock:
             for layer, tally in enumerate(self._tally):
                 values = tally.tolist()
+                values[3] += self._copied[layer]
                 if not any(values):
                     continue
                 tally.zero_()
+                self._copied[layer] = 0
                 for name, v in zip(_TALLY_NAMES, values, strict=True):
                     if name == "rows_h2d":
                         name, v = "bytes_h2d", v * self.row_bytes

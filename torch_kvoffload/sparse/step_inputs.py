@@ -18,7 +18,15 @@ import torch
 from torch_kvoffload.sparse._checks import check_layer, check_scale, check_tensor, host_ints
 from torch_kvoffload.sparse.host_pool import HostKVPool
 
-__all__ = ["DecodeRows", "IndexerInputs", "check_block_coverage", "check_step"]
+__all__ = [
+    "CheckedRows",
+    "DecodeRows",
+    "IndexerInputs",
+    "check_block_coverage",
+    "check_rows",
+    "check_step",
+    "check_step_checked",
+]
 
 
 @dataclass
@@ -57,6 +65,32 @@ class DecodeRows:
     host_block_table: torch.Tensor
 
 
+@dataclass(frozen=True)
+class CheckedRows:
+    """:class:`DecodeRows` checked once for the steps of one forward (every layer), from
+    :meth:`~torch_kvoffload.sparse.SparseDecodeOffload.check_rows`.
+
+    ``request_ids`` (``T`` ints), ``stable_len int64 [T]`` and ``host_block_table int32 [T, W]`` passed
+    the checks of :func:`check_rows` against the indexer's ``cu_seqlens_q`` / ``seq_lens_k``. They stay
+    valid while those tensors are the same objects, unmodified (``versions``: their and the rows'
+    tensors' version counters), and the runtime's requests did not change (``epoch``).
+    """
+
+    request_ids: list[int]
+    stable_len: torch.Tensor
+    host_block_table: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens_k: torch.Tensor
+    epoch: int
+    versions: tuple[int, int, int, int]
+
+    def current_versions(self) -> tuple[int, int, int, int]:
+        return tuple(t._version for t in self._tensors())  # type: ignore[return-value]
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.stable_len, self.host_block_table, self.cu_seqlens_q, self.seq_lens_k)
+
+
 def check_step(
     where: str,
     layer: object,
@@ -80,6 +114,94 @@ def check_step(
     rows, with the int8 caches when ``int8_indexer`` else ``k_cache``; then
     :func:`check_block_coverage`.
     """
+    T = _check_queries(where, layer, q_nope, q_pe, scale, pool=pool, max_rows=max_rows, dtype=dtype,
+                       device=device)  # fmt: skip
+    if not isinstance(rows, DecodeRows):
+        raise TypeError(f"{where}: 'rows' must be a DecodeRows, got {type(rows).__name__}")
+    if not isinstance(indexer, IndexerInputs):
+        raise TypeError(f"{where}: 'indexer' must be IndexerInputs, got {type(indexer).__name__}")
+    ids, stable, host_bt = _check_rows(where, rows, T, device)
+    cu, lens = _check_indexer(where, indexer, T, device, int8_indexer)
+    check_block_coverage(where, pool, ids, host_bt, cu, lens)
+    return ids, stable, host_bt
+
+
+def check_rows(
+    where: str,
+    rows: object,
+    cu_seqlens_q: object,
+    seq_lens_k: object,
+    *,
+    pool: HostKVPool,
+    max_rows: int,
+    device: torch.device,
+    epoch: int,
+) -> CheckedRows:
+    """The checks :func:`check_step` runs on ``rows`` (a :class:`DecodeRows` of ``1..max_rows`` rows),
+    on the indexer's ``cu_seqlens_q int32 [B + 1]`` / ``seq_lens_k int32 [B]`` and on the block
+    coverage, once for every layer of a forward; returns the :class:`CheckedRows`."""
+    if not isinstance(rows, DecodeRows):
+        raise TypeError(f"{where}: 'rows' must be a DecodeRows, got {type(rows).__name__}")
+    ids = rows.request_ids
+    T = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() == 1 else None
+    if T is None:
+        T = len(ids) if isinstance(ids, Sequence) and not isinstance(ids, str | bytes) else 0
+    if not 1 <= T <= max_rows:
+        raise ValueError(f"{where}: {T} decode rows, expected 1..max_rows={max_rows}")
+    ids, stable, host_bt = _check_rows(where, rows, T, device)
+    dev = (device,)
+    cu = check_tensor(where, "indexer.cu_seqlens_q", cu_seqlens_q, dim=1, dtypes=(torch.int32,), devices=dev)
+    lens = check_tensor(where, "indexer.seq_lens_k", seq_lens_k, shape=(cu.shape[0] - 1,),
+                        dtypes=(torch.int32,), devices=dev)  # fmt: skip
+    check_block_coverage(where, pool, ids, host_bt, cu, lens)
+    versions = (stable._version, host_bt._version, cu._version, lens._version)
+    return CheckedRows(ids, stable, host_bt, cu, lens, epoch, versions)
+
+
+def check_step_checked(
+    where: str,
+    layer: object,
+    q_nope: object,
+    q_pe: object,
+    scale: object,
+    indexer: object,
+    rows: CheckedRows,
+    *,
+    pool: HostKVPool,
+    max_rows: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    int8_indexer: bool,
+    epoch: int,
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """:func:`check_step` for rows checked by :func:`check_rows`: the per-layer checks, and that ``rows``
+    still describe these steps (same ``T``, the indexer's ``cu_seqlens_q`` / ``seq_lens_k`` the tensors
+    they were checked with, unmodified, no request reserved or released since: ``epoch``)."""
+    T = _check_queries(where, layer, q_nope, q_pe, scale, pool=pool, max_rows=max_rows, dtype=dtype,
+                       device=device)  # fmt: skip
+    if not isinstance(indexer, IndexerInputs):
+        raise TypeError(f"{where}: 'indexer' must be IndexerInputs, got {type(indexer).__name__}")
+    if len(rows.request_ids) != T:
+        raise ValueError(f"{where}: the checked rows hold {len(rows.request_ids)} rows, q_nope {T}")
+    cu, lens = _check_indexer(where, indexer, T, device, int8_indexer)
+    if cu is not rows.cu_seqlens_q or lens is not rows.seq_lens_k:
+        raise ValueError(
+            f"{where}: the checked rows were checked with other indexer.cu_seqlens_q / seq_lens_k tensors; "
+            "check_rows() them with this step's"
+        )
+    if rows.epoch != epoch or rows.current_versions() != rows.versions:
+        raise ValueError(
+            f"{where}: the checked rows are stale (a request was reserved or released, or their tensors "
+            "were modified since check_rows()); check them again"
+        )
+    return rows.request_ids, rows.stable_len, rows.host_block_table
+
+
+def _check_queries(
+    where: str, layer: object, q_nope: object, q_pe: object, scale: object, *, pool: HostKVPool,
+    max_rows: int, dtype: torch.dtype, device: torch.device,
+) -> int:  # fmt: skip
+    """``layer``, ``q_nope [T, H, Dc]``, ``q_pe [T, H, Dr]`` and ``scale``; returns ``T``."""
     check_layer(where, layer, pool.num_layers)
     dev = (device,)
     Dc, Dr = pool.kv_lora_rank, pool.rope_dim
@@ -89,10 +211,13 @@ def check_step(
         raise ValueError(f"{where}: {T} decode rows, expected 1..max_rows={max_rows}")
     check_tensor(where, "q_pe", q_pe, shape=(T, H, Dr), dtypes=(dtype,), devices=dev)
     check_scale(where, scale)
-    if not isinstance(rows, DecodeRows):
-        raise TypeError(f"{where}: 'rows' must be a DecodeRows, got {type(rows).__name__}")
-    if not isinstance(indexer, IndexerInputs):
-        raise TypeError(f"{where}: 'indexer' must be IndexerInputs, got {type(indexer).__name__}")
+    return T
+
+
+def _check_rows(
+    where: str, rows: DecodeRows, T: int, device: torch.device
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """``rows``' request ids (``T`` ints), ``stable_len int64 [T]`` and ``host_block_table int32 [T, W]``."""
     ids = host_ints(where, "rows.request_ids", rows.request_ids, T)
     stable = check_tensor(where, "rows.stable_len", rows.stable_len, shape=(T,), dtypes=(torch.int64,),
                           devices=(torch.device("cpu"), device))  # fmt: skip
@@ -102,6 +227,14 @@ def check_step(
                            devices=(torch.device("cpu"), device))  # fmt: skip
     if host_bt.shape[0] != T:
         raise ValueError(f"{where}: rows.host_block_table must have {T} rows, got {list(host_bt.shape)}")
+    return ids, stable, host_bt
+
+
+def _check_indexer(
+    where: str, indexer: IndexerInputs, T: int, device: torch.device, int8_indexer: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``indexer``'s tensors for ``T`` query rows; returns ``(cu_seqlens_q, seq_lens_k)``."""
+    dev = (device,)
     check_tensor(where, "indexer.q", indexer.q, dim=3, devices=dev)
     if indexer.q.shape[0] != T:
         raise ValueError(f"{where}: indexer.q must have {T} rows (T of q_nope), got {list(indexer.q.shape)}")
@@ -123,8 +256,7 @@ def check_step(
         if indexer.k_cache is None:
             raise ValueError(f"{where}: the floating indexer path needs indexer.k_cache")
         check_tensor(where, "indexer.k_cache", indexer.k_cache, dim=3, devices=dev)
-    check_block_coverage(where, pool, ids, host_bt, cu, lens)
-    return ids, stable, host_bt
+    return cu, lens
 
 
 def check_block_coverage(

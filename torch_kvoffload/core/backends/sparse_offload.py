@@ -30,6 +30,7 @@ from torch_kvoffload.core.requests import Request
 from torch_kvoffload.core.spec import ModelSpec
 from torch_kvoffload.counters import Counters
 from torch_kvoffload.sparse import DecodeRows, IndexerInputs, SparseDecodeOffload
+from torch_kvoffload.sparse.step_inputs import CheckedRows
 
 __all__ = ["SparseOffloadBackend"]
 
@@ -47,6 +48,10 @@ class SparseOffloadBackend(KVBackend):
         self._layout: KVLayout | None = None
         self._reserved: list[int] = []  # request ids holding host-pool blocks
         self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # this forward's rows per layer
+        # per forward (the plan they were made for): the request id of each new row, and a decode
+        # forward's request ids, lengths and host block table, checked once for every layer
+        self._write_ids: tuple[ForwardPlan, list[int]] | None = None
+        self._decode_rows: tuple[ForwardPlan, CheckedRows] | None = None
         self.counters = Counters(("prefill_host_bytes_h2d",))
 
     # -------------------------------------------------------------------------------- sizing
@@ -108,9 +113,11 @@ class SparseOffloadBackend(KVBackend):
     # ------------------------------------------------------------------------------ forwards
     def begin_forward(self, fwd: ForwardPlan) -> None:
         self._rows = {}
+        self._decode_rows = self._write_ids = None
 
     def end_forward(self, fwd: ForwardPlan) -> None:
         self._rows = {}
+        self._decode_rows = self._write_ids = None
 
     # ------------------------------------------------------------------------------ per layer
     def layer_caches(self, layer: int) -> list[torch.Tensor]:
@@ -122,8 +129,9 @@ class SparseOffloadBackend(KVBackend):
     def write(self, layer: int, fwd: ForwardPlan, rows: NewRows) -> None:
         rt = self.runtime
         assert rt is not None and rows.index_k is not None
-        ids = [fwd.requests[r].id for r in fwd.row.tolist()]
-        rt.append(layer, ids, fwd.pos, rows.kv_c, rows.k_pe)
+        if self._write_ids is None or self._write_ids[0] is not fwd:
+            self._write_ids = (fwd, [fwd.requests[r].id for r in fwd.row.tolist()])
+        rt.append(layer, self._write_ids[1], fwd.pos, rows.kv_c, rows.k_pe)
         self.index.write_keys(layer, fwd.index_phys, rows.index_k)
         if not fwd.decode and not fwd.layerwise:
             self._rows[layer] = (rows.kv_c, rows.k_pe)
@@ -178,12 +186,15 @@ class SparseOffloadBackend(KVBackend):
         else:
             common["q"] = q.index_q.to(cache[0].dtype)
             indexer = IndexerInputs(**common, k_cache=cache[0])
-        ids = fwd.request_ids
-        rows = DecodeRows(
-            request_ids=torch.tensor(ids, dtype=torch.int64),
-            stable_len=torch.tensor(fwd.new_len, dtype=torch.int64),
-            host_block_table=rt.pool.block_table(ids, max_blocks=layout.blocks_per_request),
-        )
+        if self._decode_rows is None or self._decode_rows[0] is not fwd:
+            ids = fwd.request_ids
+            decode_rows = DecodeRows(
+                request_ids=torch.tensor(ids, dtype=torch.int64),
+                stable_len=torch.tensor(fwd.new_len, dtype=torch.int64),
+                host_block_table=rt.pool.block_table(ids, max_blocks=layout.blocks_per_request),
+            )
+            self._decode_rows = (fwd, rt.check_rows(decode_rows, fwd.cu_seqlens_q, fwd.seq_lens_k))
+        rows = self._decode_rows[1]
         return rt.attend(layer, q.q_nope.contiguous(), q.q_pe.contiguous(), q.scale, indexer, rows).out
 
     # ------------------------------------------------------------------------------ accounting

@@ -271,8 +271,11 @@ class HostKVPool:
         self.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        # no module globals here: at interpreter exit they may already be None
+        try:  # noqa: SIM105
             self.close()
+        except Exception:
+            pass
 
     # -------------------------------------------------------------------------------------- storage
     def kv_c(self, layer: int) -> torch.Tensor:

@@ -140,7 +140,7 @@ class SparseDecodeOffload:
         )  # fmt: skip
         self._device_path = resolve_step_path(where, step_path, self.device, pool, self.capacity)
         self._device_step = self._device_path and config.fused
-        self._counters = StepCounters(num_layers, pool.row_bytes, self.device if self._device_path else None)
+        self._counters = StepCounters(num_layers, pool.row_bytes, self.device)
         self._appender = RowAppender(
             pool, self._counters, writer=writer, dtype=self.dtype, device=self.device,
             device_path=self._device_path, fence_timeout=self.fence_timeout,

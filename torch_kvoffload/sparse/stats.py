@@ -21,23 +21,23 @@ class StepCounters:
     """:data:`COUNTER_NAMES` per layer (:attr:`layers`) and over every layer (:attr:`total`).
 
     ``row_bytes``: bytes of one host-pool row (``kv_c`` + ``k_pe`` of one layer). A step's hits, misses,
-    evictions and copied rows are added in place to an ``int64 [4]`` tally per layer, moved into the
-    counters only by :meth:`fold` (when they are read). With ``tally_device`` (the device path) the
-    tallies live on that device, so a step reads nothing back (the fold is a device sync) and can be
-    captured in a CUDA graph; otherwise on the CPU, where one in-place add per step costs less than
-    bumping eight counters. Safe to bump from transfer threads.
+    evictions and copied rows are added in place to an ``int64 [4]`` tally per layer on ``tally_device``
+    (the steps' device, default CPU), moved into the counters only by :meth:`fold` (when they are read).
+    On an accelerator a step so reads nothing back (the fold is a device sync) and can be captured in a
+    CUDA graph; on the CPU one in-place add per step costs less than bumping eight counters. Safe to
+    bump from transfer threads.
     """
 
     def __init__(self, num_layers: int, row_bytes: int, tally_device: torch.device | None = None) -> None:
         self.row_bytes = row_bytes
         self.layers = [Counters(COUNTER_NAMES) for _ in range(num_layers)]
         self.total = Counters(COUNTER_NAMES)
-        self._on_device = tally_device is not None
         where = tally_device if tally_device is not None else torch.device("cpu")
+        self._on_device = where.type != "cpu"
         self._tally = [
             torch.zeros(len(_TALLY_NAMES), dtype=torch.int64, device=where) for _ in range(num_layers)
         ]
-        self._copied = [0] * num_layers  # rows copied by steps that counted them on the host (ints)
+        self._copied = [0] * num_layers  # rows copied by CPU steps that counted them as ints
         self._tally_lock = threading.Lock()
 
     def count(self, layer: int, name: str, amount: float | torch.Tensor) -> None:

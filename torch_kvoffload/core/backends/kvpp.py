@@ -20,7 +20,7 @@ from torch_kvoffload.core.kv_backend import IndexerView, KeyRows, KVBackend, New
 from torch_kvoffload.core.layout import KVLayout
 from torch_kvoffload.core.requests import Request
 from torch_kvoffload.core.spec import ModelSpec
-from torch_kvoffload.counters import Counters
+from torch_kvoffload.core.totals import RuntimeTotals
 from torch_kvoffload.kvpp import BundleSpec, KVPPConfig, KVPPRuntime, create_kvpp_group
 
 __all__ = ["KVPPBackend"]
@@ -59,7 +59,7 @@ class KVPPBackend(KVBackend):
         self.group = create_kvpp_group(dp=1, pp=1, pcp=cfg.pcp_size, tp=cfg.tp_size, device=spec.device)
         self.runtime: KVPPRuntime | None = None
         self._layout: KVLayout | None = None
-        self._totals = Counters(_TOTALS)
+        self._totals = RuntimeTotals(_TOTALS)
 
     @property
     def built(self) -> bool:
@@ -84,12 +84,8 @@ class KVPPBackend(KVBackend):
 
     def free(self) -> None:
         rt, self.runtime = self.runtime, None
-        if rt is None:
-            return
-        snap = rt.counters.snapshot()
-        for k in _TOTALS:
-            self._totals.add(k, snap.get(k, 0))
-        rt.close()
+        if rt is not None:
+            self._totals.retire(rt)
 
     def begin_forward(self, fwd: ForwardPlan) -> None:
         """Schedule the forward with the blocks holding each request's tokens before it (``int64 [B, M]``,
@@ -136,12 +132,8 @@ class KVPPBackend(KVBackend):
         return [*alloc.persistent.values(), *alloc.draft.values(), *alloc.scratch]
 
     def stats(self) -> dict[str, float]:
-        kv = self._totals.snapshot()
-        alloc = None
-        if self.runtime is not None:
-            snap = self.runtime.counters.snapshot()
-            kv = {k: kv[k] + snap.get(k, 0) for k in _TOTALS}
-            alloc = self.runtime.allocation
+        kv = self._totals.snapshot(self.runtime)
+        alloc = self.runtime.allocation if self.runtime is not None else None
         return {
             "broadcasts": kv["broadcasts"],
             "bytes_broadcast": kv["bytes_broadcast"],

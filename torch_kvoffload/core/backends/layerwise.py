@@ -30,7 +30,7 @@ from torch_kvoffload.core.kv_backend import IndexerView, KeyRows, KVBackend, New
 from torch_kvoffload.core.layout import KVLayout
 from torch_kvoffload.core.requests import Request
 from torch_kvoffload.core.spec import ModelSpec
-from torch_kvoffload.counters import Counters
+from torch_kvoffload.core.totals import RuntimeTotals
 from torch_kvoffload.layerwise import (
     LayerCacheSpec,
     LayerwiseConfig,
@@ -105,7 +105,7 @@ class LayerwiseBackend(KVBackend):
         self.runtime: LayerwiseOffloadRuntime | None = None
         self._tails: list[tuple[torch.Tensor, ...]] = []
         self._layout: KVLayout | None = None
-        self._totals = Counters(_TOTALS)
+        self._totals = RuntimeTotals(_TOTALS)
         self._pass: _Pass | None = None
 
     # -------------------------------------------------------------------------------- sizing
@@ -172,12 +172,8 @@ class LayerwiseBackend(KVBackend):
 
     def _retire(self) -> None:
         rt, self.runtime = self.runtime, None
-        if rt is None:
-            return
-        snap = rt.counters.snapshot()
-        for k in _TOTALS:
-            self._totals.add(k, snap.get(k, 0))
-        rt.close()
+        if rt is not None:
+            self._totals.retire(rt)
 
     # ------------------------------------------------------------------------------ forwards
     def takes_part(self, fwd: ForwardPlan) -> bool:
@@ -305,10 +301,7 @@ class LayerwiseBackend(KVBackend):
         return out
 
     def stats(self) -> dict[str, float]:
-        lw = self._totals.snapshot()
-        if self.runtime is not None:
-            snap = self.runtime.counters.snapshot()
-            lw = {k: lw[k] + snap.get(k, 0) for k in _TOTALS}
+        lw = self._totals.snapshot(self.runtime)
         store = self.store.counters.snapshot()
         return {
             "bytes_h2d": lw["bytes_loaded"],

@@ -308,3 +308,31 @@ def test_layerwise_buffers_follow_each_request():
         buffers = 3 * B * -(-tokens // BS) * BS * row  # 1 + num_shared_buffers (2) physical buffers
         tails = L * B * min(BS, tokens) * row
         assert torch_kvoffload.stats(model)["device_kv_bytes"] == buffers + tails, (lengths, new)
+
+
+@pytest.mark.parametrize("config", [{"sparse": {}}, None], ids=["sparse", "default"])
+def test_a_sequence_growing_past_the_top_k_selects_the_configured_top_k(config):
+    """Forwards without a plan size the caches for the first forward's width (here below ``index_topk``,
+    so the hot buffers are clipped to it); each later step grows them, and the selection must come back to
+    the configured top-k as the context passes it: logits equal the unmodified model's at every step."""
+    model = build_model("deepseek_v32")
+    ref = copy.deepcopy(model)
+    torch_kvoffload.offload(model, config)  # blocks of 128: the host pool's reservation covers the growth
+    ids, mask = left_padded_batch([6, 4], seed=3)
+    top_k = model.config.index_topk
+    assert ids.shape[1] < top_k
+    from transformers import DynamicCache
+
+    ref_cache, cache = DynamicCache(config=ref.config), session_of(model).new_cache()
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask, cache=ref_cache).logits
+        got = model(ids, attention_mask=mask, cache=cache).logits
+        torch.testing.assert_close(got[mask.bool()], want[mask.bool()])
+        g = torch.Generator().manual_seed(5)
+        for step in range(top_k - ids.shape[1] + 4):
+            nxt = torch.randint(3, 1000, (2, 1), generator=g)
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+            want = ref(nxt, attention_mask=mask, cache=ref_cache).logits
+            got = model(nxt, attention_mask=mask, cache=cache).logits
+            torch.testing.assert_close(got, want, msg=lambda m: f"step {step}: {m}")
+    assert torch_kvoffload.stats(model)["resizes"] > 1

@@ -46,6 +46,7 @@ class SparseOffloadBackend(KVBackend):
         self.runtime: SparseDecodeOffload | None = None
         self.index = IndexerCache(spec, int8=config.sparse.indexer_dtype == "int8")
         self._layout: KVLayout | None = None
+        self._configured = (0, 0)  # (top_k, hot capacity) of the configuration, before clipping to a layout
         self._reserved: list[int] = []  # request ids holding host-pool blocks
         self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # this forward's rows per layer
         # per forward (the plan they were made for): the request id of each new row, and a decode
@@ -72,14 +73,15 @@ class SparseOffloadBackend(KVBackend):
         self._layout = layout
         if live and self.runtime is not None:
             self.index.allocate(layout, live)
-            cfg = self.runtime.config
-            k, cap = self._hot_sizes(layout, cfg.top_k, cfg.hot_capacity)
+            # the configured sizes, not the runtime's: those were clipped to the layout it was built for
+            k, cap = self._hot_sizes(layout, *self._configured)
             if (k, cap) != (self.runtime.top_k, self.runtime.capacity):
                 self.runtime.resize_hot(cap, k)
             return
         self.free()
         spec = self.spec
         scfg = self.config.sparse_config(spec, host_pool_blocks=layout.num_blocks)
+        self._configured = (scfg.top_k, scfg.hot_capacity)
         k, cap = self._hot_sizes(layout, scfg.top_k, scfg.hot_capacity)
         scfg = scfg.model_copy(update={"top_k": k, "capacity": cap})
         self.runtime = SparseDecodeOffload(

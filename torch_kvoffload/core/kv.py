@@ -8,7 +8,8 @@ KVLayout` every device cache is sized for, and the backends the configuration en
   when the layout changes; a P/D node keeps sizes that suffice) and :meth:`grow` (live requests need more
   tokens: every backend grows in place, or the growth is refused before anything changes);
 * requests: :meth:`admit` / :meth:`finish`, each request independently (a request may finish while others
-  continue; its slot is reused by the next admission);
+  continue; its slot is reused by the next admission); :meth:`fork` (a new request continuing a live one:
+  beam search) and :meth:`truncate` (drop a request's last rows: assisted decoding);
 * forwards: :meth:`begin_forward` plans the index tensors of a forward over some live requests and begins
   it on the backends that take part; per layer :meth:`write` and :meth:`attend`; :meth:`end_forward` /
   :meth:`abort_forward`; :meth:`retry_caps` / :meth:`restart` run a layerwise forward again whose stored
@@ -209,6 +210,43 @@ class KVCore:
                 "offload session %s: releasing requests failed (%s); caches rebuilt", self.name, exc
             )
             self.discard()
+
+    def fork(self, request_id: int) -> Request:
+        """A new request in a free slot continuing live request ``request_id``: every backend gives it a
+        copy of the source's rows (:meth:`KVBackend.fork`), and it takes the source's tokens. Between
+        forwards only; ``ValueError`` when no slot is free; on any failure nothing stays admitted."""
+        if self.forward is not None:
+            raise RuntimeError("KVCore.fork: a forward is running")
+        assert self.layout is not None, "KVCore.fork before size()"
+        src = self.requests.get(request_id)
+        (dst,) = self.admit(1)
+        try:
+            for b in self.backends.all:
+                b.fork(self.layout, src, dst)
+        except BaseException:
+            self.finish([dst.id])
+            raise
+        dst.tokens, dst.keyed = list(src.tokens), src.keyed
+        return dst
+
+    def truncate(self, request_id: int, length: int) -> None:
+        """Live request ``request_id`` keeps its first ``length`` tokens (``0 <= length <= its length``);
+        every backend drops the later rows (:meth:`KVBackend.truncate`). Between forwards only. A backend
+        failing part way leaves the request unusable: it is finished and the error propagates."""
+        if self.forward is not None:
+            raise RuntimeError("KVCore.truncate: a forward is running")
+        r = self.requests.get(request_id)
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= r.length:
+            raise ValueError(f"KVCore.truncate: length must be an int in [0, {r.length}], got {length!r}")
+        if length == r.length:
+            return
+        try:
+            for b in self.backends.all:
+                b.truncate(r, length)
+        except BaseException:
+            self.finish([r.id])
+            raise
+        del r.tokens[length:]
 
     # ---------------------------------------------------------------------------------- forwards
     def _taking_part(self, fwd: ForwardPlan) -> list[KVBackend]:

@@ -69,13 +69,14 @@ class IndexerView(NamedTuple):
 
 
 class KVBackend:
-    """One feature's KV (see the module docstring). Every method has a neutral default, so a backend
-    defines only what its feature does.
+    """One feature's KV (see the module docstring). Every method but :meth:`fork` / :meth:`truncate` has a
+    neutral default, so a backend defines only what its feature does.
 
     Sizing: :meth:`resize` allocates for a layout (``live`` empty) or grows the caches of live requests in
     place (``live`` the running requests, whose rows are kept); :meth:`can_grow` says whether growth to a
     layout is possible at all (checked for every backend before any changes); :meth:`free` drops the
-    device caches (:attr:`built` is then false). Requests: :meth:`admit` / :meth:`release`. Forwards:
+    device caches (:attr:`built` is then false). Requests: :meth:`admit` / :meth:`release`, :meth:`fork` /
+    :meth:`truncate` (no neutral default: a backend says what it does). Forwards:
     :meth:`takes_part`, :meth:`begin_forward`, :meth:`end_forward`, :meth:`abort_forward` (a forward that
     raised: end it, its own error is the one reported). Per layer: :meth:`layer_caches` (the tensors every
     op of the layer takes, declared mutated), :meth:`write`, :meth:`keys`, :meth:`indexer`, :meth:`attend`.
@@ -107,6 +108,21 @@ class KVBackend:
 
     def release(self, request_ids: Sequence[int]) -> None:
         """Requests end; what they hold is freed."""
+
+    def fork(self, layout: KVLayout, src: Request, dst: Request) -> None:
+        """``dst`` (admitted, no tokens yet) continues ``src``: from now on it holds ``src``'s first
+        ``src.length`` rows as its own (beam search, ``num_return_sequences``). Later writes to either do
+        not show in the other. Called between forwards; the core then gives ``dst`` ``src``'s tokens. A
+        backend that keeps no per-request KV has nothing to do; one that cannot fork raises
+        ``NotImplementedError`` naming the feature (nothing changed)."""
+        raise NotImplementedError(f"{self.name}: forking a request (beam search, batch expansion) is not supported")
+
+    def truncate(self, request: Request, length: int) -> None:
+        """``request`` drops its rows from logical position ``length`` on (``0 <= length <=
+        request.length``; ``request.length`` is still the old length when called): the next forward
+        continues at ``length`` and nothing of the dropped rows may show in any later result (assisted
+        decoding's rejected tokens). Called between forwards."""
+        raise NotImplementedError(f"{self.name}: truncating a request (cache cropping) is not supported")
 
     # ------------------------------------------------------------------------------ forwards
     def takes_part(self, fwd: ForwardPlan) -> bool:

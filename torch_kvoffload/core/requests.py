@@ -25,11 +25,17 @@ __all__ = ["Request", "RequestTable"]
 
 @dataclass
 class Request:
-    """One request: ``id``, device ``slot`` and the ``tokens`` (host ints) whose KV is kept, in order."""
+    """One request: ``id``, device ``slot`` and the ``tokens`` (host ints) whose KV is kept, in order.
+
+    ``keyed``: whether ``tokens`` are the token ids the KV was computed from. A request fed embeddings
+    (``inputs_embeds``) has placeholders (``-1``) where no id is known; it is not keyed, for its whole
+    life: a store that keys KV by content neither looks up nor shares its blocks.
+    """
 
     id: int
     slot: int
     tokens: list[int] = field(default_factory=list)
+    keyed: bool = True
 
     @property
     def length(self) -> int:

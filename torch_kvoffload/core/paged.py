@@ -84,6 +84,22 @@ class SlotPages:
         for t, v in zip(self.layers[layer], values, strict=True):
             t.view(-1, *t.shape[2:]).index_copy_(0, rows_at, v.to(t.dtype))
 
+    def copy_rows(self, src_slot: int, dst_slot: int, n: int, layers: Sequence[int] | None = None) -> None:
+        """Copy the first ``n`` rows (logical positions ``0..n-1``) of slot ``src_slot`` to slot
+        ``dst_slot`` in every component of ``layers`` (default: every layer)."""
+        assert self._layout is not None, "SlotPages.copy_rows before allocate()"
+        page, pages = self._layout.page
+        per_slot = page * pages
+        if not 0 <= n <= per_slot or src_slot == dst_slot:
+            raise ValueError(
+                f"SlotPages.copy_rows: n must be in [0, {per_slot}] and the slots must differ, got n={n}, "
+                f"slots {src_slot} -> {dst_slot}"
+            )
+        a, b = src_slot * per_slot, dst_slot * per_slot
+        for layer in range(self.num_layers) if layers is None else layers:
+            for t in self.flat(layer):
+                t[b : b + n] = t[a : a + n]
+
     def flat(self, layer: int) -> list[torch.Tensor]:
         """``layer``'s components as ``[slots * pages * page, width]`` views."""
         return [t.view(-1, *t.shape[2:]) for t in self.layers[layer]]

@@ -335,6 +335,21 @@ class HostKVPool:
         for b in self._tables.pop(request_id, ()):
             heapq.heappush(self._free, b)
 
+    def copy_rows(self, src_id: int, dst_id: int, num_tokens: int) -> None:
+        """Copy positions ``0..num_tokens-1`` of ``src_id`` to the same positions of ``dst_id``, in every
+        layer (a request continuing another: beam search). Both must have those positions allocated
+        (``IndexError`` otherwise, nothing copied). The caller makes sure no append to either is in flight.
+        """
+        where = "HostKVPool.copy_rows"
+        num_tokens = check_int(where, "num_tokens", num_tokens, minimum=0)
+        pos = torch.arange(num_tokens, dtype=torch.int64)
+        src, dst = self.slots(src_id, pos), self.slots(dst_id, pos)
+        if src_id == dst_id or not num_tokens:
+            return
+        for part in (self._kv_c, self._k_pe):
+            flat = part.view(self.num_layers, -1, part.shape[-1])
+            flat.index_copy_(1, dst, flat.index_select(1, src))
+
     def block_table(self, request_ids: Sequence[int], max_blocks: int | None = None) -> torch.Tensor:
         """``int32 [len(request_ids), max_blocks]`` block tables (unused entries and ``-1`` rows: 0)."""
         tables = [self._tables.get(r, []) if r >= 0 else [] for r in request_ids]

@@ -20,7 +20,7 @@ class HotBuffers:
     """Hot buffers, residency tables and row map of ``num_layers`` layers; ``top_k`` rows selected per step.
 
     :meth:`resize` reallocates everything with new sizes (every residency row forgotten);
-    :meth:`release` frees a request's rows.
+    :meth:`release` frees a request's rows, :meth:`truncate` forgets its resident positions from a length on.
     """
 
     def __init__(
@@ -59,6 +59,14 @@ class HotBuffers:
             rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
             for table in self.tables:
                 table.forget_rows(rows_t)
+
+    def truncate(self, request_id: int, length: int) -> None:
+        """Forget ``request_id``'s resident positions ``>= length`` in every layer (it keeps its rows)."""
+        rows = self.rows.rows_of(request_id)
+        if rows:
+            rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            for table in self.tables:
+                table.forget_from(rows_t, length)
 
     def nbytes(self) -> int:
         """Bytes of the hot buffers of every layer."""

@@ -113,6 +113,15 @@ class ResidencyTable:
         padded.scatter_(1, idx, -1)
         self.slot_to_token.index_copy_(0, rows, padded[:, : self.capacity].contiguous())
 
+    def forget_from(self, rows: torch.Tensor, length: int) -> None:
+        """Empty every slot of ``rows`` holding a logical position ``>= length`` (their request dropped
+        those positions: a later row written at one of them must be a miss, not a hit on the old row).
+        The slots keep their place in the order."""
+        self._check_rows("forget_from", rows)
+        stt = self.slot_to_token.index_select(0, rows)
+        stt.masked_fill_(stt >= length, -1)
+        self.slot_to_token.index_copy_(0, rows, stt)
+
     def forget_rows(self, rows: torch.Tensor) -> None:
         """Detach ``rows`` from their request: they are reset at their next update."""
         self._check_rows("forget_rows", rows)

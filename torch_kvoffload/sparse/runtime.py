@@ -252,6 +252,33 @@ class SparseDecodeOffload:
         self.pool.free(request_id)
         self._hot.release(request_id)
 
+    def fork(self, src_id: int, dst_id: int, num_tokens: int) -> None:
+        """``dst_id`` (reserved, no rows yet) continues ``src_id``: positions ``0..num_tokens-1`` of every
+        layer are copied in the host pool (by the writer; a reader replays the call and copies nothing).
+        ``dst_id`` holds no residency rows: its first step loads what it selects from the pool."""
+        where = "SparseDecodeOffload.fork"
+        src_id = check_int(where, "src_id", src_id, minimum=0)
+        dst_id = check_int(where, "dst_id", dst_id, minimum=0)
+        num_tokens = check_int(where, "num_tokens", num_tokens, minimum=0)
+        if src_id == dst_id:
+            raise ValueError(f"{where}: src_id and dst_id must differ, got {src_id} for both")
+        if self.rows.rows_of(dst_id):
+            raise ValueError(f"{where}: request {dst_id} already holds residency rows; fork into a new one")
+        self.sync()  # the appends of earlier forwards are in the pool
+        self._epoch += 1
+        if self.writer:
+            self.pool.copy_rows(src_id, dst_id, num_tokens)
+
+    def truncate(self, request_id: int, length: int) -> None:
+        """``request_id`` drops its positions ``>= length``: every layer forgets them in the hot buffers
+        (the pool rows are replaced by later appends at those positions)."""
+        where = "SparseDecodeOffload.truncate"
+        request_id = check_int(where, "request_id", request_id, minimum=0)
+        length = check_int(where, "length", length, minimum=0)
+        self.sync()
+        self._epoch += 1
+        self._hot.truncate(request_id, length)
+
     def rows_of(self, request_id: int) -> list[int]:
         """The residency (hot-buffer) rows ``request_id`` holds, by its rows' order within a step."""
         return self.rows.rows_of(request_id)

@@ -87,6 +87,24 @@ class KVPPBackend(KVBackend):
         if rt is not None:
             self._totals.retire(rt)
 
+    def fork(self, layout: KVLayout, src: Request, dst: Request) -> None:
+        """Copy ``src``'s rows to ``dst``'s blocks in this rank's persistent bundles (its owned layers and
+        local draft layers). Every rank forks alike, so each owner copies its layers; a non-owned layer's
+        scratch view is filled by the owner's broadcast of ``dst``'s blocks at the next forward."""
+        rt = self.runtime
+        assert rt is not None and self._layout is not None
+        rows = self._layout.blocks_per_request * self.block_size
+        a, b, n = src.slot * rows, dst.slot * rows, src.length
+        alloc = rt.allocation
+        for layer in [*alloc.plan.owned, *alloc.draft]:
+            for comp in rt.caches(layer):
+                flat = comp.view(-1, comp.shape[-1])
+                flat[b : b + n] = flat[a : a + n]
+
+    def truncate(self, request: Request, length: int) -> None:
+        """Nothing to drop: attention and the indexer read a request's first ``seq_lens_k`` rows only, and
+        the next forward rewrites position ``length`` on before reading it."""
+
     def begin_forward(self, fwd: ForwardPlan) -> None:
         """Schedule the forward with the blocks holding each request's tokens before it (``int64 [B, M]``,
         ``-1`` padded): what a broadcast must bring (every rank writes the forward's new rows itself)."""

@@ -112,6 +112,22 @@ class SparseOffloadBackend(KVBackend):
             for rid in gone:
                 rt.release(rid)
 
+    def fork(self, layout: KVLayout, src: Request, dst: Request) -> None:
+        """Copy ``src``'s rows to ``dst``'s host-pool blocks (every layer) and indexer-cache pages; ``dst``
+        holds no hot-buffer rows (its first decode step loads what it selects). The pool rows are
+        copied, not shared: a block shared copy-on-write would need a copy before any append or rewrite
+        into it (a truncated beam rewrites earlier positions)."""
+        rt = self.runtime
+        assert rt is not None
+        rt.fork(src.id, dst.id, src.length)
+        self.index.copy_rows(src.slot, dst.slot, src.length)
+
+    def truncate(self, request: Request, length: int) -> None:
+        """Forget ``request``'s hot-buffer rows of positions ``>= length`` in every layer; its pool rows
+        there are replaced by the next appends, and the indexer reads at most ``seq_lens_k`` rows."""
+        assert self.runtime is not None
+        self.runtime.truncate(request.id, length)
+
     # ------------------------------------------------------------------------------ forwards
     def begin_forward(self, fwd: ForwardPlan) -> None:
         self._rows = {}

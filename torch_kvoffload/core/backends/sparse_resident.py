@@ -67,6 +67,15 @@ class ResidentSparseBackend(KVBackend):
         self.index.free()
         self.main.free()
 
+    def fork(self, layout: KVLayout, src: Request, dst: Request) -> None:
+        """Copy ``src``'s rows of every layer (main KV and indexer keys) to ``dst``'s slot."""
+        self.index.copy_rows(src.slot, dst.slot, src.length)
+        self.main.copy_rows(src.slot, dst.slot, src.length)
+
+    def truncate(self, request: Request, length: int) -> None:
+        """Nothing to drop: the indexer selects among the request's first ``seq_lens_k`` rows and attention
+        reads only the selected ones, so rows past ``length`` are never read before they are rewritten."""
+
     def layer_caches(self, layer: int) -> list[torch.Tensor]:
         if not self.main.built:
             return []

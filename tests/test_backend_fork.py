@@ -1,0 +1,255 @@
+"""``KVCore.fork`` / ``KVCore.truncate`` through the sparse-offload, resident-sparse and KVPP backends.
+
+A forked request continues its source's rows in another slot (beam search), both then go on with their
+own rows; a truncated request continues at an earlier position with new rows (assisted decoding's rejected
+draft tokens). The reference keeps every request's rows itself and attends like DeepSeek-V3.2: the
+lightning indexer's scores ``Σ_h w_h · relu(q_h · k)`` over the visible positions, their top-k, softmax
+attention of the absorbed queries over the selected rows (fp32 random data: no exact top-k ties).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hf_models import build_model
+from kvpp_helpers import spawn_gloo
+
+from torch_kvoffload.core.config import OffloadConfig
+from torch_kvoffload.core.kv import KVCore
+from torch_kvoffload.integrations.hf.inspect import inspect_model
+
+SCALE = 0.125
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return inspect_model(build_model("deepseek_v32"))
+
+
+class _Reference:
+    """Runs forwards through a core with random rows and checks each output against the reference."""
+
+    def __init__(self, core: KVCore, top_k: int, seed: int = 0) -> None:
+        self.core, self.top_k = core, top_k
+        self.g = torch.Generator().manual_seed(seed)
+        self.rows: dict[tuple[int, int], list[torch.Tensor]] = {}  # (request id, layer) -> [c, pe, ik]
+        self.decode_entries = 0  # valid top-k entries of the decode steps (hits + misses of sparse offload)
+
+    def _rand(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.g)
+
+    def fork(self, src, dst) -> None:
+        for layer in range(self.core.spec.num_layers):
+            self.rows[dst.id, layer] = [t.clone() for t in self.rows[src.id, layer]]
+
+    def truncate(self, req, length: int) -> None:
+        for layer in range(self.core.spec.num_layers):
+            self.rows[req.id, layer] = [t[:length] for t in self.rows[req.id, layer]]
+
+    def _expected(self, rows, qn, qp, iq, iw) -> torch.Tensor:
+        """One query over the request's visible ``rows`` (``[c, pe, ik]``)."""
+        c, pe, ik = rows
+        scores = (iw[:, None] * torch.relu(iq @ ik.T)).sum(dim=0)  # [L]
+        sel = torch.topk(scores, min(self.top_k, len(scores))).indices
+        logits = (qn @ c[sel].T + qp @ pe[sel].T) * SCALE  # [H, k]
+        return torch.softmax(logits, dim=-1) @ c[sel]
+
+    def forward(self, requests, counts) -> None:
+        core, spec = self.core, self.core.spec
+        B, S = len(requests), max(counts)
+        H, Dc, Dr, Hi, Di = (
+            spec.num_heads,
+            spec.kv_lora_rank,
+            spec.rope_dim,
+            spec.index_n_heads,
+            spec.index_head_dim,
+        )
+        mask = torch.zeros(B, S, dtype=torch.bool)
+        for b, n in enumerate(counts):
+            mask[b, S - n :] = True
+        old = [r.length for r in requests]
+        decode = all(old) and all(n == 1 for n in counts)
+        core.begin_forward(requests, [[5] * n for n in counts], mask)
+        outs = []
+        for layer in range(spec.num_layers):
+            kv_c, k_pe, index_k = self._rand(B, S, Dc), self._rand(B, S, Dr), self._rand(B, S, Di)
+            kvpp = core.backends.kvpp
+            if kvpp is not None:  # what the kvpp_wait_layer / kvpp_prefetch_layer ops call
+                kvpp.runtime.scheduler.wait_layer(layer, core.layer_caches(layer))
+                kvpp.runtime.scheduler.prefetch_layer(layer, core.layer_caches(layer))
+            core.write(layer, kv_c, k_pe, index_k)
+            qn, qp = self._rand(B, S, H, Dc), self._rand(B, S, H, Dr)
+            iq, iw = self._rand(B, S, Hi, Di), self._rand(B, S, Hi).abs()
+            out = torch.empty(B, S, H, Dc)
+            core.attend(layer, qn, qp, iq, iw, SCALE, out)
+            outs.append((kv_c, k_pe, index_k, qn, qp, iq, iw, out))
+        core.end_forward()
+        for layer, (kv_c, k_pe, index_k, qn, qp, iq, iw, out) in enumerate(outs):
+            for b, r in enumerate(requests):
+                keep = self.rows.setdefault(
+                    (r.id, layer), [torch.empty(0, Dc), torch.empty(0, Dr), torch.empty(0, Di)]
+                )
+                for i, new in enumerate((kv_c, k_pe, index_k)):
+                    keep[i] = torch.cat([keep[i], new[b][mask[b]]])
+                for j, s in enumerate(torch.nonzero(mask[b]).reshape(-1).tolist()):
+                    visible = [t[: old[b] + j + 1] for t in keep]
+                    want = self._expected(visible, qn[b, s], qp[b, s], iq[b, s], iw[b, s])
+                    torch.testing.assert_close(out[b, s], want, rtol=1e-4, atol=1e-5)
+                    if decode:
+                        self.decode_entries += min(self.top_k, old[b] + 1)
+
+
+CONFIGS = {
+    "offload": ({"sparse": {}}, 8),
+    "offload-small-hot": ({"sparse": {"top_k": 4, "capacity": 6}}, 4),
+    "resident": ({"sparse": {"offload": False}}, 8),
+}
+
+
+def _core(spec, cfg: dict, name: str) -> KVCore:
+    return KVCore(spec, OffloadConfig.model_validate({**cfg, "block_size": 4}), name=name)
+
+
+def _check_counts(core: KVCore, ref: _Reference) -> None:
+    stats = core.backend_stats()
+    if "hits" in stats:  # sparse offload: every valid top-k entry of a decode step is a hit or a miss
+        assert stats["hits"] + stats["misses"] == ref.decode_entries
+        assert stats["misses"] > 0 and stats["hits"] > 0
+
+
+def _fork_scenario(core: KVCore, ref: _Reference) -> None:
+    core.size(3, 28)
+    a, b = core.admit(2)
+    ref.forward([a, b], [7, 5])
+    ref.forward([a, b], [1, 1])
+    ref.forward([a, b], [1, 1])
+    c = core.fork(a.id)
+    ref.fork(a, c)
+    assert (c.slot, c.length, c.tokens) == (2, a.length, a.tokens)
+    for _ in range(3):  # a and c go on with different rows
+        ref.forward([a, b, c], [1, 1, 1])
+    core.finish([a.id])
+    d = core.fork(c.id)  # into a's freed slot
+    ref.fork(c, d)
+    assert d.slot == a.slot and d.length == c.length
+    for _ in range(3):
+        ref.forward([c, b, d], [1, 1, 1])
+    ref.forward([d, c], [1, 1])
+    _check_counts(core, ref)
+
+
+def _truncate_scenario(core: KVCore, ref: _Reference) -> None:
+    core.size(3, 24)
+    a, b = core.admit(2)
+    ref.forward([a, b], [6, 9])
+    for _ in range(4):
+        ref.forward([a, b], [1, 1])
+    for length in (a.length - 3, a.length - 1):  # drop 3 positions, decode there, drop 1 more
+        core.truncate(a.id, length)
+        ref.truncate(a, length)
+        assert a.length == length
+        for _ in range(3):
+            ref.forward([a, b], [1, 1])
+    core.truncate(b.id, b.length - 2)
+    ref.truncate(b, b.length)
+    ref.forward([b, a], [1, 1])
+    (c,) = core.admit(1)  # a prefill next to truncated requests' decode rows
+    ref.forward([c], [4])
+    _check_counts(core, ref)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fork_continues_the_source_rows_in_another_slot(spec, name):
+    cfg, top_k = CONFIGS[name]
+    core = _core(spec, cfg, f"fork-{name}")
+    try:
+        _fork_scenario(core, _Reference(core, top_k))
+    finally:
+        core.close()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_truncate_forgets_the_dropped_rows(spec, name):
+    cfg, top_k = CONFIGS[name]
+    core = _core(spec, cfg, f"truncate-{name}")
+    try:
+        _truncate_scenario(core, _Reference(core, top_k, seed=1))
+    finally:
+        core.close()
+
+
+def test_fork_of_a_prefill_only_request_then_a_chunk(spec):
+    """A fork right after the prefill, then a multi-token chunk of the fork (pool rows read back)."""
+    cfg, top_k = CONFIGS["offload"]
+    core = _core(spec, cfg, "fork-chunk")
+    try:
+        core.size(2, 24)
+        (a,) = core.admit(1)
+        ref = _Reference(core, top_k, seed=2)
+        ref.forward([a], [9])
+        c = core.fork(a.id)
+        ref.fork(a, c)
+        ref.forward([c], [3])  # a chunk: earlier rows from the pool
+        ref.forward([a, c], [1, 1])
+    finally:
+        core.close()
+
+
+def _kvpp_worker(rank: int, world: int, scenario: str) -> None:
+    spec = inspect_model(build_model("deepseek_v32"))
+    core = _core(spec, {"kvpp": {}}, f"kvpp-{scenario}")
+    try:
+        assert core.backends.kvpp is not None
+        ref = _Reference(core, spec.index_topk, seed=3)  # the same rows on both ranks
+        (_fork_scenario if scenario == "fork" else _truncate_scenario)(core, ref)
+    finally:
+        core.close()
+
+
+@pytest.mark.parametrize("scenario", ["fork", "truncate"])
+def test_kvpp_fork_and_truncate_on_two_ranks(scenario):
+    """Each rank owns half the layers: a fork copies its owned bundles, the others arrive by broadcast."""
+    spawn_gloo(_kvpp_worker, 2, scenario, timeout=300.0)
+
+
+def test_host_pool_copy_rows_copies_every_layer_and_checks_the_reservation():
+    from torch_kvoffload.sparse.host_pool import HostKVPool
+
+    with HostKVPool.create(3, 8, 4, 6, 2, torch.float32) as pool:
+        pool.allocate(0, 10)
+        pool.allocate(1, 12)
+        for layer in range(3):
+            pool.kv_c(layer).copy_(torch.randn(8, 4, 6))
+            pool.k_pe(layer).copy_(torch.randn(8, 4, 2))
+        pos = torch.arange(10)
+        after = pool.slots(1, torch.arange(10, 12))
+        kept = [
+            (pool.kv_c(i).reshape(-1, 6)[after].clone(), pool.k_pe(i).reshape(-1, 2)[after].clone())
+            for i in range(3)
+        ]
+        pool.copy_rows(0, 1, 10)
+        for layer in range(3):
+            c, pe = pool.kv_c(layer).reshape(-1, 6), pool.k_pe(layer).reshape(-1, 2)
+            assert torch.equal(c[pool.slots(1, pos)], c[pool.slots(0, pos)])
+            assert torch.equal(pe[pool.slots(1, pos)], pe[pool.slots(0, pos)])
+            assert torch.equal(c[after], kept[layer][0]) and torch.equal(pe[after], kept[layer][1])
+        with pytest.raises(IndexError, match="request 0"):
+            pool.copy_rows(0, 1, 13)
+
+
+def test_residency_forget_from_empties_only_the_dropped_positions():
+    from torch_kvoffload.sparse.residency import ResidencyTable
+
+    table = ResidencyTable(num_rows=2, capacity=4, top_k=4)
+    topk = torch.tensor([[0, 5, 2, 7], [1, 6, 3, 4]], dtype=torch.int32)
+    table.update(topk, torch.tensor([1, 2]), torch.tensor([8, 8]))
+    order = table.lru_order.clone()
+    table.forget_from(torch.tensor([0]), 5)
+    assert sorted(table.slot_to_token[0].tolist()) == [-1, -1, 0, 2]
+    assert sorted(table.slot_to_token[1].tolist()) == [1, 3, 4, 6]
+    assert torch.equal(table.lru_order, order)
+    res = table.update(topk, torch.tensor([1, 2]), torch.tensor([8, 8]))
+    assert res.miss_count.tolist() == [2, 0]

@@ -1,9 +1,16 @@
 """``ForwardPlan``: the index tensors of one forward over a batch of requests.
 
 A forward feeds ``S`` positions of ``B`` requests (one per batch row). Row ``b``'s real new tokens are the
-positions where ``new_mask[b]`` is true (left padding only, in the first forward of a request); they take
-the request's logical positions ``old_len[b] .. new_len[b] - 1``. Every paged cache is addressed through the
-request's device slot (see :mod:`torch_kvoffload.core.requests`).
+positions where ``new_mask[b]`` is true (padding may be anywhere: left, right, between real tokens, in any
+forward of a request, and a row may have no real token at all); they take the request's logical positions
+``old_len[b] .. new_len[b] - 1``. Every paged cache is addressed through the request's device slot (see
+:mod:`torch_kvoffload.core.requests`).
+
+Padding positions keep no KV, but a Hugging Face model still computes their attention: the query at a
+padding position ``s`` of row ``b`` sees the request's real tokens before it, ``old_len[b]`` plus the real
+new tokens at positions ``< s`` (its *visible length* ``v``). The plan lists the padding queries with
+``v > 0`` (``pad_sel``, ``pad_row``, ``pad_len``); a padding query with ``v == 0`` (left padding before a
+request's first token) is fully masked and its attention output is zero.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import torch
 from torch_kvoffload.core.layout import KVLayout
 from torch_kvoffload.core.requests import Request
 
-__all__ = ["ForwardPlan", "plan_forward"]
+__all__ = ["ForwardPlan", "plan_forward", "visible_padding"]
 
 
 @dataclass
@@ -27,7 +34,7 @@ class ForwardPlan:
     B: int
     S: int
     requests: list[Request]  # per batch row; their tokens include this forward's
-    decode: bool  # one new token per request after earlier ones, on a model with a sparse backend
+    decode: bool  # one new real token per request after earlier ones, no padding, with a sparse backend
     layerwise: bool  # runs the layerwise pipeline
     old_len: list[int]  # per request, tokens before this forward (host ints)
     new_len: list[int]
@@ -40,6 +47,11 @@ class ForwardPlan:
     index_phys: torch.Tensor  # int64 [N]: the rows' rows in the per-request caches
     cu_seqlens_q: torch.Tensor  # int32 [B + 1]
     seq_lens_k: torch.Tensor  # int32 [B]
+    # padding queries that see at least one real token, request-major (see the module docstring)
+    pad_sel: torch.Tensor  # int64 [P]: their flat b * S + s
+    pad_row: torch.Tensor  # int64 [P]: their batch row
+    pad_len: torch.Tensor  # int32 [P]: their visible length v (the request's rows 0 .. v - 1)
+    n_pad: int  # P (host)
 
     @property
     def request_ids(self) -> list[int]:
@@ -55,6 +67,14 @@ class ForwardPlan:
         return not any(self.old_len)
 
 
+def visible_padding(new_mask: torch.Tensor, old_len: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(flat int64 [P], visible length int64 [P])`` of the padding positions of ``new_mask bool [B, S]``
+    (host) that see at least one real token of their request (``old_len[b]`` earlier ones), request-major."""
+    seen = torch.tensor(list(old_len), dtype=torch.int64)[:, None] + torch.cumsum(new_mask, dim=1)
+    flat = torch.nonzero((~new_mask & (seen > 0)).reshape(-1)).reshape(-1)
+    return flat, seen.reshape(-1)[flat]
+
+
 def plan_forward(
     requests: Sequence[Request],
     old_len: Sequence[int],
@@ -66,7 +86,7 @@ def plan_forward(
     device: torch.device,
 ) -> ForwardPlan:
     """The plan of a forward of ``requests`` (batch rows) whose real new positions are ``new_mask bool [B,
-    S]`` (host), ``old_len[b]`` tokens of request ``b`` before it."""
+    S]`` (host, padding anywhere), ``old_len[b]`` tokens of request ``b`` before it."""
     B, S = new_mask.shape
     bs, M = layout.block_size, layout.blocks_per_request
     page, pages = layout.page
@@ -81,10 +101,13 @@ def plan_forward(
     cu = torch.tensor([0, *itertools.accumulate(n_new)], dtype=torch.int32)
     table = (slots[:, None] * M + torch.arange(M)[None, :]).to(torch.int32)
     index_table = (slots[:, None] * pages + torch.arange(pages)[None, :]).to(torch.int32)
+    pad_sel, pad_len = visible_padding(new_mask, old_len)
     return ForwardPlan(
         B=B, S=S, requests=list(requests), decode=decode, layerwise=layerwise, old_len=list(old_len),
         new_len=new_len, sel=sel.to(device), pos=pos.to(device), row=row.to(device),
         phys=(slots[row] * (M * bs) + pos).to(device), block_table=table.to(device),
         index_table=index_table.to(device), index_phys=(slots[row] * (pages * page) + pos).to(device),
         cu_seqlens_q=cu.to(device), seq_lens_k=torch.tensor(new_len, dtype=torch.int32).to(device),
+        pad_sel=pad_sel.to(device), pad_row=(pad_sel // S).to(device),
+        pad_len=pad_len.to(torch.int32).to(device), n_pad=int(pad_sel.numel()),
     )  # fmt: skip

@@ -15,9 +15,17 @@ KVLayout` every device cache is sized for, and the backends the configuration en
   :meth:`abort_forward`; :meth:`retry_caps` / :meth:`restart` run a layerwise forward again whose stored
   prefix could not be loaded.
 
-A model with a sparse backend runs decode steps (one new token per request after earlier ones) on it
-alone: the layerwise buffers are released at the first decode step and allocated again by the next
-:meth:`size`.
+A model with a sparse backend runs decode steps (one new real token per request after earlier ones, no
+padding) on it alone: the layerwise buffers are released at the first decode step and allocated again by
+the next :meth:`size`.
+
+Padding (a batch row's positions that are not real tokens) may be anywhere in any forward, and a row may
+have no real token in a forward. Padding keeps no KV, but its query still attends as the Hugging Face
+model's does: over the request's real tokens before it (:mod:`torch_kvoffload.core.forward`, ``pad_*``),
+through the backends' keys (never the sparse-offload decode step: a forward with such queries is not a
+decode step). A padding query that sees no real token (left padding before a request's first token) gets
+zero: what ``sdpa`` gives for a fully masked query on torch >= 2.5 (the eager implementation averages over
+the masked keys instead; the output there is meaningless either way).
 """
 
 from __future__ import annotations
@@ -256,18 +264,31 @@ class KVCore:
         self, requests: Sequence[Request], new_tokens: Sequence[Sequence[int]], new_mask: torch.Tensor
     ) -> ForwardPlan:
         """Begin a forward of live ``requests`` (one per batch row) whose real new positions are
-        ``new_mask bool [B, S]`` (host) holding ``new_tokens[b]``; return its plan. A backend failing to
-        begin ends the ones that began, and the error propagates (no forward is running then)."""
+        ``new_mask bool [B, S]`` (host, padding anywhere) holding ``new_tokens[b]``; return its plan. A
+        backend failing to begin ends the ones that began, and the error propagates (no forward is running
+        then)."""
         if self.forward is not None:
             raise RuntimeError("KVCore.begin_forward: a forward is running; call end_forward()")
         assert self.layout is not None
         old_len = [r.length for r in requests]
         n_new = [len(t) for t in new_tokens]
-        decode = self.backends.sparse is not None and all(old_len) and all(n == 1 for n in n_new)
+        # with earlier tokens every padding position sees them: a padded forward is never a decode step
+        decode = (
+            self.backends.sparse is not None
+            and all(old_len)
+            and all(n == 1 for n in n_new)
+            and bool(new_mask.all())
+        )
         if decode:
             self.drop_prefill_buffers()  # prefill is over: decode runs on the sparse backend alone
         lw = self.backends.layerwise
         layerwise = lw is not None and not decode and lw.built
+        empty = [b for b, (o, n) in enumerate(zip(old_len, n_new, strict=True)) if o + n == 0]
+        if layerwise and empty:
+            raise ValueError(
+                f"OffloadSession.begin_forward: batch rows {empty} have no real token yet (attention_mask is 0 "
+                "on all their positions so far); the layerwise backend cannot keep a request without tokens"
+            )
         for r, toks in zip(requests, new_tokens, strict=True):
             self.requests.extend(r.id, toks)
         fwd = plan_forward(
@@ -392,8 +413,9 @@ class KVCore:
         scale: float,
         out: torch.Tensor,
     ) -> None:
-        """Absorbed MLA attention of ``layer`` into ``out [B,S,H,Dc]`` (zero at padding positions); see
-        ``kvoffload::mla_cache_attention``."""
+        """Absorbed MLA attention of ``layer`` into ``out [B,S,H,Dc]``; see ``kvoffload::mla_cache_attention``.
+        A padding position attends over its request's real tokens before it; one that sees none (left
+        padding before the request's first token) gets zero (see the module docstring)."""
         f = self._running("cache_attention", layer)
         spec = self.spec
         B, S, H = f.B, f.S, spec.num_heads
@@ -406,29 +428,44 @@ class KVCore:
             raise ValueError(
                 f"kvoffload::mla_cache_attention: {spec.model_class} needs 'index_q' and 'index_weights'"
             )
-        iq = iw = None
-        if index_q is not None and index_weights is not None:
-            iq = index_q.reshape(B * S, *index_q.shape[2:])[f.sel]
-            iw = index_weights.reshape(B * S, -1)[f.sel].float()
-        q = Queries(q_nope.reshape(B * S, H, -1)[f.sel], q_pe.reshape(B * S, H, -1)[f.sel], iq, iw, scale)
-        res = self._attend(layer, f, q)
-        out.zero_()
-        out.view(B * S, H, -1).index_copy_(0, f.sel, res.to(out.dtype))
 
-    def _attend(self, layer: int, f: ForwardPlan, q: Queries) -> torch.Tensor:
+        def queries(at: torch.Tensor) -> Queries:
+            iq = iw = None
+            if index_q is not None and index_weights is not None:
+                iq = index_q.reshape(B * S, *index_q.shape[2:])[at]
+                iw = index_weights.reshape(B * S, -1)[at].float()
+            return Queries(q_nope.reshape(B * S, H, -1)[at], q_pe.reshape(B * S, H, -1)[at], iq, iw, scale)
+
+        res, res_pad = self._attend(layer, f, queries(f.sel), queries(f.pad_sel) if f.n_pad else None)
+        out.zero_()
+        flat = out.view(B * S, H, -1)
+        flat.index_copy_(0, f.sel, res.to(out.dtype))
+        if res_pad is not None:
+            flat.index_copy_(0, f.pad_sel, res_pad.to(out.dtype))
+
+    def _attend(
+        self, layer: int, f: ForwardPlan, q: Queries, q_pad: Queries | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of the real queries ``q`` and of the padding queries ``q_pad`` that see real tokens."""
         taking_part = self._taking_part(f)
         for b in taking_part:
             res = b.attend(layer, f, q)
             if res is not None:
-                return res
+                assert q_pad is None, "a backend's own attention serves decode steps only (no padding)"
+                return res, None
         keys = next((k for b in taking_part if (k := b.keys(layer, f)) is not None), None)
         assert keys is not None, "no backend holds the keys of this forward"
         if q.index_q is None:
-            return attention.dense_attention(f, q, keys)
+            pad = None if q_pad is None else attention.dense_attention(f, q_pad, keys, pad=True)
+            return attention.dense_attention(f, q, keys), pad
         assert self._indexer is not None
         view = self._indexer.indexer(layer, f)
         assert view is not None
-        return attention.topk_attention(f, q, keys, attention.select_topk(view, f, q))
+        res = attention.topk_attention(f, q, keys, attention.select_topk(view, f, q))
+        if q_pad is None:
+            return res, None
+        top = attention.select_topk(view, f, q_pad, pad=True)
+        return res, attention.topk_attention(f, q_pad, keys, top, pad=True)
 
     # ------------------------------------------------------------------------------ accounting
     def device_kv_bytes(self) -> int:

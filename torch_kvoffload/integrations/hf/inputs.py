@@ -1,10 +1,15 @@
 """A Hugging Face forward's token inputs as the KV core takes them: shapes and real (non-padding) positions.
 
-Only left padding is accepted, and only in the first forward of a sequence (``past == 0``): every row then
-ends with a real token, and later forwards feed real tokens only.
+Any 0/1 ``attention_mask [B, past + S]`` (bool or integer dtype) is accepted, as transformers accepts it:
+padding may be left, right or between real tokens, in any forward of a sequence (a later forward may feed a
+chunk with padding too), and a row may have no real token in a forward. Each row's real tokens are its
+request's tokens; a padding position keeps no KV, but its query attends as the unmodified model's does,
+over the real tokens before it (see :mod:`torch_kvoffload.core.kv`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -26,8 +31,20 @@ def forward_shape(input_ids: object) -> tuple[int, int]:
     return B, S
 
 
-def new_positions(attention_mask: torch.Tensor | None, B: int, S: int, past: int) -> torch.Tensor:
-    """``bool [B, S]`` (host): the real positions among the new ones (left padding only)."""
+def new_positions(
+    attention_mask: torch.Tensor | None,
+    B: int,
+    S: int,
+    past: int,
+    past_lengths: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """``bool [B, S]`` (host): the real positions among the new ones.
+
+    ``attention_mask``: ``None`` (no padding) or a bool / integer tensor ``[B, past + S]`` of 0 (padding)
+    and 1 (real token), padding anywhere. ``past_lengths``: when given, each row's real tokens before this
+    forward, which the mask's first ``past`` columns must count (a mask that hides earlier real tokens, or
+    shows earlier padding, cannot be served: the padding kept no KV). ``ValueError`` otherwise.
+    """
     if attention_mask is None:
         return torch.ones(B, S, dtype=torch.bool)
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != (B, past + S):
@@ -35,16 +52,22 @@ def new_positions(attention_mask: torch.Tensor | None, B: int, S: int, past: int
             f"{_WHERE}: 'attention_mask' must be a 2-D tensor [B, past + S] = [{B}, {past + S}], got "
             f"{getattr(attention_mask, 'shape', type(attention_mask))}"
         )
-    new_mask = attention_mask[:, past:].to("cpu").bool()
-    if past > 0 and not bool(new_mask.all()):
+    dtype = attention_mask.dtype
+    if dtype.is_floating_point or dtype.is_complex:
+        raise ValueError(f"{_WHERE}: 'attention_mask' must be a bool or integer tensor of 0 / 1, got {dtype}")
+    mask = attention_mask.to("cpu")
+    if dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+        bad = sorted(set(mask[(mask != 0) & (mask != 1)].tolist()))[:5]
         raise ValueError(
-            f"{_WHERE}: padding after the first forward is not supported (only left padding of the prompt)"
+            f"{_WHERE}: 'attention_mask' must hold 0 (padding) and 1 (real token) only, got values {bad}"
         )
-    if past == 0:
-        monotone = bool((new_mask[:, 1:].int() >= new_mask[:, :-1].int()).all()) if S > 1 else True
-        if not monotone or not bool(new_mask[:, -1].all()):
+    mask = mask.bool()
+    if past_lengths is not None:
+        counted = mask[:, :past].sum(dim=1).tolist()
+        if counted != list(past_lengths):
             raise ValueError(
-                f"{_WHERE}: 'attention_mask' must be left padding (zeros, then ones, every row ending with "
-                "a real token)"
+                f"{_WHERE}: 'attention_mask'[:, :past] must count each row's earlier real tokens "
+                f"{list(past_lengths)}, got {counted} (earlier positions cannot change from padding to real "
+                "or back)"
             )
-    return new_mask
+    return mask[:, past:]

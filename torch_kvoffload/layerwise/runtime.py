@@ -234,6 +234,10 @@ class LayerwiseOffloadRuntime:
         leaving at least one token to compute)."""
         return self._lookup.lookup(token_ids)
 
+    def read_block(self, token_ids: Sequence[int], block: int) -> list[list[torch.Tensor]] | None:
+        """Full block ``block`` of ``token_ids`` as stored; between forwards (``LayerStoreIO.read_block``)."""
+        return self._io.read_block(self._lookup.hashes(token_ids)[block])
+
     # -------------------------------------------------------------------------------- forward
     def begin_forward(
         self,

@@ -180,6 +180,16 @@ class LayerStoreIO:
         # keys are made on the transfer thread: per-layer Python stays off the compute thread
         return self.save_stream.submit(self._do_save, slot_id, *args, after=after, wake_delay=wake_delay)
 
+    def read_block(self, block_hash: str) -> list[list[torch.Tensor]] | None:
+        """Every layer's stored record of the block ``block_hash``, read on the calling thread (between
+        forwards): per layer, per component, a host ``[block_size, *row]`` tensor in the component's
+        dtype; ``None`` when a layer's record is missing (evicted)."""
+        keys = [self.lookup.layer_keys([block_hash], layer)[0] for layer in range(len(self.layouts))]
+        records = [torch.empty(1, lay.record_bytes, dtype=torch.uint8) for lay in self.layouts]
+        if False in self.store.batch_get(keys, [r[0] for r in records]):
+            return None
+        return [[v[0] for v in self.staging_views(layer, r)] for layer, r in enumerate(records)]
+
     # ---------------------------------------------------------------------- transfer-thread work
     def staging(self, kind: str, n: int, record_bytes: int) -> tuple[Staging, torch.Tensor]:
         """The next staging buffer of direction ``kind`` and a ``uint8 [n, record_bytes]`` view of it.

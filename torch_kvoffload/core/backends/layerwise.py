@@ -15,6 +15,15 @@ runtime's hooks, otherwise nothing.
 
 A forward whose stored prefix cannot be loaded when its layer needs it (:class:`PrefixEvictedError`) may be
 run again with each request's prefix cut at its first bad block: :meth:`retry_caps` / :meth:`restart`.
+
+Forks and truncation: the full blocks are content-addressed, so a fork (whose tokens are a copy of its
+source's) finds its source's stored blocks (shared, not copied); :meth:`fork` copies the tail rows. After
+:meth:`truncate` a partial block that had been saved full is read back from the store into the tail
+(blocks past it stay in the store under the dropped tokens' keys). An unkeyed request (``Request.keyed``
+false: fed embeddings, ``-1`` placeholders) keys its blocks by random negative ids, one per position drawn
+when the position is first written and inherited by its forks: nothing keyed by placeholders matches
+another request's blocks, nor its own dropped ones after a truncation, while its own history still
+round-trips through the store.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from torch_kvoffload.core.forward import ForwardPlan
@@ -107,6 +117,9 @@ class LayerwiseBackend(KVBackend):
         self._layout: KVLayout | None = None
         self._totals = RuntimeTotals(_TOTALS)
         self._pass: _Pass | None = None
+        # request id -> the store-key tokens of an unkeyed request (one random negative id per position)
+        self._unkeyed: dict[int, list[int]] = {}
+        self._rng = np.random.default_rng()  # OS entropy: processes sharing a store draw different ids
 
     # -------------------------------------------------------------------------------- sizing
     @property
@@ -124,6 +137,7 @@ class LayerwiseBackend(KVBackend):
             self._build_tails(layout)
             return
         self.free()
+        self._unkeyed.clear()  # no request is live
         self._build_runtime(layout)
         self._build_tails(layout)
 
@@ -175,6 +189,57 @@ class LayerwiseBackend(KVBackend):
         if rt is not None:
             self._totals.retire(rt)
 
+    # ------------------------------------------------------------------------------ requests
+    def release(self, request_ids: Sequence[int]) -> None:
+        for rid in request_ids:
+            self._unkeyed.pop(rid, None)
+
+    def fork(self, layout: KVLayout, src: Request, dst: Request) -> None:
+        """``dst`` shares ``src``'s stored full blocks (its tokens, or its inherited key ids, find them) and
+        gets a copy of ``src``'s tail rows in every layer (nothing to copy once the buffers are released)."""
+        if src.id in self._unkeyed:
+            self._unkeyed[dst.id] = list(self._unkeyed[src.id])
+        for tails in self._tails:
+            for t in tails:
+                t[dst.slot] = t[src.slot]
+
+    def truncate(self, request: Request, length: int) -> None:
+        """``request`` continues at ``length``: the rows of its new partial block go back into its tail
+        (read from the store when that block had been saved full). ``RuntimeError`` when the store no
+        longer holds it."""
+        keys = self._unkeyed.get(request.id)
+        if self._tails:
+            self._restore_tail(request, length, request.tokens if keys is None else keys)
+        if keys is not None:
+            del keys[length:]  # later positions draw new ids: the dropped blocks are never found again
+
+    def _restore_tail(self, r: Request, length: int, key_tokens: Sequence[int]) -> None:
+        bs = self.block_size
+        block, part = divmod(length, bs)
+        if part == 0 or block >= r.length // bs:
+            return  # no partial block, or its rows are still in the tail
+        assert self.runtime is not None
+        rows = self.runtime.read_block(key_tokens[: (block + 1) * bs], block)
+        if rows is None:
+            raise RuntimeError(
+                f"OffloadSession.truncate: the host store no longer holds block {block} of request {r.id} "
+                f"(tokens {block * bs}..{(block + 1) * bs - 1}), whose first {part} rows the request keeps; "
+                "raise the store capacity (layerwise.store.capacity_bytes)"
+            )
+        for tails, stored in zip(self._tails, rows, strict=True):
+            for t, b in zip(tails, stored, strict=True):
+                t[r.slot, :part] = b[:part].to(t.device)
+
+    def _key_tokens(self, r: Request) -> list[int]:
+        """The tokens ``r``'s blocks are keyed by: its ids, or for an unkeyed request its random ids (drawn
+        for the positions seen first now, kept for later forwards)."""
+        if r.keyed and r.id not in self._unkeyed:
+            return list(r.tokens)
+        keys = self._unkeyed.setdefault(r.id, [])
+        if len(keys) < r.length:
+            keys += self._rng.integers(-(2**63), -1, size=r.length - len(keys), dtype=np.int64).tolist()
+        return keys[: r.length]
+
     # ------------------------------------------------------------------------------ forwards
     def takes_part(self, fwd: ForwardPlan) -> bool:
         return fwd.layerwise
@@ -185,7 +250,7 @@ class LayerwiseBackend(KVBackend):
         bs, M, tr = self.block_size, layout.blocks_per_request, self._tail_rows(layout)
         caps = {} if max_cached_tokens is None else {"max_cached_tokens": max_cached_tokens}
         cached = rt.begin_forward(
-            [list(r.tokens) for r in fwd.requests], fwd.block_table.cpu().tolist(), **caps
+            [self._key_tokens(r) for r in fwd.requests], fwd.block_table.cpu().tolist(), **caps
         )
         restore_src, restore_dst, keep_src, keep_dst = [], [], [], []
         for r, (slot, c, old, new) in enumerate(

@@ -234,10 +234,10 @@ def test_unsupported_models_are_rejected_before_allocation():
 def test_bad_forward_inputs_are_rejected():
     model = torch_kvoffload.offload(build_model("deepseek_v3", num_hidden_layers=2), {"layerwise": {}})
     ids = torch.randint(3, 100, (2, 6))
-    with pytest.raises(ValueError, match="left padding"):
-        model(input_ids=ids, attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1], [1] * 6]))
+    with pytest.raises(ValueError, match=r"must hold 0 \(padding\) and 1"):
+        model(input_ids=ids, attention_mask=torch.full((2, 6), 2))
     with pytest.raises(ValueError, match="input_ids"):
-        model(inputs_embeds=torch.randn(2, 6, 256))
+        model(inputs_embeds=torch.randn(2, 6))
     from transformers import DynamicCache
 
     with pytest.raises(ValueError, match="the cache must be the library's"):
@@ -276,6 +276,8 @@ def test_both_releases_layer_buffers_for_decode(batch, reference):
     cache = session_of(model).owner
     assert model(
         input_ids=torch.randint(3, 1000, (2, 3)),
-        attention_mask=torch.ones(2, cache.seen_tokens + 3, dtype=torch.int64),
+        attention_mask=torch.cat(
+            [mask, torch.ones(2, cache.seen_tokens - ids.shape[1] + 3, dtype=mask.dtype)], 1
+        ),
         cache=cache,
     ).logits.shape == (2, 3, 1000)

@@ -145,15 +145,13 @@ def test_failed_calls_leave_the_model_usable(mode):
     (ids0, mask0, new0, want0), (ids1, mask1, new1, want1), (ids2, mask2, new2, want2) = ref
     assert torch.equal(_generate(model, ids0, mask0, new0), want0)
 
-    # an attention mask of another batch size (transformers rejects it), then a right-padded one (the
+    # an attention mask of another batch size (transformers rejects it), then one that is not 0 / 1 (the
     # library rejects it): the previous sequence is released, nothing new is reserved
     with pytest.raises(RuntimeError, match="must match the size"):
         _generate(model, ids1, torch.ones(ids1.shape[0] + 1, ids1.shape[1], dtype=torch.int64), new1)
     _assert_released(model)
-    right_padded = mask1.flip(1)
-    right_padded[:, -1] = 1
-    with pytest.raises(ValueError, match="left padding"):
-        _generate(model, ids1, right_padded, new1)
+    with pytest.raises(ValueError, match="attention_mask"):
+        _generate(model, ids1, mask1 * 2, new1)
     failures = _assert_released(model)
     assert torch.equal(_generate(model, ids1, mask1, new1), want1)
 
@@ -176,11 +174,18 @@ def test_failed_calls_leave_the_model_usable(mode):
     assert torch.equal(_generate(model, ids1, mask1, new1), want1)
     assert torch.equal(_generate(model, ids0, mask0, new0), want0)
 
-    # a generate that fails between forwards (beam search reorders a cache the library refuses to reorder)
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="beam search"):
+    # a generate that fails between forwards (a stopping criterion raises after the first step)
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class _Stop(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            raise _Boom()
+
+    with torch.no_grad(), pytest.raises(_Boom):
         model.generate(
-            input_ids=ids1, attention_mask=mask1, max_new_tokens=new1, num_beams=2, do_sample=False
-        )
+            input_ids=ids1, attention_mask=mask1, max_new_tokens=new1, do_sample=False,
+            stopping_criteria=StoppingCriteriaList([_Stop()]),
+        )  # fmt: skip
     assert _assert_released(model) == failures + 2  # no forward failed
     assert torch.equal(_generate(model, ids2, mask2, new2), want2)
 
@@ -334,5 +339,5 @@ def test_a_sequence_growing_past_the_top_k_selects_the_configured_top_k(config):
             mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
             want = ref(nxt, attention_mask=mask, cache=ref_cache).logits
             got = model(nxt, attention_mask=mask, cache=cache).logits
-            torch.testing.assert_close(got, want, msg=lambda m: f"step {step}: {m}")
+            torch.testing.assert_close(got, want, msg=lambda m, s=step: f"step {s}: {m}")
     assert torch_kvoffload.stats(model)["resizes"] > 1

@@ -115,7 +115,9 @@ class KVBackend:
         not show in the other. Called between forwards; the core then gives ``dst`` ``src``'s tokens. A
         backend that keeps no per-request KV has nothing to do; one that cannot fork raises
         ``NotImplementedError`` naming the feature (nothing changed)."""
-        raise NotImplementedError(f"{self.name}: forking a request (beam search, batch expansion) is not supported")
+        raise NotImplementedError(
+            f"{self.name}: forking a request (beam search, batch expansion) is not supported"
+        )
 
     def truncate(self, request: Request, length: int) -> None:
         """``request`` drops its rows from logical position ``length`` on (``0 <= length <=

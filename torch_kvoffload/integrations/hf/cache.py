@@ -7,6 +7,11 @@ on cache inputs while the KV itself lives where the session keeps it. ``get_seq_
 tokens seen so far (padding included, as Hugging Face counts them), advanced by the session at the end of
 every forward.
 
+The batch rows and positions are the session's sequence's: ``reorder_cache`` (beam search),
+``batch_select_indices``, ``batch_repeat_interleave`` and ``crop`` (assisted decoding, prompt lookup) act on
+it as a whole (``OffloadSession.rebuild_rows`` / ``crop``: requests forked or truncated in every backend);
+the per-layer methods refuse and point there.
+
 Only a graph Dynamo is tracing may read the placeholders (the passes then rewrite the attention onto the
 session). Run eagerly, the model's own attention would attend over the new tokens alone, so ``update``,
 ``update_indexer`` and reading ``keys`` / ``values`` / ``indexer_keys`` raise ``RuntimeError`` outside
@@ -30,6 +35,10 @@ class _Session(Protocol):
     """What the cache reads of its session (``integrations.hf.session.OffloadSession``)."""
 
     spec: ModelSpec
+
+    def rebuild_rows(self, owner: Any, sources: list[int], where: str) -> None: ...
+
+    def crop(self, owner: Any, remove: int) -> None: ...
 
 
 _CLASSES: dict[str, type] = {}
@@ -75,7 +84,7 @@ def _classes() -> tuple[type, type]:
         """One layer's placeholders; the cached length is the owning cache's."""
 
         is_sliding = False
-        is_croppable = False
+        is_croppable = True  # the cache crops its session's sequence (OffloadCache.crop)
         keys = _placeholder("keys")
         values = _placeholder("values")
         indexer_keys = _placeholder("indexer_keys")
@@ -120,8 +129,23 @@ def _classes() -> tuple[type, type]:
             self.keys = self.values = self.indexer_keys = None
             self.is_initialized = False
 
+        def _whole_cache(self, what: str) -> None:
+            raise NotImplementedError(
+                f"OffloadCacheLayer.{what}: the library's cache changes its batch rows as a whole; call "
+                f"OffloadCache.{what}"
+            )
+
         def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-            raise NotImplementedError("OffloadCache: beam search (cache reordering) is not supported")
+            self._whole_cache("reorder_cache")
+
+        def crop(self, tokens_to_remove: int) -> None:
+            self._whole_cache("crop")
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            self._whole_cache("batch_repeat_interleave")
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            self._whole_cache("batch_select_indices")
 
     class OffloadCache(Cache):
         """A cache that stores nothing itself: the session keeps the KV (see the module docstring)."""
@@ -144,20 +168,59 @@ def _classes() -> tuple[type, type]:
             super().reset()
             self.seen_tokens = 0
 
-        def crop(self, tokens_to_remove: int) -> None:
-            raise NotImplementedError("OffloadCache: cropping (assisted decoding) is not supported")
+        def _rows(self, sources: list[int], where: str) -> None:
+            self.session.rebuild_rows(self, sources, where)
+
+        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+            """Beam search: row ``i`` continues row ``beam_idx[i]`` (see ``HFSequence.rebuild_rows``)."""
+            self._rows(
+                _row_list("OffloadCache.reorder_cache", "beam_idx", beam_idx), "OffloadCache.reorder_cache"
+            )
 
         def batch_repeat_interleave(self, repeats: int) -> None:
-            if repeats != 1:
-                raise NotImplementedError(
-                    "OffloadCache: expanding the batch (num_return_sequences) is not supported"
-                )
+            """Each row repeated ``repeats`` times in place (row ``i`` becomes rows ``i*repeats ..``)."""
+            where = "OffloadCache.batch_repeat_interleave"
+            if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+                raise ValueError(f"{where}: repeats must be an int >= 1, got {repeats!r}")
+            batch = len(self.session.request_ids) if self.session.owner is self else 0
+            self._rows([b for b in range(batch) for _ in range(repeats)], where)
 
         def batch_select_indices(self, indices: torch.Tensor) -> None:
-            raise NotImplementedError("OffloadCache: selecting batch rows is not supported")
+            """Keep the rows ``indices`` (in that order)."""
+            where = "OffloadCache.batch_select_indices"
+            self._rows(_row_list(where, "indices", indices), where)
+
+        def crop(self, tokens_to_remove: int) -> None:
+            """Forget the last ``-tokens_to_remove`` positions (transformers passes a count <= 0)."""
+            where = "OffloadCache.crop"
+            if (
+                isinstance(tokens_to_remove, bool)
+                or not isinstance(tokens_to_remove, int)
+                or tokens_to_remove > 0
+            ):
+                raise ValueError(
+                    f"{where}: pass minus the number of positions to remove (an int <= 0), got {tokens_to_remove!r}"
+                )
+            if tokens_to_remove == 0:
+                return
+            self.session.crop(self, -tokens_to_remove)
+            self.seen_tokens += tokens_to_remove
 
     _CLASSES["cache"], _CLASSES["layer"] = OffloadCache, OffloadCacheLayer
     return OffloadCache, OffloadCacheLayer
+
+
+def _row_list(where: str, name: str, rows: Any) -> list[int]:
+    """``rows`` (a 1-D integer tensor or sequence) as host ints (``ValueError`` otherwise)."""
+    if isinstance(rows, torch.Tensor):
+        if rows.dim() != 1 or rows.dtype.is_floating_point or rows.dtype == torch.bool:
+            raise ValueError(
+                f"{where}: {name!r} must be a 1-D integer tensor, got {rows.dtype} {list(rows.shape)}"
+            )
+        return [int(x) for x in rows.tolist()]
+    if isinstance(rows, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in rows):
+        return list(rows)
+    raise ValueError(f"{where}: {name!r} must be a 1-D integer tensor, got {type(rows).__name__}")
 
 
 def new_offload_cache(session: _Session) -> Any:

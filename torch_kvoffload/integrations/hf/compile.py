@@ -180,7 +180,10 @@ def _compiled_forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     cache = kwargs.get("cache")
     if is_offload_cache(cache):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        _expose_cache_lengths(cache.session, cache, int(ids.shape[0]))
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if isinstance(ids, torch.Tensor):
+            _expose_cache_lengths(cache.session, cache, int(ids.shape[0]))
     _mark_token_dims(kwargs)
     if args and isinstance(args[0], torch.Tensor):
         _mark_dynamic(args[0], 0, 1)  # input_ids given positionally

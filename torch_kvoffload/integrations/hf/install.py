@@ -153,11 +153,27 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     name = f"offloaded {type(model).__name__}"
     check_no_grad(name, model.parameters())
     input_ids = kwargs.get("input_ids", args[0] if args else None)
+    embeds = kwargs.get("inputs_embeds")
+    shape = None
     if input_ids is None:
+        if not isinstance(embeds, torch.Tensor) or embeds.dim() != 3:
+            raise ValueError(
+                f"{name}: pass input_ids [batch, tokens] or inputs_embeds [batch, tokens, hidden]"
+            )
+        if session.pd is not None:
+            raise ValueError(
+                f"{name}: inputs_embeds without input_ids on a P/D node: the peer is told each request's token "
+                "ids; pass input_ids"
+            )
+        shape = (int(embeds.shape[0]), int(embeds.shape[1]))
+    if kwargs.get("output_attentions") or (
+        kwargs.get("output_attentions") is None and getattr(model.config, "output_attentions", False)
+    ):
         raise ValueError(
-            f"{name}: pass input_ids (the host store keys KV by token ids; inputs_embeds alone is not supported)"
+            f"{name}: output_attentions=True is not supported: the library's absorbed attention never forms "
+            "the attention probabilities (run the unmodified model to inspect them)"
         )
-    cache = kwargs.pop("past_key_values", None) or kwargs.get("cache")
+    cache = _user_cache(name, kwargs)
     use_cache = kwargs.get("use_cache")
     if use_cache is None:
         use_cache = getattr(model.config, "use_cache", True)
@@ -180,6 +196,7 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         )
     with exclusive(session, name):
         past = cache.seen_tokens
+        width = input_ids.shape[1] if input_ids is not None else embeds.shape[1]
         out = session.run_forward(
             lambda: model._kvoffload_originals["forward"](*args, **kwargs),
             input_ids,
@@ -187,27 +204,88 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             kwargs.get("cache_position"),
             past=past,
             owner=cache,
+            shape=shape,
         )
-        cache.seen_tokens = past + input_ids.shape[1]
+        cache.seen_tokens = past + width
     return _strip_cache(out, cache) if private else out
 
 
+def _user_cache(who: str, kwargs: dict[str, Any]) -> Any:
+    """The cache passed as ``cache`` or under its older name ``past_key_values`` (moved to ``cache``)."""
+    legacy = kwargs.pop("past_key_values", None)
+    if legacy is not None and kwargs.get("cache") is not None and kwargs["cache"] is not legacy:
+        raise ValueError(f"{who}: pass the cache once (cache=...), got both cache and past_key_values")
+    if legacy is not None:
+        kwargs["cache"] = legacy
+    return kwargs.get("cache")
+
+
+# cache_implementation values the library's cache serves: it is allocated once per generate for the prompt
+# plus max_new_tokens (as a static cache is) and grows only past that, and it is what offloads the KV
+_CACHE_IMPLEMENTATIONS = (None, "dynamic", "static", "offloaded", "offloaded_static")
+
+
+def _generation_option(model: torch.nn.Module, kwargs: dict[str, Any], key: str, default: Any = None) -> Any:
+    """What ``generate`` will use for option ``key``: the keyword, else the given ``generation_config``'s
+    value, else ``model.generation_config``'s (transformers fills a given config's unset values from it)."""
+    if key in kwargs:
+        return kwargs[key]
+    for gen in (kwargs.get("generation_config"), model.generation_config):
+        value = getattr(gen, key, None)
+        if value is not None:
+            return value
+    return default
+
+
+def _generation_request(model: torch.nn.Module, kwargs: dict[str, Any]) -> int:
+    """Check the cache ``generate`` is asked for, and return the rows per prompt row it will run
+    (``max(num_beams, num_return_sequences)``).
+
+    A ``cache_implementation`` the library's cache serves is turned off in ``kwargs`` (the library's cache
+    is passed instead); any other one is a ``ValueError`` naming it."""
+    name = f"offloaded {type(model).__name__}"
+    impl = _generation_option(model, kwargs, "cache_implementation")
+    if impl not in _CACHE_IMPLEMENTATIONS:
+        raise ValueError(
+            f"{name}: generate(cache_implementation={impl!r}) is not supported: the library keeps the KV in its "
+            f"own cache, which serves cache_implementation in {[c for c in _CACHE_IMPLEMENTATIONS if c]} or None"
+        )
+    if impl is not None:
+        kwargs["cache_implementation"] = None
+    beams = int(_generation_option(model, kwargs, "num_beams", 1) or 1)
+    seqs = int(_generation_option(model, kwargs, "num_return_sequences", 1) or 1)
+    return max(beams, seqs)
+
+
 def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    from torch_kvoffload.integrations.hf.cache import is_offload_cache
+
     session = session_of(model)
+    name = f"offloaded {type(model).__name__}"
     input_ids = kwargs.get("input_ids", args[0] if args else None)
-    gen = kwargs.get("generation_config") or model.generation_config
-    use_cache = kwargs.get("use_cache", getattr(gen, "use_cache", True))
+    embeds = kwargs.get("inputs_embeds")
+    rows_per_prompt = _generation_request(model, kwargs)
+    cache = _user_cache(name, kwargs)
+    if cache is not None and not is_offload_cache(cache):
+        raise ValueError(
+            f"{name}: generate(cache=...) must be given the library's cache (model._kvoffload_session.new_cache(), "
+            f"or the one a previous generate returned) or none, got {type(cache).__name__}"
+        )
+    use_cache = _generation_option(model, kwargs, "use_cache", True)
     # without a cache, generate recomputes the whole sequence every step: each forward starts its own
-    if use_cache is not False and kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
+    if use_cache is not False and cache is None:
         kwargs["cache"] = session.new_cache()
-    with exclusive(session, f"offloaded {type(model).__name__}"):
-        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
-            max_new = kwargs.get("max_new_tokens", getattr(gen, "max_new_tokens", None))
+    with exclusive(session, name):
+        prompt = input_ids if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else None
+        if prompt is None and isinstance(embeds, torch.Tensor) and embeds.dim() == 3:
+            prompt = embeds
+        if prompt is not None and cache is None:
+            max_new = _generation_option(model, kwargs, "max_new_tokens")
             if max_new is not None:
-                total = input_ids.shape[1] + int(max_new)
+                total = prompt.shape[1] + int(max_new)
             else:
-                total = int(kwargs.get("max_length", getattr(gen, "max_length", input_ids.shape[1])))
-            session.plan_generation(input_ids.shape[0], total)
+                total = int(_generation_option(model, kwargs, "max_length", prompt.shape[1]))
+            session.plan_generation(prompt.shape[0] * rows_per_prompt, total)
         try:
             return model._kvoffload_originals["generate"](*args, **kwargs)
         except BaseException:

@@ -1,13 +1,17 @@
 """``HFSequence``: a Hugging Face generation as requests of the KV core, one sequence at a time.
 
-Batch row ``r`` of a sequence is one request of the :class:`~torch_kvoffload.core.kv.KVCore` (row ``r``
-holds device slot ``r``): its tokens are the row's real tokens (left padding, ``attention_mask == 0``, is
-dropped), at logical positions ``0 .. len-1``. Hugging Face counts positions with the padding (``past``,
+Batch row ``r`` of a sequence is one request of the :class:`~torch_kvoffload.core.kv.KVCore`: its tokens
+are the row's real tokens (padding, ``attention_mask == 0`` anywhere, is dropped), at logical positions
+``0 .. len-1``; :attr:`HFSequence.masks` remembers which positions of each row were real. Hugging Face counts positions with the padding (``past``,
 ``seen``); the core counts each request's real tokens. A forward with ``past == 0`` ends the previous
 sequence and starts a new one; its requests live until the next such forward, :meth:`end`, or a failed
 forward (which releases them at once: a failed call leaves nothing reserved, and the next fresh forward
 works). Later forwards must continue the sequence exactly (same batch, ``past`` = positions seen, same
-cache object).
+cache object, the mask so far unchanged).
+
+Between forwards the rows may change as a whole (:meth:`HFSequence.rebuild_rows`: beam search's reorder,
+selecting or repeating rows; a row taking a request another row keeps gets a fork of it) and the last
+positions may be dropped (:meth:`HFSequence.crop`: assisted decoding); both act on every backend.
 
 Sizing: a fresh forward sizes the caches for its batch and the larger of its width and the planned tokens
 per request (:meth:`plan` from ``generate``, :meth:`reserve`); a later forward may only grow them.
@@ -40,7 +44,11 @@ class HFSequence:
         self.owner: Any = None
         self.broken = False
         self._planned: tuple[int, int] | None = None
+        self.unkeyed_requests = 0  # requests fed embeddings: not keyed by content, no prefix reuse
         self._pending_seen = 0  # what seen becomes when the running forward ends
+        # bool [B, seen] (host): which positions of each row are real tokens (its request's rows)
+        self.masks = torch.zeros(0, 0, dtype=torch.bool)
+        self._pending_mask = self.masks
 
     # ------------------------------------------------------------------------------------ sizing
     def plan(self, batch: int, max_tokens: int) -> None:
@@ -90,17 +98,24 @@ class HFSequence:
     # --------------------------------------------------------------------------------- forwards
     def begin_forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None,
         attention_mask: torch.Tensor | None,
         cache_position: torch.Tensor | None,
         past: int | None,
         owner: Any,
+        shape: tuple[int, int] | None = None,
     ) -> None:
-        """See :meth:`OffloadSession.begin_forward`."""
+        """See :meth:`OffloadSession.begin_forward`; ``input_ids`` ``None`` (the forward is fed embeddings of
+        ``shape`` ``(B, S)``): its rows' requests are not keyed (see :class:`Request`)."""
         where = "OffloadSession.begin_forward"
         if self.core.forward is not None:
             raise RuntimeError(f"{where}: a forward is running; call end_forward()")
-        B, S = forward_shape(input_ids)
+        if input_ids is None:
+            if shape is None:
+                raise ValueError(f"{where}: pass input_ids or the shape of inputs_embeds")
+            B, S = shape
+        else:
+            B, S = forward_shape(input_ids)
         if past is None:
             past = (
                 int(cache_position[0]) if cache_position is not None else (self.seen if self.requests else 0)
@@ -112,9 +127,24 @@ class HFSequence:
             self.end()
         else:
             self._check_continuation(B, past, owner)
+            if input_ids is None and any(r.keyed for r in self.requests) and self.core.backends.layerwise:
+                raise ValueError(
+                    f"{where}: a sequence started from input_ids cannot continue from inputs_embeds with "
+                    "layerwise offload (its stored blocks are keyed by token ids); start it from inputs_embeds"
+                )
         new_mask = new_positions(attention_mask, B, S, past)
-        ids_cpu = input_ids.to("cpu")
-        new_tokens = [ids_cpu[b][new_mask[b]].tolist() for b in range(B)]
+        if past > 0 and attention_mask is not None:
+            seen_mask = attention_mask[:, :past].to("cpu").bool()
+            if not torch.equal(seen_mask, self.masks):
+                raise ValueError(
+                    f"{where}: the attention_mask's first {past} columns must be the sequence's mask so far "
+                    "(padding keeps no KV: earlier positions cannot turn real, nor real ones into padding)"
+                )
+        if input_ids is None:
+            new_tokens = [[-1] * int(n) for n in new_mask.sum(dim=1).tolist()]
+        else:
+            ids_cpu = input_ids.to("cpu")
+            new_tokens = [ids_cpu[b][new_mask[b]].tolist() for b in range(B)]
         old_len = [r.length for r in self.requests] if past > 0 else [0] * B
         longest = max(o + len(t) for o, t in zip(old_len, new_tokens, strict=True))
         if past == 0:
@@ -125,12 +155,18 @@ class HFSequence:
             self._start(B, owner)
         elif longest > self.core.reserved_tokens:
             self._grow(longest)
+        if input_ids is None:
+            for r in self.requests:
+                if r.keyed:
+                    r.keyed = False
+                    self.unkeyed_requests += 1
         try:
             self.core.begin_forward(self.requests, new_tokens, new_mask)
         except BaseException:
             self.fail()
             raise
         self._pending_seen = past + S
+        self._pending_mask = new_mask
 
     def _check_continuation(self, B: int, past: int, owner: Any) -> None:
         where = "OffloadSession.begin_forward"
@@ -179,11 +215,89 @@ class HFSequence:
             self.fail()
             raise
         self.seen = self._pending_seen
+        self.masks = (
+            torch.cat([self.masks, self._pending_mask], dim=1) if self.masks.numel() else self._pending_mask
+        )
 
     def abort_forward(self) -> None:
         """Close a forward that raised and release the sequence's requests. Idempotent."""
         self.core.abort_forward()
         self.fail()
+
+    # ------------------------------------------------------------------------------- batch rows
+    def _between_forwards(self, where: str) -> None:
+        if self.core.forward is not None:
+            raise RuntimeError(f"{where}: a forward is running")
+        if self.broken:
+            raise RuntimeError(f"{where}: an earlier forward of this sequence failed; start a new one")
+
+    def rebuild_rows(self, sources: list[int], where: str) -> None:
+        """The batch becomes ``len(sources)`` rows, row ``i`` continuing today's row ``sources[i]``
+        (beam search's reorder, a selection of rows, a repetition of each row).
+
+        Each source request goes to the first row that takes it (a row that keeps its own request first);
+        requests no row takes end; every further row taking a source gets a fork of it (a new request
+        with a copy of its rows, in a slot an ended request freed). ``ValueError`` (nothing changed) when
+        a source is out of range or the rows need more slots than the caches were sized for. A fork that
+        fails ends the sequence and the error propagates.
+        """
+        self._between_forwards(where)
+        B = len(self.requests)
+        if any(not 0 <= s < B for s in sources):
+            raise ValueError(f"{where}: row indices must be in [0, {B}), got {sources}")
+        if not self.requests:
+            return
+        layout = self.core.layout
+        assert layout is not None
+        if len(sources) > layout.slots:
+            raise ValueError(
+                f"{where}: {len(sources)} rows but the caches hold {layout.slots} requests; plan the "
+                "generation for the expanded batch (generate does: batch x max(num_beams, num_return_sequences))"
+            )
+        if sources == list(range(B)):
+            return
+        rows: list[Request | None] = [None] * len(sources)
+        taken: set[int] = set()
+        for i, src in enumerate(sources):  # rows keeping their own request first: no fork for them
+            if i < B and src == i:
+                rows[i] = self.requests[src]
+                taken.add(src)
+        for i, src in enumerate(sources):
+            if rows[i] is None and src not in taken:
+                rows[i] = self.requests[src]
+                taken.add(src)
+        self.core.finish([r.id for b, r in enumerate(self.requests) if b not in taken])
+        try:
+            for i, src in enumerate(sources):
+                if rows[i] is None:
+                    rows[i] = self.core.fork(self.requests[src].id)
+        except BaseException:
+            forked = [r.id for r in rows if r is not None and all(r is not q for q in self.requests)]
+            self.core.finish(forked)
+            self.fail()
+            raise
+        self.requests = [r for r in rows if r is not None]
+        self.masks = self.masks[torch.tensor(sources, dtype=torch.int64)]
+
+    def crop(self, remove: int) -> None:
+        """Forget the last ``remove`` positions of every row (assisted decoding's rejected draft tokens):
+        each request keeps its real tokens before position ``seen - remove``."""
+        where = "OffloadCache.crop"
+        self._between_forwards(where)
+        if isinstance(remove, bool) or not isinstance(remove, int) or not 0 <= remove <= self.seen:
+            raise ValueError(f"{where}: can remove 0..{self.seen} positions, got {remove!r}")
+        if remove == 0 or not self.requests:
+            return
+        keep = self.seen - remove
+        masks = self.masks[:, :keep]
+        lengths = masks.sum(dim=1).tolist()
+        try:
+            for r, n in zip(self.requests, lengths, strict=True):
+                self.core.truncate(r.id, int(n))
+        except BaseException:
+            self.fail()
+            raise
+        self.seen, self.masks = keep, masks
 
     # -------------------------------------------------------------------------------- lifetime
     def end(self) -> None:
@@ -191,6 +305,7 @@ class HFSequence:
         seq, self.requests = self.requests, []
         self.core.finish([r.id for r in seq])
         self.seen, self.owner = 0, None
+        self.masks = torch.zeros(0, 0, dtype=torch.bool)
 
     def fail(self) -> None:
         """A forward of the sequence failed: release its requests; it cannot continue."""
@@ -236,3 +351,4 @@ class HFSequence:
         for r, t in zip(self.requests, tokens, strict=True):
             core.requests.extend(r.id, t)
         self.seen = width
+        self.masks = torch.arange(width)[None, :] >= torch.tensor([width - n for n in lens])[:, None]

@@ -18,8 +18,10 @@ past=..., owner=cache)`` and ``end_forward()`` (or :meth:`run_forward`); in betw
 W_UV → ``o_proj``, every op taking ``layer_caches(layer)`` as its ``caches``.
 
 Sequences (:class:`~torch_kvoffload.integrations.hf.sequence.HFSequence`): batch row ``r`` of a sequence is
-one request of the core (left padding dropped); one sequence (one ``OffloadCache``) is served at a time, a
-forward with an empty cache starts a new one, and a failed forward releases its requests at once. Each
+one request of the core (padding dropped, wherever it is); one sequence (one ``OffloadCache``) is served at
+a time, a forward with an empty cache starts a new one, and a failed forward releases its requests at once;
+between forwards the cache may reorder, select or repeat its rows (:meth:`rebuild_rows`: beam search) and
+drop its last positions (:meth:`crop`: assisted decoding). Each
 fresh forward sizes the caches for its batch and the larger of its width and the planned tokens per
 request (``generate`` plans prompt width + ``max_new_tokens`` - 1; :meth:`reserve` plans explicitly); a
 running sequence that outgrows its size grows the device caches in place (``stats()["resizes"]``), except
@@ -217,16 +219,18 @@ class OffloadSession:
 
     def begin_forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None,
         attention_mask: torch.Tensor | None = None,
         cache_position: torch.Tensor | None = None,
         *,
         past: int | None = None,
         owner: Any = None,
+        shape: tuple[int, int] | None = None,
     ) -> None:
-        """Start a forward of ``input_ids int64 [B, S]``.
+        """Start a forward of ``input_ids int64 [B, S]``, or of embeddings of ``shape`` ``(B, S)`` when
+        ``input_ids`` is ``None`` (their requests are then not keyed by content: no prefix reuse).
 
-        ``attention_mask [B, past + S]`` (0 = padding; only left padding) or ``None`` (no padding).
+        ``attention_mask [B, past + S]`` (0 = padding, anywhere) or ``None`` (no padding).
         ``past`` (tokens already seen, padding included) defaults to ``cache_position[0]``, else the
         session's count; ``past == 0`` ends the previous sequence and starts a new one (sizing the caches
         for it, see the module docstring). ``owner``: the cache object of the sequence (a later forward
@@ -234,17 +238,18 @@ class OffloadSession:
         """
         if self._closed:
             raise RuntimeError("OffloadSession.begin_forward: the session is closed")
-        self._seq.begin_forward(input_ids, attention_mask, cache_position, past, owner)
+        self._seq.begin_forward(input_ids, attention_mask, cache_position, past, owner, shape)
 
     def run_forward(
         self,
         body: Callable[[], T],
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None,
         attention_mask: torch.Tensor | None = None,
         cache_position: torch.Tensor | None = None,
         *,
         past: int | None = None,
         owner: Any = None,
+        shape: tuple[int, int] | None = None,
     ) -> T:
         """:meth:`begin_forward`, ``body()`` (the model's forward), :meth:`end_forward`; a ``body`` that
         raises aborts the forward (:meth:`abort_forward`) and the error propagates.
@@ -257,7 +262,7 @@ class OffloadSession:
         ``forward_retries``. Only where the rows before the forward are all in whole blocks the cut keeps
         (any forward that starts a sequence); otherwise the error propagates as for any other failure.
         """
-        self.begin_forward(input_ids, attention_mask, cache_position, past=past, owner=owner)
+        self.begin_forward(input_ids, attention_mask, cache_position, past=past, owner=owner, shape=shape)
         return self._seq.run_forward(body)
 
     def end_forward(self) -> None:
@@ -274,6 +279,28 @@ class OffloadSession:
         sized for the next sequence. A forward continuing the released sequence is an error. Called by
         every forward that starts a new sequence and when a forward fails; idempotent."""
         self._seq.end()
+
+    # ------------------------------------------------------------------------------- batch rows
+    def _owned(self, owner: Any, where: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{where}: the session is closed")
+        if owner is not self._seq.owner or not self._seq.requests:
+            raise ValueError(
+                f"{where}: this cache's sequence is not the one the session holds (ended, failed, or another "
+                "cache's sequence started since)"
+            )
+
+    def rebuild_rows(self, owner: Any, sources: list[int], where: str) -> None:
+        """Row ``i`` of ``owner``'s sequence continues today's row ``sources[i]`` (beam search, selecting or
+        repeating rows): see :meth:`HFSequence.rebuild_rows`. Between forwards."""
+        self._owned(owner, where)
+        self._seq.rebuild_rows(sources, where)
+
+    def crop(self, owner: Any, remove: int) -> None:
+        """Forget the last ``remove`` positions of ``owner``'s sequence in every row and backend (assisted
+        decoding): see :meth:`HFSequence.crop`. Between forwards."""
+        self._owned(owner, "OffloadCache.crop")
+        self._seq.crop(remove)
 
     # ------------------------------------------------------------------------ the ops' runtime
     def cache_write(
@@ -386,7 +413,8 @@ class OffloadSession:
         ``failed_forwards``; ``resizes`` (times the device caches were allocated for new sizes, growth of
         a running sequence included), ``reserved_tokens`` (tokens per request they are sized for),
         ``reserved_requests`` (requests holding host-pool blocks) and ``resident_rows`` (residency rows
-        held; both 0 once a sequence ended or failed). KVPP: ``broadcasts`` (layer broadcasts issued),
+        held; both 0 once a sequence ended or failed); ``unkeyed_requests`` (requests fed ``inputs_embeds``
+        without token ids so far: their KV is never looked up or shared by content). KVPP: ``broadcasts`` (layer broadcasts issued),
         ``bytes_broadcast``, ``kvpp_owned_layers`` (layers this rank stores persistently),
         ``kvpp_persistent_bytes`` / ``kvpp_scratch_bytes`` (this rank's owned bundles / its two scratch
         buffers; their sum is in ``device_kv_bytes``).
@@ -403,6 +431,7 @@ class OffloadSession:
             reserved_tokens=self.reserved_tokens,
             reserved_requests=got.get("reserved_requests", 0),
             resident_rows=got.get("resident_rows", 0),
+            unkeyed_requests=self._seq.unkeyed_requests,
         )
         if self.kvpp_on:
             out.update({k: got.get(k, 0) for k in _KVPP_KEYS})

@@ -1,6 +1,6 @@
 """Offloaded Hugging Face models under any 0/1 attention mask: right padding, padding inside, random
 masks, padded later forwards and decode steps where a row skips its step, ``generate`` from right- and
-inside-padded prompts, one compiled model.
+inside-padded prompts, one compiled model, rows with no token yet or no new token in layerwise forwards.
 
 The reference is the unmodified model (a deep copy taken before offloading, ``sdpa``) fed the same inputs,
 with a transformers ``DynamicCache`` across forwards. Logits are compared at every position except the
@@ -176,3 +176,41 @@ def test_mask_values_and_dtypes():
     with pytest.raises(ValueError, match=r"count each row's earlier real tokens \[2, 2\], got \[1, 2\]"):
         new_positions(torch.tensor([[0, 1, 1], [1, 1, 1]]), 2, 1, 2, past_lengths=[2, 2])
     assert new_positions(torch.tensor([[0, 1, 1], [1, 1, 1]]), 2, 1, 2, past_lengths=[1, 2]).all()
+
+
+# ----------------------------------------------------------------------- rows without tokens (layerwise)
+# new mask columns per forward: a row with no real token in the first forward; rows with no new token
+# after earlier ones filling whole blocks of 4 (all read back from the store) or ending in a partial block
+# (kept on the device); a row's first tokens in a later forward; decode steps where a row skips its step
+EMPTY_ROWS = [
+    [[1] * 8 + [0] * 2, [0] * 10, [0, 1, 1, 1, 0, 1, 1, 0, 0, 0]],
+    [[0] * 6, [1, 1, 0, 1, 1, 1], [1, 1, 1, 0, 0, 0]],
+    [[1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]],
+    [[1], [0], [1]],
+    [[0], [1], [1]],
+    [[1], [1], [1]],
+]
+EMPTY_CONFIGS = {"layerwise": {"layerwise": {}, "block_size": 4}, "default": None}
+
+
+@pytest.mark.parametrize("mode", list(EMPTY_CONFIGS))
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32"])
+def test_rows_without_tokens_then_their_first_tokens(family, mode):
+    model = build_model(family, num_hidden_layers=2)
+    ref = copy.deepcopy(model)
+    model = torch_kvoffload.offload(model, EMPTY_CONFIGS[mode])
+    session = session_of(model)
+    session.reserve(3, sum(len(m[0]) for m in EMPTY_ROWS))
+    ref_cache, cache = DynamicCache(config=ref.config), session.new_cache()
+    full = torch.zeros(3, 0, dtype=torch.int64)
+    for i, cols in enumerate(EMPTY_ROWS):
+        new = torch.tensor(cols)
+        full = torch.cat([full, new], dim=1)
+        ids = _ids(new.shape, seed=40 + i)
+        with torch.no_grad():
+            want = ref(input_ids=ids, attention_mask=full, cache=ref_cache).logits
+            got = model(input_ids=ids, attention_mask=full, cache=cache).logits
+        _check_logits(got, want, _seen(full, new.shape[1]))
+    if mode == "layerwise":
+        assert session._core.counters.snapshot()["decode_forwards"] == (1 if session.sparse_on else 0)
+    session.close()

@@ -241,6 +241,48 @@ def test_fully_cached_prompt_still_computes_a_token() -> None:
         rt.close()
 
 
+def test_idle_and_empty_requests_compute_nothing_and_read_their_full_blocks() -> None:
+    rt, store = _make(n=3, b=1, indexer_layers=())
+    try:
+        toks = list(range(16))  # 4 full blocks: a request computing a token would recompute the last
+        _, first = _forward(rt, [toks], [[0, 1, 2, 3]])
+        saved = rt.counters.get("blocks_saved")
+        seen = {}
+
+        def check(layer):
+            seen[layer] = [t[[4, 5, 6, 7]].clone() for t in rt.layer_caches(layer)]
+
+        # an idle request with all its tokens, an empty one, one computing 6 tokens (1 full block)
+        batch, tables = [toks, [], list(range(50, 56))], [[4, 5, 6, 7], [], [8, 9]]
+        cached = rt.begin_forward(batch, tables, idle=[True, False, False])
+        assert cached == [16, 0, 0]
+        try:
+            _run_layers(rt, batch, tables, cached, on_layer=check)
+        finally:
+            rt.end_forward()
+        for layer in range(3):
+            for got, ref in zip(seen[layer], first[layer], strict=True):
+                assert torch.equal(got, ref), layer
+        assert rt.counters.get("blocks_saved") - saved == 3  # request 2's full block, every layer
+        # an idle request whose partial block is the caller's, alone and with no tokens at all
+        assert rt.begin_forward([[*toks, 1, 2]], [[4, 5, 6, 7, 8]], idle=[True]) == [16]
+        rt.end_forward()
+        assert rt.begin_forward([[]], [[]]) == [0]
+        rt.end_forward()
+        with pytest.raises(ValueError, match=r"num_cached_tokens\[0\] = 12, but request 0 computes no token"):
+            rt.begin_forward([toks], [[4, 5, 6, 7]], [12], idle=[True])
+        with pytest.raises(ValueError, match="'idle' has 2 entries"):
+            rt.begin_forward([toks], [[4, 5, 6, 7]], idle=[True, True])
+        store.remove(layer_block_keys(block_hashes(toks, BS), 1, model_id=rt.fingerprint)[2])
+        with pytest.raises(RuntimeError, match=r"request 0 computes no token .* only 2 of its 4 full blocks"):
+            rt.begin_forward([toks], [[4, 5, 6, 7]], idle=[True])
+        assert not rt._lookup.leases  # nothing leased after the refusal
+        assert rt.begin_forward([toks], [[4, 5, 6, 7]]) == [8]  # computing a token, it recomputes them
+        rt.end_forward()
+    finally:
+        rt.close()
+
+
 def test_partial_layer_presence_limits_the_prefix() -> None:
     rt, store = _make(n=4, b=1, indexer_layers=())
     try:
@@ -632,8 +674,6 @@ def test_call_order_and_argument_errors() -> None:
             rt.begin_forward([list(range(9))], [[0, 1, 2]], num_cached_tokens=[3])
         with pytest.raises(ValueError, match="leaves no token"):
             rt.begin_forward([list(range(8))], [[0, 1]], num_cached_tokens=[8])
-        with pytest.raises(ValueError, match="no tokens"):
-            rt.begin_forward([[]], [[0]])
         rt.begin_forward([list(range(9))], torch.tensor([[0, 1, 2, -1]]))
         with pytest.raises(RuntimeError, match="forward is running"):
             rt.begin_forward([list(range(9))], [[0, 1, 2]])

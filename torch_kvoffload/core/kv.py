@@ -283,12 +283,6 @@ class KVCore:
             self.drop_prefill_buffers()  # prefill is over: decode runs on the sparse backend alone
         lw = self.backends.layerwise
         layerwise = lw is not None and not decode and lw.built
-        empty = [b for b, (o, n) in enumerate(zip(old_len, n_new, strict=True)) if o + n == 0]
-        if layerwise and empty:
-            raise ValueError(
-                f"OffloadSession.begin_forward: batch rows {empty} have no real token yet (attention_mask is 0 "
-                "on all their positions so far); the layerwise backend cannot keep a request without tokens"
-            )
         for r, toks in zip(requests, new_tokens, strict=True):
             self.requests.extend(r.id, toks)
         fwd = plan_forward(

@@ -73,6 +73,7 @@ class ForwardPlanner:
         block_tables: Sequence[Sequence[int]] | torch.Tensor,
         num_cached_tokens: Sequence[int] | None,
         max_cached_tokens: Sequence[int] | None,
+        idle: Sequence[bool] | None = None,
     ) -> Transfers:
         """Check the batch, lease its prefixes and plan its transfers (``begin_forward``'s contract).
 
@@ -98,6 +99,7 @@ class ForwardPlanner:
         for arg, values in (
             ("num_cached_tokens", num_cached_tokens),
             ("max_cached_tokens", max_cached_tokens),
+            ("idle", idle),
         ):
             if values is not None and len(values) != len(token_ids):
                 raise ValueError(f"{fn}: '{arg}' has {len(values)} entries, expected {len(token_ids)}")
@@ -106,9 +108,13 @@ class ForwardPlanner:
                 raise ValueError(f"{fn}: pass 'num_cached_tokens' or 'max_cached_tokens', not both")
             for r, m in enumerate(max_cached_tokens):
                 check_int(fn, f"max_cached_tokens[{r}]", m, minimum=0)
-        tables, hashes = self._check_batch(token_ids, block_tables, num_cached_tokens)
+        # a request without tokens computes none
+        idle_rows = [len(t) == 0 or (idle is not None and bool(idle[r])) for r, t in enumerate(token_ids)]
+        tables, hashes = self._check_batch(token_ids, block_tables, num_cached_tokens, idle_rows)
         try:
-            requests = self._plan_requests(token_ids, tables, hashes, num_cached_tokens, max_cached_tokens)
+            requests = self._plan_requests(
+                token_ids, tables, hashes, num_cached_tokens, max_cached_tokens, idle_rows
+            )
         except BaseException:
             self.lookup.release_leases()
             raise
@@ -119,6 +125,7 @@ class ForwardPlanner:
         token_ids: Sequence[Sequence[int] | torch.Tensor],
         block_tables: Sequence[Sequence[int]],
         num_cached_tokens: Sequence[int] | None,
+        idle: list[bool],
     ) -> tuple[list[list[int]], list[list[str]]]:
         """Validate every request's tokens, block table and fixed cached count; return the block ids each
         request uses and its block hashes. Touches no state."""
@@ -126,8 +133,6 @@ class ForwardPlanner:
         tables, hashes = [], []
         for r, (toks, table) in enumerate(zip(token_ids, block_tables, strict=True)):
             n = len(toks)
-            if n == 0:
-                raise ValueError(f"{fn}: request {r} has no tokens")
             need = -(-n // self.block_size)
             if len(table) < need:
                 raise ValueError(
@@ -154,7 +159,12 @@ class ForwardPlanner:
                         f"{fn}: num_cached_tokens[{r}] must be a non-negative multiple of "
                         f"{self.block_size}, got {c!r}"
                     )
-                if c // self.block_size > self.lookup.max_cacheable_blocks(n):
+                if idle[r] and c != n // self.block_size * self.block_size:
+                    raise ValueError(
+                        f"{fn}: num_cached_tokens[{r}] = {c}, but request {r} computes no token: expected "
+                        f"its {n // self.block_size * self.block_size} tokens of full blocks"
+                    )
+                if not idle[r] and c // self.block_size > self.lookup.max_cacheable_blocks(n):
                     raise ValueError(f"{fn}: num_cached_tokens[{r}] = {c} leaves no token of {n} to compute")
             tables.append(ids)
             hashes.append(self.lookup.hashes(toks))
@@ -167,16 +177,18 @@ class ForwardPlanner:
         hashes: list[list[str]],
         num_cached_tokens: Sequence[int] | None,
         max_cached_tokens: Sequence[int] | None,
+        idle: list[bool],
     ) -> list[Request]:
         """Look the validated batch's prefixes up and lease them (``lookup.leases``; the caller releases
-        them if this raises), check the blocks the requests share, then count hits and misses."""
+        them if this raises), check the blocks the requests share, then count hits and misses. An idle
+        request (computing no token) reads all its full blocks: ``RuntimeError`` when the store lacks one."""
         lookup = self.lookup
         requests: list[Request] = []
         # full blocks earlier requests of the batch compute in this forward: block -> its hash
         computed: dict[int, str] = {}
         for r, (ids, h) in enumerate(zip(tables, hashes, strict=True)):
             if num_cached_tokens is None:
-                limit = min(len(h), lookup.max_cacheable_blocks(len(token_ids[r])))
+                limit = len(h) if idle[r] else min(len(h), lookup.max_cacheable_blocks(len(token_ids[r])))
                 cap = (
                     limit
                     if max_cached_tokens is None
@@ -193,6 +205,11 @@ class ForwardPlanner:
                 cached = found
             if lease is not None:
                 lookup.leases.append(lease)
+            if idle[r] and cached < len(h):
+                raise RuntimeError(
+                    f"begin_forward: request {r} computes no token in this forward, but only {cached} of its "
+                    f"{len(h)} full blocks are in the store (or computed by the batch); its KV is lost"
+                )
             exact = lease is not None and lease.pinned and len(lease.keys) == found * self.num_layers
             requests.append(Request(h, ids, cached, lease if exact else None, found))
             for j in range(cached, len(h)):

@@ -68,7 +68,7 @@ class PrefixLookup:
 
     def max_cacheable_blocks(self, num_tokens: int) -> int:
         # At least one token is always computed, so a fully cached prompt still yields its last logits.
-        return (num_tokens - 1) // self.block_size
+        return max(num_tokens - 1, 0) // self.block_size
 
     def lookup(self, token_ids: Sequence[int] | torch.Tensor) -> int:
         """Tokens of ``token_ids`` whose KV every layer has in the store (a multiple of ``block_size``,

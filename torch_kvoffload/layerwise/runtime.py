@@ -246,6 +246,7 @@ class LayerwiseOffloadRuntime:
         num_cached_tokens: Sequence[int] | None = None,
         *,
         max_cached_tokens: Sequence[int] | None = None,
+        idle: Sequence[bool] | None = None,
     ) -> list[int]:
         """Start a prefill forward of a batch; return the cached tokens of each request.
 
@@ -263,9 +264,9 @@ class LayerwiseOffloadRuntime:
         same prefix that an earlier request of the batch computes into the same physical blocks.
         ``max_cached_tokens``: per request, an upper bound on the prefix looked up in the store (``>= 0``;
         rounded down to whole blocks) — e.g. ``PrefixEvictedError.usable_tokens``. The model computes
-        tokens ``[cached, len)`` of each request and attends to all ``[0, len)``. The blocks to load are
-        leased in the store until :meth:`end_forward` (pinned where the store can pin). Loads of the first
-        layers start here.
+        tokens ``[cached, len)`` of each request and attends to all ``[0, len)``; an ``idle`` one (or one
+        without tokens) none: all its full blocks are read (``RuntimeError`` if the store lacks one), its
+        partial block is the caller's. Loads are leased until :meth:`end_forward`; the first layers' start.
 
         Raises ``ValueError`` / ``TypeError`` / ``IndexError`` naming the argument (and, for a block
         conflict, both requests and the block); nothing is changed then (no lease, no counter).
@@ -276,12 +277,11 @@ class LayerwiseOffloadRuntime:
         if self._in_forward:
             raise RuntimeError(f"LayerwiseOffloadRuntime.{fn}: a forward is running; call end_forward()")
         self._gates.check_clean(fn)
-        self._transfers = self._planner.plan(token_ids, block_tables, num_cached_tokens, max_cached_tokens)
-        self._in_forward = True
-        self._current = -1
-        self._loads = {}
-        self._pending = []
-        self._entered = set()
+        self._transfers = self._planner.plan(
+            token_ids, block_tables, num_cached_tokens, max_cached_tokens, idle
+        )
+        self._in_forward, self._current = True, -1
+        self._loads, self._pending, self._entered = {}, [], set()
         self._issue_window(0)
         return [q.num_cached_blocks * self.block_size for q in self._transfers.requests]
 

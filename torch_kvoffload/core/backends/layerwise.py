@@ -249,8 +249,10 @@ class LayerwiseBackend(KVBackend):
         assert rt is not None and layout is not None
         bs, M, tr = self.block_size, layout.blocks_per_request, self._tail_rows(layout)
         caps = {} if max_cached_tokens is None else {"max_cached_tokens": max_cached_tokens}
+        # a row with no new token computes none: its full blocks are all read, its tail restored
+        idle = [o == n for o, n in zip(fwd.old_len, fwd.new_len, strict=True)]
         cached = rt.begin_forward(
-            [self._key_tokens(r) for r in fwd.requests], fwd.block_table.cpu().tolist(), **caps
+            [self._key_tokens(r) for r in fwd.requests], fwd.block_table.cpu().tolist(), idle=idle, **caps
         )
         restore_src, restore_dst, keep_src, keep_dst = [], [], [], []
         for r, (slot, c, old, new) in enumerate(

@@ -198,6 +198,72 @@ def test_fork_of_a_prefill_only_request_then_a_chunk(spec):
         core.close()
 
 
+def _pool(core: KVCore):
+    (sparse,) = [b for b in core.backends.all if b.name == "sparse"]
+    return sparse.runtime.pool
+
+
+def _sharing(core: KVCore) -> tuple[int, int]:
+    stats = core.backend_stats()
+    return stats["fork_shared_blocks"], stats["cow_copies"]
+
+
+@pytest.mark.parametrize("name", ["offload", "offload-small-hot"])
+def test_forks_share_full_blocks_and_copy_them_on_write(spec, name):
+    """Forks share the source's full host-pool blocks; both go on writing into blocks of their own; a
+    truncated fork (and a truncated source) rewriting a shared block copies it first: every request's
+    outputs still match the reference, the counters show the shared blocks and exactly those copies, and
+    every block is free again at the end. Block size 4."""
+    cfg, top_k = CONFIGS[name]
+    core = _core(spec, cfg, f"cow-{name}")
+    try:
+        core.size(4, 28)
+        pool = _pool(core)
+        initial = pool.free_blocks
+        ref = _Reference(core, top_k, seed=4)
+        a, b = core.admit(2)
+        ref.forward([a, b], [8, 6])  # a: two full blocks, b: one and a half
+        ref.forward([a, b], [1, 1])  # a: position 8 opens its third block
+        c = core.fork(a.id)  # 9 positions: blocks 0, 1 shared, the partial block 2 copied
+        ref.fork(a, c)
+        assert _sharing(core) == (2, 0)
+        assert pool.blocks_of(c.id)[:2] == pool.blocks_of(a.id)[:2]
+        assert pool.blocks_of(c.id)[2] != pool.blocks_of(a.id)[2]
+        for _ in range(3):  # both write into their partial block, then into their own next one
+            ref.forward([a, b, c], [1, 1, 1])
+        assert _sharing(core) == (2, 0)
+        d = core.fork(a.id)  # a second fork of a: 12 positions, blocks 0..2 (0 and 1 now thrice)
+        ref.fork(a, d)
+        assert _sharing(core) == (5, 0)
+        assert pool.block_tables.refs(pool.blocks_of(a.id)[0]) == 3
+        ref.forward([d, a, c], [1, 1, 1])
+        assert _sharing(core) == (5, 0)
+        core.truncate(c.id, 5)  # back into shared block 1: its rewrite copies it (once)
+        ref.truncate(c, 5)
+        for _ in range(4):  # positions 5..8: block 1 (copied), then c's own block 2
+            ref.forward([c, b, a], [1, 1, 1])
+        assert _sharing(core) == (5, 1)
+        assert pool.blocks_of(c.id)[1] != pool.blocks_of(a.id)[1] == pool.blocks_of(d.id)[1]
+        core.finish([a.id])  # the source ends while its forks live
+        ref.forward([d, c, b], [1, 1, 1])
+        core.truncate(d.id, 2)  # into block 0, shared by c and d: copied once more
+        ref.truncate(d, 2)
+        core.truncate(c.id, 3)  # c's rewrite of block 0 then finds it private: no copy
+        ref.truncate(c, 3)
+        for _ in range(3):
+            ref.forward([c, d], [1, 1])
+        assert _sharing(core) == (5, 2)
+        e = core.fork(d.id)  # a fork of a fork: block 0 shared, position 4 copied
+        ref.fork(d, e)
+        assert d.length == 5 and _sharing(core) == (6, 2)
+        ref.forward([e, d, c], [2, 1, 1])  # a chunk of the fork over shared rows read back from the pool
+        _check_counts(core, ref)
+        core.finish([b.id, c.id, d.id, e.id])
+        assert pool.free_blocks == initial
+    finally:
+        core.close()
+
+
 def _kvpp_worker(rank: int, world: int, scenario: str) -> None:
     spec = inspect_model(build_model("deepseek_v32"))
     core = _core(spec, {"kvpp": {}}, f"kvpp-{scenario}")

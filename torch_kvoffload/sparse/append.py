@@ -92,10 +92,13 @@ class RowAppender:
         if n == 0:
             return kv_transfer.TransferEvent.completed()
         pos = positions.to("cpu", torch.int64)
-        dst = self._pool_slots(where, ids, pos)
+        dst, copies = self._pool_slots(where, ids, pos)
         self._seq[layer] += 1
         if not self.writer:
             return kv_transfer.TransferEvent.completed()
+        if copies:
+            self.counters.count_total("cow_copies", len(copies))
+        self._copy_on_write(copies)
         seq = self._seq[layer]
         host_kv, host_pe = self.pool.kv_c(layer), self.pool.k_pe(layer)
         src = torch.arange(n, dtype=torch.int64)
@@ -195,33 +198,68 @@ class RowAppender:
         self._pending_publish = [ev for ev in self._pending_publish if not ev.succeeded()]
         self._pending_publish.append(self.host.submit(finished, after=[event]))
 
-    def _pool_slots(self, where: str, ids: list[int], pos: torch.Tensor) -> torch.Tensor:
-        """Pool rows ``int64 [n]`` of ``(ids[i], pos[i])``; a rank whose pool does not know a request gets
-        ``-1``. Computed on Python ints: a decode step appends a few rows, where per-request tensor ops
-        would cost more than the copy."""
+    def _pool_slots(self, where: str, ids: list[int], pos: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Pool rows ``int64 [n]`` of ``(ids[i], pos[i])`` and the ``(old, new)`` blocks to copy first;
+        a rank whose pool does not know a request gets ``-1``. Computed on Python ints: a decode step
+        appends a few rows, where per-request tensor ops would cost more than the copy.
+
+        Everything is checked first; then a block the row's request shares with another one (a fork's) is
+        replaced in its table by a fresh block (copy-on-write, on every rank: the tables stay identical),
+        whose rows the writer copies before this append's write."""
         positions = pos.tolist()
         bs = self.pool.block_size
-        tables: dict[int, list[int]] = {}
+        known: list[int] = []
         for rid in sorted(set(ids)):
             if self.pool.knows(rid):
-                table = self.pool.blocks_of(rid)
                 mine = [p for r, p in zip(ids, positions, strict=True) if r == rid]
-                if min(mine) < 0 or max(mine) >= len(table) * bs:
+                if min(mine) < 0 or max(mine) >= self.pool.reserved_tokens(rid):
                     try:  # the pool's own check names the range
                         self.pool.slots(rid, torch.tensor(mine, dtype=torch.int64))
                     except IndexError as exc:
                         raise IndexError(f"{where}: {exc}") from None
-                tables[rid] = table
+                known.append(rid)
             elif self.writer:
                 raise ValueError(f"{where}: request {rid} has no host-pool blocks; reserve() it first")
+        pairs = [(r, p) for r, p in zip(ids, positions, strict=True) if r in known]
+        if len(set(pairs)) != len(pairs):
+            raise ValueError(f"{where}: a (request, position) pair occurs twice in one append")
+        copies: list[tuple[int, int]] = []
+        for rid in known:
+            written = sorted({p // bs for r, p in pairs if r == rid})
+            copies += self.pool.make_writable(where, rid, written)
+        tables = {rid: self.pool.blocks_of(rid) for rid in known}
         dst = [
             tables[r][p // bs] * bs + p % bs if r in tables else -1
             for r, p in zip(ids, positions, strict=True)
         ]
-        known = [d for d in dst if d >= 0]
-        if len(set(known)) != len(known):
-            raise ValueError(f"{where}: a (request, position) pair occurs twice in one append")
-        return torch.tensor(dst, dtype=torch.int64)
+        return torch.tensor(dst, dtype=torch.int64), copies
+
+    def _copy_on_write(self, copies: list[tuple[int, int]]) -> None:
+        """Writer: copy the blocks ``copies`` (every layer) before the append that writes into the new ones.
+
+        Earlier appends of any layer may still write into the old blocks: the copy runs on the host stream
+        behind them (every host-side write runs there, in order, and this append's follows it); a device
+        path append in flight on the D2H stream is waited for first."""
+        if not copies:
+            return
+        if self.device_path:
+            for layer in range(self.pool.num_layers):
+                self._wait(layer)
+
+        def copy() -> None:
+            try:
+                self.pool.copy_blocks(copies)
+            except BaseException:
+                for layer in range(self.pool.num_layers):  # every layer's rows of those blocks are lost
+                    self.pool.mark_failed(layer)
+                raise
+
+        pending = [ev for evs in self._pending for ev in evs]
+        event = self.host.submit(copy, after=pending, inline=True)
+        if self.device_path:
+            event.wait()  # the Triton write on the D2H stream is not ordered after the host stream
+        for events in self._pending:  # each layer's next wait raises if the copy failed
+            events.append(event)
 
     def _wait(self, layer: int, on_compute: bool = False) -> None:
         """Wait for ``layer``'s pending appends: on the host, or (``on_compute``) with a stream wait of

@@ -22,10 +22,8 @@ also sees the rows written before it.
 from __future__ import annotations
 
 import contextlib
-import heapq
 import json
 import logging
-import math
 import os
 import time
 import uuid
@@ -36,6 +34,7 @@ import torch
 from torch_kvoffload import device as kv_device
 from torch_kvoffload._utils import check_int, parse_dtype, round_up
 from torch_kvoffload.sparse._checks import check_layer
+from torch_kvoffload.sparse.block_tables import BlockTables
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +106,7 @@ class HostKVPool:
         self._k_pe = (
             storage[off : off + pe_bytes].view(dtype).view(num_layers, num_blocks, block_size, rope_dim)
         )
-        self._free: list[int] = list(range(num_blocks))
-        heapq.heapify(self._free)
-        self._tables: dict[int, list[int]] = {}
+        self.block_tables = BlockTables(num_blocks, block_size)
         self._registered_ptr: int | None = None
         self._closed = False
 
@@ -294,51 +291,73 @@ class HostKVPool:
     # ---------------------------------------------------------------------------------- allocation
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        return self.block_tables.free_blocks
 
     def blocks_of(self, request_id: int) -> list[int]:
-        return list(self._tables.get(request_id, ()))
+        return list(self.block_tables.table(request_id))
 
     def knows(self, request_id: int) -> bool:
         """Whether this pool object allocated blocks for ``request_id`` (a rank that does not replay
         the allocations knows none)."""
-        return request_id in self._tables
+        return self.block_tables.knows(request_id)
 
     def reserved_tokens(self, request_id: int) -> int:
         """Positions ``0..n-1`` of ``request_id`` have a row: ``n`` = its blocks x ``block_size``."""
-        return len(self._tables.get(request_id, ())) * self.block_size
+        return len(self.block_tables.table(request_id)) * self.block_size
 
     def allocate(self, request_id: int, num_tokens: int) -> list[int]:
         """Make room for positions ``0..num_tokens-1`` of ``request_id``; return its blocks.
 
         ``request_id`` and ``num_tokens`` are ints ``>= 0`` (``TypeError`` / ``ValueError`` otherwise). A
         request never shrinks: fewer tokens than already allocated keep its blocks. Raises
-        ``RuntimeError`` (nothing allocated) when the pool has too few free blocks.
+        ``RuntimeError`` (nothing allocated) when the pool has too few free blocks (free blocks that
+        copies-on-write of shared blocks may need do not count, see
+        :mod:`~torch_kvoffload.sparse.block_tables`).
         """
-        request_id = check_int("HostKVPool.allocate", "request_id", request_id, minimum=0)
-        num_tokens = check_int("HostKVPool.allocate", "num_tokens", num_tokens, minimum=0)
-        table = self._tables.get(request_id, [])
-        need = math.ceil(num_tokens / self.block_size) - len(table)
-        if need > len(self._free):
-            raise RuntimeError(
-                f"HostKVPool.allocate: request {request_id} needs {need} more blocks for {num_tokens} tokens, "
-                f"only {len(self._free)} of {self.num_blocks} are free"
-            )
-        table = self._tables.setdefault(request_id, table)
-        for _ in range(max(0, need)):
-            table.append(heapq.heappop(self._free))
-        return list(table)
+        return self.block_tables.allocate(request_id, num_tokens)
 
     def free(self, request_id: int) -> None:
-        """Return every block of ``request_id`` to the pool (unknown ids are ignored)."""
-        request_id = check_int("HostKVPool.free", "request_id", request_id)
-        for b in self._tables.pop(request_id, ()):
-            heapq.heappush(self._free, b)
+        """Drop every block of ``request_id`` (a block a fork still shares stays; unknown ids: ignored)."""
+        self.block_tables.free(request_id)
+
+    def fork(self, src_id: int, dst_id: int, num_tokens: int, *, copy: bool = True) -> int:
+        """``dst_id`` (reserved) continues positions ``0..num_tokens-1`` of ``src_id`` in every layer: its
+        table shares ``src_id``'s full blocks there (copy-on-write, :meth:`make_writable`) and the partial
+        last block's rows are copied into its own block (``copy``: the writer; a reader rank replays the
+        table change only). Returns the number of blocks shared. ``IndexError`` / ``ValueError`` as
+        :meth:`BlockTables.share`, nothing changed. The caller makes sure no append to either is in flight.
+        """
+        where = "HostKVPool.fork"
+        src_id = check_int(where, "src_id", src_id, minimum=0)
+        dst_id = check_int(where, "dst_id", dst_id, minimum=0)
+        before = self.block_tables.shared_blocks
+        partial = self.block_tables.share(where, src_id, dst_id, num_tokens)
+        if partial is not None and copy:
+            self.copy_blocks([partial], num_tokens % self.block_size)
+        return self.block_tables.shared_blocks - before
+
+    def make_writable(self, where: str, request_id: int, block_indices: list[int]) -> list[tuple[int, int]]:
+        """Table change of a copy-on-write before ``request_id`` writes into its blocks ``block_indices``:
+        see :meth:`BlockTables.make_writable`; the writer :meth:`copy_blocks` the returned pairs before
+        the write."""
+        return self.block_tables.make_writable(where, request_id, block_indices)
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]], rows: int | None = None) -> None:
+        """Copy the first ``rows`` rows (default: all) of block ``old`` to block ``new`` for every
+        ``(old, new)`` of ``pairs``, in every layer."""
+        if not pairs:
+            return
+        old = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+        new = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+        rows = self.block_size if rows is None else rows
+        for part in (self._kv_c, self._k_pe):
+            part[:, new, :rows] = part[:, old, :rows]
 
     def copy_rows(self, src_id: int, dst_id: int, num_tokens: int) -> None:
         """Copy positions ``0..num_tokens-1`` of ``src_id`` to the same positions of ``dst_id``, in every
-        layer (a request continuing another: beam search). Both must have those positions allocated
-        (``IndexError`` otherwise, nothing copied). The caller makes sure no append to either is in flight.
+        layer. Both must have those positions allocated (``IndexError`` otherwise, nothing copied) and
+        ``dst_id``'s blocks there must be its own (``ValueError``). The caller makes sure no append to
+        either is in flight.
         """
         where = "HostKVPool.copy_rows"
         num_tokens = check_int(where, "num_tokens", num_tokens, minimum=0)
@@ -346,13 +365,20 @@ class HostKVPool:
         src, dst = self.slots(src_id, pos), self.slots(dst_id, pos)
         if src_id == dst_id or not num_tokens:
             return
+        if any(
+            self.block_tables.refs(b) > 1
+            for b in self.block_tables.table(dst_id)[: (num_tokens - 1) // self.block_size + 1]
+        ):
+            raise ValueError(
+                f"{where}: request {dst_id} shares blocks with another request; copy into a new one"
+            )
         for part in (self._kv_c, self._k_pe):
             flat = part.view(self.num_layers, -1, part.shape[-1])
             flat.index_copy_(1, dst, flat.index_select(1, src))
 
     def block_table(self, request_ids: Sequence[int], max_blocks: int | None = None) -> torch.Tensor:
         """``int32 [len(request_ids), max_blocks]`` block tables (unused entries and ``-1`` rows: 0)."""
-        tables = [self._tables.get(r, []) if r >= 0 else [] for r in request_ids]
+        tables = [self.block_tables.table(r) if r >= 0 else [] for r in request_ids]
         width = max_blocks if max_blocks is not None else max([len(t) for t in tables] + [1])
         out = torch.zeros(len(tables), width, dtype=torch.int32)
         for i, t in enumerate(tables):
@@ -366,7 +392,7 @@ class HostKVPool:
     def slots(self, request_id: int, positions: torch.Tensor) -> torch.Tensor:
         """``int64`` pool rows of ``positions`` of ``request_id`` (they must be allocated)."""
         request_id = check_int("HostKVPool.slots", "request_id", request_id, minimum=0)
-        table = self._tables.get(request_id)
+        table = self.block_tables.table(request_id)
         pos = positions.to(torch.int64)
         if pos.numel() == 0:
             return pos

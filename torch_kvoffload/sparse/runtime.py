@@ -197,6 +197,12 @@ class SparseDecodeOffload:
         return self._hot.rows
 
     @property
+    def epoch(self) -> int:
+        """Changes whenever :class:`CheckedRows` made before go stale: a request reserved, released,
+        forked or truncated, the hot buffers resized, or a block table changed by a copy-on-write."""
+        return self._epoch + self.pool.block_tables.version
+
+    @property
     def device_step(self) -> bool:
         """Whether :meth:`attend` runs the host-sync-free device step (fused, ``step_path`` device)."""
         return self._device_step
@@ -254,8 +260,11 @@ class SparseDecodeOffload:
 
     def fork(self, src_id: int, dst_id: int, num_tokens: int) -> None:
         """``dst_id`` (reserved, no rows yet) continues ``src_id``: positions ``0..num_tokens-1`` of every
-        layer are copied in the host pool (by the writer; a reader replays the call and copies nothing).
-        ``dst_id`` holds no residency rows: its first step loads what it selects from the pool."""
+        layer. Its host-pool table shares ``src_id``'s full blocks there, copy-on-write (a later write of
+        either into a shared block copies that block first, :mod:`.block_tables`); the rows of the partial
+        last block are copied (by the writer; a reader replays the table change and copies nothing).
+        ``dst_id`` holds no residency rows: its first step loads what it selects from the pool. Counts
+        ``fork_shared_blocks``."""
         where = "SparseDecodeOffload.fork"
         src_id = check_int(where, "src_id", src_id, minimum=0)
         dst_id = check_int(where, "dst_id", dst_id, minimum=0)
@@ -266,8 +275,8 @@ class SparseDecodeOffload:
             raise ValueError(f"{where}: request {dst_id} already holds residency rows; fork into a new one")
         self.sync()  # the appends of earlier forwards are in the pool
         self._epoch += 1
-        if self.writer:
-            self.pool.copy_rows(src_id, dst_id, num_tokens)
+        shared = self.pool.fork(src_id, dst_id, num_tokens, copy=self.writer)
+        self._counters.count_total("fork_shared_blocks", shared)
 
     def truncate(self, request_id: int, length: int) -> None:
         """``request_id`` drops its positions ``>= length``: every layer forgets them in the hot buffers
@@ -345,12 +354,13 @@ class SparseDecodeOffload:
         for the steps of every layer of a forward (what :meth:`attend` checks of them per layer).
 
         The returned :class:`CheckedRows` stand for ``rows`` in :meth:`attend` calls whose indexer inputs
-        hold these same two tensors, unmodified, until the next :meth:`reserve`, :meth:`release` or
-        :meth:`resize_hot` (after which :meth:`attend` rejects them).
+        hold these same two tensors, unmodified, until the next :meth:`reserve`, :meth:`release`,
+        :meth:`fork`, :meth:`truncate`, :meth:`resize_hot` or an :meth:`append` that copied a shared block
+        on write (after which :meth:`attend` rejects them: :attr:`epoch` changed).
         """
         return check_rows(
             "SparseDecodeOffload.check_rows", rows, cu_seqlens_q, seq_lens_k, pool=self.pool,
-            max_rows=self.max_rows, device=self.device, epoch=self._epoch,
+            max_rows=self.max_rows, device=self.device, epoch=self.epoch,
         )  # fmt: skip
 
     def attend(
@@ -375,7 +385,7 @@ class SparseDecodeOffload:
                   int8_indexer=self.config.indexer_dtype == "int8")  # fmt: skip
         if isinstance(rows, CheckedRows):
             ids, stable, host_bt = check_step_checked(
-                where, layer, q_nope, q_pe, scale, indexer, rows, **kw, epoch=self._epoch
+                where, layer, q_nope, q_pe, scale, indexer, rows, **kw, epoch=self.epoch
             )
         else:
             ids, stable, host_bt = check_step(where, layer, q_nope, q_pe, scale, indexer, rows, **kw)

@@ -12,13 +12,20 @@ from torch_kvoffload.sparse.residency import step_counts
 
 __all__ = ["COUNTER_NAMES", "StepCounters"]
 
-COUNTER_NAMES = ("hits", "misses", "evictions", "bytes_h2d", "bytes_d2h", "waits", "wait_seconds")
+COUNTER_NAMES = (
+    "hits", "misses", "evictions", "bytes_h2d", "bytes_d2h", "waits", "wait_seconds",
+    "fork_shared_blocks", "cow_copies",
+)  # fmt: skip
+#: Counted in the totals only (table operations of every layer at once): 0 in the per-layer counters.
+TOTAL_ONLY = ("fork_shared_blocks", "cow_copies")
 #: What the device step's per-layer tallies count (``rows_h2d`` becomes ``bytes_h2d`` when read).
 _TALLY_NAMES = ("hits", "misses", "evictions", "rows_h2d")
 
 
 class StepCounters:
-    """:data:`COUNTER_NAMES` per layer (:attr:`layers`) and over every layer (:attr:`total`).
+    """:data:`COUNTER_NAMES` per layer (:attr:`layers`) and over every layer (:attr:`total`); those of
+    :data:`TOTAL_ONLY` (``fork_shared_blocks``: host-pool blocks forks shared instead of copying,
+    ``cow_copies``: shared blocks copied before a write into them) in the totals only.
 
     ``row_bytes``: bytes of one host-pool row (``kv_c`` + ``k_pe`` of one layer). A step's hits, misses,
     evictions and copied rows are added in place to an ``int64 [4]`` tally per layer on ``tally_device``
@@ -42,6 +49,10 @@ class StepCounters:
 
     def count(self, layer: int, name: str, amount: float | torch.Tensor) -> None:
         self.layers[layer].add(name, amount)
+        self.total.add(name, amount)
+
+    def count_total(self, name: str, amount: float) -> None:
+        """Count one of :data:`TOTAL_ONLY` (not per layer)."""
         self.total.add(name, amount)
 
     def count_wait(self, layer: int, seconds: float) -> None:

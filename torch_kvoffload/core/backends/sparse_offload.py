@@ -113,10 +113,10 @@ class SparseOffloadBackend(KVBackend):
                 rt.release(rid)
 
     def fork(self, layout: KVLayout, src: Request, dst: Request) -> None:
-        """Copy ``src``'s rows to ``dst``'s host-pool blocks (every layer) and indexer-cache pages; ``dst``
-        holds no hot-buffer rows (its first decode step loads what it selects). The pool rows are
-        copied, not shared: a block shared copy-on-write would need a copy before any append or rewrite
-        into it (a truncated beam rewrites earlier positions)."""
+        """``dst`` continues ``src``'s rows: its host-pool table shares ``src``'s full blocks (copy-on-write:
+        an append or a truncated beam's rewrite into a shared block copies it first) and gets a copy of
+        the partial last one; the indexer-cache pages are copied. ``dst`` holds no hot-buffer rows (its
+        first decode step loads what it selects)."""
         rt = self.runtime
         assert rt is not None
         rt.fork(src.id, dst.id, src.length)
@@ -204,7 +204,8 @@ class SparseOffloadBackend(KVBackend):
         else:
             common["q"] = q.index_q.to(cache[0].dtype)
             indexer = IndexerInputs(**common, k_cache=cache[0])
-        if self._decode_rows is None or self._decode_rows[0] is not fwd:
+        stale = self._decode_rows is None or self._decode_rows[0] is not fwd
+        if stale or self._decode_rows[1].epoch != rt.epoch:  # e.g. a copy-on-write changed a block table
             ids = fwd.request_ids
             decode_rows = DecodeRows(
                 request_ids=torch.tensor(ids, dtype=torch.int64),
@@ -229,6 +230,8 @@ class SparseOffloadBackend(KVBackend):
             "hits": sp.get("hits", 0),
             "misses": sp.get("misses", 0),
             "evictions": sp.get("evictions", 0),
+            "fork_shared_blocks": sp.get("fork_shared_blocks", 0),
+            "cow_copies": sp.get("cow_copies", 0),
             "reserved_requests": len(self._reserved),
             "resident_rows": self.runtime.rows_alive if self.runtime is not None else 0,
         }

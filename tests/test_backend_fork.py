@@ -242,6 +242,7 @@ def test_forks_share_full_blocks_and_copy_them_on_write(spec, name):
         ref.truncate(c, 5)
         for _ in range(4):  # positions 5..8: block 1 (copied), then c's own block 2
             ref.forward([c, b, a], [1, 1, 1])
+        ref.forward([a, d], [2, 2])  # chunks: every earlier row of the source read back from the pool
         assert _sharing(core) == (5, 1)
         assert pool.blocks_of(c.id)[1] != pool.blocks_of(a.id)[1] == pool.blocks_of(d.id)[1]
         core.finish([a.id])  # the source ends while its forks live

@@ -28,11 +28,15 @@ from torch_kvoffload.core.kv_backend import IndexerView, KeyRows, KVBackend, New
 from torch_kvoffload.core.layout import KVLayout
 from torch_kvoffload.core.requests import Request
 from torch_kvoffload.core.spec import ModelSpec
+from torch_kvoffload.core.totals import RuntimeTotals
 from torch_kvoffload.counters import Counters
 from torch_kvoffload.sparse import DecodeRows, IndexerInputs, SparseDecodeOffload
 from torch_kvoffload.sparse.step_inputs import CheckedRows
 
 __all__ = ["SparseOffloadBackend"]
+
+# the runtime's counters stats() reports, summed over every runtime the backend built
+_TOTALS = ("bytes_h2d", "bytes_d2h", "hits", "misses", "evictions", "fork_shared_blocks", "cow_copies")
 
 
 class SparseOffloadBackend(KVBackend):
@@ -54,6 +58,7 @@ class SparseOffloadBackend(KVBackend):
         self._write_ids: tuple[ForwardPlan, list[int]] | None = None
         self._decode_rows: tuple[ForwardPlan, CheckedRows] | None = None
         self.counters = Counters(("prefill_host_bytes_h2d",))
+        self._totals = RuntimeTotals(_TOTALS)
 
     # -------------------------------------------------------------------------------- sizing
     @property
@@ -95,7 +100,7 @@ class SparseOffloadBackend(KVBackend):
         self._reserved = []
         self.index.free()
         if rt is not None:
-            rt.close()
+            self._totals.retire(rt)  # a rebuilt runtime's counters keep counting in stats
 
     # ------------------------------------------------------------------------------ requests
     def admit(self, layout: KVLayout, requests: Sequence[Request]) -> None:
@@ -223,15 +228,10 @@ class SparseOffloadBackend(KVBackend):
         return hot + self.index.tensors()
 
     def stats(self) -> dict[str, float]:
-        sp = self.runtime.counters.snapshot() if self.runtime is not None else {}
+        sp = self._totals.snapshot(self.runtime)
         return {
-            "bytes_h2d": sp.get("bytes_h2d", 0) + self.counters.snapshot()["prefill_host_bytes_h2d"],
-            "bytes_d2h": sp.get("bytes_d2h", 0),
-            "hits": sp.get("hits", 0),
-            "misses": sp.get("misses", 0),
-            "evictions": sp.get("evictions", 0),
-            "fork_shared_blocks": sp.get("fork_shared_blocks", 0),
-            "cow_copies": sp.get("cow_copies", 0),
+            **sp,
+            "bytes_h2d": sp["bytes_h2d"] + self.counters.snapshot()["prefill_host_bytes_h2d"],
             "reserved_requests": len(self._reserved),
             "resident_rows": self.runtime.rows_alive if self.runtime is not None else 0,
         }

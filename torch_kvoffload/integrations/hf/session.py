@@ -68,7 +68,8 @@ _ids = itertools.count()
 # stats keys every session reports, in order (the backends' counters, summed; 0 where none counts)
 _BACKEND_KEYS = (
     "bytes_h2d", "bytes_d2h", "hits", "misses", "evictions", "layer_loads", "layer_saves", "store_hits",
-    "store_misses", "corrupt_records", "store_errors", "forward_retries", "broadcasts",
+    "store_misses", "corrupt_records", "store_errors", "forward_retries", "broadcasts", "fork_shared_blocks",
+    "cow_copies",
 )  # fmt: skip
 _KVPP_KEYS = ("bytes_broadcast", "kvpp_owned_layers", "kvpp_persistent_bytes", "kvpp_scratch_bytes")
 
@@ -413,7 +414,9 @@ class OffloadSession:
         ``failed_forwards``; ``resizes`` (times the device caches were allocated for new sizes, growth of
         a running sequence included), ``reserved_tokens`` (tokens per request they are sized for),
         ``reserved_requests`` (requests holding host-pool blocks) and ``resident_rows`` (residency rows
-        held; both 0 once a sequence ended or failed); ``unkeyed_requests`` (requests fed ``inputs_embeds``
+        held; both 0 once a sequence ended or failed); ``fork_shared_blocks`` (host-pool blocks a forked
+        request shares with its source instead of a copy: beam search) and ``cow_copies`` (shared blocks
+        copied before a write); ``unkeyed_requests`` (requests fed ``inputs_embeds``
         without token ids so far: their KV is never looked up or shared by content). KVPP: ``broadcasts`` (layer broadcasts issued),
         ``bytes_broadcast``, ``kvpp_owned_layers`` (layers this rank stores persistently),
         ``kvpp_persistent_bytes`` / ``kvpp_scratch_bytes`` (this rank's owned bundles / its two scratch

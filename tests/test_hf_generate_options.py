@@ -290,3 +290,36 @@ def test_compiled_model_serves_every_option_in_one_sequence(family):
     for i, kw in enumerate(runs):
         real = kw.get("attention_mask")
         _assert_same(_generate(ref, seed=i, **kw), _generate(model, seed=i, **kw), real=real)
+
+
+def test_a_p_d_node_refuses_to_fork_or_crop_and_keeps_its_sequence_usable_until_then():
+    """A P/D decode node's peer was told each request's blocks: forking (beam search) or cropping its
+    requests is refused with the role named, and the failed sequence leaves nothing reserved."""
+    from torch_kvoffload._utils import free_port
+
+    model = torch_kvoffload.offload(
+        build_model("deepseek_v32"),
+        {"sparse": {}, "block_size": 4, "pd": {"role": "decode", "kv_port": free_port()}},
+    )
+    session = session_of(model)
+    try:
+        for op in ("reorder", "crop"):
+            session.reserve(2, 16)
+            cache = session.new_cache()
+            session.begin_external_sequence([[5, 6, 7], [8, 9, 10]], 3, cache)
+            cache.seen_tokens = 3
+            assert cache.get_seq_length() == 3
+            with pytest.raises(NotImplementedError, match="P/D"):
+                if op == "reorder":
+                    cache.reorder_cache(torch.tensor([0, 0]))
+                else:
+                    cache.crop(-1)
+            assert torch_kvoffload.stats(model)["reserved_requests"] == 0
+        # a permutation needs no fork: it is served
+        cache = session.new_cache()
+        session.begin_external_sequence([[5, 6, 7], [8, 9, 10]], 3, cache)
+        first = session.request_ids
+        cache.reorder_cache(torch.tensor([1, 0]))
+        assert session.request_ids == first[::-1]
+    finally:
+        torch_kvoffload.integrations.hf.install.detach(model)

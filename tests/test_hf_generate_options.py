@@ -323,3 +323,21 @@ def test_a_p_d_node_refuses_to_fork_or_crop_and_keeps_its_sequence_usable_until_
         assert session.request_ids == first[::-1]
     finally:
         torch_kvoffload.integrations.hf.install.detach(model)
+
+
+def test_compiled_generation_of_other_shapes_needs_no_recompile():
+    """What a static cache buys in transformers, the library's cache gives a compiled model: after one
+    generate, generates of other batch sizes, prompt lengths, new tokens, with beams or a static-cache
+    request run under ``fail_on_recompile`` with the unmodified model's tokens."""
+    ref, model = _pair("deepseek_v32", None, compiled=True, **SMALL)
+    ids, mask = _batch()
+    _generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    ids2, mask2 = left_padded_batch([9, 4], seed=2)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for kw in (
+            dict(max_new_tokens=6, do_sample=False),
+            dict(max_new_tokens=4, num_beams=2, do_sample=False),
+            dict(max_new_tokens=4, do_sample=False, cache_implementation="static"),
+        ):
+            got = _generate(model, input_ids=ids2, attention_mask=mask2, **kw)
+            _assert_same(_generate(ref, input_ids=ids2, attention_mask=mask2, **kw), got)

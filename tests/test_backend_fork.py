@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from core_driver import CoreDriver
 from hf_models import build_model
 from kvpp_helpers import spawn_gloo
 
@@ -29,77 +30,9 @@ def spec():
     return inspect_model(build_model("deepseek_v32"))
 
 
-class _Reference:
-    """Runs forwards through a core with random rows and checks each output against the reference."""
-
-    def __init__(self, core: KVCore, top_k: int, seed: int = 0) -> None:
-        self.core, self.top_k = core, top_k
-        self.g = torch.Generator().manual_seed(seed)
-        self.rows: dict[tuple[int, int], list[torch.Tensor]] = {}  # (request id, layer) -> [c, pe, ik]
-        self.decode_entries = 0  # valid top-k entries of the decode steps (hits + misses of sparse offload)
-
-    def _rand(self, *shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.g)
-
-    def fork(self, src, dst) -> None:
-        for layer in range(self.core.spec.num_layers):
-            self.rows[dst.id, layer] = [t.clone() for t in self.rows[src.id, layer]]
-
-    def truncate(self, req, length: int) -> None:
-        for layer in range(self.core.spec.num_layers):
-            self.rows[req.id, layer] = [t[:length] for t in self.rows[req.id, layer]]
-
-    def _expected(self, rows, qn, qp, iq, iw) -> torch.Tensor:
-        """One query over the request's visible ``rows`` (``[c, pe, ik]``)."""
-        c, pe, ik = rows
-        scores = (iw[:, None] * torch.relu(iq @ ik.T)).sum(dim=0)  # [L]
-        sel = torch.topk(scores, min(self.top_k, len(scores))).indices
-        logits = (qn @ c[sel].T + qp @ pe[sel].T) * SCALE  # [H, k]
-        return torch.softmax(logits, dim=-1) @ c[sel]
-
-    def forward(self, requests, counts) -> None:
-        core, spec = self.core, self.core.spec
-        B, S = len(requests), max(counts)
-        H, Dc, Dr, Hi, Di = (
-            spec.num_heads,
-            spec.kv_lora_rank,
-            spec.rope_dim,
-            spec.index_n_heads,
-            spec.index_head_dim,
-        )
-        mask = torch.zeros(B, S, dtype=torch.bool)
-        for b, n in enumerate(counts):
-            mask[b, S - n :] = True
-        old = [r.length for r in requests]
-        decode = all(old) and all(n == 1 for n in counts)
-        core.begin_forward(requests, [[5] * n for n in counts], mask)
-        outs = []
-        for layer in range(spec.num_layers):
-            kv_c, k_pe, index_k = self._rand(B, S, Dc), self._rand(B, S, Dr), self._rand(B, S, Di)
-            kvpp = core.backends.kvpp
-            if kvpp is not None:  # what the kvpp_wait_layer / kvpp_prefetch_layer ops call
-                kvpp.runtime.scheduler.wait_layer(layer, core.layer_caches(layer))
-                kvpp.runtime.scheduler.prefetch_layer(layer, core.layer_caches(layer))
-            core.write(layer, kv_c, k_pe, index_k)
-            qn, qp = self._rand(B, S, H, Dc), self._rand(B, S, H, Dr)
-            iq, iw = self._rand(B, S, Hi, Di), self._rand(B, S, Hi).abs()
-            out = torch.empty(B, S, H, Dc)
-            core.attend(layer, qn, qp, iq, iw, SCALE, out)
-            outs.append((kv_c, k_pe, index_k, qn, qp, iq, iw, out))
-        core.end_forward()
-        for layer, (kv_c, k_pe, index_k, qn, qp, iq, iw, out) in enumerate(outs):
-            for b, r in enumerate(requests):
-                keep = self.rows.setdefault(
-                    (r.id, layer), [torch.empty(0, Dc), torch.empty(0, Dr), torch.empty(0, Di)]
-                )
-                for i, new in enumerate((kv_c, k_pe, index_k)):
-                    keep[i] = torch.cat([keep[i], new[b][mask[b]]])
-                for j, s in enumerate(torch.nonzero(mask[b]).reshape(-1).tolist()):
-                    visible = [t[: old[b] + j + 1] for t in keep]
-                    want = self._expected(visible, qn[b, s], qp[b, s], iq[b, s], iw[b, s])
-                    torch.testing.assert_close(out[b, s], want, rtol=1e-4, atol=1e-5)
-                    if decode:
-                        self.decode_entries += min(self.top_k, old[b] + 1)
+def _ids(*counts: int) -> list[list[int]]:
+    """``counts[b]`` tokens per request (all id 5: these backends never look tokens up)."""
+    return [[5] * n for n in counts]
 
 
 CONFIGS = {
@@ -113,51 +46,47 @@ def _core(spec, cfg: dict, name: str) -> KVCore:
     return KVCore(spec, OffloadConfig.model_validate({**cfg, "block_size": 4}), name=name)
 
 
-def _check_counts(core: KVCore, ref: _Reference) -> None:
+def _check_counts(core: KVCore, ref: CoreDriver) -> None:
     stats = core.backend_stats()
     if "hits" in stats:  # sparse offload: every valid top-k entry of a decode step is a hit or a miss
         assert stats["hits"] + stats["misses"] == ref.decode_entries
         assert stats["misses"] > 0 and stats["hits"] > 0
 
 
-def _fork_scenario(core: KVCore, ref: _Reference) -> None:
+def _fork_scenario(core: KVCore, ref: CoreDriver) -> None:
     core.size(3, 28)
     a, b = core.admit(2)
-    ref.forward([a, b], [7, 5])
-    ref.forward([a, b], [1, 1])
-    ref.forward([a, b], [1, 1])
-    c = core.fork(a.id)
-    ref.fork(a, c)
+    ref.forward([a, b], _ids(7, 5))
+    ref.forward([a, b], _ids(1, 1))
+    ref.forward([a, b], _ids(1, 1))
+    c = ref.fork(a)
     assert (c.slot, c.length, c.tokens) == (2, a.length, a.tokens)
     for _ in range(3):  # a and c go on with different rows
-        ref.forward([a, b, c], [1, 1, 1])
+        ref.forward([a, b, c], _ids(1, 1, 1))
     core.finish([a.id])
-    d = core.fork(c.id)  # into a's freed slot
-    ref.fork(c, d)
+    d = ref.fork(c)  # into a's freed slot
     assert d.slot == a.slot and d.length == c.length
     for _ in range(3):
-        ref.forward([c, b, d], [1, 1, 1])
-    ref.forward([d, c], [1, 1])
+        ref.forward([c, b, d], _ids(1, 1, 1))
+    ref.forward([d, c], _ids(1, 1))
     _check_counts(core, ref)
 
 
-def _truncate_scenario(core: KVCore, ref: _Reference) -> None:
+def _truncate_scenario(core: KVCore, ref: CoreDriver) -> None:
     core.size(3, 24)
     a, b = core.admit(2)
-    ref.forward([a, b], [6, 9])
+    ref.forward([a, b], _ids(6, 9))
     for _ in range(4):
-        ref.forward([a, b], [1, 1])
+        ref.forward([a, b], _ids(1, 1))
     for length in (a.length - 3, a.length - 1):  # drop 3 positions, decode there, drop 1 more
-        core.truncate(a.id, length)
         ref.truncate(a, length)
         assert a.length == length
         for _ in range(3):
-            ref.forward([a, b], [1, 1])
-    core.truncate(b.id, b.length - 2)
-    ref.truncate(b, b.length)
-    ref.forward([b, a], [1, 1])
+            ref.forward([a, b], _ids(1, 1))
+    ref.truncate(b, b.length - 2)
+    ref.forward([b, a], _ids(1, 1))
     (c,) = core.admit(1)  # a prefill next to truncated requests' decode rows
-    ref.forward([c], [4])
+    ref.forward([c], _ids(4))
     _check_counts(core, ref)
 
 
@@ -166,7 +95,7 @@ def test_fork_continues_the_source_rows_in_another_slot(spec, name):
     cfg, top_k = CONFIGS[name]
     core = _core(spec, cfg, f"fork-{name}")
     try:
-        _fork_scenario(core, _Reference(core, top_k))
+        _fork_scenario(core, CoreDriver(core, scale=SCALE, top_k=top_k))
     finally:
         core.close()
 
@@ -176,7 +105,7 @@ def test_truncate_forgets_the_dropped_rows(spec, name):
     cfg, top_k = CONFIGS[name]
     core = _core(spec, cfg, f"truncate-{name}")
     try:
-        _truncate_scenario(core, _Reference(core, top_k, seed=1))
+        _truncate_scenario(core, CoreDriver(core, scale=SCALE, top_k=top_k, seed=1))
     finally:
         core.close()
 
@@ -188,12 +117,11 @@ def test_fork_of_a_prefill_only_request_then_a_chunk(spec):
     try:
         core.size(2, 24)
         (a,) = core.admit(1)
-        ref = _Reference(core, top_k, seed=2)
-        ref.forward([a], [9])
-        c = core.fork(a.id)
-        ref.fork(a, c)
-        ref.forward([c], [3])  # a chunk: earlier rows from the pool
-        ref.forward([a, c], [1, 1])
+        ref = CoreDriver(core, scale=SCALE, top_k=top_k, seed=2)
+        ref.forward([a], _ids(9))
+        c = ref.fork(a)
+        ref.forward([c], _ids(3))  # a chunk: earlier rows from the pool
+        ref.forward([a, c], _ids(1, 1))
     finally:
         core.close()
 
@@ -220,44 +148,38 @@ def test_forks_share_full_blocks_and_copy_them_on_write(spec, name):
         core.size(4, 28)
         pool = _pool(core)
         initial = pool.free_blocks
-        ref = _Reference(core, top_k, seed=4)
+        ref = CoreDriver(core, scale=SCALE, top_k=top_k, seed=4)
         a, b = core.admit(2)
-        ref.forward([a, b], [8, 6])  # a: two full blocks, b: one and a half
-        ref.forward([a, b], [1, 1])  # a: position 8 opens its third block
-        c = core.fork(a.id)  # 9 positions: blocks 0, 1 shared, the partial block 2 copied
-        ref.fork(a, c)
+        ref.forward([a, b], _ids(8, 6))  # a: two full blocks, b: one and a half
+        ref.forward([a, b], _ids(1, 1))  # a: position 8 opens its third block
+        c = ref.fork(a)  # 9 positions: blocks 0, 1 shared, the partial block 2 copied
         assert _sharing(core) == (2, 0)
         assert pool.blocks_of(c.id)[:2] == pool.blocks_of(a.id)[:2]
         assert pool.blocks_of(c.id)[2] != pool.blocks_of(a.id)[2]
         for _ in range(3):  # both write into their partial block, then into their own next one
-            ref.forward([a, b, c], [1, 1, 1])
+            ref.forward([a, b, c], _ids(1, 1, 1))
         assert _sharing(core) == (2, 0)
-        d = core.fork(a.id)  # a second fork of a: 12 positions, blocks 0..2 (0 and 1 now thrice)
-        ref.fork(a, d)
+        d = ref.fork(a)  # a second fork of a: 12 positions, blocks 0..2 (0 and 1 now thrice)
         assert _sharing(core) == (5, 0)
         assert pool.block_tables.refs(pool.blocks_of(a.id)[0]) == 3
-        ref.forward([d, a, c], [1, 1, 1])
+        ref.forward([d, a, c], _ids(1, 1, 1))
         assert _sharing(core) == (5, 0)
-        core.truncate(c.id, 5)  # back into shared block 1: its rewrite copies it (once)
-        ref.truncate(c, 5)
+        ref.truncate(c, 5)  # back into shared block 1: its rewrite copies it (once)
         for _ in range(4):  # positions 5..8: block 1 (copied), then c's own block 2
-            ref.forward([c, b, a], [1, 1, 1])
-        ref.forward([a, d], [2, 2])  # chunks: every earlier row of the source read back from the pool
+            ref.forward([c, b, a], _ids(1, 1, 1))
+        ref.forward([a, d], _ids(2, 2))  # chunks: every earlier row of the source read back from the pool
         assert _sharing(core) == (5, 1)
         assert pool.blocks_of(c.id)[1] != pool.blocks_of(a.id)[1] == pool.blocks_of(d.id)[1]
         core.finish([a.id])  # the source ends while its forks live
-        ref.forward([d, c, b], [1, 1, 1])
-        core.truncate(d.id, 2)  # into block 0, shared by c and d: copied once more
-        ref.truncate(d, 2)
-        core.truncate(c.id, 3)  # c's rewrite of block 0 then finds it private: no copy
-        ref.truncate(c, 3)
+        ref.forward([d, c, b], _ids(1, 1, 1))
+        ref.truncate(d, 2)  # into block 0, shared by c and d: copied once more
+        ref.truncate(c, 3)  # c's rewrite of block 0 then finds it private: no copy
         for _ in range(3):
-            ref.forward([c, d], [1, 1])
+            ref.forward([c, d], _ids(1, 1))
         assert _sharing(core) == (5, 2)
-        e = core.fork(d.id)  # a fork of a fork: block 0 shared, position 4 copied
-        ref.fork(d, e)
+        e = ref.fork(d)  # a fork of a fork: block 0 shared, position 4 copied
         assert d.length == 5 and _sharing(core) == (6, 2)
-        ref.forward([e, d, c], [2, 1, 1])  # a chunk of the fork over shared rows read back from the pool
+        ref.forward([e, d, c], _ids(2, 1, 1))  # a chunk of the fork over shared rows read back from the pool
         _check_counts(core, ref)
         core.finish([b.id, c.id, d.id, e.id])
         assert pool.free_blocks == initial
@@ -270,7 +192,7 @@ def _kvpp_worker(rank: int, world: int, scenario: str) -> None:
     core = _core(spec, {"kvpp": {}}, f"kvpp-{scenario}")
     try:
         assert core.backends.kvpp is not None
-        ref = _Reference(core, spec.index_topk, seed=3)  # the same rows on both ranks
+        ref = CoreDriver(core, scale=SCALE, top_k=spec.index_topk, seed=3)  # the same rows on both ranks
         (_fork_scenario if scenario == "fork" else _truncate_scenario)(core, ref)
     finally:
         core.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from core_driver import CoreDriver
 
 from torch_kvoffload.core.config import OffloadConfig
 from torch_kvoffload.core.forward import visible_padding
@@ -40,73 +41,15 @@ CONFIGS = {
 }
 
 
-def _reference(qn, qp, iq, iw, kv_c, k_pe, index_k, v):
-    """``[H, DC]``: a query over rows ``0 .. v - 1`` (the indexer's top-k of them when ``iq`` is given)."""
-    c, pe = kv_c[:v], k_pe[:v]
-    if iq is not None:
-        scores = (torch.relu(iq @ index_k[:v].T) * iw[:, None]).sum(0)  # [v]
-        keep = scores.topk(min(TOPK, v)).indices
-        c, pe = c[keep], pe[keep]
-    return torch.softmax((qn @ c.T + qp @ pe.T) * SCALE, dim=-1) @ c
+def _driver(core: KVCore, seed: int = 0) -> CoreDriver:
+    """Checks every position, padding included, against the reference (outputs NaN before attention;
+    positive indexer keys and queries: no score is exactly 0, the top-k has no ties)."""
+    return CoreDriver(core, scale=SCALE, seed=seed, positive_index=True, fill=float("nan"), padding="check")
 
 
-class _Driver:
-    """Runs forwards of given masks through a core, checking every position against :func:`_reference`."""
-
-    def __init__(self, core: KVCore, seed: int = 0) -> None:
-        self.core, self.g = core, torch.Generator().manual_seed(seed)
-        # (request id, layer) -> kv_c, k_pe, index_k rows
-        self.rows: dict[tuple[int, int], list[torch.Tensor]] = {}
-
-    def _rand(self, *shape):
-        return torch.randn(*shape, generator=self.g)
-
-    def forward(self, requests, mask: torch.Tensor) -> None:
-        core, spec = self.core, self.core.spec
-        B, S = mask.shape
-        tokens = [torch.randint(3, 1000, (int(m.sum()),), generator=self.g).tolist() for m in mask]
-        old = [r.length for r in requests]
-        fwd = core.begin_forward(requests, tokens, mask)
-        outs = []
-        for layer in range(spec.num_layers):
-            kv_c, k_pe = self._rand(B, S, DC), self._rand(B, S, DR)
-            # positive indexer keys and queries: no score is exactly 0, the top-k has no ties
-            index_k = self._rand(B, S, DI).abs() if spec.has_indexer else None
-            hooks, caches = core.backends.layerwise, core.layer_caches(layer)
-            if hooks is not None:
-                hooks.wait_layer(layer, caches)
-                hooks.prefetch_layer(layer, caches)
-            core.write(layer, kv_c, k_pe, index_k)
-            if hooks is not None:
-                hooks.save_layer(layer, caches)
-            qn, qp = self._rand(B, S, H, DC), self._rand(B, S, H, DR)
-            iq = self._rand(B, S, HI, DI).abs() if spec.has_indexer else None
-            iw = self._rand(B, S, HI).abs() if spec.has_indexer else None
-            out = torch.full((B, S, H, DC), float("nan"))
-            core.attend(layer, qn, qp, iq, iw, SCALE, out)
-            outs.append((kv_c, k_pe, index_k, qn, qp, iq, iw, out))
-        core.end_forward()
-        for layer, (kv_c, k_pe, index_k, qn, qp, iq, iw, out) in enumerate(outs):
-            for b, r in enumerate(requests):
-                keep = self.rows.setdefault(
-                    (r.id, layer), [torch.empty(0, DC), torch.empty(0, DR), torch.empty(0, DI)]
-                )
-                real = mask[b]
-                keep[0] = torch.cat([keep[0], kv_c[b][real]])
-                keep[1] = torch.cat([keep[1], k_pe[b][real]])
-                if index_k is not None:
-                    keep[2] = torch.cat([keep[2], index_k[b][real]])
-                seen = old[b] + torch.cumsum(real.long(), 0)  # real tokens at positions <= s
-                for s in range(S):
-                    v = int(seen[s])
-                    if v == 0:  # sees no real token: fully masked
-                        assert not out[b, s].any()
-                        continue
-                    iqs = None if iq is None else iq[b, s]
-                    iws = None if iw is None else iw[b, s]
-                    want = _reference(qn[b, s], qp[b, s], iqs, iws, *keep, v)
-                    torch.testing.assert_close(out[b, s], want, rtol=1e-4, atol=1e-5)
-        self.last = fwd
+def _forward(drv: CoreDriver, requests, mask: torch.Tensor):
+    """One forward of random tokens at the true positions of ``mask``."""
+    return drv.forward(requests, drv.random_tokens(*mask.sum(1).tolist()), mask)
 
 
 def _m(*rows):
@@ -137,21 +80,21 @@ def test_padding_anywhere_in_every_forward(name):
     try:
         core.size(3, 24)
         reqs = core.admit(3)
-        drv = _Driver(core)
+        drv = _driver(core)
         # right padding, padding inside, a row with no real token
         first = [0] * 10
-        drv.forward(reqs, _m([1, 1, 1, 1, 1, 1, 0, 0, 0, 0], [0, 1, 1, 0, 0, 1, 1, 1, 0, 1], first))
+        _forward(drv, reqs, _m([1, 1, 1, 1, 1, 1, 0, 0, 0, 0], [0, 1, 1, 0, 0, 1, 1, 1, 0, 1], first))
         assert drv.last.n_pad > 0 and not drv.last.decode
         # a padded chunk of a later forward (row 1 has no real token in it)
-        drv.forward(reqs, _m([1, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0], [0, 1, 1, 0, 1, 0]))
+        _forward(drv, reqs, _m([1, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0], [0, 1, 1, 0, 1, 0]))
         # decode steps: all rows, then one row skipping its step, then all rows again
-        drv.forward(reqs, _m([1], [1], [1]))
+        _forward(drv, reqs, _m([1], [1], [1]))
         assert drv.last.decode == ("sparse" in cfg)
-        drv.forward(reqs, _m([1], [0], [1]))
+        _forward(drv, reqs, _m([1], [0], [1]))
         assert not drv.last.decode and drv.last.n_pad == 1
-        drv.forward(reqs, _m([1], [1], [1]))
+        _forward(drv, reqs, _m([1], [1], [1]))
         # left padding in a later forward sees the earlier tokens
-        drv.forward(reqs, _m([0, 0, 1], [0, 1, 1], [1, 1, 1]))
+        _forward(drv, reqs, _m([0, 0, 1], [0, 1, 1], [1, 1, 1]))
         assert [r.length for r in reqs] == [13, 10, 9]
     finally:
         core.close()
@@ -169,15 +112,15 @@ def test_rows_without_new_tokens_in_layerwise_forwards(name):
     try:
         core.size(3, 24)
         reqs = core.admit(3)
-        drv = _Driver(core, seed=1)
-        drv.forward(reqs, _m([1] * 8, [0] * 8, [0, 1, 1, 1, 1, 1, 0, 0]))  # row 1: no token yet
-        drv.forward(reqs, _m([0, 0, 0], [0, 0, 0], [0, 0, 0]))  # no new token anywhere
+        drv = _driver(core, seed=1)
+        _forward(drv, reqs, _m([1] * 8, [0] * 8, [0, 1, 1, 1, 1, 1, 0, 0]))  # row 1: no token yet
+        _forward(drv, reqs, _m([0, 0, 0], [0, 0, 0], [0, 0, 0]))  # no new token anywhere
         assert [r.length for r in reqs] == [8, 0, 5]
         # row 0 (two full blocks) and row 2 (a partial block) skip, row 1 gets its first tokens
-        drv.forward(reqs, _m([0, 0, 0, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]))
-        drv.forward(reqs, _m([1, 1, 0], [0, 0, 0], [0, 1, 1]))
-        drv.forward(reqs, _m([1], [0], [1]))  # a decode step where row 1 skips (after 4 + 0 tokens)
-        drv.forward(reqs, _m([1], [1], [1]))
+        _forward(drv, reqs, _m([0, 0, 0, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]))
+        _forward(drv, reqs, _m([1, 1, 0], [0, 0, 0], [0, 1, 1]))
+        _forward(drv, reqs, _m([1], [0], [1]))  # a decode step where row 1 skips (after 4 + 0 tokens)
+        _forward(drv, reqs, _m([1], [1], [1]))
         assert [r.length for r in reqs] == [12, 6, 9]
     finally:
         core.close()

@@ -216,7 +216,7 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--beams", type=int, default=4)
     p.add_argument("--new", type=int, default=16, help="max_new_tokens (and min_new_tokens)")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument(
         "--chunk", type=int, default=256, help="prefill chunk (the indexer's scores: [B, S, H, T])"

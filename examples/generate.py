@@ -6,6 +6,8 @@ Builds a random-initialised model (no download) of the size given by the flags, 
 the unmodified model, then with ``torch_kvoffload.offload`` (``--eager``, the default) or
 ``torch_kvoffload.compile`` (``--compile``) and prints a table: decode tokens/s, device KV bytes vs the
 unmodified model's cache, bytes moved each way, the sparse hit rate, and whether the tokens are equal.
+Then (``--num-beams``, default 3) a beam search on both models: the offloaded model's second sequence, its
+beams forked requests sharing host-pool blocks.
 
 Modes: ``none`` (unmodified model only), ``layerwise``, ``sparse`` (DeepseekV32 only), ``both``,
 ``kvpp``: ``--ranks`` processes (default 2, spawned, gloo on 127.0.0.1) each run the same model replica
@@ -219,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ranks", type=int, default=2, help="--mode kvpp: processes in the KVPP group")
+    p.add_argument("--num-beams", type=int, default=3, help="then a beam search on the same models (1: none)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--compile", action="store_true", help="torch_kvoffload.compile (Dynamo + passes)")
     g.add_argument("--eager", action="store_true", help="torch_kvoffload.offload (default)")
@@ -271,6 +274,19 @@ def main(argv: list[str] | None = None) -> int:
         "tokens equal",
     )
     _table(header, rows)
+    if args.num_beams > 1 and args.mode != "none":
+        kw = dict(
+            attention_mask=mask, max_new_tokens=args.new_tokens, num_beams=args.num_beams, do_sample=False
+        )
+        with torch.no_grad():
+            beams_want = build(args).generate(input_ids=ids, **kw)
+            beams_got = model.generate(input_ids=ids, **kw)  # the offloaded model's next sequence
+        s = torch_kvoffload.stats(model)
+        print(
+            f"beam search (num_beams={args.num_beams}) on the same offloaded model: tokens equal "
+            f"{bool(torch.equal(beams_got, beams_want))}; host-pool blocks shared by forked beams "
+            f"{s['fork_shared_blocks']}, copied on write {s['cow_copies']}"
+        )
     return 0
 
 

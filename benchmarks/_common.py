@@ -60,3 +60,20 @@ def format_table(headers: list[str], rows: list[list[Any]]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+#: one colour per variant of the Hugging Face benchmarks, the same in every plot
+VARIANT_COLOURS = {"unmodified": "tab:blue", "resident": "tab:orange", "offloaded": "tab:green"}
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, or ``None`` (printed) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG")
+        return None
+    return plt

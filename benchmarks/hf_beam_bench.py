@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import RESULTS_DIR, format_table, machine_info, write_json
+from _common import RESULTS_DIR, VARIANT_COLOURS, format_table, machine_info, pyplot, write_json
 from hf_generate_bench import build
 
 import torch_kvoffload
@@ -173,15 +173,10 @@ def print_table(results: list[dict[str, Any]]) -> None:
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG")
+    plt = pyplot()
+    if plt is None:
         return
-    colour = {"unmodified": "tab:blue", "resident": "tab:orange", "offloaded": "tab:green"}
+    colour = VARIANT_COLOURS
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     x = range(len(results))
     for i, v in enumerate(VARIANTS):

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import RESULTS_DIR, format_table, machine_info, write_json
+from _common import RESULTS_DIR, VARIANT_COLOURS, format_table, machine_info, pyplot, write_json
 
 import torch_kvoffload
 from torch_kvoffload.ops import mla_runtime
@@ -477,15 +477,10 @@ def print_tables(results: list[dict[str, Any]], kv_rows: list[dict[str, Any]], p
 
 
 def plot(results: list[dict[str, Any]], kv_rows: list[dict[str, Any]], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG")
+    plt = pyplot()
+    if plt is None:
         return
-    colour = {"unmodified": "tab:blue", "resident": "tab:orange", "offloaded": "tab:green"}
+    colour = VARIANT_COLOURS
 
     def tokens_axis(a, ticks: list[int]) -> None:
         a.set_xscale("log", base=2)

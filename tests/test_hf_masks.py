@@ -95,21 +95,28 @@ SEQUENCE = [
 ]
 
 
+def _run_sequence(model, ref, forwards, *, seed: int) -> None:
+    """Forwards of one sequence, each adding the mask columns ``forwards[i]`` (rows x new columns) with
+    random ids, on ``model`` (the library's cache) and ``ref`` (a ``DynamicCache``); logits compared at
+    every position that sees a real token."""
+    ref_cache, cache = DynamicCache(config=ref.config), session_of(model).new_cache()
+    full = torch.zeros(len(forwards[0]), 0, dtype=torch.int64)
+    for i, cols in enumerate(forwards):
+        new = torch.tensor(cols)
+        full = torch.cat([full, new], dim=1)
+        ids = _ids(new.shape, seed=seed + i)
+        with torch.no_grad():
+            want = ref(input_ids=ids, attention_mask=full, cache=ref_cache).logits
+            got = model(input_ids=ids, attention_mask=full, cache=cache).logits
+        _check_logits(got, want, _seen(full, new.shape[1]))
+
+
 @pytest.mark.parametrize(("family", "mode"), CASES)
 def test_padded_forwards_of_a_sequence(family, mode):
     model, ref = _models(family, mode)
     session = session_of(model)
     session.reserve(4, sum(len(m[0]) for m in SEQUENCE))  # the sparse host pool keeps its first size
-    ref_cache, cache = DynamicCache(config=ref.config), session.new_cache()
-    full = torch.zeros(4, 0, dtype=torch.int64)
-    for i, cols in enumerate(SEQUENCE):
-        new = torch.tensor(cols)
-        full = torch.cat([full, new], dim=1)
-        ids = _ids(new.shape, seed=10 + i)
-        with torch.no_grad():
-            want = ref(input_ids=ids, attention_mask=full, cache=ref_cache).logits
-            got = model(input_ids=ids, attention_mask=full, cache=cache).logits
-        _check_logits(got, want, _seen(full, new.shape[1]))
+    _run_sequence(model, ref, SEQUENCE, seed=10)
     counts = session._core.counters.snapshot()
     assert counts["decode_forwards"] == (2 if session.sparse_on else 0)  # the two unpadded steps
     session.close()
@@ -201,16 +208,7 @@ def test_rows_without_tokens_then_their_first_tokens(family, mode):
     model = torch_kvoffload.offload(model, EMPTY_CONFIGS[mode])
     session = session_of(model)
     session.reserve(3, sum(len(m[0]) for m in EMPTY_ROWS))
-    ref_cache, cache = DynamicCache(config=ref.config), session.new_cache()
-    full = torch.zeros(3, 0, dtype=torch.int64)
-    for i, cols in enumerate(EMPTY_ROWS):
-        new = torch.tensor(cols)
-        full = torch.cat([full, new], dim=1)
-        ids = _ids(new.shape, seed=40 + i)
-        with torch.no_grad():
-            want = ref(input_ids=ids, attention_mask=full, cache=ref_cache).logits
-            got = model(input_ids=ids, attention_mask=full, cache=cache).logits
-        _check_logits(got, want, _seen(full, new.shape[1]))
+    _run_sequence(model, ref, EMPTY_ROWS, seed=40)
     if mode == "layerwise":
         assert session._core.counters.snapshot()["decode_forwards"] == (1 if session.sparse_on else 0)
     session.close()

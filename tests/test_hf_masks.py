@@ -180,9 +180,11 @@ def test_mask_values_and_dtypes():
         new_positions(ones.float(), 2, 5, 0)
     with pytest.raises(ValueError, match=r"\[B, past \+ S\] = \[2, 6\]"):
         new_positions(ones, 2, 5, 1)
-    with pytest.raises(ValueError, match=r"count each row's earlier real tokens \[2, 2\], got \[1, 2\]"):
-        new_positions(torch.tensor([[0, 1, 1], [1, 1, 1]]), 2, 1, 2, past_lengths=[2, 2])
-    assert new_positions(torch.tensor([[0, 1, 1], [1, 1, 1]]), 2, 1, 2, past_lengths=[1, 2]).all()
+    with pytest.raises(ValueError, match=r"first 2 columns must be the sequence's mask so far"):
+        new_positions(torch.tensor([[0, 1, 1], [1, 1, 1]]), 2, 1, 2, torch.tensor([[1, 1], [1, 1]]).bool())
+    assert new_positions(
+        torch.tensor([[0, 1, 1], [1, 1, 1]]), 2, 1, 2, torch.tensor([[0, 1], [1, 1]]).bool()
+    ).all()
 
 
 # ----------------------------------------------------------------------- rows without tokens (layerwise)

@@ -9,8 +9,6 @@ over the real tokens before it (see :mod:`torch_kvoffload.core.kv`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 __all__ = ["forward_shape", "new_positions"]
@@ -36,14 +34,14 @@ def new_positions(
     B: int,
     S: int,
     past: int,
-    past_lengths: Sequence[int] | None = None,
+    seen: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``bool [B, S]`` (host): the real positions among the new ones.
 
     ``attention_mask``: ``None`` (no padding) or a bool / integer tensor ``[B, past + S]`` of 0 (padding)
-    and 1 (real token), padding anywhere. ``past_lengths``: when given, each row's real tokens before this
-    forward, which the mask's first ``past`` columns must count (a mask that hides earlier real tokens, or
-    shows earlier padding, cannot be served: the padding kept no KV). ``ValueError`` otherwise.
+    and 1 (real token), padding anywhere. ``seen``: when given, the sequence's mask so far (``bool [B,
+    past]``, host), which the mask's first ``past`` columns must equal (a mask that hides earlier real
+    tokens, or shows earlier padding, cannot be served: the padding kept no KV). ``ValueError`` otherwise.
     """
     if attention_mask is None:
         return torch.ones(B, S, dtype=torch.bool)
@@ -62,12 +60,9 @@ def new_positions(
             f"{_WHERE}: 'attention_mask' must hold 0 (padding) and 1 (real token) only, got values {bad}"
         )
     mask = mask.bool()
-    if past_lengths is not None:
-        counted = mask[:, :past].sum(dim=1).tolist()
-        if counted != list(past_lengths):
-            raise ValueError(
-                f"{_WHERE}: 'attention_mask'[:, :past] must count each row's earlier real tokens "
-                f"{list(past_lengths)}, got {counted} (earlier positions cannot change from padding to real "
-                "or back)"
-            )
+    if seen is not None and not torch.equal(mask[:, :past], seen):
+        raise ValueError(
+            f"{_WHERE}: the attention_mask's first {past} columns must be the sequence's mask so far "
+            "(padding keeps no KV: earlier positions cannot turn real, nor real ones into padding)"
+        )
     return mask[:, past:]

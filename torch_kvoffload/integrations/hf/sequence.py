@@ -132,14 +132,7 @@ class HFSequence:
                     f"{where}: a sequence started from input_ids cannot continue from inputs_embeds with "
                     "layerwise offload (its stored blocks are keyed by token ids); start it from inputs_embeds"
                 )
-        new_mask = new_positions(attention_mask, B, S, past)
-        if past > 0 and attention_mask is not None:
-            seen_mask = attention_mask[:, :past].to("cpu").bool()
-            if not torch.equal(seen_mask, self.masks):
-                raise ValueError(
-                    f"{where}: the attention_mask's first {past} columns must be the sequence's mask so far "
-                    "(padding keeps no KV: earlier positions cannot turn real, nor real ones into padding)"
-                )
+        new_mask = new_positions(attention_mask, B, S, past, self.masks if past > 0 else None)
         if input_ids is None:
             new_tokens = [[-1] * int(n) for n in new_mask.sum(dim=1).tolist()]
         else:

@@ -28,7 +28,7 @@ $(INSTALLED): $(PY) pyproject.toml setup.py
 		fi; \
 	fi
 	$(PIP) install torch==2.13.0
-	TORCH_KVOFFLOAD_BUILD_EXT=0 $(PIP) install --no-build-isolation -e '.[test,bench,mooncake,hf,pd]'
+	TORCH_KVOFFLOAD_BUILD_EXT=0 $(PIP) install --no-build-isolation -e '.[test,bench,mooncake,hf,pd,serve]'
 	touch $@
 
 $(BUILT): $(INSTALLED) $(CSRC)

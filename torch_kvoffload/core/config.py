@@ -23,7 +23,7 @@ from torch_kvoffload.sparse.config import MAX_BLOCK_SIZE, SparseDecodeConfig
 if TYPE_CHECKING:
     from torch_kvoffload.core.spec import ModelSpec
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "OffloadConfig", "SparseOptions"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "OffloadConfig", "ServingOptions", "SparseOptions"]
 
 #: Tokens per block when neither ``OffloadConfig.block_size`` nor ``sparse.block_size`` is given.
 DEFAULT_BLOCK_SIZE = 128
@@ -104,6 +104,24 @@ class SparseOptions(ConfigModel):
         }
 
 
+class ServingOptions(ConfigModel):
+    """How many requests an offloaded model holds at once under continuous batching (``generate_batch``,
+    the continuous-batching manager, ``python -m torch_kvoffload.serve``), and how long each may grow.
+
+    ``max_request_tokens``: prompt + generated tokens of one request; every device cache reserves this
+    many rows per request (a longer request is refused when it is added). ``max_requests``: requests held
+    at once (each holds its device rows from admission to its end; more wait in the queue).
+    ``device_kv_budget``: bytes of device KV the session may hold (hot buffers, indexer cache, layer
+    buffers, resident KV: what ``stats()["device_kv_bytes"]`` counts); given without ``max_requests``, the
+    requests held are as many as fit (measured on the allocated caches); given with it, those must fit.
+    Neither given: 8 requests.
+    """
+
+    max_request_tokens: StrictInt = Field(default=4096, ge=1)
+    max_requests: StrictInt | None = Field(default=None, ge=1)
+    device_kv_budget: StrictInt | None = Field(default=None, ge=1)
+
+
 class OffloadConfig(ConfigModel):
     """What to offload and how.
 
@@ -120,6 +138,9 @@ class OffloadConfig(ConfigModel):
     (:mod:`torch_kvoffload.integrations.hf.pd`): ``role="prefill"`` needs ``layerwise`` (its layer
     buffers are exported to the decode peer), ``role="decode"`` needs ``sparse`` (the KV arrives in the
     sparse host pool and indexer cache) and excludes KVPP.
+    ``serving``: :class:`ServingOptions`, the requests held at once under continuous batching (default:
+    ``ServingOptions()``).
+
     ``block_size``: tokens per block of every cache the session pages (layer buffers, store records, host
     pool, indexer cache); default ``sparse.block_size`` if given, else 128; an int in
     ``[1, MAX_BLOCK_SIZE]`` (a bool is rejected).
@@ -135,6 +156,7 @@ class OffloadConfig(ConfigModel):
     sparse: SparseOptions | None = None
     kvpp: KVPPConfig | None = None
     pd: PDConfig | None = None
+    serving: ServingOptions = ServingOptions()
     block_size: StrictInt | None = Field(default=None, ge=1, le=MAX_BLOCK_SIZE)
 
     @model_validator(mode="after")

@@ -17,7 +17,7 @@ KVLayout` every device cache is sized for, and the backends the configuration en
 
 A model with a sparse backend runs decode steps (one new real token per request after earlier ones, no
 padding) on it alone: the layerwise buffers are released at the first decode step and allocated again by
-the next :meth:`size`.
+the next :meth:`size` (unless :attr:`keep_prefill_buffers`: continuous batching prefills at any step).
 
 Padding (a batch row's positions that are not real tokens) may be anywhere in any forward, and a row may
 have no real token in a forward. Padding keeps no KV, but its query still attends as the Hugging Face
@@ -88,6 +88,8 @@ class KVCore:
         self.requests = RequestTable()
         self.layout: KVLayout | None = None
         self.forward: ForwardPlan | None = None
+        #: keep the layerwise buffers through decode steps (continuous batching: prefills come at any step)
+        self.keep_prefill_buffers = False
         self.counters = Counters(_COUNTERS)
 
     # ------------------------------------------------------------------------------------ sizing
@@ -279,7 +281,7 @@ class KVCore:
             and all(n == 1 for n in n_new)
             and bool(new_mask.all())
         )
-        if decode:
+        if decode and not self.keep_prefill_buffers:
             self.drop_prefill_buffers()  # prefill is over: decode runs on the sparse backend alone
         lw = self.backends.layerwise
         layerwise = lw is not None and not decode and lw.built

@@ -14,17 +14,35 @@ the MLA versions and are put back afterwards: ``cache.ATTN_TYPE_TO_ALLOCATOR``,
 ``cache.group_layers_by_attn_type``, ``cache.FullAttentionCacheAllocator``,
 ``initialization.ATTN_TYPE_TO_ALLOCATOR`` and ``initialization.group_layers_by_attn_type``
 (:data:`OVERRIDDEN`). The cache built there gets an instance ``update_indexer``. Other models are untouched.
+
+An offloaded model (``torch_kvoffload.offload``, which enables this) keeps its KV in the library's caches
+(:mod:`torch_kvoffload.integrations.hf.serving`): transformers' paged cache only keeps its block ledger
+(one element per token and layer, :meth:`MLACacheAllocator.ledger`), and on the cache instance
+``extend_read_and_write_indices`` (records each request's place in the step), ``can_store_request_tokens``
+(admits a request only into a free library slot), ``free_blocks`` / ``free_all_requests`` (finish the
+library's requests) are wrapped; on the manager, ``add_request`` (refuses a request longer than
+``serving.max_request_tokens``) and ``_run_generation_loop`` (closes the serving state when the loop ends).
+The step itself runs in the model's forward (``install._forward``). Asynchronous batching, CUDA graphs,
+compiled CB paths, CPU swap, prefix sharing and ``num_return_sequences > 1`` are turned off or refused for
+an offloaded model (the configuration given is copied, not changed).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
+import logging
+import math
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from torch_kvoffload.backend import SESSION_ATTR
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "OVERRIDDEN",
@@ -72,6 +90,12 @@ class MLACacheAllocator(_base_allocator()):
         di = int(getattr(config, "index_head_dim", 0) or 0) if hasattr(config, "index_topk") else 0
         widths = (int(config.kv_lora_rank), int(config.qk_rope_head_dim), di)
         return type(cls.__name__, (cls,), {"widths": widths})
+
+    @classmethod
+    def ledger(cls) -> type[MLACacheAllocator]:
+        """A subclass keeping one element per token and layer: the block ledger of an offloaded model, whose
+        KV the library holds (its ``update`` is never called)."""
+        return type("MLALedgerAllocator", (cls,), {"widths": (1, 0, 0)})
 
     def __init__(
         self, index, config, num_key_value_heads, cache_dtype, page_size, layer_indices, allow_block_sharing
@@ -144,11 +168,12 @@ def _update_indexer(cache: Any, index_keys: torch.Tensor, layer_idx: int) -> tor
 
 
 @contextlib.contextmanager
-def _mla_names(config: Any) -> Iterator[None]:
-    """Points :data:`OVERRIDDEN` at the MLA allocator for ``config`` and puts them back on exit."""
+def _mla_names(config: Any, ledger: bool = False) -> Iterator[None]:
+    """Points :data:`OVERRIDDEN` at the MLA allocator for ``config`` (the ledger one when ``ledger``) and
+    puts them back on exit."""
     import importlib
 
-    allocator = MLACacheAllocator.for_config(config)
+    allocator = MLACacheAllocator.ledger() if ledger else MLACacheAllocator.for_config(config)
     table = {_FULL: allocator}
 
     def group(cfg: Any) -> dict[str, list[int]]:
@@ -170,12 +195,120 @@ def _mla_names(config: Any) -> Iterator[None]:
                 setattr(module, name, value)
 
 
-def _create_batch_processor(manager: Any, original: Any, config: Any) -> Any:
-    with _mla_names(config):
+def _create_batch_processor(manager: Any, original: Any, config: Any, serving: Any) -> Any:
+    with _mla_names(config, ledger=serving is not None):
         processor = original()
     cache = processor.cache
-    cache.update_indexer = functools.partial(_update_indexer, cache)
+    if serving is None:
+        cache.update_indexer = functools.partial(_update_indexer, cache)
+    else:
+        if getattr(cache, "_kvoffload_serving", None) is not serving:
+            _hook_cache(cache, serving)
+        serving.close()
+        serving.open()
     return processor
+
+
+# ------------------------------------------------------------------------------- offloaded models
+def _offload_cb_config(serving: Any, given: Any, gen: Any) -> Any:
+    """A copy of the CB configuration ``given`` (or the default) an offloaded model runs with: synchronous,
+    no graphs or compiled paths, no CPU swap or prefix sharing, as many blocks as the library's slots hold
+    (transformers' cache is only its ledger), and admission left to the library (no safety margin)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    cfg = copy.deepcopy(given) if given is not None else ContinuousBatchingConfig()
+    if int(getattr(gen, "num_return_sequences", 1) or 1) > 1:
+        raise ValueError(
+            "continuous batching of an offloaded model: num_return_sequences > 1 is not supported (forked "
+            "requests would share the library's KV); run one request per sequence"
+        )
+    compiled = [n for n in ("varlen_compile_config", "decode_compile_config") if getattr(cfg, n) is not None]
+    if compiled or cfg.default_compile_level:
+        raise ValueError(
+            "continuous batching of an offloaded model: compiled CB paths "
+            f"({compiled or 'default_compile_level'}) are not supported; the library's attention runs eagerly"
+        )
+    for name in ("use_async_batching", "use_cuda_graph"):
+        if getattr(cfg, name) not in (None, False, (False, False)):
+            raise ValueError(
+                f"continuous batching of an offloaded model: {name}={getattr(cfg, name)!r} is not supported "
+                "(each step's requests are mapped to the library's as the step is packed)"
+            )
+        setattr(cfg, name, False if name == "use_async_batching" else (False, False))
+    slots = serving.plan()
+    cfg.num_blocks = slots * (math.ceil(serving.max_tokens / cfg.page_size) + 1)
+    cfg.max_blocks_per_request = 0
+    cfg.allow_block_sharing = False
+    cfg.cpu_offload_space = 0.0
+    if cfg.safety_margin is None:
+        cfg.safety_margin = 0.0
+    if cfg.max_batch_tokens is None:
+        cfg.max_batch_tokens = min(serving.max_tokens, 512)
+    return cfg
+
+
+def _hook_cache(cache: Any, serving: Any) -> None:
+    """The instance overrides of an offloaded model's paged cache (see the module docstring)."""
+    extend = cache.extend_read_and_write_indices
+    can_store = cache.can_store_request_tokens
+    free_blocks = cache.free_blocks
+    free_all = cache.free_all_requests
+
+    def extend_read_and_write_indices(request_id, past_length, query_length, read_index, write_index):
+        serving.record(request_id, past_length, query_length)
+        return extend(request_id, past_length, query_length, read_index, write_index)
+
+    def can_store_request_tokens(state, request_len, dry_run=False):
+        if not serving.can_admit(state.request_id, state.current_len() + request_len):
+            return False
+        fits = can_store(state, request_len, dry_run)
+        if fits and not dry_run:
+            serving.admit(state.request_id)
+        return fits
+
+    def free_blocks_(request_id, no_cache=False):
+        try:
+            free_blocks(request_id, no_cache)
+        finally:
+            serving.finish(request_id)
+
+    def free_all_requests(clear_ledgers=False):
+        try:
+            free_all(clear_ledgers)
+        finally:
+            serving.finish_all()
+
+    cache.extend_read_and_write_indices = extend_read_and_write_indices
+    cache.can_store_request_tokens = can_store_request_tokens
+    cache.free_blocks = free_blocks_
+    cache.free_all_requests = free_all_requests
+    cache._kvoffload_serving = serving
+
+
+def _hook_manager(manager: Any, serving: Any) -> None:
+    """``add_request`` checks the request's length; the generation loop closes the serving state on exit."""
+    add_request = manager.add_request
+    run_loop = manager._run_generation_loop
+
+    @functools.wraps(add_request)
+    def add_request_(input_ids, request_id=None, max_new_tokens=None, *args, **kwargs):
+        new = manager.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if new is None:
+            raise ValueError(
+                "continuous batching of an offloaded model: pass max_new_tokens (each request's KV is reserved "
+                "for its prompt + max_new_tokens)"
+            )
+        serving.check_length(request_id or "(new)", len(input_ids) + int(new))
+        return add_request(input_ids, request_id, max_new_tokens, *args, **kwargs)
+
+    def run_generation_loop(*args, **kwargs):
+        try:
+            return run_loop(*args, **kwargs)
+        finally:
+            serving.close()
+
+    manager.add_request = add_request_
+    manager._run_generation_loop = run_generation_loop
 
 
 def enable_mla_continuous_batching(model: Any) -> None:
@@ -191,19 +324,42 @@ def enable_mla_continuous_batching(model: Any) -> None:
             "expected a DeepSeek-V3 / V3.2 model"
         )
     original_init = type(model).init_continuous_batching.__get__(model)
+    session = getattr(model, SESSION_ATTR, None)
 
     @functools.wraps(original_init)
-    def init_continuous_batching(*args: Any, **kwargs: Any) -> Any:
-        with _mla_names(config):
-            manager = original_init(*args, **kwargs)
+    def init_continuous_batching(
+        generation_config: Any = None, continuous_batching_config: Any = None, workload_hints: Any = None
+    ) -> Any:
+        serving = None
+        if session is not None:
+            serving = _serving_of(session)
+            if serving.is_open:
+                raise RuntimeError(
+                    f"{type(model).__name__}.init_continuous_batching: a manager of this offloaded model is "
+                    "serving; stop it first (one manager at a time holds the model's KV caches)"
+                )
+            gen = generation_config if generation_config is not None else model.generation_config
+            continuous_batching_config = _offload_cb_config(serving, continuous_batching_config, gen)
+        with _mla_names(config, ledger=serving is not None):
+            manager = original_init(generation_config, continuous_batching_config, workload_hints)
         if "_create_batch_processor" not in vars(manager):
             original = manager._create_batch_processor
             manager._create_batch_processor = functools.partial(
-                _create_batch_processor, manager, original, config
+                _create_batch_processor, manager, original, config, serving
             )
+            if serving is not None:
+                _hook_manager(manager, serving)
         return manager
 
     model.init_continuous_batching = init_continuous_batching
+
+
+def _serving_of(session: Any) -> Any:
+    from torch_kvoffload.integrations.hf.serving import ServingRequests
+
+    if session.serving is None:
+        session.serving = ServingRequests(session)
+    return session.serving
 
 
 def disable_mla_continuous_batching(model: Any) -> None:

@@ -151,6 +151,11 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 
     session = session_of(model)
     name = f"offloaded {type(model).__name__}"
+    serving = getattr(kwargs.get("cache"), "_kvoffload_serving", None)
+    if serving is not None and serving.session is session:
+        with exclusive(session, name):  # a continuous-batching step, from its generation thread
+            return serving.run_step(model, kwargs)
+    session.check_not_serving(name)
     check_no_grad(name, model.parameters())
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     embeds = kwargs.get("inputs_embeds")
@@ -262,6 +267,7 @@ def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 
     session = session_of(model)
     name = f"offloaded {type(model).__name__}"
+    session.check_not_serving(f"{name}.generate")
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     embeds = kwargs.get("inputs_embeds")
     rows_per_prompt = _generation_request(model, kwargs)
@@ -329,18 +335,28 @@ def offload(model: torch.nn.Module, config: Any = None) -> torch.nn.Module:
         module._kvoffload_session = session
         module._kvoffload_original_forward = module.forward
         module.forward = types.MethodType(mla_attention_forward, module)
+    if hasattr(type(model), "init_continuous_batching"):
+        from torch_kvoffload.integrations.hf.continuous_batching import enable_mla_continuous_batching
+
+        enable_mla_continuous_batching(model)
     return model
 
 
 def detach(model: torch.nn.Module) -> None:
-    """Undo :func:`attach` / :func:`offload` and close the session."""
+    """Undo :func:`attach` / :func:`offload` and close the session (``RuntimeError``, nothing changed,
+    while a continuous-batching manager serves the model)."""
     session = session_of(model)
+    if session.serving is not None and session.serving.is_open:
+        raise RuntimeError(
+            f"detach: {type(model).__name__} is serving continuous batching; stop its manager first"
+        )
     for module in session.spec.attention_modules:
         if hasattr(module, "_kvoffload_original_forward"):
             module.forward = module._kvoffload_original_forward
             del module._kvoffload_original_forward
         if hasattr(module, "_kvoffload_session"):
             del module._kvoffload_session
+    vars(model).pop("init_continuous_batching", None)
     originals = model._kvoffload_originals
     model.forward, model.generate = originals["forward"], originals["generate"]
     del model._kvoffload_originals

@@ -145,6 +145,9 @@ class OffloadSession:
                 self.pd.close()
             raise
         self._seq = HFSequence(self._core)
+        #: the continuous-batching state (``integrations.hf.serving.ServingRequests``) once a CB manager
+        #: was built for the model; while it is open, forwards and ``generate`` of other callers are refused
+        self.serving: Any = None
         backends = self._core.backends
         self.layerwise_runtime: str | None = None
         self.kvpp_runtime: str | None = f"{self.name}/kvpp" if backends.kvpp is not None else None
@@ -175,6 +178,19 @@ class OffloadSession:
         memo[id(self)] = new  # the spec's attention modules refer back to the session
         new.__init__(copy.deepcopy(self.spec, memo), copy.deepcopy(self.config, memo))
         return new
+
+    @property
+    def core(self) -> KVCore:
+        """The request-level KV core (continuous batching drives it request by request)."""
+        return self._core
+
+    def check_not_serving(self, who: str) -> None:
+        """``RuntimeError`` naming ``who`` while a continuous-batching manager serves this model."""
+        if self.serving is not None and self.serving.is_open:
+            raise RuntimeError(
+                f"{who}: the model is serving continuous batching (a generation loop of its "
+                "ContinuousBatchingManager runs); stop the manager first, or add the request to it"
+            )
 
     # ------------------------------------------------------------------------------------ sizing
     @property

@@ -1,0 +1,75 @@
+"""``python -m torch_kvoffload.serve MODEL_DIR``: an OpenAI-compatible server for an offloaded model.
+
+Loads the model and tokenizer saved in ``MODEL_DIR`` (``save_pretrained``), offloads its KV cache with
+:func:`torch_kvoffload.offload` (``--config``: an :class:`~torch_kvoffload.OffloadConfig` as a JSON object
+or the path of a JSON file; default: the library's default for the model) and serves it with transformers'
+own server, continuous batching on (:mod:`torch_kvoffload.integrations.hf.server`). A bad config or model
+directory ends the command with status 2 and a message naming the problem, before the port is opened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from torch_kvoffload.api import offload
+from torch_kvoffload.integrations.hf import server
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m torch_kvoffload.serve",
+        description="Serve a DeepSeek-V3 / V3.2 model with KV offload behind an OpenAI-compatible API "
+        "(transformers' server, continuous batching on).",
+    )
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="a save_pretrained directory: model and tokenizer")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="OffloadConfig as a JSON object or the path of a JSON file (default: the library's default)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument(
+        "--device", default=None, help="device of the model (default: cuda if available, else cpu)"
+    )
+    p.add_argument(
+        "--cb-max-batch-tokens",
+        type=int,
+        default=None,
+        help="continuous batching: tokens per step (default: min(serving.max_request_tokens, 512))",
+    )
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("debug", "info", "warning", "error", "critical"),
+        help="transformers' log level (default: warning)",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv``, load, offload and serve; returns the exit status (2 for a bad config or model)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        config = server.read_offload_config(args.config)
+        model, tokenizer = server.load_model_dir(args.model_dir, device=args.device)
+        offload(model, config)
+    except ValueError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    return server.run_server(
+        model,
+        tokenizer,
+        name=args.model_dir,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        cb_max_batch_tokens=args.cb_max_batch_tokens,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -112,6 +112,7 @@ def test_generate_batch_equals_per_prompt_generate(name: str) -> None:
     )
     stats = session.stats()
     assert stats["reserved_requests"] == 0 and stats["resident_rows"] == 0, "requests left behind"
+    assert (stats["serving_slots"], stats["serving_requests"], stats["serving_steps"]) == (3, 0, len(steps))
     assert not session.serving.is_open
     # the same model generates as before once the manager stopped, and serves a second batch
     assert _reference(model, prompts[:2], _gen()) == reference[:2]
@@ -273,3 +274,31 @@ def test_the_wrapped_transformers_methods_keep_their_signatures() -> None:
         )
     add = list(inspect.signature(ContinuousBatchingManager.add_request).parameters)
     assert add[:4] == ["self", "input_ids", "request_id", "max_new_tokens"]
+
+
+def test_a_cancelled_request_releases_its_slot_and_the_others_finish() -> None:
+    model = _model("deepseek_v32", seed=3)
+    prompts = _prompts(7, (12, 6, 9))
+    reference = _reference(model, prompts, _gen(new=12))
+    torch_kvoffload.offload(model, {"sparse": {}, "serving": {"max_requests": 2, "max_request_tokens": 48}})
+    session = session_of(model)
+    manager = model.init_continuous_batching(generation_config=_gen(new=40), continuous_batching_config=_cb())
+    manager.start()
+    got: dict[str, list[int]] = {}
+    try:
+        manager.add_request(prompts[0], request_id="long", max_new_tokens=30, streaming=True)
+        first = manager.get_result(request_id="long", timeout=120)  # its first token: it holds a slot
+        assert first is not None and first.error is None
+        manager.cancel_request("long")
+        for i in (1, 2):  # two slots: these run once the cancelled one released its slot
+            manager.add_request(prompts[i], request_id=f"r{i}", max_new_tokens=12)
+        while len(got) < 2:
+            result = manager.get_result(timeout=120)
+            assert result is not None
+            if result.request_id != "long":
+                assert result.error is None, result
+                got[result.request_id] = list(result.generated_tokens)
+    finally:
+        manager.stop(block=True, timeout=120)
+    assert [got["r1"], got["r2"]] == reference[1:]
+    assert session.stats()["reserved_requests"] == 0

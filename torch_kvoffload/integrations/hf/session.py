@@ -433,7 +433,9 @@ class OffloadSession:
         held; both 0 once a sequence ended or failed); ``fork_shared_blocks`` (host-pool blocks a forked
         request shares with its source instead of a copy: beam search) and ``cow_copies`` (shared blocks
         copied before a write); ``unkeyed_requests`` (requests fed ``inputs_embeds``
-        without token ids so far: their KV is never looked up or shared by content). KVPP: ``broadcasts`` (layer broadcasts issued),
+        without token ids so far: their KV is never looked up or shared by content). Continuous batching:
+        ``serving_slots`` (requests the caches hold at once), ``serving_requests`` (held now),
+        ``serving_steps`` (CB steps run so far). KVPP: ``broadcasts`` (layer broadcasts issued),
         ``bytes_broadcast``, ``kvpp_owned_layers`` (layers this rank stores persistently),
         ``kvpp_persistent_bytes`` / ``kvpp_scratch_bytes`` (this rank's owned bundles / its two scratch
         buffers; their sum is in ``device_kv_bytes``).
@@ -451,6 +453,9 @@ class OffloadSession:
             reserved_requests=got.get("reserved_requests", 0),
             resident_rows=got.get("resident_rows", 0),
             unkeyed_requests=self._seq.unkeyed_requests,
+            serving_slots=self.serving.slots if self.serving is not None else 0,
+            serving_requests=self.serving.live if self.serving is not None else 0,
+            serving_steps=self.serving.steps if self.serving is not None else 0,
         )
         if self.kvpp_on:
             out.update({k: got.get(k, 0) for k in _KVPP_KEYS})

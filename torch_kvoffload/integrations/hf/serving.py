@@ -107,6 +107,8 @@ class ServingRequests:
         :attr:`slots`. The model's ``generate()`` sequence, if any, ends."""
         if self.is_open:
             return self.slots
+        if self.session.forward_running:
+            raise RuntimeError("continuous batching: the offloaded model is running a forward; wait for it")
         self.session.end_sequence()
         if not self.slots:
             self.slots, self.device_bytes_per_request, self.fixed_device_bytes = serving_slots(self.session)

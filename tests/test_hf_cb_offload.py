@@ -302,3 +302,21 @@ def test_a_cancelled_request_releases_its_slot_and_the_others_finish() -> None:
         manager.stop(block=True, timeout=120)
     assert [got["r1"], got["r2"]] == reference[1:]
     assert session.stats()["reserved_requests"] == 0
+
+
+def test_a_deep_copy_serves_on_its_own_session() -> None:
+    model = _model("deepseek_v32")
+    prompts = _prompts(8, (6, 10))
+    reference = _reference(model, prompts, _gen())
+    torch_kvoffload.offload(model, {"sparse": {}, "serving": SERVING})
+    twin = copy.deepcopy(model)
+    assert _batch(twin, prompts) == reference
+    assert session_of(twin).stats()["serving_steps"] > 0
+    assert session_of(model).stats()["serving_steps"] == 0, "the copy ran on the original's session"
+
+
+def test_a_compiled_model_refuses_continuous_batching() -> None:
+    model = _model("deepseek_v3")
+    torch_kvoffload.compile(model, {"layerwise": {}})
+    with pytest.raises(ValueError, match=r"torch_kvoffload\.offload, not torch_kvoffload\.compile"):
+        model.generate_batch([[5, 6, 7]], generation_config=_gen())

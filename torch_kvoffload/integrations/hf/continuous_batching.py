@@ -35,6 +35,7 @@ import functools
 import logging
 import math
 import threading
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -323,35 +324,40 @@ def enable_mla_continuous_batching(model: Any) -> None:
             f"enable_mla_continuous_batching: model {type(model).__name__} has no MLA (config.kv_lora_rank); "
             "expected a DeepSeek-V3 / V3.2 model"
         )
-    original_init = type(model).init_continuous_batching.__get__(model)
+    # a method bound to the model: copy.deepcopy(model) rebinds it to the copy (and the copy's session)
+    model.init_continuous_batching = types.MethodType(_init_continuous_batching, model)
+
+
+def _init_continuous_batching(
+    model: Any,
+    generation_config: Any = None,
+    continuous_batching_config: Any = None,
+    workload_hints: Any = None,
+) -> Any:
+    """``model.init_continuous_batching`` of an enabled model (see the module docstring)."""
+    config = model.config.get_text_config()
     session = getattr(model, SESSION_ATTR, None)
-
-    @functools.wraps(original_init)
-    def init_continuous_batching(
-        generation_config: Any = None, continuous_batching_config: Any = None, workload_hints: Any = None
-    ) -> Any:
-        serving = None
-        if session is not None:
-            serving = _serving_of(session)
-            if serving.is_open:
-                raise RuntimeError(
-                    f"{type(model).__name__}.init_continuous_batching: a manager of this offloaded model is "
-                    "serving; stop it first (one manager at a time holds the model's KV caches)"
-                )
-            gen = generation_config if generation_config is not None else model.generation_config
-            continuous_batching_config = _offload_cb_config(serving, continuous_batching_config, gen)
-        with _mla_names(config, ledger=serving is not None):
-            manager = original_init(generation_config, continuous_batching_config, workload_hints)
-        if "_create_batch_processor" not in vars(manager):
-            original = manager._create_batch_processor
-            manager._create_batch_processor = functools.partial(
-                _create_batch_processor, manager, original, config, serving
+    serving = None
+    if session is not None:
+        serving = _serving_of(session)
+        if serving.is_open:
+            raise RuntimeError(
+                f"{type(model).__name__}.init_continuous_batching: a manager of this offloaded model is "
+                "serving; stop it first (one manager at a time holds the model's KV caches)"
             )
-            if serving is not None:
-                _hook_manager(manager, serving)
-        return manager
-
-    model.init_continuous_batching = init_continuous_batching
+        gen = generation_config if generation_config is not None else model.generation_config
+        continuous_batching_config = _offload_cb_config(serving, continuous_batching_config, gen)
+    original_init = type(model).init_continuous_batching.__get__(model)
+    with _mla_names(config, ledger=serving is not None):
+        manager = original_init(generation_config, continuous_batching_config, workload_hints)
+    if "_create_batch_processor" not in vars(manager):
+        original = manager._create_batch_processor
+        manager._create_batch_processor = functools.partial(
+            _create_batch_processor, manager, original, config, serving
+        )
+        if serving is not None:
+            _hook_manager(manager, serving)
+    return manager
 
 
 def _serving_of(session: Any) -> Any:

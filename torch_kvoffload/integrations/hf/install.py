@@ -321,7 +321,16 @@ def attach(model: torch.nn.Module, config: Any = None) -> OffloadSession:
     model.generate = bind_method(model, _generate, originals["generate"])
     setattr(model, SESSION_ATTR, session)
     model._kvoffload_originals = originals
+    if hasattr(type(model), "init_continuous_batching"):  # offload() replaces it by the serving one
+        model.init_continuous_batching = types.MethodType(_no_continuous_batching, model)
     return session
+
+
+def _no_continuous_batching(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    raise ValueError(
+        f"{type(model).__name__}: continuous batching (generate_batch, init_continuous_batching) runs models "
+        "offloaded with torch_kvoffload.offload, not torch_kvoffload.compile"
+    )
 
 
 def offload(model: torch.nn.Module, config: Any = None) -> torch.nn.Module:

@@ -124,3 +124,19 @@ def test_rows_without_new_tokens_in_layerwise_forwards(name):
         assert [r.length for r in reqs] == [12, 6, 9]
     finally:
         core.close()
+
+
+def test_padding_queries_off_plans_no_padding_attention() -> None:
+    from torch_kvoffload.core.forward import plan_forward
+    from torch_kvoffload.core.layout import KVLayout
+    from torch_kvoffload.core.requests import Request
+
+    layout = KVLayout(2, 16, 4)
+    reqs = [Request(0, 0, [1, 2]), Request(1, 1)]
+    mask = torch.tensor([[True, False, False], [True, True, True]])  # right padding after request 0's token
+    kw = dict(decode=False, layerwise=False, device=torch.device("cpu"))
+    on = plan_forward(reqs, [2, 0], mask, layout, **kw)
+    off = plan_forward(reqs, [2, 0], mask, layout, padding_queries=False, **kw)
+    assert on.n_pad == 2 and on.pad_sel.tolist() == [1, 2] and on.pad_len.tolist() == [3, 3]
+    assert off.n_pad == 0 and off.pad_sel.numel() == 0
+    assert torch.equal(on.sel, off.sel) and torch.equal(on.phys, off.phys)

@@ -84,9 +84,11 @@ def plan_forward(
     decode: bool,
     layerwise: bool,
     device: torch.device,
+    padding_queries: bool = True,
 ) -> ForwardPlan:
     """The plan of a forward of ``requests`` (batch rows) whose real new positions are ``new_mask bool [B,
-    S]`` (host, padding anywhere), ``old_len[b]`` tokens of request ``b`` before it."""
+    S]`` (host, padding anywhere), ``old_len[b]`` tokens of request ``b`` before it. ``padding_queries=False``:
+    the caller discards the padding positions' outputs, so none attends (all get zero)."""
     B, S = new_mask.shape
     bs, M = layout.block_size, layout.blocks_per_request
     page, pages = layout.page
@@ -101,7 +103,10 @@ def plan_forward(
     cu = torch.tensor([0, *itertools.accumulate(n_new)], dtype=torch.int32)
     table = (slots[:, None] * M + torch.arange(M)[None, :]).to(torch.int32)
     index_table = (slots[:, None] * pages + torch.arange(pages)[None, :]).to(torch.int32)
-    pad_sel, pad_len = visible_padding(new_mask, old_len)
+    if padding_queries:
+        pad_sel, pad_len = visible_padding(new_mask, old_len)
+    else:
+        pad_sel = pad_len = torch.zeros(0, dtype=torch.int64)
     return ForwardPlan(
         B=B, S=S, requests=list(requests), decode=decode, layerwise=layerwise, old_len=list(old_len),
         new_len=new_len, sel=sel.to(device), pos=pos.to(device), row=row.to(device),

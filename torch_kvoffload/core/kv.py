@@ -263,12 +263,18 @@ class KVCore:
         return [b for b in self.backends.all if b.takes_part(fwd)]
 
     def begin_forward(
-        self, requests: Sequence[Request], new_tokens: Sequence[Sequence[int]], new_mask: torch.Tensor
+        self,
+        requests: Sequence[Request],
+        new_tokens: Sequence[Sequence[int]],
+        new_mask: torch.Tensor,
+        *,
+        padding_queries: bool = True,
     ) -> ForwardPlan:
         """Begin a forward of live ``requests`` (one per batch row) whose real new positions are
-        ``new_mask bool [B, S]`` (host, padding anywhere) holding ``new_tokens[b]``; return its plan. A
-        backend failing to begin ends the ones that began, and the error propagates (no forward is running
-        then)."""
+        ``new_mask bool [B, S]`` (host, padding anywhere) holding ``new_tokens[b]``; return its plan
+        (``padding_queries=False``: the padding positions' outputs are discarded by the caller, none
+        attends). A backend failing to begin ends the ones that began, and the error propagates (no forward
+        is running then)."""
         if self.forward is not None:
             raise RuntimeError("KVCore.begin_forward: a forward is running; call end_forward()")
         assert self.layout is not None
@@ -295,6 +301,7 @@ class KVCore:
             decode=decode,
             layerwise=layerwise,
             device=self.spec.device,
+            padding_queries=padding_queries,
         )
         self.counters.add("forwards")
         self.counters.add("decode_forwards" if decode else "prefill_forwards")

@@ -251,7 +251,8 @@ class ServingRequests:
         pos = past[:, None] + torch.arange(S)[None, :]
         last = torch.tensor([q - 1 for *_, q in rows])
         keep = torch.unique(last)  # the columns whose logits are needed
-        core.begin_forward([r for r, *_ in rows], tokens, mask)
+        # the padding's outputs are never read: it attends nowhere
+        core.begin_forward([r for r, *_ in rows], tokens, mask, padding_queries=False)
         try:
             out = model._kvoffload_originals["forward"](
                 input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False,

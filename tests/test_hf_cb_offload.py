@@ -320,3 +320,17 @@ def test_a_compiled_model_refuses_continuous_batching() -> None:
     torch_kvoffload.compile(model, {"layerwise": {}})
     with pytest.raises(ValueError, match=r"torch_kvoffload\.offload, not torch_kvoffload\.compile"):
         model.generate_batch([[5, 6, 7]], generation_config=_gen())
+
+
+@pytest.mark.parametrize("config_name", ["Glm4MoeLiteConfig", "YoutuConfig"])
+def test_other_families_the_eager_path_serves(config_name: str) -> None:
+    import transformers
+    from hf_models import _COMMON
+
+    cfg = getattr(transformers, config_name)(**_COMMON)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    prompts = _prompts(9, (5, 21, 9))
+    reference = _reference(model, prompts, _gen())
+    torch_kvoffload.offload(model, {"layerwise": {}, "serving": SERVING})
+    assert _batch(model, prompts) == reference

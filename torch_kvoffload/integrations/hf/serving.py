@@ -95,7 +95,6 @@ class ServingRequests:
         self._step: list[tuple[str, int, int]] = []  # (request id, past, query) in packed order
         self._open = threading.Event()
         self.steps = 0
-        self.forwards = 0
 
     # ----------------------------------------------------------------------------------- lifetime
     @property
@@ -117,10 +116,7 @@ class ServingRequests:
     def open(self) -> None:
         """Start serving: caches sized for :attr:`slots` requests, no request live."""
         session = self.session
-        if session.forward_running:
-            raise RuntimeError("continuous batching: the offloaded model is running a forward; wait for it")
-        self.plan()
-        session.end_sequence()
+        self.plan()  # refuses a running forward and ends the generate() sequence
         session.core.size(self.slots, self.max_tokens)
         session.core.keep_prefill_buffers = True
         self._live, self._step = {}, []
@@ -138,7 +134,7 @@ class ServingRequests:
         try:
             if core.forward is not None:
                 core.abort_forward()
-            core.finish([r.id for r in self._live.values()])
+            self.finish_all()
         finally:
             self._live, self._step = {}, []
             core.keep_prefill_buffers = False
@@ -148,9 +144,6 @@ class ServingRequests:
     @property
     def live(self) -> int:
         return len(self._live)
-
-    def holds(self, request_id: str) -> bool:
-        return request_id in self._live
 
     def check_length(self, request_id: str, tokens: int) -> None:
         """``ValueError`` when a request of ``tokens`` tokens (prompt + new) cannot be held."""
@@ -199,9 +192,10 @@ class ServingRequests:
         cu = kwargs["cu_seq_lens_q"].tolist()
         if not self.is_open:
             raise RuntimeError("continuous batching: the offloaded model's serving state is closed")
-        if len(cu) != len(step) + 1 or [b - a for a, b in itertools.pairwise(cu)] != [q for _, _, q in step]:
+        packed = [b - a for a, b in itertools.pairwise(cu)]
+        if packed != [q for _, _, q in step]:
             raise RuntimeError(
-                f"continuous batching: the step packs query lengths {[b - a for a, b in itertools.pairwise(cu)]} "
+                f"continuous batching: the step packs query lengths {packed} "
                 f"but the scheduler recorded {[(rid, q) for rid, _, q in step]} (padded or asynchronous "
                 "batching is not supported for offloaded models)"
             )
@@ -262,7 +256,6 @@ class ServingRequests:
             core.abort_forward()
             raise
         core.end_forward()
-        self.forwards += 1
         if logits is None:
             logits = out.new_zeros(1, len(flat), out.shape[-1])
         col = torch.searchsorted(keep, last)

@@ -208,7 +208,8 @@ class OffloadConfig(ConfigModel):
     def kvpp_config(self, spec: ModelSpec, *, world_size: int) -> KVPPConfig:
         """The full :class:`KVPPConfig` for ``spec`` in a process group of ``world_size`` ranks.
 
-        Unset fields: ``enable_kvpp=True``, ``tp_size = world_size // pcp_size``, ``attention`` = ``"sfa"``
+        Unset fields: ``enable_kvpp=True``, ``tp_size`` = the model's tensor-parallel size (``spec.tp``) or
+        else ``world_size // pcp_size``, ``attention`` = ``"sfa"``
         for a model with a lightning indexer, else ``"mla"``. ``ValueError`` if KVPP is not requested, the
         group cannot be split into KVPP groups of ``tp_size * pcp_size`` ranks, the group size is 1 (KVPP
         off), or ``attention`` contradicts the model.
@@ -222,7 +223,7 @@ class OffloadConfig(ConfigModel):
         fields = self.kvpp.model_dump(exclude_unset=True)
         fields["enable_kvpp"] = True
         pcp = int(fields.get("pcp_size", 1))
-        fields.setdefault("tp_size", max(1, world_size // pcp))
+        fields.setdefault("tp_size", spec.tp_size if spec.tp is not None else max(1, world_size // pcp))
         model_attention = "sfa" if spec.has_indexer else "mla"
         attention = str(fields.setdefault("attention", model_attention)).strip().lower()
         if attention != model_attention:

@@ -17,17 +17,33 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ModelSpec", "weights_fingerprint"]
+__all__ = ["ModelSpec", "TensorParallel", "weights_fingerprint"]
 
 _WEIGHTS_DOMAIN = b"torch_kvoffload/weights/v1"
 _HASH_CHUNK = 64 << 20  # bytes of a device tensor copied to the host at a time
 
 
 @dataclass(frozen=True)
+class TensorParallel:
+    """The tensor-parallel group a model's weights are sharded over (transformers' ``tp_plan``).
+
+    ``size`` ranks, this process is ``rank`` among them (group-local), ``ranks`` their global ranks in
+    group order, ``group`` the ``torch.distributed`` process group of the model's TP mesh. MLA's latent
+    KV is replicated over the group: every rank computes the same KV rows.
+    """
+
+    size: int
+    rank: int
+    ranks: tuple[int, ...]
+    group: object = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """What the library needs to know about an MLA / SFA model.
 
-    ``kv_lora_rank`` (Dc), ``rope_dim`` (Dr), ``qk_nope_head_dim``, ``v_head_dim``, ``num_heads`` (H);
+    ``kv_lora_rank`` (Dc), ``rope_dim`` (Dr), ``qk_nope_head_dim``, ``v_head_dim``, ``num_heads`` (H: the
+    heads this process computes, the local share of ``total_heads`` under tensor parallelism, ``tp``);
     ``index_head_dim`` / ``index_n_heads`` / ``index_topk`` are 0 without an indexer; ``scale`` is the
     attention softmax scale; ``attention_modules[i]`` is the attention of layer ``i``. ``fingerprint``
     names the architecture and KV layout; ``weights_fingerprint`` the weights (:func:`weights_fingerprint`,
@@ -51,6 +67,13 @@ class ModelSpec:
     fingerprint: str
     attention_modules: tuple[torch.nn.Module, ...] = field(repr=False, compare=False)
     weights_fingerprint: str = ""
+    tp: TensorParallel | None = None
+    total_heads: int = 0
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks the attention heads are sharded over (1 without tensor parallelism)."""
+        return 1 if self.tp is None else self.tp.size
 
     def with_weights(self, model: torch.nn.Module) -> ModelSpec:
         """This spec with ``weights_fingerprint`` of ``model``'s weights, computed now (every byte read once).
@@ -68,6 +91,7 @@ def _tensor_digest(name: str, t: torch.Tensor) -> bytes:
             f"weights_fingerprint: {name!r} is on the meta device (not materialised); its weights cannot be "
             "fingerprinted, so KV of other weights could not be told apart"
         )
+    t = _local(t)
     raw = t.detach().contiguous().reshape(-1)
     raw = raw.view(torch.uint8) if raw.numel() else torch.empty(0, dtype=torch.uint8)
     h = hashlib.sha256()
@@ -76,19 +100,35 @@ def _tensor_digest(name: str, t: torch.Tensor) -> bytes:
     return h.digest()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A ``DTensor``'s local shard (reading it whole would be a collective), any other tensor as is."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _describe(name: str, t: torch.Tensor) -> str:
+    """Name, dtype, shape and, for a ``DTensor``, its placements and this rank's coordinate in the mesh."""
+    text = f"{name}:{str(t.dtype).removeprefix('torch.')}:{list(t.shape)}"
+    placements = getattr(t, "placements", None)
+    if placements is not None:
+        text += f":{list(map(str, placements))}@{t.device_mesh.get_coordinate()}"
+    return text
+
+
 def weights_fingerprint(model: torch.nn.Module) -> str:
     """16 hex characters of SHA-256 over every parameter and buffer of ``model``: name, dtype, shape and
     bytes, in ``named_parameters`` / ``named_buffers`` order.
 
     Two models of one architecture with different weights (fine-tunes) get different fingerprints, the
     same weights in another process the same one. Reads every byte once (the tensors are hashed on a
-    thread pool); ``ValueError`` for a tensor on the meta device.
+    thread pool); ``ValueError`` for a tensor on the meta device. A tensor-parallel ``DTensor`` contributes
+    its local shard, placements and mesh coordinate: each TP rank gets its own fingerprint (no collective).
     """
     tensors = [*model.named_parameters(), *model.named_buffers()]
     with ThreadPoolExecutor(max_workers=min(8, max(1, len(tensors)))) as pool:
         digests = list(pool.map(lambda item: _tensor_digest(*item), tensors))
     h = hashlib.sha256(_WEIGHTS_DOMAIN)
     for (name, t), digest in zip(tensors, digests, strict=True):
-        h.update(f"{name}:{str(t.dtype).removeprefix('torch.')}:{list(t.shape)}".encode())
+        h.update(_describe(name, t).encode())
         h.update(digest)
     return h.hexdigest()[:16]

@@ -40,6 +40,16 @@ def _world_size() -> int:
     return dist.get_world_size()
 
 
+def _check_tensor_parallel(spec: ModelSpec, cfg: KVPPConfig) -> None:
+    """A tensor-parallel model's KVPP group is its TP group: ``tp_size * pcp_size`` must equal it."""
+    if spec.tp is not None and cfg.tp_size * cfg.pcp_size != spec.tp.size:
+        raise ValueError(
+            f"the model is sharded over a tensor-parallel group of {spec.tp.size} ranks but kvpp asks for "
+            f"tp_size * pcp_size = {cfg.tp_size} * {cfg.pcp_size}; the KVPP group is the TP group (leave "
+            "tp_size unset)"
+        )
+
+
 class KVPPBackend(KVBackend):
     """This rank's KVPP over ``spec``'s KV (see the module docstring); the scheduler is registered for the
     ``kvpp_*`` ops under ``name``.
@@ -52,11 +62,18 @@ class KVPPBackend(KVBackend):
     def __init__(self, spec: ModelSpec, config: OffloadConfig, *, block_size: int, name: str) -> None:
         try:
             self.config: KVPPConfig = config.kvpp_config(spec, world_size=_world_size())
+            _check_tensor_parallel(spec, self.config)
         except ValueError as exc:
             raise ValueError(f"torch_kvoffload cannot offload {spec.model_class}: {exc}") from exc
         self.spec, self.block_size, self.runtime_name = spec, block_size, name
         cfg = self.config
         self.group = create_kvpp_group(dp=1, pp=1, pcp=cfg.pcp_size, tp=cfg.tp_size, device=spec.device)
+        if spec.tp is not None and self.group.ranks != spec.tp.ranks:
+            raise ValueError(
+                f"torch_kvoffload cannot offload {spec.model_class}: the KVPP group holds ranks "
+                f"{list(self.group.ranks)} but the model's tensor-parallel group is {list(spec.tp.ranks)}; KVPP "
+                "shards the KV over the ranks that replicate it, the TP group"
+            )
         self.runtime: KVPPRuntime | None = None
         self._layout: KVLayout | None = None
         self._totals = RuntimeTotals(_TOTALS)

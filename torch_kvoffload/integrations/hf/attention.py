@@ -22,7 +22,14 @@ import torch
 
 from torch_kvoffload.ops import mla_runtime
 
-__all__ = ["indexer_inputs", "mla_attention_forward", "rope_functions"]
+__all__ = ["indexer_inputs", "local_tensor", "mla_attention_forward", "rope_functions"]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t``: a ``DTensor`` parameter of a model loaded with transformers' tensor
+    parallelism (``tp_plan="auto"``) gives its local tensor, any other tensor is returned as is."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def rope_functions(module: torch.nn.Module):
@@ -81,11 +88,16 @@ def mla_attention_forward(
     """Drop-in ``forward`` of a DeepseekV3 / V32-style attention module (``self``), served by the
     session stored on it as ``self._kvoffload_session``. ``hidden_states [B, S, hidden]``; returns
     ``(o_proj output [B, S, hidden], None)``. The mask is not read: the session knows every request's
-    visible tokens."""
+    visible tokens.
+
+    Under transformers' tensor parallelism ``q_b_proj`` / ``kv_b_proj`` hold this rank's heads (colwise) and
+    ``o_proj`` is rowwise: the attention runs on the local heads ``Hl`` (``q_b_proj``'s local output width
+    / (nope + rope)) and ``o_proj``'s own hook sums the ranks' partial outputs; the latent, the rotary key
+    and the indexer are replicated, so every rank writes and reads the same KV rows."""
     session = self._kvoffload_session
     layer = self.layer_idx
     B, S, _ = hidden_states.shape
-    H, nope, rope, v = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+    nope, rope, v = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
     Dc = self.kv_lora_rank
     rope_main, rope_half = rope_functions(self)
 
@@ -95,6 +107,7 @@ def mla_attention_forward(
     else:
         q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
         q = self.q_b_proj(q_resid)
+    H = session.spec.num_heads  # this rank's heads
     q = q.view(B, S, H, nope + rope).transpose(1, 2)
     q_pass, q_rot = torch.split(q, [nope, rope], dim=-1)
     kv_pass, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [Dc, rope], dim=-1)
@@ -108,7 +121,7 @@ def mla_attention_forward(
     if indexer is not None:
         index_q, index_k, index_w = indexer_inputs(indexer, hidden_states, q_resid, cos, sin, rope_half)
 
-    w = self.kv_b_proj.weight.view(H, nope + v, Dc)
+    w = local_tensor(self.kv_b_proj.weight).view(H, nope + v, Dc)
     # batched over heads; both weight halves are read in place (no copy of kv_b_proj per call)
     q_nope = torch.matmul(q_pass, w[:, :nope]).transpose(1, 2)
     q_pe = q_rot.transpose(1, 2)

@@ -6,6 +6,12 @@ model config gives ``kv_lora_rank``, ``qk_rope_head_dim``, ``qk_nope_head_dim`` 
 lightning indexer when it holds an ``indexer`` with ``wq_b``, ``wk``, ``k_norm`` and ``weights_proj`` and the
 config gives ``index_topk``, ``index_head_dim`` and ``index_n_heads``. Nothing is allocated here: a model the
 library cannot handle raises ``ValueError`` naming its class and the reason.
+
+A model loaded with transformers' tensor parallelism (``from_pretrained(..., tp_plan="auto")``) is described
+from this rank's point of view: ``num_heads`` counts the heads whose ``q_b_proj`` / ``kv_b_proj`` rows this
+rank holds, ``tp`` names the TP group (the mesh's ``"tp"`` dimension). Only a head-sharded attention
+(``q_b_proj`` / ``kv_b_proj`` colwise, ``o_proj`` rowwise) or a replicated one is understood: any other
+sharding of the attention is a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import json
 
 import torch
 
-from torch_kvoffload.core.spec import ModelSpec
+from torch_kvoffload.core.spec import ModelSpec, TensorParallel
 
 __all__ = ["inspect_model"]
 
@@ -36,6 +42,74 @@ def _is_mla(module: torch.nn.Module) -> bool:
 def _has_indexer(module: torch.nn.Module) -> bool:
     idx = getattr(module, "indexer", None)
     return idx is not None and all(hasattr(idx, a) for a in ("wq_b", "wk", "k_norm", "weights_proj"))
+
+
+def _tensor_parallel(model: torch.nn.Module) -> TensorParallel | None:
+    """The TP group of a model loaded with ``tp_plan`` (``None`` without tensor parallelism)."""
+    mesh = getattr(model, "_device_mesh", None)
+    size = int(getattr(model, "_tp_size", None) or 1)
+    if mesh is None or size < 2:
+        return None
+    import torch.distributed as dist
+
+    names = mesh.mesh_dim_names or ()
+    group = mesh.get_group("tp") if "tp" in names else mesh.get_group()
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if len(ranks) != size:
+        _fail(model, f"its TP mesh has {len(ranks)} ranks but model.tp_size is {size}")
+    return TensorParallel(size=size, rank=ranks.index(dist.get_rank()), ranks=ranks, group=group)
+
+
+def _placement(t: torch.Tensor) -> str:
+    """``"replicate"``, ``"rows"`` (sharded on dim 0) or another description of a parameter's sharding."""
+    placements = getattr(t, "placements", None)
+    if placements is None or all(p.is_replicate() for p in placements):
+        return "replicate"
+    if len(placements) == 1 and placements[0].is_shard(0):
+        return "rows"
+    return str(list(placements))
+
+
+def _local_heads(model: torch.nn.Module, attn: list[torch.nn.Module], dims: dict[str, int]) -> int:
+    """Heads this rank computes: all of them, or its colwise shard under tensor parallelism (the same in
+    every layer). ``ValueError`` for a sharding the absorbed attention cannot follow."""
+    nope, rope, v = dims["qk_nope_head_dim"], dims["qk_rope_head_dim"], dims["v_head_dim"]
+    heads = set()
+    for m in attn:
+        q_proj = m.q_proj if getattr(m, "q_lora_rank", None) is None else m.q_b_proj
+        q, kv, o = q_proj.weight, m.kv_b_proj.weight, m.o_proj.weight
+        replicated = [m.kv_a_proj_with_mqa, m.kv_a_layernorm, getattr(m, "indexer", None)]
+        sharded = [n for part in replicated if part is not None for n, p in part.named_parameters()
+                   if _placement(p) != "replicate"]  # fmt: skip
+        if sharded:
+            _fail(
+                model,
+                f"layer {m.layer_idx}: the latent projection or the indexer is sharded ({sharded}); the "
+                "library needs them replicated on every tensor-parallel rank",
+            )
+        kinds = (_placement(q), _placement(kv), _placement(o))
+        if kinds == ("replicate",) * 3:
+            heads.add(dims["num_attention_heads"])
+            continue
+        o_kind = getattr(o, "placements", None)
+        if kinds[:2] != ("rows", "rows") or o_kind is None or len(o_kind) != 1 or not o_kind[0].is_shard(1):
+            _fail(
+                model,
+                f"layer {m.layer_idx}'s attention is sharded as q {kinds[0]}, kv_b_proj {kinds[1]}, o_proj "
+                f"{kinds[2]}; only heads sharded across tensor-parallel ranks (q / kv_b_proj colwise, "
+                "o_proj rowwise) or a replicated attention are supported",
+            )
+        local_q, local_kv = q.to_local().shape[0], kv.to_local().shape[0]
+        if (
+            local_q % (nope + rope)
+            or local_kv % (nope + v)
+            or local_q // (nope + rope) != local_kv // (nope + v)
+        ):
+            _fail(model, f"layer {m.layer_idx}: q and kv_b_proj shards do not hold whole, matching heads")
+        heads.add(local_q // (nope + rope))
+    if len(heads) != 1:
+        _fail(model, f"the layers hold different numbers of local heads {sorted(heads)}")
+    return heads.pop()
 
 
 def inspect_model(model: torch.nn.Module) -> ModelSpec:
@@ -86,6 +160,8 @@ def inspect_model(model: torch.nn.Module) -> ModelSpec:
     first = attn[0]
     param = first.kv_b_proj.weight
     dims = {f: int(getattr(config, f)) for f in _MLA_FIELDS}
+    tp = _tensor_parallel(model)
+    heads = _local_heads(model, attn, dims)
     extra = {f: int(getattr(config, f)) for f in _INDEXER_FIELDS} if has_indexer else {}
     scale = float(getattr(first, "scaling", (dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"]) ** -0.5))
     desc = {"class": type(model).__name__, "layers": len(attn), "dtype": str(param.dtype), **dims, **extra}
@@ -97,7 +173,9 @@ def inspect_model(model: torch.nn.Module) -> ModelSpec:
         rope_dim=dims["qk_rope_head_dim"],
         qk_nope_head_dim=dims["qk_nope_head_dim"],
         v_head_dim=dims["v_head_dim"],
-        num_heads=dims["num_attention_heads"],
+        num_heads=heads,
+        total_heads=dims["num_attention_heads"],
+        tp=tp,
         dtype=param.dtype,
         device=param.device,
         scale=scale,

@@ -281,6 +281,17 @@ class RowAppender:
         """The rows appended for ``layer`` so far are in the pool: own copies done, or the writer's
         published (a reader of a shared pool)."""
         self._wait(layer, on_compute=self.device_path)
+        self._await_fence(layer)
+
+    def rows_on_host(self, layer: int) -> None:
+        """The rows appended for ``layer`` so far can be read from the pool on the host: own copies
+        finished (a host wait, also on the device path), or the writer's published."""
+        self._wait(layer)
+        self._await_fence(layer)
+
+    def _await_fence(self, layer: int) -> None:
+        """A reader of a shared pool: wait until the writer published every append of ``layer`` this
+        rank replayed (at most ``fence_timeout`` seconds)."""
         if not self.writer and self.pool.name is not None and self._seq[layer]:
             waited = self.pool.wait_published(layer, self._seq[layer], self.fence_timeout)
             if waited:

@@ -284,6 +284,12 @@ class HostKVPool:
         return self._k_pe[layer]
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of host memory the pool maps (a shared pool's header included); the owner allocated them,
+        a reader maps the owner's."""
+        return self._storage.numel()
+
+    @property
     def row_bytes(self) -> int:
         """Bytes of one token row of one layer (``kv_c`` + ``k_pe``)."""
         return (self.kv_lora_rank + self.rope_dim) * self._kv_c.element_size()

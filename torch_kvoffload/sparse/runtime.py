@@ -41,6 +41,7 @@ from torch_kvoffload import device as kv_device
 from torch_kvoffload import transfer as kv_transfer
 from torch_kvoffload._utils import check_int
 from torch_kvoffload.counters import Counters
+from torch_kvoffload.sparse._checks import check_layer
 from torch_kvoffload.sparse.append import RowAppender
 from torch_kvoffload.sparse.config import SparseDecodeConfig
 from torch_kvoffload.sparse.device_step import DeviceStep
@@ -345,6 +346,13 @@ class SparseDecodeOffload:
     def sync(self) -> None:
         """Wait for every pending append, its fence and its counts (raises if one failed)."""
         self._appender.sync()
+
+    def wait_rows(self, layer: int) -> None:
+        """Block until every row appended to ``layer`` so far can be read from :attr:`pool` on the host:
+        this runtime's own copies finished and, on a reader of a shared pool, the writer published them
+        (``TimeoutError`` after ``fence_timeout`` seconds, ``RuntimeError`` if the writer's append
+        failed). For a caller reading pool rows itself (a chunked prefill's earlier rows)."""
+        self._appender.rows_on_host(check_layer("SparseDecodeOffload.wait_rows", layer, self.num_layers))
 
     # ----------------------------------------------------------------------------------- attend
     def check_rows(

@@ -12,6 +12,17 @@ admission and released when it ends; it keeps the size of a sequence's first for
 request's reservation is refused by :meth:`can_grow`). The hot buffers hold ``min(capacity, tokens)``
 rows with a top-k of ``min(top_k, tokens)`` (a top-k covering a request's whole context selects what the
 configured one would: every row).
+
+Tensor parallelism (``spec.tp``, transformers' ``tp_plan``): MLA's latent KV is replicated over the TP
+group, so its ranks share one host pool instead of one each. TP rank 0 creates it in shared memory
+(``/dev/shm``) and writes every new row; its name reaches the other ranks over the TP group, which attach
+it and run as readers (``writer=False``: an append copies nothing, a step waits for the writer's fence, at
+most :data:`FENCE_TIMEOUT_S`). Every rank keeps its own device data: hot buffers, residency, indexer cache
+(the indexer is replicated under the HF TP plan). The ranks size, admit, fork and release in lock step
+(they run the same ``generate``), so their block tables agree without being exchanged. After the
+attach every rank learns whether every other rank got its pool (a collective of the TP group, bounded
+by the group's timeout): a failure on one rank raises on all of them instead of hanging the writer. The
+TP ranks must share a host (``/dev/shm``).
 """
 
 from __future__ import annotations
@@ -27,13 +38,23 @@ from torch_kvoffload.core.forward import ForwardPlan
 from torch_kvoffload.core.kv_backend import IndexerView, KeyRows, KVBackend, NewRows, Queries
 from torch_kvoffload.core.layout import KVLayout
 from torch_kvoffload.core.requests import Request
-from torch_kvoffload.core.spec import ModelSpec
+from torch_kvoffload.core.spec import ModelSpec, TensorParallel
 from torch_kvoffload.core.totals import RuntimeTotals
 from torch_kvoffload.counters import Counters
-from torch_kvoffload.sparse import DecodeRows, IndexerInputs, SparseDecodeOffload
+from torch_kvoffload.sparse import (
+    DecodeRows,
+    HostKVPool,
+    IndexerInputs,
+    SparseDecodeConfig,
+    SparseDecodeOffload,
+)
 from torch_kvoffload.sparse.step_inputs import CheckedRows
 
-__all__ = ["SparseOffloadBackend"]
+__all__ = ["FENCE_TIMEOUT_S", "SparseOffloadBackend"]
+
+#: Seconds a reader rank of a TP-shared host pool waits for the writer's rows before a step raises
+#: ``TimeoutError`` (the writing rank fell behind, failed or is gone).
+FENCE_TIMEOUT_S = 60.0
 
 # the runtime's counters stats() reports, summed over every runtime the backend built
 _TOTALS = ("bytes_h2d", "bytes_d2h", "hits", "misses", "evictions", "fork_shared_blocks", "cow_copies")
@@ -48,6 +69,7 @@ class SparseOffloadBackend(KVBackend):
         assert config.sparse is not None and config.sparse.offload
         self.spec, self.config = spec, config
         self.runtime: SparseDecodeOffload | None = None
+        self._attached: HostKVPool | None = None  # a TP reader's mapping of TP rank 0's pool
         self.index = IndexerCache(spec, int8=config.sparse.indexer_dtype == "int8")
         self._layout: KVLayout | None = None
         self._configured = (0, 0)  # (top_k, hot capacity) of the configuration, before clipping to a layout
@@ -89,18 +111,32 @@ class SparseOffloadBackend(KVBackend):
         self._configured = (scfg.top_k, scfg.hot_capacity)
         k, cap = self._hot_sizes(layout, scfg.top_k, scfg.hot_capacity)
         scfg = scfg.model_copy(update={"top_k": k, "capacity": cap})
-        self.runtime = SparseDecodeOffload(
-            scfg, num_layers=spec.num_layers, max_rows=layout.slots, kv_lora_rank=spec.kv_lora_rank,
-            rope_dim=spec.rope_dim, device=spec.device,
-        )  # fmt: skip
+        kw = dict(num_layers=spec.num_layers, max_rows=layout.slots, kv_lora_rank=spec.kv_lora_rank,
+                  rope_dim=spec.rope_dim, device=spec.device)  # fmt: skip
+        tp = spec.tp
+        if tp is None or tp.size == 1:
+            self.runtime = SparseDecodeOffload(scfg, **kw)
+        else:
+            self.runtime, self._attached = _shared_runtime(tp, scfg, kw)
         self.index.allocate(layout)
 
     def free(self) -> None:
         rt, self.runtime = self.runtime, None
+        attached, self._attached = self._attached, None
         self._reserved = []
         self.index.free()
-        if rt is not None:
-            self._totals.retire(rt)  # a rebuilt runtime's counters keep counting in stats
+        try:
+            if rt is not None:
+                self._totals.retire(rt)  # a rebuilt runtime's counters keep counting in stats
+        finally:
+            if attached is not None:  # after the runtime's last read of it; the owner removes the file
+                attached.close()
+
+    @property
+    def writer(self) -> bool:
+        """Whether this rank writes the host pool's rows: without tensor parallelism, or TP rank 0 of a
+        shared pool (the other TP ranks read the rows it writes)."""
+        return self.spec.tp is None or self.spec.tp.rank == 0
 
     # ------------------------------------------------------------------------------ requests
     def admit(self, layout: KVLayout, requests: Sequence[Request]) -> None:
@@ -169,7 +205,7 @@ class SparseOffloadBackend(KVBackend):
         if fwd.first:
             n_new = [n - o for o, n in zip(fwd.old_len, fwd.new_len, strict=True)]
             return KeyRows(rows_c, rows_pe, [0, *itertools.accumulate(n_new)][:-1])
-        rt.sync()  # the appends of earlier forwards are in the pool
+        rt.wait_rows(layer)  # the appends so far are in the pool (a TP reader: the writer published them)
         pool = rt.pool
         host_c = pool.kv_c(layer).reshape(-1, spec.kv_lora_rank)
         host_pe = pool.k_pe(layer).reshape(-1, spec.rope_dim)
@@ -228,10 +264,74 @@ class SparseOffloadBackend(KVBackend):
         return hot + self.index.tensors()
 
     def stats(self) -> dict[str, float]:
-        sp = self._totals.snapshot(self.runtime)
+        """The runtimes' counters, and the host pool: ``host_pool_bytes`` (the pool this rank allocated:
+        its own, or on TP rank 0 the shared one) and ``shared_host_pool_bytes`` (on the other TP ranks:
+        the pool they map, allocated by TP rank 0), so that the sum over ranks counts the pool once.
+        ``bytes_d2h`` counts the rows this rank copied into the pool (0 on a TP reader)."""
+        rt = self.runtime
+        sp = self._totals.snapshot(rt)
+        pool = rt.pool.nbytes if rt is not None else 0
         return {
             **sp,
             "bytes_h2d": sp["bytes_h2d"] + self.counters.snapshot()["prefill_host_bytes_h2d"],
             "reserved_requests": len(self._reserved),
-            "resident_rows": self.runtime.rows_alive if self.runtime is not None else 0,
+            "resident_rows": rt.rows_alive if rt is not None else 0,
+            "host_pool_bytes": 0 if self._attached is not None else pool,
+            "shared_host_pool_bytes": pool if self._attached is not None else 0,
         }
+
+
+def _shared_runtime(
+    tp: TensorParallel, scfg: SparseDecodeConfig, kw: dict
+) -> tuple[SparseDecodeOffload, HostKVPool | None]:
+    """This TP rank's runtime over one host pool shared by the TP group: TP rank 0 creates it (shared
+    memory) and writes; the others attach the name it broadcasts and read. Returns the runtime and, on a
+    reader, the attached pool (the caller closes it after the runtime).
+
+    Two collectives of ``tp.group`` (every rank of the group calls this in the same resize): the name,
+    then every rank's outcome. A rank that failed raises its own error; the others raise a
+    ``RuntimeError`` naming it.
+    """
+    import torch.distributed as dist
+
+    rt: SparseDecodeOffload | None = None
+    attached: HostKVPool | None = None
+    error: BaseException | None = None
+    box: list = [None]
+    if tp.rank == 0:
+        try:
+            rt = SparseDecodeOffload(scfg, **kw, shared=True, fence_timeout=FENCE_TIMEOUT_S)
+            box = [rt.pool.name]
+        except Exception as exc:  # the readers hear of it below instead of waiting for a name
+            error = exc
+    dist.broadcast_object_list(box, group=tp.group, group_src=0)
+    name = box[0]
+    if tp.rank != 0 and name is not None:
+        try:
+            attached = HostKVPool.attach(
+                name, num_layers=kw["num_layers"], num_blocks=scfg.host_pool_blocks, block_size=scfg.block_size,
+                kv_lora_rank=kw["kv_lora_rank"], rope_dim=kw["rope_dim"], dtype=scfg.torch_kv_dtype,
+            )  # fmt: skip
+            rt = SparseDecodeOffload(scfg, **kw, pool=attached, writer=False, fence_timeout=FENCE_TIMEOUT_S)
+        except Exception as exc:
+            error = exc
+    outcomes: list = [None] * tp.size
+    dist.all_gather_object(
+        outcomes, None if error is None else f"{type(error).__name__}: {error}", group=tp.group
+    )
+    failed = [(r, e) for r, e in enumerate(outcomes) if e is not None]
+    if not failed:
+        assert rt is not None
+        return rt, attached
+    if rt is not None:
+        rt.close()
+    if attached is not None:
+        attached.close()
+    if error is not None:
+        raise error
+    what = ", ".join(f"TP rank {r} could not {'create' if r == 0 else 'attach'} it ({e})" for r, e in failed)
+    hint = "; every TP rank must run on the host of TP rank 0 (the pool lives in /dev/shm)" if name else ""
+    raise RuntimeError(
+        f"sparse decode offload: the TP group's shared host pool {name or '(not created)'} is unusable: "
+        f"{what}{hint}"
+    )

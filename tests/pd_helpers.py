@@ -607,3 +607,180 @@ class FakeMemFabric:
                 fake.calls.append(("destroy", self.unique_id))
 
         self.TransferEngine = TransferEngine
+
+
+# ------------------------------------------------------------- Hugging Face models, tensor parallel sides
+#: What a rank process of the Hugging Face TP tests imports before its body runs (the forkserver preloads
+#: it once; :func:`process_s` measures a cold start of it).
+HF_PRELOAD = (*PRELOAD, "transformers", "transformers.models.deepseek_v32.modeling_deepseek_v32",
+              "transformers.models.deepseek_v3.modeling_deepseek_v3", "hf_models", "tp_helpers")  # fmt: skip
+
+
+def hf_context():
+    """A forkserver context preloading :data:`HF_PRELOAD` (when this test session starts the server)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(HF_PRELOAD))
+    return ctx
+
+
+def free_port_run(count: int, host: str = "127.0.0.1") -> int:
+    """The first of ``count`` consecutive TCP ports on ``host`` that were all free when asked (a decode TP
+    side listens on ``kv_port + tp_rank``)."""
+    import socket
+
+    from torch_kvoffload._utils import free_port
+
+    while True:
+        base = free_port(host)
+        if base + count > 65536:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+
+
+def _gloo_rank(rank: int, world: int, port: int, timeout_s: float, fn, args: tuple) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def start_gloo_group(ctx, fn, world: int, *args: Any, timeout_s: float) -> list:
+    """Start ``world`` processes of ``ctx`` running ``fn(rank, world, *args)`` in their own gloo group on
+    127.0.0.1 (the default process group of each: what ``tp_plan="auto"`` shards over); collectives time out
+    after ``timeout_s``. Returns the processes (daemons, not joined)."""
+    from torch_kvoffload._utils import free_port
+
+    port = free_port()
+    procs = [
+        ctx.Process(target=_gloo_rank, args=(r, world, port, timeout_s, fn, args), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def load_hf_side(directory: str, rank: int, world: int) -> torch.nn.Module:
+    """The model saved in ``directory`` for one rank of a side of ``world`` TP ranks (``tp_plan="auto"``
+    when ``world > 1``, else a plain load)."""
+    if world > 1:
+        from tp_helpers import load_tp
+
+        return load_tp(directory, rank, world)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory).eval()
+
+
+def hf_prefill_rank(rank: int, world: int, case: dict, tickets_q, first_q, out_q) -> None:
+    """Prefill TP rank body: load, offload with layerwise + P/D prefill, take decode's tickets, run the
+    prompt's forward (``generate`` of one token, publishing every layer), wait for decode's reads; rank 0
+    hands the first token to every decode rank."""
+    import torch_kvoffload
+    from torch_kvoffload.integrations.hf.pd import prefill_role
+    from torch_kvoffload.pd import TransferTicket
+
+    try:
+        model = load_hf_side(case["dir"], rank, world)
+        pd = {**case["pd"], "role": "prefill"}
+        cfg = {"layerwise": {"num_shared_buffers": 1}, "block_size": case["block_size"], "pd": pd}
+        model = torch_kvoffload.offload(model, cfg)
+        role = prefill_role(model)
+        role.submit([TransferTicket.from_dict(d) for d in tickets_q.get(timeout=case["deadline_s"])])
+        ids, mask = case["ids"], case["mask"]
+        first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False)[:, -1]
+        role.wait(timeout=case["verdict_s"])
+        if rank == 0:
+            for _ in range(pd["decode_tp_size"]):  # plain ints: a queued tensor lives only as long as its sender
+                first_q.put(first.tolist())
+        out_q.put(("prefill", rank, {"sender": role.sender.counters.snapshot(), "p_rank": role.sender.p_rank,
+                                     "layers": len(role.sender.layer_log)}))  # fmt: skip
+    except BaseException:
+        out_q.put(("prefill", rank, {"error": traceback.format_exc()}))
+
+
+def hf_decode_rank(rank: int, world: int, case: dict, tickets_q, first_q, out_q) -> None:
+    """Decode TP rank body: load, offload with sparse decode offload + P/D decode, expect the prompt (rank 0
+    hands the tickets to every prefill rank), wait until every rank received its share, continue
+    ``generate`` from prefill's first token."""
+    import torch_kvoffload
+    from torch_kvoffload.integrations.hf.pd import decode_role
+
+    try:
+        model = load_hf_side(case["dir"], rank, world)
+        pd = {**case["pd"], "role": "decode"}
+        model = torch_kvoffload.offload(model, {"sparse": {}, "block_size": case["block_size"], "pd": pd})
+        role = decode_role(model)
+        ids, mask = case["ids"], case["mask"]
+        S = ids.shape[1]
+        tickets = [t.to_dict() for t in role.expect(ids, mask, max_tokens=S + case["new"])]
+        if rank == 0:
+            for _ in range(pd["prefill_tp_size"]):
+                tickets_q.put(tickets)
+        first = torch.tensor(first_q.get(timeout=case["deadline_s"]), dtype=ids.dtype)
+        cache = role.wait(timeout=case["verdict_s"])
+        recv = role.receiver.counters.snapshot()
+        full = torch.cat([ids, first[:, None]], dim=1)
+        full_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        out = model.generate(input_ids=full, attention_mask=full_mask, cache=cache,
+                             max_new_tokens=case["new"] - 1, do_sample=False)  # fmt: skip
+        out_q.put(("decode", rank, {"tokens": out[:, S:].tolist(), "receiver": recv, "tickets": tickets,
+                                    "tp_rank": role.receiver.tp_rank, "stats": torch_kvoffload.stats(model)}))  # fmt: skip
+    except BaseException:
+        out_q.put(("decode", rank, {"error": traceback.format_exc()}))
+
+
+def run_hf_sides(case: dict, p_tp: int, d_tp: int, deadline_s: float) -> dict[tuple[str, int], dict]:
+    """Start a prefill side of ``p_tp`` ranks and a decode side of ``d_tp`` ranks (two gloo groups) on
+    ``case``; return each rank's result by ``(side, rank)`` — what came within ``deadline_s`` (a rank that
+    failed reports its traceback as ``"error"``; the first error ends the wait)."""
+    ctx = hf_context()
+    tickets_q, first_q, out_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    procs = []
+    results: dict[tuple[str, int], dict] = {}
+    deadline = time.monotonic() + deadline_s
+    try:
+        args = (case, tickets_q, first_q, out_q)
+        procs += start_gloo_group(ctx, hf_decode_rank, d_tp, *args, timeout_s=deadline_s)
+        procs += start_gloo_group(ctx, hf_prefill_rank, p_tp, *args, timeout_s=deadline_s)
+        while len(results) < p_tp + d_tp:
+            try:
+                side, rank, out = out_q.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            results[(side, rank)] = out
+            if "error" in out:
+                break
+    finally:
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()) if len(results) == p_tp + d_tp else 0)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(process_s(HF_PRELOAD))
+        for p in procs:  # a killed rank leaves its exports (prefill) or its shared host pool (decode)
+            for path in glob.glob(f"/dev/shm/kvoffload-pd-{p.pid}-*") + glob.glob(
+                f"/dev/shm/kvoffload-pool-{p.pid}-*"
+            ):
+                os.unlink(path)
+    return results

@@ -19,8 +19,16 @@ runtime over exported buffers) and drives the session through its public methods
   prompt width`` (``model.generate`` with the prompt plus prefill's first token and
   :attr:`DecodeRole.cache`).
 
-The Hugging Face path is one process per side: ``prefill_tp_size == decode_tp_size == 1``, one DP rank (``dp_rank``
-0). Requests are the batch rows (left padding dropped), each paged from block 0 of its own block range.
+Tensor parallelism (models loaded with ``tp_plan="auto"``, :attr:`ModelSpec.tp`): each side runs one process
+per TP rank, in its own process group; ``prefill_tp_size`` / ``decode_tp_size`` must be the models' TP sizes
+(the side's own size is checked against its model) and ``prefill_tp_size`` a multiple of ``decode_tp_size``
+(:func:`~torch_kvoffload.pd.decode_rank_of`). Prefill TP rank ``p`` sends as ``p_rank = p``; decode TP rank
+``t`` receives as ``tp_rank = t`` into its DP rank's host pool, shared by its TP ranks (each receives its
+share of the blocks, the whole indexer lands in every rank's indexer cache). :meth:`DecodeRole.expect` and
+:meth:`DecodeRole.wait` are collective over the decode TP group: every rank calls them with the same
+arguments, ``expect`` returns the same tickets on every rank, ``wait`` returns only once every rank's
+receiver is done (or raises the same error on every rank). One DP rank per side (``dp_rank`` 0). Requests are
+the batch rows (left padding dropped), each paged from block 0 of its own block range.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,16 +59,18 @@ __all__ = ["DecodeRole", "PrefillRole", "decode_role", "make_role", "prefill_rol
 def make_role(session: OffloadSession, config: PDConfig) -> PrefillRole | DecodeRole:
     """The role ``config.role`` names for ``session`` (checked before anything is built)."""
     where = f"OffloadSession(pd.role={config.role!r})"
-    if (
-        config.prefill_tp_size != 1
-        or config.decode_tp_size != 1
-        or config.decode_dp_size != 1
-        or config.prefill_dp_size != 1
-    ):
+    if config.decode_dp_size != 1 or config.prefill_dp_size != 1:
         raise ValueError(
-            f"{where}: the Hugging Face path runs one process per side; got prefill_tp_size={config.prefill_tp_size}, "
-            f"decode_tp_size={config.decode_tp_size}, prefill_dp_size={config.prefill_dp_size}, decode_dp_size={config.decode_dp_size} "
-            "(use the torch_kvoffload.pd runtimes directly for TP / DP deployments)"
+            f"{where}: the Hugging Face path runs one process per side and TP rank (one DP rank); got "
+            f"prefill_dp_size={config.prefill_dp_size}, decode_dp_size={config.decode_dp_size} "
+            "(use the torch_kvoffload.pd runtimes directly for DP deployments)"
+        )
+    field = f"{config.role}_tp_size"
+    size = getattr(config, field)
+    if size != session.spec.tp_size:
+        raise ValueError(
+            f"{where}: {field}={size} but the {config.role} model is sharded over {session.spec.tp_size} "
+            f"tensor-parallel rank(s) (its tp_plan process group); {field} must be the model's TP size"
         )
     if config.transport == "shm" and session.spec.device.type != "cpu":
         raise ValueError(
@@ -103,6 +113,45 @@ def _compatibility(session: OffloadSession, main: Sequence[torch.Tensor], indexe
     )  # fmt: skip
 
 
+def _tp_rank(session: OffloadSession) -> int:
+    """This process's rank in the model's tensor-parallel group (0 without tensor parallelism)."""
+    tp = session.spec.tp
+    return 0 if tp is None else tp.rank
+
+
+def _agree(session: OffloadSession, where: str, fn: Callable[[], Any]) -> list[Any]:
+    """``fn()`` on this rank, then every TP rank's result in rank order (``[fn()]`` without tensor
+    parallelism), gathered over the model's TP group.
+
+    Every rank learns every rank's outcome, so all of them return or all of them raise: a rank whose
+    ``fn`` raised re-raises its own error after the exchange; the others raise
+    :class:`~torch_kvoffload.pd.PDTransferError` (``TimeoutError`` when every failure was a timeout) naming
+    the failed ranks and their errors. The exchange is a collective: every TP rank must reach it.
+    """
+    tp = session.spec.tp
+    if tp is None:
+        return [fn()]
+    import torch.distributed as dist
+
+    from torch_kvoffload.pd import PDTransferError
+
+    error: Exception | None = None
+    try:
+        mine = (True, fn())
+    except Exception as exc:  # every rank must join the exchange before anyone raises
+        error, mine = exc, (False, (type(exc).__name__, str(exc)))
+    gathered: list[Any] = [None] * tp.size
+    dist.all_gather_object(gathered, mine, group=tp.group)
+    failed = {r: g[1] for r, g in enumerate(gathered) if not g[0]}
+    if error is not None:
+        raise error
+    if failed:
+        text = "; ".join(f"TP rank {r}: {kind}: {msg}" for r, (kind, msg) in failed.items())
+        cls = TimeoutError if all(kind == "TimeoutError" for kind, _ in failed.values()) else PDTransferError
+        raise cls(f"{where}: failed on decode {text}")
+    return [g[1] for g in gathered]
+
+
 class PrefillRole(PDRole):
     """The prefill side of a session (see the module docstring). Built by the session."""
 
@@ -143,7 +192,8 @@ class PrefillRole(PDRole):
         self.stop()
         self._close_transport()
         plan = plan_layer_buffers(specs, lw.num_shared_buffers, lw.independent_layers)
-        transport = make_transport(self.config, rank_name=f"hf-prefill-{os.getpid()}")
+        p_rank = _tp_rank(self.session)
+        transport = make_transport(self.config, rank_name=f"hf-prefill-tp{p_rank}-{os.getpid()}")
         try:
             if transport.name == "shm":
                 buffers = export_layer_buffers(plan, transport)
@@ -156,7 +206,9 @@ class PrefillRole(PDRole):
                 prefetch_depth=lw.prefetch_depth, model_id=lw.model_id,
             )  # fmt: skip
             compat = _compatibility(self.session, buffers.layer_main(0), buffers.layer_indexer(0) or ())
-            sender = PrefillSender(self.config, p_rank=0, buffers=buffers, transport=transport, compat=compat)
+            sender = PrefillSender(
+                self.config, p_rank=p_rank, buffers=buffers, transport=transport, compat=compat
+            )
         except BaseException:
             transport.close()
             raise
@@ -269,10 +321,24 @@ class DecodeRole(PDRole):
         self.stop()
         sp = s.sparse_offload
         assert sp is not None
+        if s.spec.tp is not None:
+            self._check_shared_pool(sp.pool)
         indexer = s.indexer_caches()
         compat = _compatibility(s, [sp.pool.kv_c(0), sp.pool.k_pe(0)], indexer[0])
-        self.receiver = DecodeReceiver(self.config, pool=sp.pool, compat=compat, indexer=indexer)
+        self.receiver = DecodeReceiver(
+            self.config, pool=sp.pool, compat=compat, indexer=indexer, tp_rank=_tp_rank(s)
+        )
         self._sparse = sp
+
+    def _check_shared_pool(self, pool: Any) -> None:
+        """Decode TP ranks receive disjoint shares of each request's blocks into one host pool: it must be
+        the pool the TP group shares (the same ``/dev/shm`` pool on every rank)."""
+        names = _agree(self.session, "DecodeRole.reserve", lambda: pool.name)
+        if names[0] is None or len(set(names)) != 1:
+            raise RuntimeError(
+                f"DecodeRole.reserve: decode TP ranks receive their shares of the KV into one host pool shared "
+                f"by the TP group, but the ranks' sparse offload pools are {names} (None: a private pool)"
+            )
 
     def expect(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, max_tokens: int
@@ -280,7 +346,7 @@ class DecodeRole(PDRole):
         """Start the sequence of prompt ``input_ids int64 [B, S]`` (``attention_mask [B, S]``, 0 = left
         padding) whose KV prefill computes; reserve ``max_tokens`` (≥ ``S + 1``, padding included) per
         request; return one ticket per batch row for :meth:`PrefillRole.submit`."""
-        from torch_kvoffload.pd import TransferTicket
+        from torch_kvoffload.pd import TicketPart, TransferTicket
 
         where = "DecodeRole.expect"
         if (
@@ -320,13 +386,26 @@ class DecodeRole(PDRole):
         rids = s.begin_external_sequence(tokens, S, self.cache)
         self.cache.seen_tokens = S
         pool, bs = self._sparse.pool, s.block_size
+
+        def announce() -> list[tuple[int, tuple[int, ...], TicketPart]]:
+            parts = []
+            for rid, toks in zip(rids, tokens, strict=True):
+                nb = math.ceil(len(toks) / bs)
+                main = pool.blocks_of(rid)[:nb]
+                parts.append((rid, tuple(main), recv.expect(rid, len(toks), main, s.device_blocks(rid)[:nb])))
+                self._requests.append(rid)
+            return parts
+
+        ranks = _agree(s, where, announce)  # every decode TP rank's parts
         tickets = []
-        for rid, toks in zip(rids, tokens, strict=True):
-            nb = math.ceil(len(toks) / bs)
-            main = pool.blocks_of(rid)[:nb]
-            part = recv.expect(rid, len(toks), main, s.device_blocks(rid)[:nb])
-            tickets.append(TransferTicket.combine(rid, len(toks), 0, main, [part]))
-            self._requests.append(rid)
+        for r, (rid, toks) in enumerate(zip(rids, tokens, strict=True)):
+            seen = {(parts[r][0], parts[r][1]) for parts in ranks}
+            if len(seen) != 1:  # the ranks replay one allocation sequence: it cannot differ
+                raise RuntimeError(
+                    f"{where}: decode TP ranks disagree on batch row {r}'s request id / host-pool blocks: {seen}"
+                )
+            main = ranks[0][r][1]
+            tickets.append(TransferTicket.combine(rid, len(toks), 0, main, [parts[r][2] for parts in ranks]))
         return tickets
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -337,10 +416,19 @@ class DecodeRole(PDRole):
 
         if self.receiver is None or not self._requests:
             raise RuntimeError("DecodeRole.wait: no sequence is expected (call expect() first)")
-        for rid in self._requests:
-            self.receiver.wait_request(rid, timeout)
-        ready = all_ranks_ready([self.receiver.state(rid) for rid in self._requests])
-        assert ready
+        recv, rids = self.receiver, list(self._requests)
+
+        def received() -> list[str]:
+            for rid in rids:
+                recv.wait_request(rid, timeout)
+            return [recv.state(rid) for rid in rids]
+
+        # every TP rank's receiver is done before any rank reads the shared pool: each one wrote its own
+        # share of the blocks, and this exchange orders those writes before every rank's reads
+        states = _agree(self.session, "DecodeRole.wait", received)
+        for i in range(len(rids)):
+            ready = all_ranks_ready([per_rank[i] for per_rank in states])
+            assert ready
         return self.cache
 
     def _release(self) -> None:

@@ -6,14 +6,21 @@ Builds a random-initialised model (no download) of the size given by the flags, 
 the unmodified model, then with ``torch_kvoffload.offload`` (``--eager``, the default) or
 ``torch_kvoffload.compile`` (``--compile``) and prints a table: decode tokens/s, device KV bytes vs the
 unmodified model's cache, bytes moved each way, the sparse hit rate, and whether the tokens are equal.
-Then (``--num-beams``, default 3) a beam search on both models: the offloaded model's second sequence, its
-beams forked requests sharing host-pool blocks.
+Then (``--num-beams``, default 3; one process only) a beam search on both models: the offloaded model's
+second sequence, its beams forked requests sharing host-pool blocks.
 
-Modes: ``none`` (unmodified model only), ``layerwise``, ``sparse`` (DeepseekV32 only), ``both``,
-``kvpp``: ``--ranks`` processes (default 2, spawned, gloo on 127.0.0.1) each run the same model replica
-with KVPP (each rank stores only the layers it owns; the owner broadcasts a layer just before it runs)
-and the table gets a row per rank with its broadcasts, bytes broadcast and the KV bytes it stores.
+Modes: ``none`` (unmodified model only), ``layerwise``, ``sparse`` (DeepseekV32 only), ``both``, ``kvpp``
+(each rank stores only the layers it owns; the owner broadcasts a layer just before it runs).
 
+Tensor parallelism (``--tp N``, always on with ``--mode kvpp``): rank 0 saves the random model to a
+temporary directory, every rank loads it with transformers' tensor parallelism (``tp_plan="auto"``: V3.2
+shards the attention heads and the MLPs, V3 the MLPs), offloads it with ``--mode`` (the KVPP group is the
+TP group) and generates; each rank's tokens are compared with the single-process unmodified model and the
+table gets a row per rank: its attention heads, the KV layers it stores, device KV bytes, bytes moved,
+broadcasts and whether the tokens are equal. Under ``torchrun`` each process is one rank; without it the
+example spawns ``--tp`` ranks itself (gloo on 127.0.0.1, default 2 for ``--mode kvpp``):
+
+    torchrun --standalone --nproc-per-node 2 examples/generate.py --tp 2 --model deepseek_v32 --mode kvpp
     python examples/generate.py --model deepseek_v3 --mode kvpp
 """
 
@@ -22,7 +29,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 import torch
@@ -132,70 +141,146 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
 
 
-def _kvpp_rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    """One KVPP rank: the unmodified model, then the same replica with KVPP; rank 0 prints the table."""
+def _offload_config(args: argparse.Namespace) -> dict:
+    """The ``OffloadConfig`` (as a dict) of ``--mode`` and ``--block-size``."""
+    cfg: dict = {"block_size": args.block_size}
+    if args.mode == "kvpp":
+        cfg["kvpp"] = {}
+    if args.mode in ("layerwise", "both"):
+        cfg["layerwise"] = {}
+    if args.mode in ("sparse", "both"):
+        cfg["sparse"] = {}
+    return cfg
+
+
+def _load_tp(directory: str, args: argparse.Namespace) -> torch.nn.Module:
+    """The model saved in ``directory`` loaded with transformers' tensor parallelism on this rank."""
+    from transformers import AutoModelForCausalLM, DistributedConfig
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(
+        directory,
+        distributed_config=DistributedConfig(tp_plan="auto"),  # from_pretrained(..., tp_plan="auto") before
+        dtype=dtype,
+        attn_implementation="sdpa",
+    )
+    return model.eval()
+
+
+def _tp_rank(args: argparse.Namespace) -> None:
+    """One rank of a tensor-parallel run in an initialised gloo group: the single-process unmodified model
+    (built here), then the saved model loaded with ``tp_plan="auto"``, offloaded with ``--mode``; rank 0
+    prints a row per rank."""
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    quiet = rank != 0
+    ids, mask = prompts(args)
+    reference = build(args)  # the same seeded weights on every rank
+    directory = [tempfile.mkdtemp(prefix="kvoffload_tp_") if rank == 0 else None]
+    if rank == 0:
+        reference.save_pretrained(directory[0])
+    dist.broadcast_object_list(directory, src=0)  # the ranks share one host (torchrun --nproc-per-node)
     try:
-        quiet = rank != 0
-        ids, mask = prompts(args)
-        want, base_rate = run(build(args), ids, mask, args, "unmodified", quiet=quiet)
-        model = build(args)
-        cfg = {"kvpp": {}, "block_size": args.block_size}
-        model = torch_kvoffload.compile(model, cfg) if args.compile else torch_kvoffload.offload(model, cfg)
-        got, rate = run(model, ids, mask, args, "kvpp", quiet=quiet)
-        s = torch_kvoffload.stats(model)
-        mine = (rank, rate, s, bool(torch.equal(got, want)))
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, mine)
+        want, base_rate = run(reference, ids, mask, args, "unmodified", quiet=quiet)
+        del reference
+        model = _load_tp(directory[0], args)
+    finally:
+        dist.barrier()  # every rank has read the directory
         if rank == 0:
-            kind = "compile" if args.compile else "eager"
-            rows = [("unmodified", f"{base_rate:.1f}", "-", "-", "-", "-", "-", "-")]
-            for r, rate_r, st, equal in everyone:
-                rows.append(
-                    (
-                        f"kvpp rank {r} ({kind})",
-                        f"{rate_r:.1f}",
-                        str(int(st["kvpp_owned_layers"])),
-                        f"{int(st['kvpp_persistent_bytes']):,}",
-                        f"{int(st['kvpp_scratch_bytes']):,}",
-                        f"{int(st['device_kv_bytes']):,} / {int(st['dense_kv_bytes']):,}",
-                        f"{int(st['broadcasts'])} / {int(st['bytes_broadcast']):,}",
-                        str(equal),
-                    )
-                )
-            header = (
-                "run",
-                "decode tok/s",
-                "owned layers",
-                "owned KV B",
-                "scratch KV B",
-                "device KV B (ours / dense)",
-                "broadcasts / bytes",
-                "tokens equal",
-            )
-            _table(header, rows)
+            shutil.rmtree(directory[0], ignore_errors=True)
+    kind = "compile" if args.compile else "eager"
+    if args.mode != "none":
+        cfg = _offload_config(args)
+        model = torch_kvoffload.compile(model, cfg) if args.compile else torch_kvoffload.offload(model, cfg)
+    got, rate = run(model, ids, mask, args, f"{args.mode} (TP {world})", quiet=quiet)
+    row = [f"{args.mode} rank {rank} ({kind})" if args.mode != "none" else f"TP rank {rank}", f"{rate:.1f}"]
+    if args.mode != "none":
+        from torch_kvoffload.integrations.hf import session_of
+
+        session = session_of(model)
+        spec, s = session.spec, torch_kvoffload.stats(model)
+        lookups = s["hits"] + s["misses"]
+        owned = int(s["kvpp_owned_layers"]) if session.kvpp_on else spec.num_layers
+        row += [
+            f"{spec.num_heads} / {spec.total_heads}",
+            f"{owned} / {spec.num_layers}",
+            f"{int(s['device_kv_bytes']):,} / {int(s['dense_kv_bytes']):,}",
+            f"{int(s['bytes_h2d']):,} / {int(s['bytes_d2h']):,}",
+            f"{s['hits'] / lookups:.1%}" if lookups else "-",
+            f"{int(s['broadcasts'])} / {int(s.get('bytes_broadcast', 0)):,}",
+        ]
+    row.append(str(bool(torch.equal(got, want))))
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, tuple(row))
+    if rank == 0:
+        header = (
+            "run",
+            "decode tok/s",
+            "heads (rank / model)",
+            "KV layers stored",
+            "device KV B (ours / dense)",
+            "bytes H2D / D2H",
+            "hit rate",
+            "broadcasts / bytes",
+            "tokens equal",
+        )
+        if args.mode == "none":
+            header = header[:2] + header[-1:]
+        base = ("unmodified (1 process)", f"{base_rate:.1f}") + ("-",) * (len(header) - 2)
+        _table(header, [base, *everyone])
+    if args.mode != "none":
         from torch_kvoffload.integrations.hf import session_of
 
         session_of(model).close()
+
+
+def _spawned_rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    """A rank spawned by :func:`_run_tp`: the environment ``torchrun`` would give it, then :func:`_tp_rank`."""
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        _tp_rank(args)
     finally:
         dist.destroy_process_group()
 
 
-def _run_kvpp(args: argparse.Namespace) -> int:
-    import torch.multiprocessing as mp
+def _run_tp(args: argparse.Namespace) -> int:
+    """``--tp N`` under ``torchrun`` (this process is one rank), else spawn ``N`` ranks on 127.0.0.1."""
+    import torch.distributed as dist
 
-    from torch_kvoffload._utils import free_port
-
-    if args.ranks < 2:
-        print("--mode kvpp needs --ranks >= 2")
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if launched else args.tp
+    if args.tp is not None and args.tp != world:
+        print(f"--tp {args.tp} but torchrun started {world} processes (--nproc-per-node)")
         return 2
-    mp.start_processes(
-        _kvpp_rank, args=(args.ranks, free_port(), args), nprocs=args.ranks, join=True, start_method="spawn"
-    )
+    if world < 2:
+        print("tensor parallelism needs at least 2 ranks (--tp N, N >= 2, or torchrun --nproc-per-node N)")
+        return 2
+    if not launched:
+        import torch.multiprocessing as mp
+
+        from torch_kvoffload._utils import free_port
+
+        mp.start_processes(
+            _spawned_rank, args=(world, free_port(), args), nprocs=world, join=True, start_method="spawn"
+        )
+        return 0
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    try:
+        _tp_rank(args)
+    finally:
+        dist.destroy_process_group()
     return 0
 
 
@@ -220,35 +305,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=1000)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ranks", type=int, default=2, help="--mode kvpp: processes in the KVPP group")
+    p.add_argument(
+        "--tp",
+        "--ranks",
+        type=int,
+        default=None,
+        help="tensor-parallel ranks: the model is loaded with tp_plan='auto' on each (under torchrun: its "
+        "--nproc-per-node; otherwise spawned). --mode kvpp always runs tensor-parallel (default 2 ranks)",
+    )
     p.add_argument("--num-beams", type=int, default=3, help="then a beam search on the same models (1: none)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--compile", action="store_true", help="torch_kvoffload.compile (Dynamo + passes)")
     g.add_argument("--eager", action="store_true", help="torch_kvoffload.offload (default)")
     args = p.parse_args(argv)
 
-    if args.mode == "kvpp":
-        return _run_kvpp(args)
     if args.mode in ("sparse", "both") and args.model != "deepseek_v32":
         print(f"--mode {args.mode} needs a model with a lightning indexer (--model deepseek_v32)")
         return 2
+    if args.compile and not hasattr(torch_kvoffload, "compile"):
+        print("--compile: torch_kvoffload.compile is unavailable in this build; use --eager")
+        return 2
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # under torchrun --nproc-per-node N
+    if args.tp is not None or args.mode == "kvpp" or launched:
+        if args.tp is None and not launched:
+            args.tp = 2
+        return _run_tp(args)
     ids, mask = prompts(args)
     want, base_rate = run(build(args), ids, mask, args, "unmodified")
     rows = [("unmodified", f"{base_rate:.1f}", "-", "-", "-", "-", "-")]
     if args.mode != "none":
-        cfg: dict = {"block_size": args.block_size}
-        if args.mode in ("layerwise", "both"):
-            cfg["layerwise"] = {}
-        if args.mode in ("sparse", "both"):
-            cfg["sparse"] = {}
+        cfg = _offload_config(args)
         model = build(args)
-        if args.compile:
-            if not hasattr(torch_kvoffload, "compile"):
-                print("--compile: torch_kvoffload.compile is unavailable in this build; use --eager")
-                return 2
-            model = torch_kvoffload.compile(model, cfg)
-        else:
-            model = torch_kvoffload.offload(model, cfg)
+        model = torch_kvoffload.compile(model, cfg) if args.compile else torch_kvoffload.offload(model, cfg)
         got, rate = run(model, ids, mask, args, args.mode)
         s = torch_kvoffload.stats(model)
         lookups = s["hits"] + s["misses"]

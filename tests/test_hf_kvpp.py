@@ -1,9 +1,10 @@
-"""KVPP on the Hugging Face path: 2 processes (spawn, gloo on 127.0.0.1), tiny DeepseekV3 / V32.
+"""KVPP on the Hugging Face path: 2 and 4 processes (spawn, gloo on 127.0.0.1), tiny DeepseekV3 / V32
+loaded with transformers' tensor parallelism (``tp_plan="auto"``): the KVPP group is the model's TP group.
 
-Every rank runs the same model replica and generates greedily from the same left-padded batch; its KV
+Every rank runs its shard of the model and generates greedily from the same left-padded batch; its KV
 lives in the KVPP pool (owned layers persistent, the others in two scratch buffers filled by the owner's
-broadcast). The reference is the unmodified model, generated on each rank. Byte counts are checked
-against formulas written out here.
+broadcast). The reference is the unmodified single-process model, generated on each rank. Byte counts
+are checked against formulas written out here.
 """
 
 from __future__ import annotations
@@ -15,18 +16,18 @@ pytest.importorskip("transformers")
 
 from hf_models import SMALL, build_model, left_padded_batch
 from kvpp_helpers import spawn_gloo
+from tp_helpers import load_tp, save_tiny
 
 import torch_kvoffload
 from torch_kvoffload import OffloadConfig
 
 NEW = 32
 BS = 8
-WORLD = 2
 SCRATCH_ALIGN = 2 << 20  # the KVPP scratch buffers are rounded up to 2 MiB
 TIMEOUT_S = 150.0
 
 
-def _worker(rank: int, world: int, cases: list[tuple], out_dir: str) -> None:
+def _worker(rank: int, world: int, cases: list[tuple], dirs: dict[str, str], out_dir: str) -> None:
     from torch_kvoffload.integrations.hf import session_of
 
     results = {}
@@ -38,7 +39,7 @@ def _worker(rank: int, world: int, cases: list[tuple], out_dir: str) -> None:
             ref = build_model(family, **overrides)
             want = ref.generate(**kwargs)
             ref_cache = _reference_cache(ref, want, mask)
-            model = build_model(family, **overrides)
+            model = load_tp(dirs[name], rank, world)
             cfg = {"kvpp": {}, "block_size": BS}
             model = torch_kvoffload.compile(model, cfg) if compiled else torch_kvoffload.offload(model, cfg)
             got = model.generate(**kwargs)
@@ -59,7 +60,8 @@ def _worker(rank: int, world: int, cases: list[tuple], out_dir: str) -> None:
         results[name] = {
             "want": want, "got": got, "stats": stats, "owned": owned, "tp": session.kvpp_config.tp_size,
             "explain": explained, "graphs": len(getattr(model, "_kvoffload_compile_reports", [])),
-            "stored": stored, "ref_cache": ref_cache,
+            "stored": stored, "ref_cache": ref_cache, "heads": session.spec.num_heads,
+            "tp_ranks": session.spec.tp.ranks, "kvpp_ranks": session.kvpp_offload.scheduler.transport.group.ranks,
         }  # fmt: skip
         session.close()
     torch.save(results, f"{out_dir}/rank{rank}.pt")
@@ -94,7 +96,13 @@ def _spec(family: str, overrides: dict) -> tuple[int, int]:
 
 
 def _check(results: list[dict], name: str, family: str, overrides: dict, lengths: list[int]) -> None:
+    from hf_models import tiny_config
+
+    world = len(results)
     layers, bpb = _spec(family, overrides)
+    heads = tiny_config(family, **overrides).num_attention_heads
+    # V3.2's TP plan shards the attention heads (q_b_proj / kv_b_proj colwise); V3's leaves them replicated
+    local_heads = heads // world if family == "deepseek_v32" else heads
     width = max(lengths)
     per_request = -(-(width + NEW) // BS)
     num_blocks = len(lengths) * per_request
@@ -104,9 +112,11 @@ def _check(results: list[dict], name: str, family: str, overrides: dict, lengths
         assert torch.equal(r["got"], r["want"]), (
             f"{name} rank {rank}: {(r['got'] != r['want']).sum()} tokens differ"
         )
-        # contiguous balanced ownership: rank i owns layers [i*L/2, (i+1)*L/2)
-        assert r["owned"] == list(range(rank * layers // WORLD, (rank + 1) * layers // WORLD))
-        assert r["tp"] == WORLD
+        # contiguous balanced ownership: rank i owns layers [i*L/W, (i+1)*L/W)
+        assert r["owned"] == list(range(rank * layers // world, (rank + 1) * layers // world))
+        assert r["tp"] == world
+        assert r["heads"] == local_heads
+        assert r["tp_ranks"] == r["kvpp_ranks"] == tuple(range(world))
         owned_sets.append(set(r["owned"]))
         # the owned layers hold the model's KV of every token (HF's cache: keys = c_kv, values = k_pe)
         assert sorted(r["stored"]) == r["owned"]
@@ -122,8 +132,8 @@ def _check(results: list[dict], name: str, family: str, overrides: dict, lengths
         assert s["kvpp_persistent_bytes"] == persistent
         assert s["kvpp_scratch_bytes"] == 2 * scratch
         assert s["device_kv_bytes"] == persistent + 2 * scratch
-        # a dense paged pool of the same blocks holds every layer: each rank keeps 1/WORLD of it persistently
-        assert persistent * WORLD == layers * bpb * num_blocks
+        # a dense paged pool of the same blocks holds every layer: each rank keeps 1/W of it persistently
+        assert persistent * world == layers * bpb * num_blocks
         # HF's dense cache for the same tokens: every layer, every position (padding included)
         seen = width + NEW - 1
         assert s["dense_kv_bytes"] == layers * len(lengths) * seen * (bpb // BS)
@@ -144,24 +154,42 @@ EAGER = [
 ]
 # one compiled family keeps the run short (V3 differs from V3.2 only by the indexer on this path)
 COMPILED = [("v32-compiled", "deepseek_v32", SMALL, [9, 13], True)]
+# 4 ranks: one layer each; 4 heads split one per rank on V3.2
+FOUR = [("v3-4", "deepseek_v3", {}, [11, 6], False), ("v32-4", "deepseek_v32", {}, [11, 6], False)]
+
+
+def _run(tmp_path_factory, world: int, cases: list[tuple]) -> list[dict]:
+    """Every rank's results for ``cases``, from one spawn (process start-up dominates otherwise)."""
+    out = tmp_path_factory.mktemp(f"kvpp{world}")
+    dirs = {c[0]: save_tiny(c[1], out / c[0], **c[2]) for c in cases}
+    spawn_gloo(_worker, world, cases, dirs, str(out), timeout=TIMEOUT_S)
+    return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """Both ranks' results for every case, from one spawn (process start-up dominates otherwise)."""
-    out = tmp_path_factory.mktemp("kvpp")
-    spawn_gloo(_worker, WORLD, EAGER + COMPILED, str(out), timeout=TIMEOUT_S)
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    return _run(tmp_path_factory, 2, EAGER + COMPILED)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return _run(tmp_path_factory, 4, FOUR)
 
 
 @pytest.mark.parametrize("case", EAGER, ids=[c[0] for c in EAGER])
-def test_kvpp_two_ranks_eager_tokens_and_bytes(two_ranks, case):
+def test_kvpp_two_tp_ranks_eager_tokens_and_bytes(two_ranks, case):
     name, family, overrides, lengths, _ = case
     _check(two_ranks, name, family, overrides, lengths)
 
 
+@pytest.mark.parametrize("case", FOUR, ids=[c[0] for c in FOUR])
+def test_kvpp_four_tp_ranks_eager_tokens_and_bytes(four_ranks, case):
+    name, family, overrides, lengths, _ = case
+    _check(four_ranks, name, family, overrides, lengths)
+
+
 @pytest.mark.parametrize("case", COMPILED, ids=[c[0] for c in COMPILED])
-def test_kvpp_two_ranks_compiled_tokens_and_bytes(two_ranks, case):
+def test_kvpp_two_tp_ranks_compiled_tokens_and_bytes(two_ranks, case):
     name, family, overrides, lengths, _ = case
     _check(two_ranks, name, family, overrides, lengths)
     for rank in two_ranks:

@@ -1,5 +1,6 @@
 """Test helpers for models loaded with transformers' tensor parallelism: a tiny model saved to a directory,
-loaded back on every rank of a gloo group with ``tp_plan="auto"``."""
+loaded back on every rank of a gloo group with ``tp_plan="auto"`` (``DistributedConfig(tp_plan="auto")``, the
+form transformers 5.24 asks for)."""
 
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ def load_tp(directory: str, rank: int, world: int) -> torch.nn.Module:
     """The model saved in ``directory`` loaded with ``tp_plan="auto"`` on this rank of an initialised
     process group of ``world`` ranks (transformers reads the rank from the environment)."""
     from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
 
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)
     )
-    model = AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto")
+    config = DistributedConfig(tp_size=world, tp_plan="auto")  # the form transformers 5.24 asks for
+    model = AutoModelForCausalLM.from_pretrained(directory, distributed_config=config)
     assert getattr(model, "_tp_size", 1) == world, (
         f"transformers loaded the model with tp_size {model._tp_size}"
     )

@@ -230,6 +230,25 @@ def test_kvpp_partial_config_is_resolved_against_the_model_and_group():
         OffloadConfig(layerwise={}, kvpp={"enable_kvpp": False}).kvpp_config(v3, world_size=2)
 
 
+def test_kvpp_group_of_a_tensor_parallel_model_is_its_tp_group():
+    import dataclasses
+
+    from torch_kvoffload.core.backends.kvpp import _check_tensor_parallel
+    from torch_kvoffload.core.spec import TensorParallel
+    from torch_kvoffload.integrations.hf import inspect_model
+
+    spec = inspect_model(build_model("deepseek_v32", num_hidden_layers=2))
+    assert spec.tp is None and spec.tp_size == 1 and spec.num_heads == spec.total_heads == 4
+    tp = dataclasses.replace(spec, tp=TensorParallel(size=2, rank=0, ranks=(0, 1), group=None), num_heads=2)
+    # tp_size defaults to the model's TP size, not the world's (here 4 ranks: 2 TP groups)
+    got = OffloadConfig(kvpp={}).kvpp_config(tp, world_size=4)
+    assert (got.tp_size, got.pcp_size) == (2, 1)
+    _check_tensor_parallel(tp, got)
+    with pytest.raises(ValueError, match=r"tensor-parallel group of 2 ranks.*tp_size \* pcp_size = 4 \* 1"):
+        _check_tensor_parallel(tp, OffloadConfig(kvpp={"tp_size": 4}).kvpp_config(tp, world_size=4))
+    _check_tensor_parallel(spec, OffloadConfig(kvpp={"tp_size": 4}).kvpp_config(spec, world_size=4))
+
+
 def test_kvpp_rejections_leave_nothing_registered():
     from torch_kvoffload.ops import kvpp, layer_hooks, mla_runtime
 

@@ -692,10 +692,24 @@ def load_hf_side(directory: str, rank: int, world: int) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(directory).eval()
 
 
+def _refusal(model: torch.nn.Module, cfg: dict) -> str | None:
+    """The ``ValueError`` offloading ``model`` with ``cfg`` raises (``None`` if it does not); the model is
+    left as it was."""
+    import torch_kvoffload
+
+    try:
+        torch_kvoffload.offload(model, cfg)
+    except ValueError as exc:
+        return str(exc)
+    torch_kvoffload.integrations.hf.install.detach(model)
+    return None
+
+
 def hf_prefill_rank(rank: int, world: int, case: dict, tickets_q, first_q, out_q) -> None:
     """Prefill TP rank body: load, offload with layerwise + P/D prefill, take decode's tickets, run the
     prompt's forward (``generate`` of one token, publishing every layer), wait for decode's reads; rank 0
-    hands the first token to every decode rank."""
+    hands the first token to every decode rank. First, with ``prefill_tp_size`` other than the model's TP
+    size, the offload's refusal (``"refused"``)."""
     import torch_kvoffload
     from torch_kvoffload.integrations.hf.pd import prefill_role
     from torch_kvoffload.pd import TransferTicket
@@ -704,6 +718,8 @@ def hf_prefill_rank(rank: int, world: int, case: dict, tickets_q, first_q, out_q
         model = load_hf_side(case["dir"], rank, world)
         pd = {**case["pd"], "role": "prefill"}
         cfg = {"layerwise": {"num_shared_buffers": 1}, "block_size": case["block_size"], "pd": pd}
+        d_tp = pd["decode_tp_size"]  # a prefill size of d_tp is a valid P/D config, not this model's size
+        refused = _refusal(model, {**cfg, "pd": {**pd, "prefill_tp_size": d_tp}}) if d_tp != world else None
         model = torch_kvoffload.offload(model, cfg)
         role = prefill_role(model)
         role.submit([TransferTicket.from_dict(d) for d in tickets_q.get(timeout=case["deadline_s"])])
@@ -711,10 +727,12 @@ def hf_prefill_rank(rank: int, world: int, case: dict, tickets_q, first_q, out_q
         first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False)[:, -1]
         role.wait(timeout=case["verdict_s"])
         if rank == 0:
-            for _ in range(pd["decode_tp_size"]):  # plain ints: a queued tensor lives only as long as its sender
+            for _ in range(
+                pd["decode_tp_size"]
+            ):  # plain ints: a queued tensor lives only as long as its sender
                 first_q.put(first.tolist())
         out_q.put(("prefill", rank, {"sender": role.sender.counters.snapshot(), "p_rank": role.sender.p_rank,
-                                     "layers": len(role.sender.layer_log)}))  # fmt: skip
+                                     "layers": len(role.sender.layer_log), "refused": refused}))  # fmt: skip
     except BaseException:
         out_q.put(("prefill", rank, {"error": traceback.format_exc()}))
 
@@ -722,14 +740,17 @@ def hf_prefill_rank(rank: int, world: int, case: dict, tickets_q, first_q, out_q
 def hf_decode_rank(rank: int, world: int, case: dict, tickets_q, first_q, out_q) -> None:
     """Decode TP rank body: load, offload with sparse decode offload + P/D decode, expect the prompt (rank 0
     hands the tickets to every prefill rank), wait until every rank received its share, continue
-    ``generate`` from prefill's first token."""
+    ``generate`` from prefill's first token. First, on a TP side, the offload's refusal of
+    ``decode_tp_size=1`` (``"refused"``)."""
     import torch_kvoffload
     from torch_kvoffload.integrations.hf.pd import decode_role
 
     try:
         model = load_hf_side(case["dir"], rank, world)
         pd = {**case["pd"], "role": "decode"}
-        model = torch_kvoffload.offload(model, {"sparse": {}, "block_size": case["block_size"], "pd": pd})
+        cfg = {"sparse": {}, "block_size": case["block_size"], "pd": pd}
+        refused = _refusal(model, {**cfg, "pd": {**pd, "decode_tp_size": 1}}) if world > 1 else None
+        model = torch_kvoffload.offload(model, cfg)
         role = decode_role(model)
         ids, mask = case["ids"], case["mask"]
         S = ids.shape[1]
@@ -745,7 +766,8 @@ def hf_decode_rank(rank: int, world: int, case: dict, tickets_q, first_q, out_q)
         out = model.generate(input_ids=full, attention_mask=full_mask, cache=cache,
                              max_new_tokens=case["new"] - 1, do_sample=False)  # fmt: skip
         out_q.put(("decode", rank, {"tokens": out[:, S:].tolist(), "receiver": recv, "tickets": tickets,
-                                    "tp_rank": role.receiver.tp_rank, "stats": torch_kvoffload.stats(model)}))  # fmt: skip
+                                    "tp_rank": role.receiver.tp_rank, "stats": torch_kvoffload.stats(model),
+                                    "refused": refused}))  # fmt: skip
     except BaseException:
         out_q.put(("decode", rank, {"error": traceback.format_exc()}))
 

@@ -97,11 +97,15 @@ def test_tp_prefill_then_tp_decode_tokens_equal_unmodified_generate(topology, ti
         assert recv["bytes_received"] == LAYERS * BS * (share * main_row + sum(blocks) * index_row)
         assert out["stats"]["prefill_forwards"] == 0  # nothing recomputed on decode
         assert out["stats"]["decode_forwards"] == NEW - 1
+        if d_tp > 1:  # decode_tp_size=1 for this model of decode_tp_size ranks: refused, naming both
+            assert f"decode_tp_size=1 but the decode model is sharded over {d_tp} " in out["refused"]
     for p in range(p_tp):
         out = results[("prefill", p)]
         assert out["p_rank"] == p
         assert out["layers"] == LAYERS  # one decode peer per prefill rank, every layer acknowledged
         assert out["sender"]["requests_done"] == B and out["sender"]["requests_failed"] == 0
+        # prefill_tp_size=d_tp (a valid P/D config) for this model of p_tp ranks: refused, naming both
+        assert f"prefill_tp_size={d_tp} but the prefill model is sharded over {p_tp} " in out["refused"]
 
 
 def test_tp_sizes_must_match_the_models():

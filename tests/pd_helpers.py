@@ -806,3 +806,61 @@ def run_hf_sides(case: dict, p_tp: int, d_tp: int, deadline_s: float) -> dict[tu
             ):
                 os.unlink(path)
     return results
+
+
+class _StubReceiver:
+    """A decode rank's receiver whose requests end as told: ``fail`` is raised by ``wait_request``,
+    ``state`` reports ``state``."""
+
+    def __init__(self, fail: BaseException | None, state: str = "done") -> None:
+        self.fail, self._state = fail, state
+
+    def wait_request(self, request_id: int, timeout: float | None = None) -> None:
+        if self.fail is not None:
+            raise self.fail
+
+    def state(self, request_id: int) -> str:
+        return self._state
+
+    def release(self, request_id: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+#: What rank 1 of :func:`wait_agreement_rank`'s decode side meets, by case (rank 0's transfers succeed).
+WAIT_FAULTS = {
+    "none": (None, "done"),
+    "failed": ("PDTransferError", "done"),
+    "timeout": ("TimeoutError", "done"),
+    "failed-state": (None, "failed"),
+}
+
+
+def wait_agreement_rank(rank: int, world: int, out_q) -> None:
+    """Decode TP rank body: :meth:`DecodeRole.wait` over this gloo group (the decode TP group) with stub
+    receivers — rank 1 meets each :data:`WAIT_FAULTS` case in turn, the others succeed; reports per case
+    ``(case, rank, outcome)``, the outcome ``"ok"`` or ``"<ErrorType>: <message>"``."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from torch_kvoffload.core.spec import TensorParallel
+    from torch_kvoffload.integrations.hf.pd import DecodeRole
+    from torch_kvoffload.pd import PDConfig, PDTransferError
+
+    tp = TensorParallel(world, rank, tuple(range(world)), group=dist.group.WORLD)
+    session = SimpleNamespace(config=SimpleNamespace(sparse=SimpleNamespace(indexer_dtype="float")),
+                              spec=SimpleNamespace(tp=tp))  # fmt: skip
+    role = DecodeRole(session, PDConfig(role="decode", prefill_tp_size=world, decode_tp_size=world))
+    errors = {"PDTransferError": PDTransferError, "TimeoutError": TimeoutError}
+    for case, (error, state) in WAIT_FAULTS.items():
+        fail = errors[error](f"rank {rank} lost request 7 ({case})") if error and rank == 1 else None
+        role.receiver = _StubReceiver(fail, state if rank == 1 else "done")
+        role._requests, role.cache = [7, 8], f"cache of {case}"
+        try:
+            outcome = "ok" if role.wait(timeout=1.0) == role.cache else "wrong cache"
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        out_q.put((case, rank, outcome))

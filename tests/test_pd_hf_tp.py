@@ -129,3 +129,47 @@ def test_tp_sizes_must_match_the_models():
         {"sparse": {}, "pd": {"role": "decode", "prefill_tp_size": 2, "kv_port": free_port()}},
     )
     assert torch_kvoffload.integrations.hf.pd.decode_role(model).config.ratio == 2
+
+
+def test_decode_ranks_agree_on_readiness():
+    """DecodeRole.wait returns on every decode TP rank only when every rank's receiver is done; one rank's
+    failure raises on every rank (real gloo collectives, stub receivers)."""
+    import queue
+
+    from pd_helpers import WAIT_FAULTS, hf_context, start_gloo_group, wait_agreement_rank
+
+    world = 2
+    ctx = hf_context()
+    out_q = ctx.Queue()
+    # the collectives' bound: the stub waits return at once, so a cold start of the ranks
+    start_s = process_s(HF_PRELOAD)
+    procs = start_gloo_group(ctx, wait_agreement_rank, world, out_q, timeout_s=start_s)
+    outcomes = {}
+    try:
+        deadline = time.monotonic() + 2 * start_s
+        while len(outcomes) < world * len(WAIT_FAULTS):
+            case, rank, outcome = out_q.get(timeout=max(0.01, deadline - time.monotonic()))
+            outcomes[(case, rank)] = outcome
+    except queue.Empty:
+        pass
+    finally:
+        for p in procs:
+            p.join(start_s)
+            if p.is_alive():
+                p.kill()
+    missing = [(c, r) for c in WAIT_FAULTS for r in range(world) if (c, r) not in outcomes]
+    assert not missing, f"no outcome within the deadline from {missing}"
+    assert outcomes[("none", 0)] == outcomes[("none", 1)] == "ok"
+    # the failing rank raises its own error, the other one names it
+    assert outcomes[("failed", 1)] == "PDTransferError: rank 1 lost request 7 (failed)"
+    assert outcomes[("failed", 0)].startswith(
+        "PDTransferError: DecodeRole.wait: failed on decode TP rank 1: "
+    )
+    assert "rank 1 lost request 7 (failed)" in outcomes[("failed", 0)]
+    assert outcomes[("timeout", 1)] == "TimeoutError: rank 1 lost request 7 (timeout)"
+    assert outcomes[("timeout", 0)].startswith("TimeoutError: DecodeRole.wait: failed on decode TP rank 1: ")
+    # a request done on one rank and failed on the other is not ready anywhere
+    for rank in range(world):
+        assert outcomes[("failed-state", rank)].startswith(
+            "PDTransferError: P/D transfer failed on decode rank(s) [1]"
+        )

@@ -167,10 +167,10 @@ def _load_tp(directory: str, args: argparse.Namespace) -> torch.nn.Module:
     return model.eval()
 
 
-def _tp_rank(args: argparse.Namespace) -> None:
+def _tp_rank(args: argparse.Namespace) -> bool:
     """One rank of a tensor-parallel run in an initialised gloo group: the single-process unmodified model
     (built here), then the saved model loaded with ``tp_plan="auto"``, offloaded with ``--mode``; rank 0
-    prints a row per rank."""
+    prints a row per rank. Returns whether every rank's tokens equal the unmodified model's."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -234,6 +234,10 @@ def _tp_rank(args: argparse.Namespace) -> None:
         from torch_kvoffload.integrations.hf import session_of
 
         session_of(model).close()
+    equal = all(r[-1] == "True" for r in everyone)
+    if rank == 0 and not equal:
+        print("the tokens of some rank differ from the unmodified model's")
+    return equal
 
 
 def _spawned_rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
@@ -250,7 +254,8 @@ def _spawned_rank(rank: int, world: int, port: int, args: argparse.Namespace) ->
     )
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
-        _tp_rank(args)
+        if not _tp_rank(args):
+            sys.exit(1)
     finally:
         dist.destroy_process_group()
 
@@ -272,16 +277,20 @@ def _run_tp(args: argparse.Namespace) -> int:
 
         from torch_kvoffload._utils import free_port
 
-        mp.start_processes(
-            _spawned_rank, args=(world, free_port(), args), nprocs=world, join=True, start_method="spawn"
-        )
+        try:
+            mp.start_processes(
+                _spawned_rank, args=(world, free_port(), args), nprocs=world, join=True, start_method="spawn"
+            )
+        except mp.ProcessExitedException as exc:  # a rank's tokens differ (its error was printed)
+            print(exc)
+            return 1
         return 0
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     try:
-        _tp_rank(args)
+        equal = _tp_rank(args)
     finally:
         dist.destroy_process_group()
-    return 0
+    return 0 if equal else 1
 
 
 def main(argv: list[str] | None = None) -> int:

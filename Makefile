@@ -49,9 +49,11 @@ format: $(INSTALLED)
 test: lint $(BUILT)
 	$(PY) -m pytest -q tests
 
-# The Hugging Face demos first (a tiny DeepseekV32 with layerwise + sparse decode offload; a 2-rank KVPP run
-# of a tiny DeepseekV3), then the others.
+# The Hugging Face demos first (a tiny DeepseekV32 with layerwise + sparse decode offload; 2-rank KVPP on a
+# tiny DeepseekV3 loaded with tensor parallelism, ranks spawned; the same on a DeepseekV32, whose heads are
+# sharded too, under torchrun), then the others.
 DEMOS := "examples/generate.py --model deepseek_v32 --mode both" "examples/generate.py --model deepseek_v3 --mode kvpp" \
+	"-m torch.distributed.run --standalone --nproc-per-node 2 examples/generate.py --tp 2 --model deepseek_v32 --mode kvpp" \
 	examples/ops_demo.py examples/layerwise_prefill_demo.py examples/sparse_decode_demo.py \
 	examples/kvpp_demo.py examples/disaggregated.py examples/serve_demo.py
 BENCHES := copy_bench store_bench layerwise_bench layerwise_store_python sparse_ops_bench sparse_decode_bench kvpp_bench \

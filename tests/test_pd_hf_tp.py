@@ -166,7 +166,9 @@ def test_decode_ranks_agree_on_readiness():
         "PDTransferError: DecodeRole.wait: failed on decode TP rank 1: "
     )
     assert "rank 1 lost request 7 (failed)" in outcomes[("failed", 0)]
-    assert outcomes[("timeout", 1)] == "TimeoutError: rank 1 lost request 7 (timeout)"
+    assert outcomes[("timeout", 1)] == (
+        "TimeoutError: DecodeRole.wait: not received within 1.0 s: rank 1 lost request 7 (timeout)"
+    )
     assert outcomes[("timeout", 0)].startswith("TimeoutError: DecodeRole.wait: failed on decode TP rank 1: ")
     # a request done on one rank and failed on the other is not ready anywhere
     for rank in range(world):

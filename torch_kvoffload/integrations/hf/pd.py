@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -262,7 +263,8 @@ class PrefillRole(PDRole):
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until decode acknowledged every layer of the last published forward; raises its
-        :class:`~torch_kvoffload.pd.PDTransferError`, ``TimeoutError`` after ``timeout`` seconds."""
+        :class:`~torch_kvoffload.pd.PDTransferError`, ``TimeoutError`` after ``timeout`` seconds. Under
+        tensor parallelism each prefill rank waits for its own sends (no collective)."""
         if self.sender is None or not self.last_requests:
             raise RuntimeError("PrefillRole.wait: no forward was published (submit() tickets first)")
         for rid in self.last_requests:
@@ -345,7 +347,10 @@ class DecodeRole(PDRole):
     ) -> list[TransferTicket]:
         """Start the sequence of prompt ``input_ids int64 [B, S]`` (``attention_mask [B, S]``, 0 = left
         padding) whose KV prefill computes; reserve ``max_tokens`` (≥ ``S + 1``, padding included) per
-        request; return one ticket per batch row for :meth:`PrefillRole.submit`."""
+        request; return one ticket per batch row for :meth:`PrefillRole.submit`.
+
+        Under tensor parallelism a collective of the decode TP group: every rank calls it with the same
+        arguments and gets the same tickets, each holding every rank's part (hand them from one rank)."""
         from torch_kvoffload.pd import TicketPart, TransferTicket
 
         where = "DecodeRole.expect"
@@ -411,16 +416,27 @@ class DecodeRole(PDRole):
     def wait(self, timeout: float | None = None) -> Any:
         """Block until every request of the sequence was received on every decode rank; return
         :attr:`cache`. Raises :class:`~torch_kvoffload.pd.PDTransferError` when a transfer failed (the
-        sequence must be recomputed), ``TimeoutError`` after ``timeout`` seconds."""
+        sequence must be recomputed), ``TimeoutError`` after ``timeout`` seconds.
+
+        Under tensor parallelism a collective of the decode TP group: every rank returns only once every
+        rank's receiver wrote its share of the shared host pool (so every rank may read all of it), or every
+        rank raises — the rank that failed its own error, the others a ``PDTransferError`` naming it
+        (``TimeoutError`` when every failure was a timeout)."""
         from torch_kvoffload.pd import all_ranks_ready
 
         if self.receiver is None or not self._requests:
             raise RuntimeError("DecodeRole.wait: no sequence is expected (call expect() first)")
         recv, rids = self.receiver, list(self._requests)
 
+        deadline = None if timeout is None else time.monotonic() + timeout
+
         def received() -> list[str]:
             for rid in rids:
-                recv.wait_request(rid, timeout)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    recv.wait_request(rid, left)
+                except TimeoutError as exc:
+                    raise TimeoutError(f"DecodeRole.wait: not received within {timeout} s: {exc}") from None
             return [recv.state(rid) for rid in rids]
 
         # every TP rank's receiver is done before any rank reads the shared pool: each one wrote its own

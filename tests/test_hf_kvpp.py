@@ -246,6 +246,8 @@ def test_kvpp_group_of_a_tensor_parallel_model_is_its_tp_group():
     _check_tensor_parallel(tp, got)
     with pytest.raises(ValueError, match=r"tensor-parallel group of 2 ranks.*tp_size \* pcp_size = 4 \* 1"):
         _check_tensor_parallel(tp, OffloadConfig(kvpp={"tp_size": 4}).kvpp_config(tp, world_size=4))
+    with pytest.raises(ValueError, match=r"2 \* 2; .*pcp_size at 1"):
+        _check_tensor_parallel(tp, OffloadConfig(kvpp={"pcp_size": 2}).kvpp_config(tp, world_size=4))
     _check_tensor_parallel(spec, OffloadConfig(kvpp={"tp_size": 4}).kvpp_config(spec, world_size=4))
 
 

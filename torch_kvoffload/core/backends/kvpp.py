@@ -46,7 +46,7 @@ def _check_tensor_parallel(spec: ModelSpec, cfg: KVPPConfig) -> None:
         raise ValueError(
             f"the model is sharded over a tensor-parallel group of {spec.tp.size} ranks but kvpp asks for "
             f"tp_size * pcp_size = {cfg.tp_size} * {cfg.pcp_size}; the KVPP group is the TP group (leave "
-            "tp_size unset)"
+            "tp_size unset and pcp_size at 1: a tp_plan model has no context-parallel dimension)"
         )
 
 

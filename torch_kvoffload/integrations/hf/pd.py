@@ -313,7 +313,9 @@ class DecodeRole(PDRole):
 
     def reserve(self, batch: int, max_tokens: int) -> None:
         """Size the session for ``batch`` requests of ``max_tokens`` tokens (prompt + generation) and
-        listen for prefill (the receiver binds ``kv_port`` and advertises it)."""
+        listen for prefill (the receiver binds ``kv_port`` and advertises it). Under tensor parallelism a
+        collective of the decode TP group: TP rank ``t`` binds ``kv_port + t``, and every rank checks that
+        the ranks share one host pool (``RuntimeError`` on every rank otherwise)."""
         from torch_kvoffload.pd import DecodeReceiver
 
         s = self.session

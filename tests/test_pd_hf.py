@@ -192,7 +192,7 @@ def test_roles_reject_what_the_hf_path_cannot_serve():
 
     with pytest.raises(ValueError, match="one process per side"):
         torch_kvoffload.offload(
-            build_model("deepseek_v32"), {"sparse": {}, "pd": {"role": "decode", "prefill_tp_size": 2}}
+            build_model("deepseek_v32"), {"sparse": {}, "pd": {"role": "decode", "decode_dp_size": 2}}
         )
     with pytest.raises(ValueError, match="int8"):
         torch_kvoffload.offload(

@@ -41,11 +41,19 @@ RUNS = {
     "beam": ([20, 13], 0, 12, {"num_beams": 2}),  # forks: the beams share host-pool blocks
 }
 CHUNK = (21, 5, 10)  # a prompt of 21 tokens (seed 5) fed as 10 + 11 tokens: the second reads the pool
+# continuous batching (generate_batch): prompt lengths, new tokens, 3 requests held of 64 tokens at most;
+# its model's token-0 embedding is not zero (a zero indexer query ties every score: an arbitrary top-k)
+CB_LENGTHS, CB_NEW, CB_SLOTS, CB_TOKENS = (3, 40, 7, 25, 12, 33), 8, 3, 64
 
 SPARSE = {"sparse": {}, "block_size": BS}
 RESIDENT = {"sparse": {"offload": False}, "block_size": BS}
 LAYERWISE = {"layerwise": {}, "block_size": BS}
 BOTH = {"layerwise": {}, "sparse": {}, "block_size": BS}
+SERVING = {
+    "sparse": {},
+    "block_size": BS,
+    "serving": {"max_requests": CB_SLOTS, "max_request_tokens": CB_TOKENS},
+}
 
 # (name, family, config, runs); "chunk": the chunked prefill, "fail": an attach that fails on the readers
 TWO = [
@@ -54,6 +62,7 @@ TWO = [
     ("v32-layerwise", "deepseek_v32", LAYERWISE, ["a", "a_again"]),
     ("v32-both", "deepseek_v32", BOTH, ["a", "b"]),
     ("v3-layerwise", "deepseek_v3", LAYERWISE, ["a", "a_again", "b"]),
+    ("v32-sparse-cb", "deepseek_v32-cb", SERVING, ["cb"]),
 ]
 FOUR = [
     ("v32-sparse", "deepseek_v32", SPARSE, ["a", "b"]),
@@ -72,6 +81,17 @@ def _generate_kwargs(run: str) -> dict:
 def _chunk_prompt() -> torch.Tensor:
     n, seed, _ = CHUNK
     return left_padded_batch([n], seed=seed)[0]
+
+
+def _cb_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in CB_LENGTHS]
+
+
+def _cb_generation():
+    from transformers import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=CB_NEW, do_sample=False, eos_token_id=999_999, pad_token_id=0)
 
 
 # ------------------------------------------------------------------------------------------- ranks
@@ -110,6 +130,16 @@ def _run(run: str, model, session) -> dict:
         return {"logits": logits, **_record(model, session)}
     if run == "fail":
         return _failed_attach(model, session)
+    if run == "cb":
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        cb = ContinuousBatchingConfig(page_size=8, max_batch_tokens=16, max_requests_per_batch=4)
+        out = model.generate_batch(
+            _cb_prompts(), generation_config=_cb_generation(), continuous_batching_config=cb
+        )
+        order = sorted(out, key=lambda rid: int(rid.rsplit("_", 1)[1]))
+        tokens = [list(out[rid].generated_tokens) for rid in order]
+        return {"tokens": tokens, **_record(model, session)}
     return {"tokens": model.generate(**_generate_kwargs(run)), **_record(model, session)}
 
 
@@ -163,6 +193,17 @@ def saved(tmp_path_factory):
             ref = build_model(family, **OVERRIDES)
             want[family] = {run: ref.generate(**_generate_kwargs(run)) for run in RUNS}
             want[family]["chunk"] = ref(input_ids=_chunk_prompt()).logits[:, CHUNK[2] :]
+        ref = build_model("deepseek_v32", **OVERRIDES)
+        ref.model.embed_tokens.weight[0].normal_()
+        ref.save_pretrained(str(root / "cb"))
+        dirs["deepseek_v32-cb"] = str(root / "cb")
+        gen = _cb_generation()
+        want["deepseek_v32-cb"] = {
+            "cb": [
+                ref.generate(torch.tensor([p]), generation_config=gen)[0, len(p) :].tolist()
+                for p in _cb_prompts()
+            ]
+        }
     return dirs, want
 
 
@@ -188,6 +229,8 @@ def _layout(run: str) -> tuple[int, int]:
     reserves."""
     if run == "chunk":
         return 1, 32
+    if run == "cb":
+        return CB_SLOTS, CB_TOKENS
     lengths, _, new, extra = RUNS[run]
     return len(lengths) * extra.get("num_beams", 1), max(lengths) + new - 1
 
@@ -197,6 +240,8 @@ def _rows_written(run: str) -> int | None:
     KV is never computed); ``None`` for beam search (the beams' rows depend on the search)."""
     if run == "chunk":
         return CHUNK[0]
+    if run == "cb":
+        return sum(n + CB_NEW - 1 for n in CB_LENGTHS)
     lengths, _, new, extra = RUNS[run]
     return None if extra else sum(n + new - 1 for n in lengths)
 
@@ -214,7 +259,7 @@ def _check_case(results: list[dict], want: dict, case: tuple) -> None:
 
     name, family, config, runs = case
     world = len(results)
-    cfg = tiny_config(family, **OVERRIDES)
+    cfg = tiny_config(family.removesuffix("-cb"), **OVERRIDES)
     layers, Dc, Dr = cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     shared = "sparse" in config and config["sparse"].get("offload", True)
     assert [r[name]["tp"] for r in results] == [(world, rank) for rank in range(world)]
@@ -234,6 +279,8 @@ def _check_case(results: list[dict], want: dict, case: tuple) -> None:
         for rank, g in enumerate(got):
             if run == "chunk":
                 torch.testing.assert_close(g["logits"], want[family]["chunk"], rtol=1e-4, atol=1e-5)
+            elif run == "cb":
+                assert g["tokens"] == want[family]["cb"], f"{name} rank {rank}"
             else:
                 diff = (
                     (g["tokens"] != want[family][run]).sum()

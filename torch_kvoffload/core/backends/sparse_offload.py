@@ -28,7 +28,7 @@ TP ranks must share a host (``/dev/shm``).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -116,9 +116,11 @@ class SparseOffloadBackend(KVBackend):
         tp = spec.tp
         if tp is None or tp.size == 1:
             self.runtime = SparseDecodeOffload(scfg, **kw)
-        else:
-            self.runtime, self._attached = _shared_runtime(tp, scfg, kw)
-        self.index.allocate(layout)
+            self.index.allocate(layout)
+        else:  # the indexer cache too, before every rank hears whether every rank is ready
+            self.runtime, self._attached = _shared_runtime(
+                tp, scfg, kw, then=lambda: self.index.allocate(layout)
+            )
 
     def free(self) -> None:
         rt, self.runtime = self.runtime, None
@@ -282,11 +284,12 @@ class SparseOffloadBackend(KVBackend):
 
 
 def _shared_runtime(
-    tp: TensorParallel, scfg: SparseDecodeConfig, kw: dict
+    tp: TensorParallel, scfg: SparseDecodeConfig, kw: dict, then: Callable[[], None]
 ) -> tuple[SparseDecodeOffload, HostKVPool | None]:
     """This TP rank's runtime over one host pool shared by the TP group: TP rank 0 creates it (shared
-    memory) and writes; the others attach the name it broadcasts and read. Returns the runtime and, on a
-    reader, the attached pool (the caller closes it after the runtime).
+    memory) and writes; the others attach the name it broadcasts and read. ``then`` runs on every rank
+    once its runtime exists (the rest of the rank's allocations). Returns the runtime and, on a reader,
+    the attached pool (the caller closes it after the runtime).
 
     Two collectives of ``tp.group`` (every rank of the group calls this in the same resize): the name,
     then every rank's outcome. A rank that failed raises its own error; the others raise a
@@ -302,6 +305,7 @@ def _shared_runtime(
         try:
             rt = SparseDecodeOffload(scfg, **kw, shared=True, fence_timeout=FENCE_TIMEOUT_S)
             box = [rt.pool.name]
+            then()
         except Exception as exc:  # the readers hear of it below instead of waiting for a name
             error = exc
     dist.broadcast_object_list(box, group=tp.group, group_src=0)
@@ -313,6 +317,7 @@ def _shared_runtime(
                 kv_lora_rank=kw["kv_lora_rank"], rope_dim=kw["rope_dim"], dtype=scfg.torch_kv_dtype,
             )  # fmt: skip
             rt = SparseDecodeOffload(scfg, **kw, pool=attached, writer=False, fence_timeout=FENCE_TIMEOUT_S)
+            then()
         except Exception as exc:
             error = exc
     outcomes: list = [None] * tp.size
@@ -329,9 +334,11 @@ def _shared_runtime(
         attached.close()
     if error is not None:
         raise error
-    what = ", ".join(f"TP rank {r} could not {'create' if r == 0 else 'attach'} it ({e})" for r, e in failed)
-    hint = "; every TP rank must run on the host of TP rank 0 (the pool lives in /dev/shm)" if name else ""
+    what = "; ".join(f"TP rank {r} failed ({e})" for r, e in failed)
+    hint = ""
+    if any(r != 0 for r, _ in failed):  # a reader could not attach or allocate
+        hint = "; every TP rank must run on the host of TP rank 0 (the pool lives in /dev/shm)"
     raise RuntimeError(
-        f"sparse decode offload: the TP group's shared host pool {name or '(not created)'} is unusable: "
+        f"sparse decode offload: the TP group's shared host pool {name or '(not created)'} cannot be used: "
         f"{what}{hint}"
     )

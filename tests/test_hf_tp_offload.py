@@ -311,6 +311,9 @@ def _check_case(results: list[dict], want: dict, case: tuple) -> None:
         # the host pool exists once: TP rank 0 counts its bytes, the readers count them as shared
         assert [b["host_pool_bytes"] for b in backend] == [size] + [0] * (world - 1)
         assert [b["shared_host_pool_bytes"] for b in backend] == [0] + [size] * (world - 1)
+        # ... and so does the public stats()
+        public = [(g["stats"]["host_pool_bytes"], g["stats"]["shared_host_pool_bytes"]) for g in got]
+        assert public == [(size, 0)] + [(0, size)] * (world - 1)
         # the rows reach the pool once: TP rank 0 copied every new row of every layer, the readers none
         written = _rows_written(run)
         d2h = backend[0]["bytes_d2h"] - prev_d2h

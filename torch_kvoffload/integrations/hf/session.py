@@ -72,6 +72,7 @@ _BACKEND_KEYS = (
     "cow_copies",
 )  # fmt: skip
 _KVPP_KEYS = ("bytes_broadcast", "kvpp_owned_layers", "kvpp_persistent_bytes", "kvpp_scratch_bytes")
+_HOST_POOL_KEYS = ("host_pool_bytes", "shared_host_pool_bytes")
 
 
 def session_of(model: torch.nn.Module) -> OffloadSession:
@@ -438,7 +439,9 @@ class OffloadSession:
         ``serving_steps`` (CB steps run so far). KVPP: ``broadcasts`` (layer broadcasts issued),
         ``bytes_broadcast``, ``kvpp_owned_layers`` (layers this rank stores persistently),
         ``kvpp_persistent_bytes`` / ``kvpp_scratch_bytes`` (this rank's owned bundles / its two scratch
-        buffers; their sum is in ``device_kv_bytes``).
+        buffers; their sum is in ``device_kv_bytes``). Sparse decode offload: ``host_pool_bytes`` (the
+        host KV pool this process allocated) and ``shared_host_pool_bytes`` (a tensor-parallel reader's
+        mapping of the pool TP rank 0 allocated), so that summed over the ranks the pool counts once.
         """
         got = self._core.backend_stats()
         own = self._core.counters.snapshot()
@@ -459,6 +462,8 @@ class OffloadSession:
         )
         if self.kvpp_on:
             out.update({k: got.get(k, 0) for k in _KVPP_KEYS})
+        if isinstance(self._core.backends.sparse, SparseOffloadBackend):
+            out.update({k: got.get(k, 0) for k in _HOST_POOL_KEYS})
         return out
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ModelSpec", "TensorParallel", "weights_fingerprint"]
+__all__ = ["ModelSpec", "TensorParallel", "local_shard", "weights_fingerprint"]
 
 _WEIGHTS_DOMAIN = b"torch_kvoffload/weights/v1"
 _HASH_CHUNK = 64 << 20  # bytes of a device tensor copied to the host at a time
@@ -91,7 +91,7 @@ def _tensor_digest(name: str, t: torch.Tensor) -> bytes:
             f"weights_fingerprint: {name!r} is on the meta device (not materialised); its weights cannot be "
             "fingerprinted, so KV of other weights could not be told apart"
         )
-    t = _local(t)
+    t = local_shard(t)
     raw = t.detach().contiguous().reshape(-1)
     raw = raw.view(torch.uint8) if raw.numel() else torch.empty(0, dtype=torch.uint8)
     h = hashlib.sha256()
@@ -100,8 +100,10 @@ def _tensor_digest(name: str, t: torch.Tensor) -> bytes:
     return h.digest()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A ``DTensor``'s local shard (reading it whole would be a collective), any other tensor as is."""
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t``: a ``DTensor`` (a parameter of a model loaded with transformers' tensor
+    parallelism, ``tp_plan="auto"``) gives its local tensor (reading it whole would be a collective), any
+    other tensor is returned as is."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
 

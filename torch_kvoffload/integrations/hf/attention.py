@@ -20,16 +20,10 @@ from typing import Any
 
 import torch
 
+from torch_kvoffload.core.spec import local_shard
 from torch_kvoffload.ops import mla_runtime
 
-__all__ = ["indexer_inputs", "local_tensor", "mla_attention_forward", "rope_functions"]
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of ``t``: a ``DTensor`` parameter of a model loaded with transformers' tensor
-    parallelism (``tp_plan="auto"``) gives its local tensor, any other tensor is returned as is."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
+__all__ = ["indexer_inputs", "mla_attention_forward", "rope_functions"]
 
 
 def rope_functions(module: torch.nn.Module):
@@ -121,7 +115,7 @@ def mla_attention_forward(
     if indexer is not None:
         index_q, index_k, index_w = indexer_inputs(indexer, hidden_states, q_resid, cos, sin, rope_half)
 
-    w = local_tensor(self.kv_b_proj.weight).view(H, nope + v, Dc)
+    w = local_shard(self.kv_b_proj.weight).view(H, nope + v, Dc)
     # batched over heads; both weight halves are read in place (no copy of kv_b_proj per call)
     q_nope = torch.matmul(q_pass, w[:, :nope]).transpose(1, 2)
     q_pe = q_rot.transpose(1, 2)

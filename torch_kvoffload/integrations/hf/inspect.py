@@ -21,7 +21,7 @@ import json
 
 import torch
 
-from torch_kvoffload.core.spec import ModelSpec, TensorParallel
+from torch_kvoffload.core.spec import ModelSpec, TensorParallel, local_shard
 
 __all__ = ["inspect_model"]
 
@@ -99,7 +99,7 @@ def _local_heads(model: torch.nn.Module, attn: list[torch.nn.Module], dims: dict
                 f"{kinds[2]}; only heads sharded across tensor-parallel ranks (q / kv_b_proj colwise, "
                 "o_proj rowwise) or a replicated attention are supported",
             )
-        local_q, local_kv = q.to_local().shape[0], kv.to_local().shape[0]
+        local_q, local_kv = local_shard(q).shape[0], local_shard(kv).shape[0]
         if (
             local_q % (nope + rope)
             or local_kv % (nope + v)

@@ -1,4 +1,4 @@
-"""KVPP on tensor-parallel Hugging Face models (``tp_plan="auto"``): per-rank KV bytes, capacity, forward time.
+"""KVPP on tensor-parallel Hugging Face models (``tp_plan="auto"``): per-rank KV, capacity, forward time.
 
 Every rank of a gloo group on 127.0.0.1 loads the same saved tiny DeepseekV32 with transformers' tensor
 parallelism (the attention heads and the MLP are sharded; the MLA latent KV, one head, is replicated) and
@@ -16,15 +16,18 @@ buffers; the owner broadcasts a layer's blocks one layer ahead.
    the DeepSeek-V3-like table (61 layers + 1 MTP, bf16, 40 GiB) by accounting.
 2. Time, 2 ranks, one model loaded twice per rank (KVPP and TP alone side by side in the same processes):
    both sessions hold a ``--context``-token request, prefilled in ``--chunk``-token forwards. Then, round
-   robin, median of ``--repeats``: a decode step (``--decode-batch`` = 1 request, 1 token, context
-   ``--context``) and a prefill chunk (``--chunk`` tokens whose history makes the context ``--context``;
-   rolled back with ``cache.crop`` after each). Per KVPP forward: the time the compute thread waited in
-   ``kvpp_wait_layer`` (the scheduler's ``wait_seconds``), the time the broadcasts took on the transfer
-   thread (a wrapper around ``BroadcastTransport._broadcast``) and, right after, the same broadcasts back to
-   back with no compute (serial). **Hidden share = 1 − waited / serial**: the part of the broadcasts' own
-   cost that the forward did not wait for.
+   robin, median of ``--repeats`` / ``--decode-repeats``: a decode step (``--decode-batch`` = 1 request,
+   1 token, context ``--context``) and a prefill chunk (``--chunk`` tokens whose history makes the context
+   ``--context``; rolled back with ``cache.crop`` after each). Per KVPP forward: the time the compute
+   thread waited in ``kvpp_wait_layer`` (the scheduler's ``wait_seconds``; of it, layer 0's, from a wrapper
+   around the scheduler's ``wait_layer``), the time the broadcasts took on the transfer thread (a wrapper
+   around ``BroadcastTransport._broadcast``), ``begin_forward`` (the ranks' agreement exchange), the extra
+   process CPU time against TP alone and, right after, the same broadcasts back to back with no compute
+   (serial). **Hidden share = 1 − waited / serial**: the part of the broadcasts' own cost that the forward
+   did not wait for. ``--dtype bfloat16`` times the model in bf16 (half the broadcast bytes).
 
-Prints tables; writes ``benchmarks/results/tp_kvpp_bench.{json,md,png}`` (``--quick``: ``_quick`` suffix).
+Prints tables; writes ``benchmarks/results/tp_kvpp_bench{--tag}.{json,md,png}`` (``--quick``: 2K context,
+``_quick`` suffix). The default run takes ~8 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -73,15 +76,15 @@ def save_model(
     return directory
 
 
-def load_offloaded(directory: str, mode: str) -> torch.nn.Module:
-    """The saved model loaded with ``tp_plan="auto"`` on this rank and offloaded in ``mode``."""
+def load_offloaded(directory: str, mode: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The saved model loaded with ``tp_plan="auto"`` in ``dtype`` on this rank and offloaded in ``mode``."""
     import transformers
     from transformers import AutoModelForCausalLM
 
     import torch_kvoffload
 
     transformers.logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto").eval()
+    model = AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto", dtype=dtype).eval()
     assert model._tp_size == dist.get_world_size(), f"loaded with tp_size {model._tp_size}"
     cfg = {"kvpp": {}} if mode == "kvpp" else {"sparse": {"offload": False}}
     return torch_kvoffload.offload(model, {**cfg, "block_size": BLOCK})
@@ -254,15 +257,17 @@ def _time_worker(rank: int, world: int, directory: str, args: dict, out: str) ->
     from torch_kvoffload.integrations.hf import session_of
 
     ctx, chunk, batch, reps = args["context"], args["chunk"], args["decode_batch"], args["repeats"]
-    models = {mode: load_offloaded(directory, mode) for mode in ("tp", "kvpp")}
+    decode_reps = args["decode_repeats"]
+    dtype = getattr(torch, args["dtype"])
+    models = {mode: load_offloaded(directory, mode, dtype) for mode in ("tp", "kvpp")}
     sessions = {mode: session_of(m) for mode, m in models.items()}
     rt = sessions["kvpp"].kvpp_offload
-    ids = torch.randint(3, VOCAB, (batch, ctx + reps + 1), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, VOCAB, (batch, ctx + decode_reps + 1), generator=torch.Generator().manual_seed(1))
     caches: dict[str, Any] = {}
     prefill = {mode: 0.0 for mode in models}
     history = ctx - chunk  # the measured chunk makes the context ``ctx``
     for mode, model in models.items():
-        sessions[mode].reserve(batch, ctx + reps + 1)
+        sessions[mode].reserve(batch, ctx + decode_reps + 1)
         dist.barrier()
         t0 = time.perf_counter()
         cache = None
@@ -275,12 +280,30 @@ def _time_worker(rank: int, world: int, directory: str, args: dict, out: str) ->
     rt = sessions["kvpp"].kvpp_offload
     clock = BroadcastClock(rt.scheduler.transport)
     sched = rt.scheduler
+    layer_waits: list[tuple[int, float]] = []  # (layer, seconds waited) of every kvpp_wait_layer call
+    inner_wait = sched.wait_layer
+
+    def wait_layer(layer: int, bundle=None) -> None:  # the op reaches the scheduler object: wrap its method
+        w0 = sched.counters.get("wait_seconds")
+        inner_wait(layer, bundle)
+        layer_waits.append((layer, sched.counters.get("wait_seconds") - w0))
+
+    sched.wait_layer = wait_layer
+    begin_seconds: list[float] = []  # begin_forward: the ranks' agreement exchange, then layer 0's start
+    inner_begin = sched.begin_forward
+
+    def begin_forward(*a, **kw) -> None:
+        t0 = time.perf_counter()
+        inner_begin(*a, **kw)
+        begin_seconds.append(time.perf_counter() - t0)
+
+    sched.begin_forward = begin_forward
 
     def serial(old: int) -> float:
         """The broadcasts of a forward over ``old`` tokens of history, back to back, no compute."""
         n = -(-old // BLOCK)
-        tables = [list(range(r * sessions["kvpp"].blocks_per_request, r * sessions["kvpp"].blocks_per_request + n))
-                  for r in range(batch)]  # fmt: skip
+        per = sessions["kvpp"].blocks_per_request
+        tables = [list(range(r * per, r * per + n)) for r in range(batch)]
         dist.barrier()
         t0 = time.perf_counter()
         sched.begin_forward(True, tables)
@@ -290,20 +313,23 @@ def _time_worker(rank: int, world: int, directory: str, args: dict, out: str) ->
         return time.perf_counter() - t0
 
     def timed(mode: str, tokens: torch.Tensor, past: int, crop: bool) -> dict[str, float]:
-        waited0, mark = rt.counters.get("wait_seconds"), clock.mark()
+        waited0, mark, wmark = rt.counters.get("wait_seconds"), clock.mark(), len(layer_waits)
+        bmark = len(begin_seconds)
         bytes0 = rt.counters.get("bytes_broadcast")
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         cache = forward(models[mode], tokens, caches[mode], past)
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         if crop:
             cache.crop(-tokens.shape[1])  # transformers' convention: minus the count
-        row = {"seconds": seconds}
+        row = {"seconds": seconds, "cpu_seconds": cpu}
         if mode == "kvpp":
             row.update(
                 waited=rt.counters.get("wait_seconds") - waited0,
                 in_forward=clock.since(mark),
                 bytes=rt.counters.get("bytes_broadcast") - bytes0,
+                begin=sum(begin_seconds[bmark:]),
+                layer0_waited=sum(w for layer, w in layer_waits[wmark:] if layer == rt.plan.target_layers[0]),
             )
         return row
 
@@ -323,7 +349,7 @@ def _time_worker(rank: int, world: int, directory: str, args: dict, out: str) ->
             rows["chunk"].append(got)
     for mode in models:  # the measured chunk once more, kept: the decode steps run at context ``ctx``
         caches[mode] = forward(models[mode], ids[:, history:ctx], caches[mode], history)
-    for rep in range(reps + 1):
+    for rep in range(decode_reps + 1):
         order = ("tp", "kvpp") if rep % 2 == 0 else ("kvpp", "tp")
         got = {}
         past = ctx + rep
@@ -347,7 +373,11 @@ def summarize_time(ranks: list[dict], layers: int) -> dict[str, Any]:
             med = {
                 "tp_seconds": statistics.median(r[f"{kind}_tp"]["seconds"] for r in rows),
                 "kvpp_seconds": statistics.median(r[f"{kind}_kvpp"]["seconds"] for r in rows),
+                "tp_cpu_seconds": statistics.median(r[f"{kind}_tp"]["cpu_seconds"] for r in rows),
+                "kvpp_cpu_seconds": statistics.median(r[f"{kind}_kvpp"]["cpu_seconds"] for r in rows),
                 "waited_seconds": statistics.median(r[f"{kind}_kvpp"]["waited"] for r in rows),
+                "layer0_waited_seconds": statistics.median(r[f"{kind}_kvpp"]["layer0_waited"] for r in rows),
+                "begin_forward_seconds": statistics.median(r[f"{kind}_kvpp"]["begin"] for r in rows),
                 "in_forward_broadcast_seconds": statistics.median(
                     r[f"{kind}_kvpp"]["in_forward"] for r in rows
                 ),
@@ -367,9 +397,10 @@ def summarize_time(ranks: list[dict], layers: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--context", type=int, default=8192, help="tokens of context of the timed forwards")
-    parser.add_argument("--chunk", type=int, default=1024, help="prefill chunk (tokens)")
+    parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens)")
     parser.add_argument("--decode-batch", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3, help="timed prefill chunks per mode")
+    parser.add_argument("--decode-repeats", type=int, default=9, help="timed decode steps per mode")
     parser.add_argument("--layers", type=int, default=8, help="layers of the timed model")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=2048)
@@ -379,10 +410,13 @@ def main() -> None:
     parser.add_argument(
         "--available-gib", type=float, default=40.0, help="KV memory per rank (V3-like table)"
     )
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="timed model")
+    parser.add_argument("--skip-memory", action="store_true", help="only the timed forwards")
+    parser.add_argument("--tag", default="", help="suffix of the result files")
     parser.add_argument("--quick", action="store_true", help="2K context, 512-token chunks, 2 repeats")
     args = parser.parse_args()
     if args.quick:
-        args.context, args.chunk, args.repeats = 2048, 512, 2
+        args.context, args.chunk, args.repeats, args.decode_repeats = 2048, 512, 2, 4
     t_start = time.perf_counter()
     results: dict[str, Any] = {"config": vars(args)}
 
@@ -391,10 +425,13 @@ def main() -> None:
         cap_dir = save_model(
             os.path.join(tmp, "cap"), args.cap_layers, 256, 512, args.top_k, args.context + 64
         )
-        memory = [memory_measured(w, cap_dir, args.cap_layers, args.cap_batch, args.context) for w in (2, 4)]
-        bundle_bpb = BLOCK * (KV_LORA + ROPE + INDEX_DIM) * 4
-        memory.append(memory_accounting(8, args.cap_layers, bundle_bpb, memory[0]["num_blocks"]))
-        results["memory"] = memory
+        if not args.skip_memory:
+            memory = [
+                memory_measured(w, cap_dir, args.cap_layers, args.cap_batch, args.context) for w in (2, 4)
+            ]
+            bundle_bpb = BLOCK * (KV_LORA + ROPE + INDEX_DIM) * 4
+            memory.append(memory_accounting(8, args.cap_layers, bundle_bpb, memory[0]["num_blocks"]))
+            results["memory"] = memory
 
         time_dir = save_model(
             os.path.join(tmp, "time"),
@@ -416,7 +453,7 @@ def main() -> None:
 
     text = report(results, args)
     print(text)
-    name = "tp_kvpp_bench_quick" if args.quick else "tp_kvpp_bench"
+    name = ("tp_kvpp_bench_quick" if args.quick else "tp_kvpp_bench") + args.tag
     path = write_json(name, results)
     (RESULTS_DIR / f"{name}.md").write_text(text + "\n")
     plot(results, RESULTS_DIR / f"{name}.png")
@@ -454,31 +491,31 @@ def report(results: dict[str, Any], args) -> str:
             ],
         ),
         "",
-        f"Tiny DeepseekV32 loaded with tp_plan='auto' ({args.cap_layers} layers, fp32, {args.cap_batch} x "
-        f"{args.context} tokens reserved): per-rank device KV, the fullest rank",
-        "",
-        format_table(
-            ["ranks", "source", "owned", "blocks", "MiB TP alone", "MiB TP+KVPP", "gain", "formula"],
-            [
-                [
-                    m["ranks"],
-                    m["source"],
-                    m["max_owned"],
-                    m["num_blocks"],
-                    m["tp_bytes"] / MIB,
-                    m["kvpp_bytes"] / MIB,
-                    m["gain_measured"],
-                    m["gain_formula"],
-                ]
-                for m in results["memory"]
-            ],
-        ),
-        "",
     ]
+    if "memory" in results:
+        lines += [
+            f"Tiny DeepseekV32 loaded with tp_plan='auto' ({args.cap_layers} layers, fp32, "
+            f"{args.cap_batch} x "
+            f"{args.context} tokens reserved): per-rank device KV, the fullest rank",
+            "",
+            format_table(
+                ["ranks", "source", "owned", "blocks", "MiB TP alone", "MiB TP+KVPP", "gain", "formula"],
+                [
+                    [
+                        m["ranks"], m["source"], m["max_owned"], m["num_blocks"], m["tp_bytes"] / MIB,
+                        m["kvpp_bytes"] / MIB, m["gain_measured"], m["gain_formula"],
+                    ]
+                    for m in results["memory"]
+                ],
+            ),
+            "",
+        ]  # fmt: skip
     t = results["time"]
     lines.append(
-        f"Forward time, 2 ranks, {t['layers']} layers (hidden {args.hidden}, fp32, 1 thread per rank), context "
-        f"{args.context}, median of {args.repeats} (TP alone = resident sparse, same TP model):"
+        f"Forward time, 2 ranks, {t['layers']} layers (hidden {args.hidden}, {args.dtype}, "
+        "1 thread per rank), "
+        f"context {args.context}, median of {args.repeats} chunks / {args.decode_repeats} decode steps "
+        "(TP alone = resident sparse, same TP model):"
     )
     lines.append("")
     rows = []
@@ -487,8 +524,10 @@ def report(results: dict[str, Any], args) -> str:
             rows.append(
                 [
                     label, r["rank"], r["tp_seconds"] * 1e3, r["kvpp_seconds"] * 1e3, r["kvpp_over_tp"],
+                    (r["kvpp_cpu_seconds"] - r["tp_cpu_seconds"]) * 1e3,
                     r["bytes_broadcast"] / MIB, r["serial_broadcast_seconds"] * 1e3,
-                    r["in_forward_broadcast_seconds"] * 1e3, r["waited_seconds"] * 1e3, r["hidden_share"],
+                    r["in_forward_broadcast_seconds"] * 1e3, r["waited_seconds"] * 1e3,
+                    r["layer0_waited_seconds"] * 1e3, r["begin_forward_seconds"] * 1e3, r["hidden_share"],
                 ]
             )  # fmt: skip
     lines.append(
@@ -499,10 +538,13 @@ def report(results: dict[str, Any], args) -> str:
                 "TP ms",
                 "KVPP ms",
                 "KVPP/TP",
+                "+CPU ms",
                 "MiB bcast",
                 "serial ms",
                 "in-fwd ms",
                 "waited ms",
+                "layer 0",
+                "begin ms",
                 "hidden",
             ],
             rows,
@@ -514,6 +556,8 @@ def report(results: dict[str, Any], args) -> str:
 def plot(results: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     if plt is None:
+        return
+    if "memory" not in results:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     mem = results["memory"]

@@ -808,6 +808,11 @@ def run_hf_sides(case: dict, p_tp: int, d_tp: int, deadline_s: float) -> dict[tu
     return results
 
 
+#: the timeout DecodeRole.wait is given over stub receivers: they never wait (a failure is raised at once),
+#: the value only reaches the error messages
+STUB_WAIT_S = 1.0
+
+
 class _StubReceiver:
     """A decode rank's receiver whose requests end as told: ``fail`` is raised by ``wait_request``,
     ``state`` reports ``state``."""
@@ -860,7 +865,7 @@ def wait_agreement_rank(rank: int, world: int, out_q) -> None:
         role.receiver = _StubReceiver(fail, state if rank == 1 else "done")
         role._requests, role.cache = [7, 8], f"cache of {case}"
         try:
-            outcome = "ok" if role.wait(timeout=1.0) == role.cache else "wrong cache"
+            outcome = "ok" if role.wait(timeout=STUB_WAIT_S) == role.cache else "wrong cache"
         except Exception as exc:
             outcome = f"{type(exc).__name__}: {exc}"
         out_q.put((case, rank, outcome))

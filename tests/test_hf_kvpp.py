@@ -140,6 +140,8 @@ def _check(results: list[dict], name: str, family: str, overrides: dict, lengths
         # the first prefill has no history: nothing is broadcast; then every layer of every decode step
         assert s["forwards"] == NEW
         assert s["broadcasts"] == (NEW - 1) * layers
+        # each broadcast was waited for once (the first prefill moved nothing: no wait)
+        assert s["kvpp_waits"] == s["broadcasts"] and s["kvpp_wait_seconds"] >= 0
         # decode step k moves, per layer, the blocks holding each request's first len + k - 1 tokens
         blocks = sum(-(-(n + k - 1) // BS) for k in range(1, NEW) for n in lengths)
         assert s["bytes_broadcast"] == layers * blocks * bpb

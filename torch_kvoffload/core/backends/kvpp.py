@@ -172,6 +172,8 @@ class KVPPBackend(KVBackend):
         return {
             "broadcasts": kv["broadcasts"],
             "bytes_broadcast": kv["bytes_broadcast"],
+            "kvpp_waits": kv["waits"],
+            "kvpp_wait_seconds": kv["wait_seconds"],
             "kvpp_owned_layers": len(alloc.plan.owned) if alloc is not None else 0,
             "kvpp_persistent_bytes": alloc.persistent_bytes if alloc is not None else 0,
             "kvpp_scratch_bytes": alloc.scratch_bytes if alloc is not None else 0,

@@ -71,7 +71,10 @@ _BACKEND_KEYS = (
     "store_misses", "corrupt_records", "store_errors", "forward_retries", "broadcasts", "fork_shared_blocks",
     "cow_copies",
 )  # fmt: skip
-_KVPP_KEYS = ("bytes_broadcast", "kvpp_owned_layers", "kvpp_persistent_bytes", "kvpp_scratch_bytes")
+_KVPP_KEYS = (
+    "bytes_broadcast", "kvpp_waits", "kvpp_wait_seconds", "kvpp_owned_layers", "kvpp_persistent_bytes",
+    "kvpp_scratch_bytes",
+)  # fmt: skip
 _HOST_POOL_KEYS = ("host_pool_bytes", "shared_host_pool_bytes")
 
 
@@ -437,7 +440,9 @@ class OffloadSession:
         without token ids so far: their KV is never looked up or shared by content). Continuous batching:
         ``serving_slots`` (requests the caches hold at once), ``serving_requests`` (held now),
         ``serving_steps`` (CB steps run so far). KVPP: ``broadcasts`` (layer broadcasts issued),
-        ``bytes_broadcast``, ``kvpp_owned_layers`` (layers this rank stores persistently),
+        ``bytes_broadcast``, ``kvpp_waits`` / ``kvpp_wait_seconds`` (layer waits and the time the forward
+        spent in them: a broadcast not hidden behind compute), ``kvpp_owned_layers`` (layers this rank
+        stores persistently),
         ``kvpp_persistent_bytes`` / ``kvpp_scratch_bytes`` (this rank's owned bundles / its two scratch
         buffers; their sum is in ``device_kv_bytes``). Sparse decode offload: ``host_pool_bytes`` (the
         host KV pool this process allocated) and ``shared_host_pool_bytes`` (a tensor-parallel reader's

@@ -46,8 +46,11 @@ format: $(INSTALLED)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# Two pytest workers (pytest-xdist), each taking whole files: module fixtures that spawn process groups run
+# once, and a worker waiting on its subprocesses leaves the core to the other. TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 2
 test: lint $(BUILT)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # The Hugging Face demos first (a tiny DeepseekV32 with layerwise + sparse decode offload; 2-rank KVPP on a
 # tiny DeepseekV3 loaded with tensor parallelism, ranks spawned; the same on a DeepseekV32, whose heads are

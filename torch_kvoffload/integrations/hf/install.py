@@ -36,6 +36,7 @@ import torch
 from torch_kvoffload.backend import SESSION_ATTR
 from torch_kvoffload.core.config import OffloadConfig
 from torch_kvoffload.integrations.hf.inspect import inspect_model
+from torch_kvoffload.integrations.hf.packed import packed_forward, packed_segments
 from torch_kvoffload.integrations.hf.pd import make_role
 from torch_kvoffload.integrations.hf.session import OffloadSession, session_of
 
@@ -178,6 +179,10 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             f"{name}: output_attentions=True is not supported: the library's absorbed attention never forms "
             "the attention probabilities (run the unmodified model to inspect them)"
         )
+    width = input_ids.shape[1] if input_ids is not None else embeds.shape[1]
+    segments = packed_segments(name, model, kwargs, int(width))
+    if segments is not None:  # several independent sequences in a row: run them as a batch of requests
+        return packed_forward(name, model, lambda **kw: _forward(model, **kw), segments, args, kwargs)
     cache = _user_cache(name, kwargs)
     use_cache = kwargs.get("use_cache")
     if use_cache is None:
@@ -201,7 +206,6 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         )
     with exclusive(session, name):
         past = cache.seen_tokens
-        width = input_ids.shape[1] if input_ids is not None else embeds.shape[1]
         out = session.run_forward(
             lambda: model._kvoffload_originals["forward"](*args, **kwargs),
             input_ids,

@@ -1,0 +1,130 @@
+"""Packed (padding-free) rows on offloaded models: segments whose ``position_ids`` restart are independent
+sequences, as in the unmodified transformers model (``use_cache=False``, no mask), and the flash-attention
+style ``cu_seq_lens_q`` say the same. References: the unmodified model on the same packed input, and on each
+segment alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hf_models import SMALL, build_model
+
+import torch_kvoffload
+
+CASES = [
+    ("deepseek_v3", "offload", {}),
+    ("deepseek_v32", "offload", {}),
+    ("deepseek_v3", "compile", SMALL),
+    ("deepseek_v32", "compile", SMALL),
+]
+ATOL = 2e-5
+
+
+def _positions(segments: list[list[int]]) -> torch.Tensor:
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in segments])
+
+
+def _separately(ref, ids: torch.Tensor, segments: list[list[int]]) -> torch.Tensor:
+    """The unmodified model's logits of every segment run alone, packed like ``ids``."""
+    rows = []
+    for b, row in enumerate(segments):
+        parts, start = [], 0
+        for n in row:
+            parts.append(ref(input_ids=ids[b : b + 1, start : start + n], use_cache=False).logits)
+            start += n
+        rows.append(torch.cat(parts, dim=1))
+    return torch.cat(rows)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{m}" for f, m, _ in CASES])
+def pair(request):
+    family, mode, overrides = request.param
+    torch._dynamo.reset()
+    ref = build_model(family, **overrides)
+    model = getattr(torch_kvoffload, mode)(build_model(family, **overrides))
+    yield ref, model
+    torch_kvoffload.stats(model)  # still usable after the sequence of calls
+
+
+@torch.no_grad()
+def test_packed_rows_are_independent_segments(pair):
+    ref, model = pair
+    gen = torch.Generator().manual_seed(0)
+    # one row of two sequences, then two rows packed differently (one of them a single sequence)
+    for segments in ([[5, 4]], [[3, 6, 2], [11]]):
+        width = sum(segments[0])
+        ids = torch.randint(3, 1000, (len(segments), width), generator=gen)
+        pos = _positions(segments)
+        want = ref(input_ids=ids, position_ids=pos, use_cache=False).logits
+        torch.testing.assert_close(want, _separately(ref, ids, segments), rtol=0, atol=ATOL)
+        got = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=ATOL)
+
+
+@torch.no_grad()
+def test_packed_outputs_hidden_states_loss_and_logits_to_keep(pair):
+    ref, model = pair
+    segments = [[4, 6]]
+    ids = torch.randint(3, 1000, (1, 10), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, 4] = -100  # the collator's boundary label
+    kw = dict(input_ids=ids, position_ids=_positions(segments), use_cache=False)
+    want = ref(**kw, labels=labels, output_hidden_states=True)
+    got = model(**kw, labels=labels, output_hidden_states=True)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=ATOL)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=ATOL)
+    assert len(got.hidden_states) == len(want.hidden_states)
+    for g, w in zip(got.hidden_states, want.hidden_states, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    last = model(**kw, logits_to_keep=1).logits
+    torch.testing.assert_close(last, want.logits[:, -1:], rtol=1e-4, atol=ATOL)
+    tup = model(**kw, return_dict=False)
+    assert isinstance(tup, tuple) and torch.allclose(tup[0], want.logits, rtol=1e-4, atol=ATOL)
+
+
+@torch.no_grad()
+def test_cu_seq_lens_mark_the_segments(pair):
+    ref, model = pair
+    segments = [[2, 5, 3]]
+    ids = torch.randint(3, 1000, (1, 10), generator=torch.Generator().manual_seed(2))
+    cu = torch.tensor([0, 2, 7, 10], dtype=torch.int32)
+    got = model(
+        input_ids=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=5, max_length_k=5, use_cache=False
+    )
+    torch.testing.assert_close(got.logits, _separately(ref, ids, segments), rtol=1e-4, atol=ATOL)
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q must rise from 0 to the row's 10 tokens"):
+        model(input_ids=ids, cu_seq_lens_q=torch.tensor([0, 4, 9]), use_cache=False)
+    with pytest.raises(ValueError, match="cu_seq_lens_k differs"):
+        model(input_ids=ids, cu_seq_lens_q=cu, cu_seq_lens_k=torch.tensor([0, 10]), use_cache=False)
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model(input_ids=ids, cu_seq_lens_q=cu)
+
+
+@torch.no_grad()
+def test_restarting_positions_with_a_cache_are_one_sequence_as_in_transformers(pair):
+    """With a cache (``use_cache`` on) or a mask, transformers does not split the row: neither does the library."""
+    ref, model = pair
+    ids = torch.randint(3, 1000, (1, 9), generator=torch.Generator().manual_seed(3))
+    pos = _positions([[5, 4]])
+    want = ref(input_ids=ids, position_ids=pos, use_cache=True).logits
+    assert not torch.allclose(want, _separately(ref, ids, [[5, 4]]), atol=1e-3)
+    got = model(input_ids=ids, position_ids=pos, use_cache=True).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=ATOL)
+    mask = torch.ones(1, 9, dtype=torch.long)
+    got = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(got, ref(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False).logits,
+                               rtol=1e-4, atol=ATOL)  # fmt: skip
+
+
+@torch.no_grad()
+def test_output_attentions_is_refused_by_name_and_a_generate_follows(pair):
+    ref, model = pair
+    ids = torch.randint(3, 1000, (1, 6), generator=torch.Generator().manual_seed(4))
+    for kw in ({}, {"position_ids": _positions([[3, 3]]), "use_cache": False}):
+        with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+            model(input_ids=ids, output_attentions=True, **kw)
+    want = ref.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(model.generate(input_ids=ids, max_new_tokens=4, do_sample=False), want)

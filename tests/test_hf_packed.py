@@ -128,3 +128,26 @@ def test_output_attentions_is_refused_by_name_and_a_generate_follows(pair):
             model(input_ids=ids, output_attentions=True, **kw)
     want = ref.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(model.generate(input_ids=ids, max_new_tokens=4, do_sample=False), want)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"sparse": {}},
+        {"sparse": {"offload": False}},
+        {"layerwise": {}},
+        {"layerwise": {}, "sparse": {"offload": False}},
+    ],
+    ids=["sparse", "resident", "layerwise", "layerwise+resident"],
+)
+@torch.no_grad()
+def test_packed_rows_in_every_mode(config):
+    ref = build_model("deepseek_v32")
+    model = torch_kvoffload.offload(build_model("deepseek_v32"), config)
+    segments = [[5, 4], [3, 6]]
+    ids = torch.randint(3, 1000, (2, 9), generator=torch.Generator().manual_seed(5))
+    pos = _positions(segments)
+    want = _separately(ref, ids, segments)
+    torch.testing.assert_close(
+        model(input_ids=ids, position_ids=pos, use_cache=False).logits, want, rtol=1e-4, atol=ATOL
+    )

@@ -65,6 +65,19 @@ def test_packed_rows_are_independent_segments(pair):
 
 
 @torch.no_grad()
+def test_one_row_of_positions_serves_every_row(pair):
+    """``position_ids [1, T]`` with a batch of rows: transformers expands them to every row."""
+    ref, model = pair
+    ids = torch.randint(3, 1000, (2, 9), generator=torch.Generator().manual_seed(6))
+    pos = _positions([[5, 4]])
+    want = ref(input_ids=ids, position_ids=pos, use_cache=False).logits
+    torch.testing.assert_close(want, _separately(ref, ids, [[5, 4], [5, 4]]), rtol=0, atol=ATOL)
+    torch.testing.assert_close(
+        model(input_ids=ids, position_ids=pos, use_cache=False).logits, want, rtol=1e-4, atol=ATOL
+    )
+
+
+@torch.no_grad()
 def test_packed_outputs_hidden_states_loss_and_logits_to_keep(pair):
     ref, model = pair
     segments = [[4, 6]]
@@ -101,6 +114,8 @@ def test_cu_seq_lens_mark_the_segments(pair):
         model(input_ids=ids, cu_seq_lens_q=cu, cu_seq_lens_k=torch.tensor([0, 10]), use_cache=False)
     with pytest.raises(ValueError, match="use_cache=False"):
         model(input_ids=ids, cu_seq_lens_q=cu)
+    with pytest.raises(ValueError, match=r"one flattened \[1, tokens\] row, got 2 rows"):
+        model(input_ids=ids.expand(2, -1), cu_seq_lens_q=cu, use_cache=False)
 
 
 @torch.no_grad()

@@ -179,8 +179,8 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             f"{name}: output_attentions=True is not supported: the library's absorbed attention never forms "
             "the attention probabilities (run the unmodified model to inspect them)"
         )
-    width = input_ids.shape[1] if input_ids is not None else embeds.shape[1]
-    segments = packed_segments(name, model, kwargs, int(width))
+    rows, width = (input_ids if input_ids is not None else embeds).shape[:2]
+    segments = packed_segments(name, model, kwargs, int(rows), int(width))
     if segments is not None:  # several independent sequences in a row: run them as a batch of requests
         return packed_forward(name, model, lambda **kw: _forward(model, **kw), segments, args, kwargs)
     cache = _user_cache(name, kwargs)

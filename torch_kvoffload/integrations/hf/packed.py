@@ -38,11 +38,12 @@ def _lengths_from_cu(name: str, cu: Any, tokens: int) -> list[int]:
 
 
 def packed_segments(
-    name: str, model: torch.nn.Module, kwargs: dict[str, Any], width: int
+    name: str, model: torch.nn.Module, kwargs: dict[str, Any], rows: int, width: int
 ) -> list[list[int]] | None:
-    """Per row, the lengths of its segments when ``kwargs`` describe a packed forward (see the module
-    docstring), else ``None``. ``ValueError`` for ``cu_seq_lens_q`` that do not describe one ``[1, width]``
-    row, or that contradict ``cu_seq_lens_k``."""
+    """Per row of the ``[rows, width]`` input, the lengths of its segments when ``kwargs`` describe a packed
+    forward (see the module docstring), else ``None``. ``position_ids [1, width]`` serve every row, as in
+    transformers. ``ValueError`` for ``cu_seq_lens_q`` that do not describe one ``[1, width]`` row, or that
+    contradict ``cu_seq_lens_k``."""
     use_cache = kwargs.get("use_cache")
     if use_cache is None:
         use_cache = getattr(model.config, "use_cache", True)
@@ -53,6 +54,8 @@ def packed_segments(
             raise ValueError(
                 f"{name}: packed rows (cu_seq_lens_q) are served without a cache: pass use_cache=False and no cache"
             )
+        if rows != 1:
+            raise ValueError(f"{name}: cu_seq_lens_q describe one flattened [1, tokens] row, got {rows} rows")
         lengths = _lengths_from_cu(name, cu, width)
         other = kwargs.get("cu_seq_lens_k")
         if other is not None and not torch.equal(torch.as_tensor(other).cpu(), cu.cpu()):
@@ -63,8 +66,9 @@ def packed_segments(
     pos = kwargs.get("position_ids")
     if not isinstance(pos, torch.Tensor) or kwargs.get("attention_mask") is not None or use_cache or cached:
         return None
-    if pos.dim() != 2:
+    if pos.dim() != 2 or pos.shape[0] not in (1, rows):
         return None
+    pos = pos.expand(rows, -1)
     step = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1)
     starts = step != 1
     if not bool(starts[:, 1:].any()):

@@ -180,9 +180,9 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             "the attention probabilities (run the unmodified model to inspect them)"
         )
     rows, width = (input_ids if input_ids is not None else embeds).shape[:2]
-    segments = packed_segments(name, model, kwargs, int(rows), int(width))
-    if segments is not None:  # several independent sequences in a row: run them as a batch of requests
-        return packed_forward(name, model, lambda **kw: _forward(model, **kw), segments, args, kwargs)
+    layout = packed_segments(name, model, kwargs, int(rows), int(width))
+    if layout is not None:  # several independent sequences in a row: run them as a batch of requests
+        return packed_forward(name, model, lambda **kw: _forward(model, **kw), layout, args, kwargs)
     cache = _user_cache(name, kwargs)
     use_cache = kwargs.get("use_cache")
     if use_cache is None:

@@ -4,46 +4,140 @@ transformers treats a row as packed when a forward gets ``position_ids`` but no 
 cache (``use_cache`` off): a new segment starts wherever the position does not follow the previous one
 (``position_ids[t] - position_ids[t-1] != 1``), and each segment attends only to itself. The flash-attention
 style keywords ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (cumulative segment lengths ``int [n + 1]`` over the
-flattened ``[1, T]`` row) say the same explicitly.
+flattened ``[1, T]`` row) say the same explicitly; transformers' continuous batching feeds every step that
+way (decode tokens of some requests and prompt chunks of others in one row).
 
-The library's attention follows requests, not masks, so :func:`packed_forward` runs a packed forward as a
-batch of its segments (left-padded to the longest, each with its own positions: one request each) and packs
-the per-token outputs back into the caller's layout: ``logits`` and ``hidden_states``; a ``loss`` is
-computed from the packed logits and ``labels`` with the model's own loss function.
+The library's attention follows requests, not masks, so a packed input runs as a batch of its segments, one
+request each. :class:`PackedRows` is that layout, built once for both callers: :func:`packed_forward` (a
+packed forward of the model, no cache) and the continuous-batching step
+(:meth:`~torch_kvoffload.integrations.hf.serving.ServingRequests.run_step`, each segment continuing its
+request). It moves tokens from the packed ``[B, T]`` input into the right-padded batch ``[segments,
+longest]`` (:meth:`PackedRows.gather`) and per-token outputs back (:meth:`PackedRows.scatter`,
+:meth:`PackedRows.scatter_last`); :func:`packed_forward` returns ``logits`` and ``hidden_states`` packed, and
+a ``loss`` computed from the packed logits and ``labels`` with the model's own loss function.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["packed_forward", "packed_segments"]
+__all__ = ["PackedRows", "packed_forward", "packed_segments"]
 
 _CU_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
-def _lengths_from_cu(name: str, cu: Any, tokens: int) -> list[int]:
-    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.is_floating_point():
-        raise ValueError(f"{name}: cu_seq_lens_q must be an integer tensor [segments + 1], got {cu!r:.80}")
-    cu = cu.tolist()
-    lengths = [b - a for a, b in itertools.pairwise(cu)]
-    if cu[0] != 0 or cu[-1] != tokens or any(n <= 0 for n in lengths):
-        raise ValueError(
-            f"{name}: cu_seq_lens_q must rise from 0 to the row's {tokens} tokens in positive steps, got {cu}"
+@dataclass(frozen=True)
+class PackedRows:
+    """The segments of a packed input ``[rows, width]``: ``spans[i] = (row, start, length)``, segment ``i``
+    holding tokens ``start .. start + length - 1`` of ``row``, in packed (row-major) order. As a batch,
+    segment ``i`` is row ``i`` of ``[len(spans), longest]``, its tokens at columns ``0 .. length - 1``
+    (right-padded)."""
+
+    rows: int
+    width: int
+    spans: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def from_lengths(cls, lengths: Sequence[Sequence[int]], width: int) -> PackedRows:
+        """``lengths[b]``: row ``b``'s segment lengths, positive, summing to at most ``width``."""
+        spans = []
+        for b, row in enumerate(lengths):
+            starts = itertools.accumulate(row, initial=0)
+            spans.extend((b, start, int(n)) for start, n in zip(starts, row, strict=False))
+            if any(n <= 0 for n in row) or sum(row) > width:
+                raise ValueError(
+                    f"PackedRows: row {b}'s segment lengths {list(row)} do not fit {width} tokens"
+                )
+        return cls(len(lengths), width, tuple(spans))
+
+    @classmethod
+    def from_cu(cls, name: str, cu: Any, width: int) -> PackedRows:
+        """One row of ``width`` tokens cut at the cumulative lengths ``cu int [segments + 1]`` (``0`` first,
+        ``width`` last, rising); ``ValueError`` naming ``name`` otherwise."""
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.is_floating_point():
+            raise ValueError(
+                f"{name}: cu_seq_lens_q must be an integer tensor [segments + 1], got {cu!r:.80}"
+            )
+        bounds = cu.tolist()
+        lengths = [b - a for a, b in itertools.pairwise(bounds)]
+        if bounds[0] != 0 or bounds[-1] != width or any(n <= 0 for n in lengths):
+            raise ValueError(
+                f"{name}: cu_seq_lens_q must rise from 0 to the row's {width} tokens in positive steps, got {bounds}"
+            )
+        return cls.from_lengths([lengths], width)
+
+    def select(self, indices: Sequence[int]) -> PackedRows:
+        """The layout of segments ``indices`` only (same packed input)."""
+        return PackedRows(self.rows, self.width, tuple(self.spans[i] for i in indices))
+
+    @property
+    def lengths(self) -> list[int]:
+        return [n for _, _, n in self.spans]
+
+    @property
+    def longest(self) -> int:
+        return max(self.lengths)
+
+    def _index(self, device: torch.device | str) -> tuple[torch.Tensor, ...]:
+        """``(segment, column, row, token)`` ``int64 [N]`` over the ``N`` real tokens of the segments."""
+        seg, col, row, tok = [], [], [], []
+        for i, (b, start, n) in enumerate(self.spans):
+            seg += [i] * n
+            col += range(n)
+            row += [b] * n
+            tok += range(start, start + n)
+        return tuple(torch.tensor(x, dtype=torch.int64, device=device) for x in (seg, col, row, tok))
+
+    def mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``bool [segments, longest]``: which batch positions hold a real token."""
+        return (
+            torch.arange(self.longest, device=device)[None, :]
+            < torch.tensor(self.lengths, device=device)[:, None]
         )
-    return lengths
+
+    def gather(self, packed: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
+        """``packed [rows, width, ...]`` (a ``[1, width]`` tensor serves every row) as the batch
+        ``[segments, longest, ...]``, padding set to ``fill``."""
+        packed = packed.expand(self.rows, *packed.shape[1:]) if packed.shape[0] == 1 else packed
+        seg, col, row, tok = self._index(packed.device)
+        out = packed.new_full((len(self.spans), self.longest, *packed.shape[2:]), fill)
+        out[seg, col] = packed[row, tok]
+        return out
+
+    def scatter(self, batch: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The batch ``[segments, >= longest, ...]`` back in the packed layout: into ``out [rows, width,
+        ...]`` (zeros when ``None``, positions of no segment stay as they are), which is returned."""
+        if out is None:
+            out = batch.new_zeros(self.rows, self.width, *batch.shape[2:])
+        seg, col, row, tok = self._index(batch.device)
+        out[row, tok] = batch[seg, col]
+        return out
+
+    def last_columns(self) -> torch.Tensor:
+        """``int64 [segments]``: each segment's last batch column (``length - 1``)."""
+        return torch.tensor([n - 1 for n in self.lengths], dtype=torch.int64)
+
+    def scatter_last(self, last: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Each segment's last-token output ``last [segments, ...]`` into its packed position of ``out [rows,
+        width, ...]``, which is returned."""
+        row = torch.tensor([b for b, _, _ in self.spans], dtype=torch.int64, device=out.device)
+        tok = torch.tensor([s + n - 1 for _, s, n in self.spans], dtype=torch.int64, device=out.device)
+        out[row, tok] = last.to(out.device)
+        return out
 
 
 def packed_segments(
     name: str, model: torch.nn.Module, kwargs: dict[str, Any], rows: int, width: int
-) -> list[list[int]] | None:
-    """Per row of the ``[rows, width]`` input, the lengths of its segments when ``kwargs`` describe a packed
-    forward (see the module docstring), else ``None``. ``position_ids [1, width]`` serve every row, as in
-    transformers. ``ValueError`` for ``cu_seq_lens_q`` that do not describe one ``[1, width]`` row, or that
-    contradict ``cu_seq_lens_k``."""
+) -> PackedRows | None:
+    """The segments of the ``[rows, width]`` input when ``kwargs`` describe a packed forward (see the module
+    docstring), else ``None``. ``position_ids [1, width]`` serve every row, as in transformers.
+    ``ValueError`` for ``cu_seq_lens_q`` that do not describe one ``[1, width]`` row, or that contradict
+    ``cu_seq_lens_k``."""
     use_cache = kwargs.get("use_cache")
     if use_cache is None:
         use_cache = getattr(model.config, "use_cache", True)
@@ -56,13 +150,13 @@ def packed_segments(
             )
         if rows != 1:
             raise ValueError(f"{name}: cu_seq_lens_q describe one flattened [1, tokens] row, got {rows} rows")
-        lengths = _lengths_from_cu(name, cu, width)
+        layout = PackedRows.from_cu(name, cu, width)
         other = kwargs.get("cu_seq_lens_k")
         if other is not None and not torch.equal(torch.as_tensor(other).cpu(), cu.cpu()):
             raise ValueError(
                 f"{name}: cu_seq_lens_k differs from cu_seq_lens_q (a self-attention forward has one)"
             )
-        return [lengths]
+        return layout
     pos = kwargs.get("position_ids")
     if not isinstance(pos, torch.Tensor) or kwargs.get("attention_mask") is not None or use_cache or cached:
         return None
@@ -73,25 +167,25 @@ def packed_segments(
     starts = step != 1
     if not bool(starts[:, 1:].any()):
         return None
-    out = []
+    lengths = []
     for row in starts.cpu().tolist():
         cut = [t for t, s in enumerate(row) if s or t == 0] + [len(row)]
-        out.append([b - a for a, b in itertools.pairwise(cut)])
-    return out
+        lengths.append([b - a for a, b in itertools.pairwise(cut)])
+    return PackedRows.from_lengths(lengths, width)
 
 
 def packed_forward(
     name: str,
     model: torch.nn.Module,
     forward: Callable[..., Any],
-    segments: list[list[int]],
+    layout: PackedRows,
     args: tuple,
     kwargs: dict[str, Any],
 ) -> Any:
     """Run the packed forward of ``kwargs`` (``input_ids int64 [B, T]`` or ``inputs_embeds [B, T, h]``,
-    ``position_ids [B, T]``; ``segments[b]``: row ``b``'s segment lengths) through ``forward`` (the offloaded
-    model's) as one left-padded batch of its segments, and pack ``logits [B, T', V]`` and ``hidden_states``
-    back. ``ValueError`` naming what cannot be packed back (``output_attentions``, a cache)."""
+    ``position_ids [B, T]`` or ``[1, T]``, cut into ``layout``'s segments) through ``forward`` (the offloaded
+    model's) as one right-padded batch of its segments, and pack ``logits [B, T', V]`` and
+    ``hidden_states`` back."""
     kwargs = dict(kwargs)
     if args:
         kwargs.setdefault("input_ids", args[0])
@@ -99,43 +193,30 @@ def packed_forward(
         kwargs.pop(key, None)
     ids, embeds = kwargs.pop("input_ids", None), kwargs.pop("inputs_embeds", None)
     source = ids if ids is not None else embeds
-    B, T = int(source.shape[0]), int(source.shape[1])
     pos = kwargs.pop("position_ids", None)
     if pos is None:  # cu_seq_lens alone: every segment's positions start at 0
-        pos = torch.cat([torch.arange(n) for n in segments[0]])
-    pos = pos.view(-1, T).expand(B, T).to(device=source.device, dtype=torch.long)
+        pos = torch.cat([torch.arange(n) for n in layout.lengths])[None, :]
+    pos = pos.to(device=source.device, dtype=torch.long)
     for key in ("use_cache", "attention_mask", "cache", "past_key_values"):
         kwargs.pop(key, None)  # packed: no mask and no cache; the batch of segments gets its own mask
     labels = kwargs.pop("labels", None)
     keep = kwargs.pop("logits_to_keep", 0)
     return_dict = kwargs.pop("return_dict", None)
-    spans = [(b, start, n) for b, lengths in enumerate(segments) for start, n in zip(
-        [sum(lengths[:i]) for i in range(len(lengths))], lengths, strict=True)]  # fmt: skip
-    width = max(n for _, _, n in spans)
-    rows = len(spans)
-    batch = torch.zeros(rows, width, *source.shape[2:], dtype=source.dtype, device=source.device)
-    mask = torch.zeros(rows, width, dtype=torch.long, device=source.device)
-    positions = torch.zeros(rows, width, dtype=torch.long, device=source.device)
-    for r, (b, start, n) in enumerate(spans):
-        batch[r, width - n :] = source[b, start : start + n]
-        mask[r, width - n :] = 1
-        positions[r, width - n :] = pos[b, start : start + n]
+    batch = layout.gather(source)
     inputs = {"input_ids": batch} if ids is not None else {"inputs_embeds": batch}
     out = forward(
-        **inputs, attention_mask=mask, position_ids=positions, use_cache=False, return_dict=True, **kwargs
+        **inputs,
+        attention_mask=layout.mask(source.device).long(),
+        position_ids=layout.gather(pos.view(-1, layout.width)),
+        use_cache=False,
+        return_dict=True,
+        **kwargs,
     )
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        packed = t.new_empty(B, T, *t.shape[2:])
-        for r, (b, start, n) in enumerate(spans):
-            packed[b, start : start + n] = t[r, width - n :]
-        return packed
-
-    logits = pack(out.logits)
+    logits = layout.scatter(out.logits)
     fields = dict(out.items())
     fields["logits"] = logits
     if out.hidden_states is not None:
-        fields["hidden_states"] = tuple(pack(h) for h in out.hidden_states)
+        fields["hidden_states"] = tuple(layout.scatter(h) for h in out.hidden_states)
     if labels is not None:
         fields["loss"] = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size)
     if isinstance(keep, int) and keep > 0:

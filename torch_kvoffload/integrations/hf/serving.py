@@ -6,8 +6,9 @@ decode tokens of some requests and prefill chunks of others (``input_ids [1, Q]`
 Here each CB request id holds one request of the session's :class:`~torch_kvoffload.core.kv.KVCore`,
 admitted when the scheduler first stores tokens for it (:meth:`admit`: host-pool blocks, hot buffers and
 indexer-cache rows reserved) and finished when the scheduler frees its blocks (:meth:`finish`: end,
-cancellation, failure, a reset). A step (:meth:`run_step`) runs as at most two forwards of the library's
-attention: every decode row in one batch ``[R, 1]`` (the sparse decode path: indexer, residency, only the
+cancellation, failure, a reset). A step (:meth:`run_step`) is cut into its segments by
+:class:`~torch_kvoffload.integrations.hf.packed.PackedRows`, the layout packed forwards use too, and runs as
+at most two forwards of the library's attention: every decode row in one batch ``[R, 1]`` (the sparse decode path: indexer, residency, only the
 misses copied), every prefill chunk in one right-padded batch ``[P, longest chunk]`` (layerwise offload when
 configured; a later chunk attends over its request's earlier rows). The logits of each request's last
 token of the step are placed where the step's ``logits_indices`` read them.
@@ -20,7 +21,6 @@ buffers and indexer rows), so admission counts what really sits on the device.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 from typing import TYPE_CHECKING, Any
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torch_kvoffload.core.requests import Request
+from torch_kvoffload.integrations.hf.packed import PackedRows
 
 if TYPE_CHECKING:
     from torch_kvoffload.integrations.hf.session import OffloadSession
@@ -189,31 +190,35 @@ class ServingRequests:
 
         step, self._step = self._step, []
         ids = kwargs["input_ids"]
-        cu = kwargs["cu_seq_lens_q"].tolist()
         if not self.is_open:
             raise RuntimeError("continuous batching: the offloaded model's serving state is closed")
-        packed = [b - a for a, b in itertools.pairwise(cu)]
-        if packed != [q for _, _, q in step]:
+        layout = PackedRows.from_cu("continuous batching", kwargs["cu_seq_lens_q"], int(ids.shape[-1]))
+        if layout.lengths != [q for _, _, q in step]:
             raise RuntimeError(
-                f"continuous batching: the step packs query lengths {packed} "
+                f"continuous batching: the step packs query lengths {layout.lengths} "
                 f"but the scheduler recorded {[(rid, q) for rid, _, q in step]} (padded or asynchronous "
                 "batching is not supported for offloaded models)"
             )
-        flat = ids.reshape(-1).tolist()
-        decode: list[tuple[Request, int, int, int]] = []  # (request, past, packed start, query length)
-        prefill: list[tuple[Request, int, int, int]] = []
-        for (rid, past, q), start in zip(step, cu, strict=False):
+        requests: list[Request] = []
+        for rid, past, _ in step:
             r = self._live.get(rid)
             if r is None or r.length != past:
                 raise RuntimeError(
                     f"continuous batching: request {rid} continues at position {past} but the library holds "
                     f"{'no request' if r is None else f'{r.length} tokens'} for it"
                 )
-            (decode if past > 0 and q == 1 else prefill).append((r, past, start, q))
+            requests.append(r)
+        decode = [i for i, (_, past, q) in enumerate(step) if past > 0 and q == 1]
+        prefill = [i for i, (_, past, q) in enumerate(step) if not (past > 0 and q == 1)]
         logits: torch.Tensor | None = None
-        for rows in (decode, prefill):  # decode rows first: the sparse decode path, then the prefill chunks
-            if rows:
-                logits = self._forward(model, rows, flat, logits)
+        for segments in (
+            decode,
+            prefill,
+        ):  # decode rows first: the sparse decode path, then the prefill chunks
+            if segments:
+                logits = self._forward(
+                    model, layout.select(segments), [requests[i] for i in segments], ids, logits
+                )
         self.steps += 1
         keep = kwargs.get("logits_to_keep")
         if isinstance(keep, torch.Tensor):  # as the model's own forward: only these positions' logits
@@ -225,31 +230,28 @@ class ServingRequests:
     def _forward(
         self,
         model: torch.nn.Module,
-        rows: list[tuple[Request, int, int, int]],
-        flat: list[int],
+        layout: PackedRows,
+        requests: list[Request],
+        ids: torch.Tensor,
         logits: torch.Tensor | None,
     ) -> torch.Tensor:
-        """One forward of the library's attention over ``rows`` (request, past, packed start, length),
-        right-padded to the longest; the logits of each row's last token go to its packed position in
-        ``logits [1, Q, V]`` (allocated when ``None``), which is returned."""
+        """One forward of the library's attention over ``layout``'s segments of the step's ``ids int64 [1,
+        Q]``, segment ``i`` continuing ``requests[i]``, as the right-padded batch ``[segments, longest]``;
+        the logits of each segment's last token go to its packed position in ``logits [1, Q, V]``
+        (allocated when ``None``), which is returned."""
         core, device = self.session.core, self.session.spec.device
-        B, S = len(rows), max(q for *_, q in rows)
-        mask = torch.zeros(B, S, dtype=torch.bool)
-        ids = torch.zeros(B, S, dtype=torch.int64)
-        tokens = []
-        for b, (_, _, start, q) in enumerate(rows):
-            mask[b, :q] = True
-            tokens.append(flat[start : start + q])
-            ids[b, :q] = torch.tensor(tokens[-1])
-        past = torch.tensor([p for _, p, _, _ in rows])
-        pos = past[:, None] + torch.arange(S)[None, :]
-        last = torch.tensor([q - 1 for *_, q in rows])
+        batch = layout.gather(ids.cpu())
+        mask = layout.mask()
+        tokens = [row[:n].tolist() for row, n in zip(batch, layout.lengths, strict=True)]
+        past = torch.tensor([r.length for r in requests])
+        pos = past[:, None] + torch.arange(layout.longest)[None, :]
+        last = layout.last_columns()
         keep = torch.unique(last)  # the columns whose logits are needed
         # the padding's outputs are never read: it attends nowhere
-        core.begin_forward([r for r, *_ in rows], tokens, mask, padding_queries=False)
+        core.begin_forward(requests, tokens, mask, padding_queries=False)
         try:
             out = model._kvoffload_originals["forward"](
-                input_ids=ids.to(device), position_ids=pos.to(device), use_cache=False,
+                input_ids=batch.to(device), position_ids=pos.to(device), use_cache=False,
                 logits_to_keep=keep.to(device),
             ).logits  # fmt: skip
         except BaseException:
@@ -257,8 +259,6 @@ class ServingRequests:
             raise
         core.end_forward()
         if logits is None:
-            logits = out.new_zeros(1, len(flat), out.shape[-1])
-        col = torch.searchsorted(keep, last)
-        at = torch.tensor([start + q - 1 for _, _, start, q in rows])
-        logits[0, at.to(out.device)] = out[torch.arange(B, device=out.device), col.to(out.device)]
-        return logits
+            logits = out.new_zeros(1, layout.width, out.shape[-1])
+        col = torch.searchsorted(keep, last).to(out.device)
+        return layout.scatter_last(out[torch.arange(len(requests), device=out.device), col], logits)

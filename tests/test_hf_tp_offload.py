@@ -270,7 +270,7 @@ def _check_case(results: list[dict], want: dict, case: tuple) -> None:
         got = [r[name]["runs"][run] for r in results]
         if run == "fail":
             rank0, *readers = (g["error"] for g in got)
-            assert rank0.startswith("RuntimeError") and "TP rank 1 failed (OSError: injected" in rank0, rank0
+            assert rank0.startswith("RuntimeError") and "TP rank 1: OSError: injected" in rank0, rank0
             assert all(e.startswith("OSError: injected") for e in readers), readers
             # no rank holds a pool, TP rank 0 removed the file it created for the failed sequence
             assert got[0]["pool_files"] == set() and all(g["pool"] is None for g in got)

@@ -35,6 +35,7 @@ import torch
 from torch_kvoffload.core.backends.indexer_cache import IndexerCache
 from torch_kvoffload.core.config import OffloadConfig
 from torch_kvoffload.core.forward import ForwardPlan
+from torch_kvoffload.core.group_outcomes import exchange_outcomes
 from torch_kvoffload.core.kv_backend import IndexerView, KeyRows, KVBackend, NewRows, Queries
 from torch_kvoffload.core.layout import KVLayout
 from torch_kvoffload.core.requests import Request
@@ -299,7 +300,7 @@ def _shared_runtime(
 
     rt: SparseDecodeOffload | None = None
     attached: HostKVPool | None = None
-    error: BaseException | None = None
+    error: Exception | None = None
     box: list = [None]
     if tp.rank == 0:
         try:
@@ -310,33 +311,32 @@ def _shared_runtime(
             error = exc
     dist.broadcast_object_list(box, group=tp.group, group_src=0)
     name = box[0]
-    if tp.rank != 0 and name is not None:
-        try:
-            attached = HostKVPool.attach(
-                name, num_layers=kw["num_layers"], num_blocks=scfg.host_pool_blocks, block_size=scfg.block_size,
-                kv_lora_rank=kw["kv_lora_rank"], rope_dim=kw["rope_dim"], dtype=scfg.torch_kv_dtype,
-            )  # fmt: skip
-            rt = SparseDecodeOffload(scfg, **kw, pool=attached, writer=False, fence_timeout=FENCE_TIMEOUT_S)
-            then()
-        except Exception as exc:
-            error = exc
-    outcomes: list = [None] * tp.size
-    dist.all_gather_object(
-        outcomes, None if error is None else f"{type(error).__name__}: {error}", group=tp.group
-    )
-    failed = [(r, e) for r, e in enumerate(outcomes) if e is not None]
-    if not failed:
+
+    def attach() -> None:
+        nonlocal rt, attached
+        if error is not None:
+            raise error  # rank 0's own failure, before the name was broadcast
+        if tp.rank == 0 or name is None:
+            return
+        attached = HostKVPool.attach(
+            name, num_layers=kw["num_layers"], num_blocks=scfg.host_pool_blocks, block_size=scfg.block_size,
+            kv_lora_rank=kw["kv_lora_rank"], rope_dim=kw["rope_dim"], dtype=scfg.torch_kv_dtype,
+        )  # fmt: skip
+        rt = SparseDecodeOffload(scfg, **kw, pool=attached, writer=False, fence_timeout=FENCE_TIMEOUT_S)
+        then()
+
+    outcomes = exchange_outcomes(tp, attach)
+    if not outcomes.failed:
         assert rt is not None
         return rt, attached
     if rt is not None:
         rt.close()
     if attached is not None:
         attached.close()
-    if error is not None:
-        raise error
-    what = "; ".join(f"TP rank {r} failed ({e})" for r, e in failed)
+    outcomes.raise_own()
+    what = outcomes.failures()
     hint = ""
-    if any(r != 0 for r, _ in failed):  # a reader could not attach or allocate
+    if any(r != 0 for r in outcomes.failed):  # a reader could not attach or allocate
         hint = "; every TP rank must run on the host of TP rank 0 (the pool lives in /dev/shm)"
     raise RuntimeError(
         f"sparse decode offload: the TP group's shared host pool {name or '(not created)'} cannot be used: "

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torch_kvoffload.core.group_outcomes import exchange_outcomes
 from torch_kvoffload.core.kv_backend import PDRole
 from torch_kvoffload.integrations.hf.session import OffloadSession, session_of
 from torch_kvoffload.pd.config import PDConfig
@@ -129,28 +130,14 @@ def _agree(session: OffloadSession, where: str, fn: Callable[[], Any]) -> list[A
     :class:`~torch_kvoffload.pd.PDTransferError` (``TimeoutError`` when every failure was a timeout) naming
     the failed ranks and their errors. The exchange is a collective: every TP rank must reach it.
     """
-    tp = session.spec.tp
-    if tp is None:
-        return [fn()]
-    import torch.distributed as dist
-
     from torch_kvoffload.pd import PDTransferError
 
-    error: Exception | None = None
-    try:
-        mine = (True, fn())
-    except Exception as exc:  # every rank must join the exchange before anyone raises
-        error, mine = exc, (False, (type(exc).__name__, str(exc)))
-    gathered: list[Any] = [None] * tp.size
-    dist.all_gather_object(gathered, mine, group=tp.group)
-    failed = {r: g[1] for r, g in enumerate(gathered) if not g[0]}
-    if error is not None:
-        raise error
-    if failed:
-        text = "; ".join(f"TP rank {r}: {kind}: {msg}" for r, (kind, msg) in failed.items())
-        cls = TimeoutError if all(kind == "TimeoutError" for kind, _ in failed.values()) else PDTransferError
-        raise cls(f"{where}: failed on decode {text}")
-    return [g[1] for g in gathered]
+    outcomes = exchange_outcomes(session.spec.tp, fn)
+    outcomes.raise_own()
+    if outcomes.failed:
+        cls = TimeoutError if outcomes.all_timeouts else PDTransferError
+        raise cls(f"{where}: failed on decode {outcomes.failures()}")
+    return outcomes.values
 
 
 class PrefillRole(PDRole):

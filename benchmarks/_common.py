@@ -77,3 +77,38 @@ def pyplot() -> Any:
         print("matplotlib not installed: no PNG")
         return None
     return plt
+
+
+def _gloo_entry(
+    rank: int, fn: Callable[..., Any], world: int, port: int, timeout_s: float, args: tuple
+) -> None:
+    import datetime
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    try:
+        fn(rank, world, *args)
+    except BaseException:
+        raise RuntimeError(f"rank {rank}:\n{traceback.format_exc()}") from None
+    finally:
+        dist.destroy_process_group()
+
+
+def launch_gloo(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 600.0) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes joined by gloo on 127.0.0.1 (one CPU
+    thread each; ``timeout_s``: the process group's collective timeout)."""
+    import torch.multiprocessing as mp
+
+    from torch_kvoffload._utils import free_port
+
+    mp.spawn(_gloo_entry, args=(fn, world, free_port(), timeout_s, args), nprocs=world, join=True)

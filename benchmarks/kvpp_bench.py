@@ -26,7 +26,6 @@ driven directly (``KVPPConfig.build_runtime``, ``begin_forward`` / ``wait_layer`
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
 import random
@@ -36,9 +35,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from _common import format_table, write_json
+from _common import format_table, launch_gloo, write_json
 
-from torch_kvoffload._utils import free_port
 from torch_kvoffload.kvpp import (
     BundleSpec,
     KVPPAllocation,
@@ -138,21 +136,9 @@ def churned_block_tables(
 # -------------------------------------------------------------------------------------------- workers
 
 
-def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-
-
 def launch(fn, world: int, *args) -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes joined by gloo on 127.0.0.1."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_entry, args=(fn, world, free_port(), args), nprocs=world, join=True)
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks (``_common.launch_gloo``)."""
+    launch_gloo(fn, world, *args, timeout_s=120)
 
 
 def _layer_compute(

@@ -33,20 +33,17 @@ Prints tables; writes ``benchmarks/results/tp_kvpp_bench{--tag}.{json,md,png}`` 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import RESULTS_DIR, format_table, pyplot, write_json
+from _common import RESULTS_DIR, format_table, launch_gloo, pyplot, write_json
 
-from torch_kvoffload._utils import free_port
 from torch_kvoffload.kvpp import KVPPPlan, assign_owners
 
 GIB = 1024**3
@@ -102,26 +99,9 @@ def forward(model, ids: torch.Tensor, cache, past: int):
 
 
 # -------------------------------------------------------------------------------------------- launcher
-def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
-    try:
-        fn(rank, world, *args)
-    except BaseException:
-        raise RuntimeError(f"rank {rank}:\n{traceback.format_exc()}") from None
-    finally:
-        dist.destroy_process_group()
-
-
 def launch(fn, world: int, *args) -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes joined by gloo on 127.0.0.1."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_entry, args=(fn, world, free_port(), args), nprocs=world, join=True)
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks (``_common.launch_gloo``)."""
+    launch_gloo(fn, world, *args, timeout_s=600)
 
 
 # ---------------------------------------------------------------------------------------------- memory

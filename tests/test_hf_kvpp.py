@@ -57,9 +57,20 @@ def _worker(rank: int, world: int, cases: list[tuple], dirs: dict[str, str], out
                 for c in ("c_kv", "k_pe")
             }  # fmt: skip
         explained = torch_kvoffload.explain(model) if compiled else ""
+        packed = {}
+        if not compiled:  # then a packed forward (other shapes): each segment attends only to itself
+            ids = torch.randint(3, 1000, (1, 12), generator=torch.Generator().manual_seed(1))
+            pos = torch.cat([torch.arange(5), torch.arange(7)])[None]
+            with torch.no_grad():
+                packed["got"] = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+                parts = [
+                    ref(input_ids=ids[:, :5], use_cache=False),
+                    ref(input_ids=ids[:, 5:], use_cache=False),
+                ]
+            packed["want"] = torch.cat([p.logits for p in parts], dim=1)
         results[name] = {
             "want": want, "got": got, "stats": stats, "owned": owned, "tp": session.kvpp_config.tp_size,
-            "explain": explained, "graphs": len(getattr(model, "_kvoffload_compile_reports", [])),
+            "explain": explained, "packed": packed, "graphs": len(getattr(model, "_kvoffload_compile_reports", [])),
             "stored": stored, "ref_cache": ref_cache, "heads": session.spec.num_heads,
             "tp_ranks": session.spec.tp.ranks, "kvpp_ranks": session.kvpp_offload.scheduler.transport.group.ranks,
         }  # fmt: skip
@@ -148,6 +159,11 @@ def _check(results: list[dict], name: str, family: str, overrides: dict, lengths
     assert set.union(*owned_sets) == set(range(layers)) and not set.intersection(*owned_sets)
     for r in results[1:]:
         assert torch.equal(r[name]["got"], results[0][name]["got"])
+    for r in results:  # a packed forward after the generate: its segments are independent on every rank
+        if r[name]["packed"]:
+            torch.testing.assert_close(
+                r[name]["packed"]["got"], r[name]["packed"]["want"], rtol=1e-4, atol=1e-4
+            )
 
 
 EAGER = [

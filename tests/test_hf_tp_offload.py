@@ -12,6 +12,7 @@ rank. All cases of a world size run in one spawn (process start-up dominates).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -62,7 +63,7 @@ TWO = [
     ("v32-layerwise", "deepseek_v32", LAYERWISE, ["a", "a_again"]),
     ("v32-both", "deepseek_v32", BOTH, ["a", "b"]),
     ("v3-layerwise", "deepseek_v3", LAYERWISE, ["a", "a_again", "b"]),
-    ("v32-sparse-cb", "deepseek_v32-cb", SERVING, ["cb"]),
+    ("v32-sparse-cb", "deepseek_v32-cb", SERVING, ["cb_diverged", "cb_failed", "cb"]),
 ]
 FOUR = [
     ("v32-sparse", "deepseek_v32", SPARSE, ["a", "b"]),
@@ -83,8 +84,8 @@ def _chunk_prompt() -> torch.Tensor:
     return left_padded_batch([n], seed=seed)[0]
 
 
-def _cb_prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
+def _cb_prompts(seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in CB_LENGTHS]
 
 
@@ -130,17 +131,55 @@ def _run(run: str, model, session) -> dict:
         return {"logits": logits, **_record(model, session)}
     if run == "fail":
         return _failed_attach(model, session)
-    if run == "cb":
+    if run in ("cb", "cb_diverged", "cb_failed"):
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         cb = ContinuousBatchingConfig(page_size=8, max_batch_tokens=16, max_requests_per_batch=4)
-        out = model.generate_batch(
-            _cb_prompts(), generation_config=_cb_generation(), continuous_batching_config=cb
-        )
+        with _fault_on_rank_1(run, session.spec.tp.rank):
+            out = model.generate_batch(
+                _cb_prompts(), generation_config=_cb_generation(), continuous_batching_config=cb
+            )
         order = sorted(out, key=lambda rid: int(rid.rsplit("_", 1)[1]))
+        if run != "cb":
+            return {
+                "errors": [out[rid].error for rid in order],
+                "tokens": [list(out[rid].generated_tokens) for rid in order],
+                **_record(model, session),
+            }
         tokens = [list(out[rid].generated_tokens) for rid in order]
         return {"tokens": tokens, **_record(model, session)}
     return {"tokens": model.generate(**_generate_kwargs(run)), **_record(model, session)}
+
+
+@contextlib.contextmanager
+def _fault_on_rank_1(run: str, rank: int):
+    """On TP rank 1 only, the first continuous-batching step is fed other tokens ("cb_diverged": as a
+    sampler out of step with TP rank 0's would) or fails before its forward ("cb_failed")."""
+    from torch_kvoffload.integrations.hf.serving import ServingRequests
+
+    real_run, real_check = ServingRequests.run_step, ServingRequests._step_requests
+    first = [True]
+
+    def diverged(self, model, kwargs):
+        if first[0]:
+            first[0] = False
+            kwargs = {**kwargs, "input_ids": kwargs["input_ids"] + 1}
+        return real_run(self, model, kwargs)
+
+    def failed(self, *args):
+        if first[0]:
+            first[0] = False
+            raise RuntimeError("injected: rank 1 cannot run the step")
+        return real_check(self, *args)
+
+    if rank == 1 and run == "cb_diverged":
+        ServingRequests.run_step = diverged
+    elif rank == 1 and run == "cb_failed":
+        ServingRequests._step_requests = failed
+    try:
+        yield
+    finally:
+        ServingRequests.run_step, ServingRequests._step_requests = real_run, real_check
 
 
 def _failed_attach(model, session) -> dict:
@@ -274,6 +313,24 @@ def _check_case(results: list[dict], want: dict, case: tuple) -> None:
             assert all(e.startswith("OSError: injected") for e in readers), readers
             # no rank holds a pool, TP rank 0 removed the file it created for the failed sequence
             assert got[0]["pool_files"] == set() and all(g["pool"] is None for g in got)
+            prev_name, prev_d2h = None, got[0]["backend"]["bytes_d2h"]
+            continue
+        if run in ("cb_diverged", "cb_failed"):  # the first step's requests fail on every rank, by name
+            failed = [[i for i, e in enumerate(g["errors"]) if e is not None] for g in got]
+            assert failed[0] and all(f == failed[0] for f in failed), failed
+            message = {
+                "cb_diverged": "the TP ranks run different steps",
+                "cb_failed": "injected: rank 1 cannot run the step",
+            }[run]
+            assert all(message in str(g["errors"][i]) for g in got for i in failed[0]), got[0]["errors"]
+            if run == "cb_failed":
+                assert all("the step failed on TP rank 1" in str(got[0]["errors"][i]) for i in failed[0])
+            # the other requests ran to the end, their tokens those of the unmodified model
+            for g in got:
+                for i, tokens in enumerate(g["tokens"]):
+                    if i not in failed[0]:
+                        assert tokens == want[family]["cb"][i], (run, i)
+            assert all(g["stats"]["reserved_requests"] == 0 for g in got)
             prev_name, prev_d2h = None, got[0]["backend"]["bytes_d2h"]
             continue
         for rank, g in enumerate(got):

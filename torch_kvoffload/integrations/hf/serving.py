@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import zlib
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torch_kvoffload.core.group_outcomes import exchange_outcomes
 from torch_kvoffload.core.requests import Request
 from torch_kvoffload.integrations.hf.packed import PackedRows
 
@@ -190,9 +192,32 @@ class ServingRequests:
 
         step, self._step = self._step, []
         ids = kwargs["input_ids"]
+        layout, requests = self._agree_step(step, ids, kwargs["cu_seq_lens_q"])
+        decode = [i for i, (_, past, q) in enumerate(step) if past > 0 and q == 1]
+        prefill = [i for i, (_, past, q) in enumerate(step) if not (past > 0 and q == 1)]
+        logits: torch.Tensor | None = None
+        for segments in (decode, prefill):  # decode rows first (the sparse decode path), then prefill chunks
+            if segments:
+                logits = self._forward(
+                    model, layout.select(segments), [requests[i] for i in segments], ids, logits
+                )
+        self.steps += 1
+        keep = kwargs.get("logits_to_keep")
+        if isinstance(keep, torch.Tensor):  # as the model's own forward: only these positions' logits
+            logits = logits[:, keep.to(logits.device)]
+        elif isinstance(keep, int) and keep > 0:
+            logits = logits[:, -keep:]
+        return CausalLMOutputWithPast(logits=logits)
+
+    def _step_requests(
+        self, step: list[tuple[str, int, int]], ids: torch.Tensor, cu: Any
+    ) -> tuple[PackedRows, list[Request], tuple]:
+        """The step's layout, the library request of each segment, and the step's signature (request ids,
+        positions, query lengths, a checksum of the tokens); ``RuntimeError`` when the step does not match
+        what the scheduler recorded or the library holds."""
         if not self.is_open:
             raise RuntimeError("continuous batching: the offloaded model's serving state is closed")
-        layout = PackedRows.from_cu("continuous batching", kwargs["cu_seq_lens_q"], int(ids.shape[-1]))
+        layout = PackedRows.from_cu("continuous batching", cu, int(ids.shape[-1]))
         if layout.lengths != [q for _, _, q in step]:
             raise RuntimeError(
                 f"continuous batching: the step packs query lengths {layout.lengths} "
@@ -208,24 +233,38 @@ class ServingRequests:
                     f"{'no request' if r is None else f'{r.length} tokens'} for it"
                 )
             requests.append(r)
-        decode = [i for i, (_, past, q) in enumerate(step) if past > 0 and q == 1]
-        prefill = [i for i, (_, past, q) in enumerate(step) if not (past > 0 and q == 1)]
-        logits: torch.Tensor | None = None
-        for segments in (
-            decode,
-            prefill,
-        ):  # decode rows first: the sparse decode path, then the prefill chunks
-            if segments:
-                logits = self._forward(
-                    model, layout.select(segments), [requests[i] for i in segments], ids, logits
-                )
-        self.steps += 1
-        keep = kwargs.get("logits_to_keep")
-        if isinstance(keep, torch.Tensor):  # as the model's own forward: only these positions' logits
-            logits = logits[:, keep.to(logits.device)]
-        elif isinstance(keep, int) and keep > 0:
-            logits = logits[:, -keep:]
-        return CausalLMOutputWithPast(logits=logits)
+        tokens = zlib.crc32(ids.reshape(-1).to("cpu", torch.int64).numpy().tobytes())
+        return layout, requests, (tuple(step), tokens)
+
+    def _agree_step(
+        self, step: list[tuple[str, int, int]], ids: torch.Tensor, cu: Any
+    ) -> tuple[PackedRows, list[Request]]:
+        """:meth:`_step_requests` on this rank. Under tensor parallelism (transformers' TP rank 0 drives the
+        scheduler and every rank replays it) one exchange over the TP group checks that every rank runs
+        the same step: a rank whose step failed, or was fed other requests, positions or tokens, fails the
+        step on every rank, instead of one rank leaving the others waiting in a sharded layer's all-reduce
+        or two batches being mixed in it."""
+        mine: list = []
+
+        def check() -> tuple:
+            mine[:] = self._step_requests(step, ids, cu)
+            return mine[2]
+
+        outcomes = exchange_outcomes(self.session.spec.tp, check)
+        outcomes.raise_own()
+        if outcomes.failed:
+            raise RuntimeError(f"continuous batching: the step failed on {outcomes.failures()}")
+        layout, requests, signature = mine
+        if any(sig != signature for sig in outcomes.values):
+            described = "; ".join(
+                f"TP rank {r}: {list(sig[0])}, tokens crc32 {sig[1]:08x}"
+                for r, sig in enumerate(outcomes.values)
+            )
+            raise RuntimeError(
+                "continuous batching under tensor parallelism: the TP ranks run different steps "
+                f"({described}); every rank must replay TP rank 0's schedule with the same inputs"
+            )
+        return layout, requests
 
     def _forward(
         self,

@@ -60,16 +60,19 @@ class RecordingTransport:
         self.exchange_error: BaseException | None = None
         self.closed = False
 
-    def broadcast(self, layer, spans, owner, after=()):
+    def broadcast(self, layer, spans, owner, after=(), *, seconds=None):
         self.calls.append((layer, owner, [(s.data_ptr(), s.numel()) for s in spans], tuple(after)))
         if self.device.type != "cpu":
             return SpyEvent(self.wait_log)
 
         def run() -> None:
+            start = time.perf_counter()
             if not self.gate.wait(10):
                 raise TimeoutError("gate never opened")
             if layer in self.fail_layers:
                 raise RuntimeError(f"link down during layer {layer}")
+            if seconds is not None:
+                seconds(time.perf_counter() - start)
 
         return self.stream.submit(run, after=after)
 
@@ -179,7 +182,7 @@ class LoopbackTransport(RecordingTransport):
         self.allocation = allocation
         self.sources = sources
 
-    def broadcast(self, layer, spans, owner, after=()):
+    def broadcast(self, layer, spans, owner, after=(), *, seconds=None):
         self.calls.append((layer, owner, [(s.data_ptr(), s.numel()) for s in spans], tuple(after)))
         if owner == self.group.local_rank:
             return self.stream.submit(lambda: None, after=after)

@@ -140,7 +140,7 @@ class _FailingTransport:
         self.group, self.device = inner.group, inner.device
         self.submitted: list[int] = []
 
-    def broadcast(self, layer, spans, owner, after=()):
+    def broadcast(self, layer, spans, owner, after=(), *, seconds=None):
         self.submitted.append(layer)
         if layer == self.fail_layer:
 
@@ -148,7 +148,7 @@ class _FailingTransport:
                 raise RuntimeError(f"injected failure of layer {layer}")
 
             return self.inner.stream.submit(boom, after=after)
-        return self.inner.broadcast(layer, spans, owner, after)
+        return self.inner.broadcast(layer, spans, owner, after, seconds=seconds)
 
     def all_gather_object(self, obj):
         return self.inner.all_gather_object(obj)

@@ -153,6 +153,9 @@ def _check(results: list[dict], name: str, family: str, overrides: dict, lengths
         assert s["broadcasts"] == (NEW - 1) * layers
         # each broadcast was waited for once (the first prefill moved nothing: no wait)
         assert s["kvpp_waits"] == s["broadcasts"] and s["kvpp_wait_seconds"] >= 0
+        assert (
+            s["kvpp_broadcast_seconds"] > 0
+        )  # every decode step broadcast something, on the transfer thread
         # decode step k moves, per layer, the blocks holding each request's first len + k - 1 tokens
         blocks = sum(-(-(n + k - 1) // BS) for k in range(1, NEW) for n in lengths)
         assert s["bytes_broadcast"] == layers * blocks * bpb

@@ -82,6 +82,8 @@ def test_wait_really_waits_and_counts_seconds() -> None:
     sched.wait_layer(0)
     assert time.perf_counter() - start >= 0.15
     assert sched.counters.get("wait_seconds") >= 0.15
+    # the broadcast itself was held as long on the transfer thread
+    assert sched.counters.get("broadcast_seconds") >= 0.15
     for layer in range(1, 5):
         sched.wait_layer(layer)
     sched.end_forward()

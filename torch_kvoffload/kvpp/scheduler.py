@@ -33,7 +33,8 @@ exchange is bounded by ``wait_timeout`` (through the transport): a peer that nev
 ``TimeoutError``, and the scheduler is failed (the group holds an unfinished collective).
 
 Counters: ``broadcasts`` issued (one per layer), ``broadcast_spans`` (collectives), ``bytes_broadcast``,
-``waits``, ``wait_seconds``, ``forwards``, ``forwards_with_history``, ``forwards_refused`` (by the
+``broadcast_seconds`` (the broadcasts' time on the transfer thread: on CPU the serial broadcast time, so
+``1 - wait_seconds / broadcast_seconds`` is the share of it hidden behind compute), ``waits``, ``wait_seconds``, ``forwards``, ``forwards_with_history``, ``forwards_refused`` (by the
 agreement: a mismatch or a rank that could not schedule the forward, counted on every rank).
 """
 
@@ -102,6 +103,7 @@ class KVPPScheduler:
                 "broadcasts",
                 "broadcast_spans",
                 "bytes_broadcast",
+                "broadcast_seconds",
                 "waits",
                 "wait_seconds",
                 "forwards",
@@ -257,7 +259,11 @@ class KVPPScheduler:
         spans = self.allocation.run_spans(layer, self._runs)
         nbytes = sum(s.numel() for s in spans)
         event = self.transport.broadcast(
-            layer, spans, self.plan.owners[layer], after=[record_compute_event()]
+            layer,
+            spans,
+            self.plan.owners[layer],
+            after=[record_compute_event()],
+            seconds=self._broadcast_took,
         )
         self._pending = (layer, event)
         self._next = index + 1
@@ -297,6 +303,9 @@ class KVPPScheduler:
         backend passes copies; the graph reads those, so they must hold what the broadcast wrote)."""
         if bundle is not None and own is not None:
             sync_copies(bundle, own)
+
+    def _broadcast_took(self, seconds: float) -> None:
+        self.counters.add("broadcast_seconds", seconds)
 
     def _wait_pending(self, what: str) -> None:
         assert self._pending is not None

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -86,23 +87,36 @@ class BroadcastTransport:
     def rank(self) -> int:
         return self.group.local_rank
 
-    def _broadcast(self, layer: int, spans: list[torch.Tensor], src: int) -> None:
+    def _broadcast(
+        self, layer: int, spans: list[torch.Tensor], src: int, seconds: Callable[[float], None] | None
+    ) -> None:
         import torch.distributed as dist
 
+        start = time.perf_counter()
         works = [dist.broadcast(s, src=src, group=self.group.process_group, async_op=True) for s in spans]
         for work in works:
             if self.device.type == "cpu":
                 self._wait(f"the broadcast of layer {layer}", work)
             else:  # the transfer stream waits on the collective; the host does not block
                 work.wait()
+        if seconds is not None:
+            seconds(time.perf_counter() - start)
 
     def broadcast(
-        self, layer: int, spans: Sequence[torch.Tensor], owner: int, after: Sequence[TransferEvent] = ()
+        self,
+        layer: int,
+        spans: Sequence[torch.Tensor],
+        owner: int,
+        after: Sequence[TransferEvent] = (),
+        *,
+        seconds: Callable[[float], None] | None = None,
     ) -> TransferEvent:
         """Broadcast ``spans`` (each ``uint8 [bytes]``, contiguous, 1-D) from group-local ``owner``.
 
         Every rank of the group calls this for the same layers in the same order with spans of the same
-        sizes: the owner's spans are the source, the others' spans are overwritten.
+        sizes: the owner's spans are the source, the others' spans are overwritten. ``seconds`` is called
+        on the transfer thread with the time the collectives took there (on CPU, from issue to completion;
+        on an accelerator, the host time to enqueue them on the transfer stream).
         """
         if isinstance(spans, torch.Tensor) or not isinstance(spans, Sequence) or not spans:
             raise ValueError(
@@ -118,7 +132,7 @@ class BroadcastTransport:
         src = self.group.global_rank(owner)
         if self.group.size == 1:
             return self.stream.submit(lambda: None, after=after)
-        return self.stream.submit(self._broadcast, layer, list(spans), src, after=after)
+        return self.stream.submit(self._broadcast, layer, list(spans), src, seconds, after=after)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Gather a picklable object from every rank of the group (main thread, no broadcast in flight)."""

@@ -25,7 +25,7 @@ from torch_kvoffload.kvpp import BundleSpec, KVPPConfig, KVPPRuntime, create_kvp
 
 __all__ = ["KVPPBackend"]
 
-_TOTALS = ("broadcasts", "broadcast_spans", "bytes_broadcast", "waits", "wait_seconds")
+_TOTALS = ("broadcasts", "broadcast_spans", "bytes_broadcast", "broadcast_seconds", "waits", "wait_seconds")
 
 
 def _world_size() -> int:
@@ -174,6 +174,7 @@ class KVPPBackend(KVBackend):
             "bytes_broadcast": kv["bytes_broadcast"],
             "kvpp_waits": kv["waits"],
             "kvpp_wait_seconds": kv["wait_seconds"],
+            "kvpp_broadcast_seconds": kv["broadcast_seconds"],
             "kvpp_owned_layers": len(alloc.plan.owned) if alloc is not None else 0,
             "kvpp_persistent_bytes": alloc.persistent_bytes if alloc is not None else 0,
             "kvpp_scratch_bytes": alloc.scratch_bytes if alloc is not None else 0,

@@ -72,8 +72,8 @@ _BACKEND_KEYS = (
     "cow_copies",
 )  # fmt: skip
 _KVPP_KEYS = (
-    "bytes_broadcast", "kvpp_waits", "kvpp_wait_seconds", "kvpp_owned_layers", "kvpp_persistent_bytes",
-    "kvpp_scratch_bytes",
+    "bytes_broadcast", "kvpp_waits", "kvpp_wait_seconds", "kvpp_broadcast_seconds", "kvpp_owned_layers",
+    "kvpp_persistent_bytes", "kvpp_scratch_bytes",
 )  # fmt: skip
 _HOST_POOL_KEYS = ("host_pool_bytes", "shared_host_pool_bytes")
 
@@ -441,8 +441,9 @@ class OffloadSession:
         ``serving_slots`` (requests the caches hold at once), ``serving_requests`` (held now),
         ``serving_steps`` (CB steps run so far). KVPP: ``broadcasts`` (layer broadcasts issued),
         ``bytes_broadcast``, ``kvpp_waits`` / ``kvpp_wait_seconds`` (layer waits and the time the forward
-        spent in them: a broadcast not hidden behind compute), ``kvpp_owned_layers`` (layers this rank
-        stores persistently),
+        spent in them: a broadcast not hidden behind compute), ``kvpp_broadcast_seconds`` (the broadcasts'
+        own time on the transfer thread; on CPU ``1 - kvpp_wait_seconds / kvpp_broadcast_seconds`` is the
+        share hidden behind compute), ``kvpp_owned_layers`` (layers this rank stores persistently),
         ``kvpp_persistent_bytes`` / ``kvpp_scratch_bytes`` (this rank's owned bundles / its two scratch
         buffers; their sum is in ``device_kv_bytes``). Sparse decode offload: ``host_pool_bytes`` (the
         host KV pool this process allocated) and ``shared_host_pool_bytes`` (a tensor-parallel reader's

@@ -19,6 +19,7 @@ a ``loss`` computed from the packed logits and ``labels`` with the model's own l
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -83,15 +84,20 @@ class PackedRows:
     def longest(self) -> int:
         return max(self.lengths)
 
-    def _index(self, device: torch.device | str) -> tuple[torch.Tensor, ...]:
-        """``(segment, column, row, token)`` ``int64 [N]`` over the ``N`` real tokens of the segments."""
+    @functools.cached_property
+    def _host_index(self) -> tuple[torch.Tensor, ...]:
         seg, col, row, tok = [], [], [], []
         for i, (b, start, n) in enumerate(self.spans):
             seg += [i] * n
             col += range(n)
             row += [b] * n
             tok += range(start, start + n)
-        return tuple(torch.tensor(x, dtype=torch.int64, device=device) for x in (seg, col, row, tok))
+        return tuple(torch.tensor(x, dtype=torch.int64) for x in (seg, col, row, tok))
+
+    def _index(self, device: torch.device | str) -> tuple[torch.Tensor, ...]:
+        """``(segment, column, row, token)`` ``int64 [N]`` over the ``N`` real tokens of the segments (built
+        once per layout, on the host)."""
+        return tuple(t.to(device) for t in self._host_index)
 
     def mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """``bool [segments, longest]``: which batch positions hold a real token."""

@@ -7,9 +7,9 @@ Here each CB request id holds one request of the session's :class:`~torch_kvoffl
 admitted when the scheduler first stores tokens for it (:meth:`admit`: host-pool blocks, hot buffers and
 indexer-cache rows reserved) and finished when the scheduler frees its blocks (:meth:`finish`: end,
 cancellation, failure, a reset). A step (:meth:`run_step`) is cut into its segments by
-:class:`~torch_kvoffload.integrations.hf.packed.PackedRows`, the layout packed forwards use too, and runs as
-at most two forwards of the library's attention: every decode row in one batch ``[R, 1]`` (the sparse decode path: indexer, residency, only the
-misses copied), every prefill chunk in one right-padded batch ``[P, longest chunk]`` (layerwise offload when
+:class:`~torch_kvoffload.integrations.hf.packed.PackedRows`, the layout packed forwards use too, and runs
+as at most two forwards of the library's attention: every decode row in one batch ``[R, 1]`` (the sparse
+decode path: indexer, residency, only the misses copied), every prefill chunk in one right-padded batch ``[P, longest chunk]`` (layerwise offload when
 configured; a later chunk attends over its request's earlier rows). The logits of each request's last
 token of the step are placed where the step's ``logits_indices`` read them.
 
@@ -191,7 +191,7 @@ class ServingRequests:
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         step, self._step = self._step, []
-        ids = kwargs["input_ids"]
+        ids = kwargs["input_ids"].to("cpu", torch.int64)  # host once: the requests' tokens are read there
         layout, requests = self._agree_step(step, ids, kwargs["cu_seq_lens_q"])
         decode = [i for i, (_, past, q) in enumerate(step) if past > 0 and q == 1]
         prefill = [i for i, (_, past, q) in enumerate(step) if not (past > 0 and q == 1)]
@@ -211,10 +211,9 @@ class ServingRequests:
 
     def _step_requests(
         self, step: list[tuple[str, int, int]], ids: torch.Tensor, cu: Any
-    ) -> tuple[PackedRows, list[Request], tuple]:
-        """The step's layout, the library request of each segment, and the step's signature (request ids,
-        positions, query lengths, a checksum of the tokens); ``RuntimeError`` when the step does not match
-        what the scheduler recorded or the library holds."""
+    ) -> tuple[PackedRows, list[Request]]:
+        """The step's layout and the library request of each segment; ``RuntimeError`` when the step does
+        not match what the scheduler recorded or the library holds."""
         if not self.is_open:
             raise RuntimeError("continuous batching: the offloaded model's serving state is closed")
         layout = PackedRows.from_cu("continuous batching", cu, int(ids.shape[-1]))
@@ -233,8 +232,7 @@ class ServingRequests:
                     f"{'no request' if r is None else f'{r.length} tokens'} for it"
                 )
             requests.append(r)
-        tokens = zlib.crc32(ids.reshape(-1).to("cpu", torch.int64).numpy().tobytes())
-        return layout, requests, (tuple(step), tokens)
+        return layout, requests
 
     def _agree_step(
         self, step: list[tuple[str, int, int]], ids: torch.Tensor, cu: Any
@@ -244,17 +242,20 @@ class ServingRequests:
         the same step: a rank whose step failed, or was fed other requests, positions or tokens, fails the
         step on every rank, instead of one rank leaving the others waiting in a sharded layer's all-reduce
         or two batches being mixed in it."""
+        tp = self.session.spec.tp
+        if tp is None:
+            return self._step_requests(step, ids, cu)
         mine: list = []
 
-        def check() -> tuple:
+        def check() -> tuple:  # the step's requests, positions, query lengths and a checksum of its tokens
             mine[:] = self._step_requests(step, ids, cu)
-            return mine[2]
+            return tuple(step), zlib.crc32(ids.numpy().tobytes())
 
-        outcomes = exchange_outcomes(self.session.spec.tp, check)
+        outcomes = exchange_outcomes(tp, check)
         outcomes.raise_own()
         if outcomes.failed:
             raise RuntimeError(f"continuous batching: the step failed on {outcomes.failures()}")
-        layout, requests, signature = mine
+        signature = outcomes.values[tp.rank]
         if any(sig != signature for sig in outcomes.values):
             described = "; ".join(
                 f"TP rank {r}: {list(sig[0])}, tokens crc32 {sig[1]:08x}"
@@ -264,6 +265,7 @@ class ServingRequests:
                 "continuous batching under tensor parallelism: the TP ranks run different steps "
                 f"({described}); every rank must replay TP rank 0's schedule with the same inputs"
             )
+        layout, requests = mine
         return layout, requests
 
     def _forward(
@@ -275,11 +277,11 @@ class ServingRequests:
         logits: torch.Tensor | None,
     ) -> torch.Tensor:
         """One forward of the library's attention over ``layout``'s segments of the step's ``ids int64 [1,
-        Q]``, segment ``i`` continuing ``requests[i]``, as the right-padded batch ``[segments, longest]``;
+        Q]`` (host), segment ``i`` continuing ``requests[i]``, as the right-padded batch ``[segments, longest]``;
         the logits of each segment's last token go to its packed position in ``logits [1, Q, V]``
         (allocated when ``None``), which is returned."""
         core, device = self.session.core, self.session.spec.device
-        batch = layout.gather(ids.cpu())
+        batch = layout.gather(ids)
         mask = layout.mask()
         tokens = [row[:n].tolist() for row, n in zip(batch, layout.lengths, strict=True)]
         past = torch.tensor([r.length for r in requests])

@@ -34,8 +34,9 @@ exchange is bounded by ``wait_timeout`` (through the transport): a peer that nev
 
 Counters: ``broadcasts`` issued (one per layer), ``broadcast_spans`` (collectives), ``bytes_broadcast``,
 ``broadcast_seconds`` (the broadcasts' time on the transfer thread: on CPU the serial broadcast time, so
-``1 - wait_seconds / broadcast_seconds`` is the share of it hidden behind compute), ``waits``, ``wait_seconds``, ``forwards``, ``forwards_with_history``, ``forwards_refused`` (by the
-agreement: a mismatch or a rank that could not schedule the forward, counted on every rank).
+``1 - wait_seconds / broadcast_seconds`` is the share of it hidden behind compute), ``waits``,
+``wait_seconds``, ``forwards``, ``forwards_with_history``, ``forwards_refused`` (by the agreement: a
+mismatch or a rank that could not schedule the forward, counted on every rank).
 """
 
 from __future__ import annotations

@@ -84,8 +84,8 @@ def _chunk_prompt() -> torch.Tensor:
     return left_padded_batch([n], seed=seed)[0]
 
 
-def _cb_prompts(seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
+def _cb_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
     return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in CB_LENGTHS]
 
 
@@ -140,14 +140,8 @@ def _run(run: str, model, session) -> dict:
                 _cb_prompts(), generation_config=_cb_generation(), continuous_batching_config=cb
             )
         order = sorted(out, key=lambda rid: int(rid.rsplit("_", 1)[1]))
-        if run != "cb":
-            return {
-                "errors": [out[rid].error for rid in order],
-                "tokens": [list(out[rid].generated_tokens) for rid in order],
-                **_record(model, session),
-            }
         tokens = [list(out[rid].generated_tokens) for rid in order]
-        return {"tokens": tokens, **_record(model, session)}
+        return {"tokens": tokens, "errors": [out[rid].error for rid in order], **_record(model, session)}
     return {"tokens": model.generate(**_generate_kwargs(run)), **_record(model, session)}
 
 

@@ -52,9 +52,9 @@ echo "accelerator: ${KIND:-unknown}"
 step "build C++ extension" build.log env MAX_JOBS=${MAX_JOBS:-$(nproc)} $PY setup.py -q build_ext --inplace
 
 # ---- tests: the op suites (every op's Triton kernel on the device), device layer, end to end
-OP_TESTS="tests/test_copy_ops.py tests/test_indexer_ops.py tests/test_residency_ops.py tests/test_sparse_attention_ops.py"
-E2E_TESTS="tests/test_sparse_runtime.py tests/test_sparse_e2e.py tests/test_layerwise_runtime.py"
-HF_TESTS=$(ls tests/test_hf_*.py 2>/dev/null | tr '\n' ' ')
+OP_TESTS="tests/ops/test_copy_ops.py tests/ops/test_indexer_ops.py tests/ops/test_residency_ops.py tests/ops/test_sparse_attention_ops.py"
+E2E_TESTS="tests/sparse/test_sparse_runtime.py tests/sparse/test_sparse_e2e.py tests/layerwise/test_layerwise_runtime.py"
+HF_TESTS=$(ls tests/hf/test_hf_*.py 2>/dev/null | tr '\n' ' ')
 if [ "$KIND" = "cpu" ] || [ -z "$KIND" ]; then
     skip "op tests on the accelerator" "no accelerator (make test runs them on CPU)"
     skip "device-layer tests on the accelerator" "no accelerator"
@@ -68,7 +68,7 @@ else
     if [ -n "$HF_TESTS" ]; then
         step "Hugging Face generate on $KIND" hf.log timeout 180 $PY -m pytest -q -p no:cacheprovider $HF_TESTS
     else
-        skip "Hugging Face generate on $KIND" "no tests/test_hf_*.py"
+        skip "Hugging Face generate on $KIND" "no tests/hf/test_hf_*.py"
     fi
 fi
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import requires_cpp
+from support.op_impls import requires_cpp
 
 from torch_kvoffload import device, transfer
 from torch_kvoffload.transfer import TransferError, TransferEvent, TransferStream

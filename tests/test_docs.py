@@ -6,7 +6,7 @@ The blocks are collected with ``mktestdocs.grab_code_blocks`` (a fence whose inf
 * **Blocks of a document run in order in one namespace per process**: what a block defines (imports,
   ``config``, ``rt``) is there for the next block, as in a reader's session.
 * **The reader's own objects** (``model``, ``input_ids``, ``mask``, ``token_ids``, ``specs`` ...) come
-  from the document's entry in :data:`DOCS`: a tiny random Hugging Face model (``tests/hf_models.py``) or
+  from the document's entry in :data:`DOCS`: a tiny random Hugging Face model (``tests/support/hf_models.py``) or
   small tensors. Each one is made fresh before every block that uses it: every example in the docs
   starts from the reader's unmodified model (``model = torch_kvoffload.offload(model)`` in one block
   and ``torch_kvoffload.compile(model, config)`` in the next are two alternatives, not a sequence).
@@ -106,14 +106,14 @@ class Ctx:
 
 
 def _tiny(family: str = "deepseek_v32"):
-    from hf_models import build_model
+    from support.hf_models import build_model
 
     # two layers keep every example fast; the indexer of the V3.2 config has 32 heads (>= 8)
     return build_model(family, num_hidden_layers=2)
 
 
 def _batch():
-    from hf_models import left_padded_batch
+    from support.hf_models import left_padded_batch
 
     return left_padded_batch([12, 9])
 
@@ -128,7 +128,7 @@ def _hf_reader(ctx: Ctx) -> dict[str, Callable[[], Any]]:
 
 
 def _layerwise_reader(ctx: Ctx) -> dict[str, Callable[[], Any]]:
-    from mla_stack import MLAConfig, MLAStack
+    from support.mla_stack import MLAConfig, MLAStack
 
     cfg = MLAConfig(num_layers=4, num_blocks=16)
     stack = MLAStack(cfg)
@@ -146,7 +146,7 @@ def _layerwise_reader(ctx: Ctx) -> dict[str, Callable[[], Any]]:
 
 
 def _store_reader(ctx: Ctx) -> dict[str, Callable[[], Any]]:
-    from mla_stack import MLAConfig, MLAStack
+    from support.mla_stack import MLAConfig, MLAStack
 
     token_ids = torch.randint(0, 1000, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     full = len(token_ids) // 128
@@ -170,7 +170,7 @@ def _kvpp_reader(ctx: Ctx) -> dict[str, Callable[[], Any]]:
 
 def _pd_reader(ctx: Ctx) -> dict[str, Callable[[], Any]]:
     if ctx.process == "main":  # the runtime-level sketch: one prefill rank and one decode rank
-        import pd_helpers as h
+        import support.pd_helpers as h
 
         from torch_kvoffload.layerwise import plan_layer_buffers
         from torch_kvoffload.sparse import HostKVPool

@@ -1,5 +1,5 @@
 """Research utilities for residency policies: synthetic top-k traces, online policies and Belady's offline
-optimum. Used by ``benchmarks/sparse_decode_bench.py`` and ``tests/test_sparse_policies.py`` (with
+optimum. Used by ``benchmarks/sparse_decode_bench.py`` and ``tests/sparse/test_sparse_policies.py`` (with
 ``tools/`` on the import path); not part of the installed package.
 
 A *trace* is one decode row's sequence of top-k selections: ``steps`` lists of distinct logical

@@ -16,7 +16,7 @@ then calls ``Serve.kill_server``, which stops the continuous-batching worker (a 
 would otherwise keep the process alive).
 
 Every transformers name this relies on is listed in :data:`TRANSFORMERS_NAMES`
-(``tests/test_serve.py`` checks them against the installed transformers).
+(``tests/hf/test_serve.py`` checks them against the installed transformers).
 
 :func:`read_offload_config` and :func:`load_model_dir` check the command line's inputs before anything
 listens, each error a ``ValueError`` naming what is wrong.

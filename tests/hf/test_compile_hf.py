@@ -1,0 +1,173 @@
+"""``torch_kvoffload.compile`` end to end on the tiny Hugging Face models: greedy tokens equal the
+unmodified model's, a bounded number of graphs, ``explain``, the backend entry point and bad input."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from support.hf_models import SMALL, build_model, indexer_boundary_ties, left_padded_batch
+
+import torch_kvoffload
+from torch_kvoffload.backend import kvoffload_backend
+
+NEW_TOKENS = 32
+LENGTHS = [9, 13]
+
+CONFIGS = {
+    "layerwise": {"layerwise": {}},
+    "sparse": {"sparse": {}},
+    "both": {"layerwise": {}, "sparse": {}},
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _generate(model, ids, mask):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+
+
+@pytest.mark.parametrize(
+    ("family", "mode"),
+    [("deepseek_v3", "layerwise"), ("deepseek_v32", "layerwise"), ("deepseek_v32", "sparse"),
+     ("deepseek_v32", "both")],
+)  # fmt: skip
+def test_compiled_generate_matches_the_model(family, mode):
+    ids, mask = left_padded_batch(LENGTHS)
+    want = _generate(build_model(family, **SMALL), ids, mask)
+
+    # fullgraph=True (passed through to torch.compile) for one case: the rewritten graph has no break
+    kwargs = {"fullgraph": True} if mode == "both" else {}
+    model = torch_kvoffload.compile(build_model(family, **SMALL), CONFIGS[mode], **kwargs)
+    got = _generate(model, ids, mask)
+    assert torch.equal(got, want), f"{(got != want).sum().item()} tokens differ"
+
+    # prefill + decode graphs only: the cached length is dynamic, so 32 steps do not recompile
+    graphs = model._kvoffload_compile_reports
+    assert 1 <= len(graphs) <= 3
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3
+
+    text = torch_kvoffload.explain(model)
+    for layer in range(SMALL["num_hidden_layers"]):
+        assert f"layer {layer}:" in text
+    assert "mla_cache_attention" in text
+    assert ("indexer top-k" in text) == (family == "deepseek_v32")
+    assert ("layer_wait" in text) == (mode != "sparse")
+
+    stats = torch_kvoffload.stats(model)
+    assert stats["forwards"] == NEW_TOKENS
+    if mode != "layerwise":
+        assert stats["misses"] > 0 and stats["bytes_h2d"] > 0  # decode read the host pool
+
+    # a second generate with the same prompt width reuses the graphs
+    with torch.no_grad():
+        again = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(again, want[:, : ids.shape[1] + 4])
+    assert len(model._kvoffload_compile_reports) == len(graphs)
+
+
+# (prompt lengths of the rows, max_new_tokens): batches of 1 and more rows, with and without padding
+# (Hugging Face passes no attention mask for a batch without), one-token prompts and one-token decodes
+SHAPES = [
+    ([5, 4], 8), ([12], 4), ([20, 19, 18], 16), ([3, 3], 8), ([7, 6, 5, 7], 5), ([1], 6), ([9, 9, 9], 3),
+    ([11, 10], 7), ([4, 3, 2, 4, 3], 9), ([25], 4), ([1, 1], 3), ([6, 2], 1), ([2], 3), ([14, 1, 8], 6),
+]  # fmt: skip
+# a prefill and a decode graph for each of: batch 1 / more, prompt (or cached) length 1 / more, with /
+# without attention mask, is at most 16; these shapes need 10 (12 with shape-specialised first graphs)
+MAX_GRAPHS = 10
+
+
+@pytest.mark.parametrize(("family", "mode"), [("deepseek_v3", "layerwise"), ("deepseek_v32", "both")])
+def test_generate_calls_of_many_shapes_on_one_compiled_model(family, mode):
+    """Dynamo's default recompile limit (8) used to run out after four calls of new shapes: each new
+    batch size or prompt length compiled a prefill and a decode graph until automatic dynamic shapes
+    caught up, per input variant. Now the graph count stays bounded and every call gives the unmodified
+    model's tokens."""
+    model = build_model(family, **SMALL)
+    ref = copy.deepcopy(model)
+    model = torch_kvoffload.compile(model, CONFIGS[mode])
+    counts = []
+    for i, (lengths, new) in enumerate(SHAPES):
+        ids, mask = left_padded_batch(lengths, seed=100 + i)
+        with torch.no_grad():
+            want = ref.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        if family == "deepseek_v32":
+            rows = [want[b][mask[b].bool().tolist() + [True] * new] for b in range(len(lengths))]
+            assert indexer_boundary_ties(ref, rows) == 0
+        assert torch.equal(got, want), f"call {i} {lengths}: {(got != want).sum().item()} tokens differ"
+        counts.append(len(model._kvoffload_compile_reports))
+    assert counts[-1] <= MAX_GRAPHS, counts
+    # the same shapes again compile nothing
+    for i, (lengths, new) in enumerate(SHAPES[:6]):
+        ids, mask = left_padded_batch(lengths, seed=200 + i)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+    assert len(model._kvoffload_compile_reports) == counts[-1]
+
+
+def test_explain_runs_a_forward_when_nothing_is_compiled():
+    model = torch_kvoffload.compile(build_model("deepseek_v3", **SMALL), CONFIGS["layerwise"])
+    ids, mask = left_padded_batch([5, 5])
+    text = torch_kvoffload.explain(model, ids, attention_mask=mask)
+    assert text.startswith("DeepseekV3ForCausalLM: 1 graph(s)")
+    assert "replaced" in text and "layer_save" in text
+    with pytest.raises(ValueError, match=r"was not compiled with torch_kvoffload\.compile"):
+        torch_kvoffload.explain(build_model("deepseek_v3", **SMALL))
+
+
+def test_backend_is_registered_by_entry_point():
+    from torch._dynamo.backends.registry import list_backends, lookup_backend
+
+    assert "kvoffload" in list_backends(exclude_tags=())
+    assert lookup_backend("kvoffload") is kvoffload_backend
+
+
+def test_entry_point_backend_with_a_config():
+    """``torch.compile(model, backend="kvoffload", options={"config": ...})``: no package call needed; the
+    backend builds the session and brackets each compiled call (each a fresh sequence here)."""
+    ids, mask = left_padded_batch([5, 7], seed=1)
+    with torch.no_grad():
+        want = build_model("deepseek_v32", **SMALL)(ids, attention_mask=mask).logits
+        model = build_model("deepseek_v32", **SMALL)
+        compiled = torch.compile(model, backend="kvoffload", options={"config": CONFIGS["both"]})
+        for _ in range(2):
+            got = compiled(ids, attention_mask=mask).logits
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert torch_kvoffload.stats(model)["forwards"] == 2
+
+
+def test_compile_rejects_bad_input_and_leaves_the_model_alone():
+    model = build_model("deepseek_v3", **SMALL)
+    forward = model.forward
+    with pytest.raises(ValueError, match="'backend' is set by the library"):
+        torch_kvoffload.compile(model, None, backend="inductor")
+    with pytest.raises(ValueError, match="sparse decode offload needs a lightning indexer"):
+        torch_kvoffload.compile(model, CONFIGS["sparse"])
+    assert model.forward == forward and getattr(model, "_kvoffload_session", None) is None
+
+    class NotMLA(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    with pytest.raises(ValueError, match="NotMLA"):
+        torch_kvoffload.compile(NotMLA())
+
+
+def test_backend_needs_a_session():
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="unknown options"):
+        kvoffload_backend(gm, [], options={"sesion": None})
+    with pytest.raises(ValueError, match="no offload session"):
+        kvoffload_backend(gm, [], options={})

@@ -1,0 +1,389 @@
+"""Offload of a tensor-parallel Hugging Face model: tiny DeepseekV3 / V32 saved to a directory and loaded
+with ``tp_plan="auto"`` on every rank of 2 and of 4 processes (spawn, gloo on 127.0.0.1).
+
+Modes: sparse decode offload over the TP group's shared host pool (TP rank 0 allocates and writes it, the
+other ranks attach it and read), resident sparse, layerwise, layerwise + sparse. Every rank's tokens are
+compared with the unmodified single-process model's ``generate`` (greedy, left-padded batch; beam search
+too), a chunked prefill's logits with its one-shot forward. The shared pool is checked for real: one
+``/dev/shm`` file of the size the layout gives, the same name on every rank, rows written by TP rank 0
+only, a new pool for a sequence of other sizes and the old one removed, a failed attach raising on every
+rank. All cases of a world size run in one spawn (process start-up dominates).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from support.hf_models import build_model, left_padded_batch
+from support.kvpp_helpers import spawn_gloo
+from support.tp_helpers import load_tp, save_tiny
+
+import torch_kvoffload
+from torch_kvoffload.core.backends.sparse_offload import FENCE_TIMEOUT_S
+
+BS = 4  # tokens per block: the prompts span several blocks (beams share their full ones)
+OVERRIDES = {"num_hidden_layers": 2}  # 4 attention heads (divisible by 2 and 4), 32 indexer heads
+SHM = "/dev/shm"
+# a reader waits at most FENCE_TIMEOUT_S for the writer, a collective at most spawn_gloo's process-group
+# timeout (60 s); a spawn that outlives both by the run itself is stuck
+TIMEOUT_S = FENCE_TIMEOUT_S + 60 + 120
+
+# generate() runs: (lengths, prompt seed, max_new_tokens, extra generate arguments)
+RUNS = {
+    "a": ([20, 13], 0, 16, {}),
+    "a_again": ([20, 13], 0, 16, {}),  # the same prompts: the layerwise store holds their blocks
+    "b": ([9, 17, 5], 1, 24, {}),  # other sizes: the caches (and the shared pool) are built anew
+    "beam": ([20, 13], 0, 12, {"num_beams": 2}),  # forks: the beams share host-pool blocks
+}
+CHUNK = (21, 5, 10)  # a prompt of 21 tokens (seed 5) fed as 10 + 11 tokens: the second reads the pool
+# continuous batching (generate_batch): prompt lengths, new tokens, 3 requests held of 64 tokens at most;
+# its model's token-0 embedding is not zero (a zero indexer query ties every score: an arbitrary top-k)
+CB_LENGTHS, CB_NEW, CB_SLOTS, CB_TOKENS = (3, 40, 7, 25, 12, 33), 8, 3, 64
+
+SPARSE = {"sparse": {}, "block_size": BS}
+RESIDENT = {"sparse": {"offload": False}, "block_size": BS}
+LAYERWISE = {"layerwise": {}, "block_size": BS}
+BOTH = {"layerwise": {}, "sparse": {}, "block_size": BS}
+SERVING = {
+    "sparse": {},
+    "block_size": BS,
+    "serving": {"max_requests": CB_SLOTS, "max_request_tokens": CB_TOKENS},
+}
+
+# (name, family, config, runs); "chunk": the chunked prefill, "fail": an attach that fails on the readers
+TWO = [
+    ("v32-sparse", "deepseek_v32", SPARSE, ["a", "b", "beam", "chunk", "fail", "a_again"]),
+    ("v32-resident", "deepseek_v32", RESIDENT, ["a", "b"]),
+    ("v32-layerwise", "deepseek_v32", LAYERWISE, ["a", "a_again"]),
+    ("v32-both", "deepseek_v32", BOTH, ["a", "b"]),
+    ("v3-layerwise", "deepseek_v3", LAYERWISE, ["a", "a_again", "b"]),
+    ("v32-sparse-cb", "deepseek_v32-cb", SERVING, ["cb_diverged", "cb_failed", "cb"]),
+]
+FOUR = [
+    ("v32-sparse", "deepseek_v32", SPARSE, ["a", "b"]),
+    ("v32-both", "deepseek_v32", BOTH, ["a"]),
+    ("v32-resident", "deepseek_v32", RESIDENT, ["a"]),
+    ("v3-layerwise", "deepseek_v3", LAYERWISE, ["a", "a_again"]),
+]
+
+
+def _generate_kwargs(run: str) -> dict:
+    lengths, seed, new, extra = RUNS[run]
+    ids, mask = left_padded_batch(lengths, seed=seed)
+    return dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, **extra)
+
+
+def _chunk_prompt() -> torch.Tensor:
+    n, seed, _ = CHUNK
+    return left_padded_batch([n], seed=seed)[0]
+
+
+def _cb_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in CB_LENGTHS]
+
+
+def _cb_generation():
+    from transformers import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=CB_NEW, do_sample=False, eos_token_id=999_999, pad_token_id=0)
+
+
+# ------------------------------------------------------------------------------------------- ranks
+def _pool_files() -> set[str]:
+    """The shared host pools this process created that still exist."""
+    return {f for f in os.listdir(SHM) if f.startswith(f"kvoffload-pool-{os.getpid()}-")}
+
+
+def _pool_info(session) -> dict | None:
+    rt = session.sparse_offload
+    if rt is None:
+        return None
+    pool = rt.pool
+    # the owner's file: a reader's look could race with TP rank 0 replacing the pool for its next sequence
+    size = os.stat(os.path.join(SHM, pool.name)).st_size if pool.owner and pool.name is not None else None
+    return {"name": pool.name, "writer": rt.writer, "owner": pool.owner, "file_bytes": size}
+
+
+def _record(model, session) -> dict:
+    return {
+        "stats": torch_kvoffload.stats(model),
+        "backend": session.core.backends.sparse.stats() if session.core.backends.sparse is not None else {},
+        "pool": _pool_info(session),
+        "pool_files": _pool_files(),
+    }
+
+
+def _run(run: str, model, session) -> dict:
+    if run == "chunk":
+        prompt, split = _chunk_prompt(), CHUNK[2]
+        session.end_sequence()  # generate() leaves its sequence open
+        session.reserve(1, 32)
+        cache = session.new_cache()
+        model(input_ids=prompt[:, :split], cache=cache)
+        logits = model(input_ids=prompt[:, split:], cache=cache).logits
+        return {"logits": logits, **_record(model, session)}
+    if run == "fail":
+        return _failed_attach(model, session)
+    if run in ("cb", "cb_diverged", "cb_failed"):
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        cb = ContinuousBatchingConfig(page_size=8, max_batch_tokens=16, max_requests_per_batch=4)
+        with _fault_on_rank_1(run, session.spec.tp.rank):
+            out = model.generate_batch(
+                _cb_prompts(), generation_config=_cb_generation(), continuous_batching_config=cb
+            )
+        order = sorted(out, key=lambda rid: int(rid.rsplit("_", 1)[1]))
+        tokens = [list(out[rid].generated_tokens) for rid in order]
+        return {"tokens": tokens, "errors": [out[rid].error for rid in order], **_record(model, session)}
+    return {"tokens": model.generate(**_generate_kwargs(run)), **_record(model, session)}
+
+
+@contextlib.contextmanager
+def _fault_on_rank_1(run: str, rank: int):
+    """On TP rank 1 only, the first continuous-batching step is fed other tokens ("cb_diverged": as a
+    sampler out of step with TP rank 0's would) or fails before its forward ("cb_failed")."""
+    from torch_kvoffload.integrations.hf.serving import ServingRequests
+
+    real_run, real_check = ServingRequests.run_step, ServingRequests._step_requests
+    first = [True]
+
+    def diverged(self, model, kwargs):
+        if first[0]:
+            first[0] = False
+            kwargs = {**kwargs, "input_ids": kwargs["input_ids"] + 1}
+        return real_run(self, model, kwargs)
+
+    def failed(self, *args):
+        if first[0]:
+            first[0] = False
+            raise RuntimeError("injected: rank 1 cannot run the step")
+        return real_check(self, *args)
+
+    if rank == 1 and run == "cb_diverged":
+        ServingRequests.run_step = diverged
+    elif rank == 1 and run == "cb_failed":
+        ServingRequests._step_requests = failed
+    try:
+        yield
+    finally:
+        ServingRequests.run_step, ServingRequests._step_requests = real_run, real_check
+
+
+def _failed_attach(model, session) -> dict:
+    """The readers cannot attach the pool TP rank 0 created for a new sequence: every rank raises (no rank
+    waits for the others), TP rank 0 removes its file, and the next sequence works again."""
+    from torch_kvoffload.core.backends import sparse_offload
+
+    real = sparse_offload.HostKVPool.attach
+
+    def refuse(name, **dims):
+        raise OSError(f"injected: cannot map {name}")
+
+    if session.spec.tp.rank != 0:
+        sparse_offload.HostKVPool.attach = refuse
+    try:
+        with pytest.raises(Exception) as info:
+            model.generate(**_generate_kwargs("b"))
+    finally:
+        sparse_offload.HostKVPool.attach = real
+    return {"error": f"{type(info.value).__name__}: {info.value}", **_record(model, session)}
+
+
+def _worker(rank: int, world: int, dirs: dict[str, str], cases: list, out_dir: str) -> None:
+    from torch_kvoffload.integrations.hf import session_of
+
+    results = {}
+    for name, family, cfg, runs in cases:
+        with torch.no_grad():
+            model = torch_kvoffload.offload(load_tp(dirs[family], rank, world), cfg)
+            session = session_of(model)
+            tp = session.spec.tp
+            res = {"tp": (tp.size, tp.rank), "fingerprint": session.spec.weights_fingerprint, "runs": {}}
+            for run in runs:
+                res["runs"][run] = _run(run, model, session)
+            session.close()
+        res["files_after_close"] = _pool_files()
+        results[name] = res
+    torch.save(results, f"{out_dir}/rank{rank}.pt")
+
+
+# ------------------------------------------------------------------------------------------ parent
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The tiny models saved once, and the unmodified single-process model's outputs of every run."""
+    root = tmp_path_factory.mktemp("tp_models")
+    dirs, want = {}, {}
+    with torch.no_grad():
+        for family in ("deepseek_v3", "deepseek_v32"):
+            dirs[family] = save_tiny(family, root / family, **OVERRIDES)
+            ref = build_model(family, **OVERRIDES)
+            want[family] = {run: ref.generate(**_generate_kwargs(run)) for run in RUNS}
+            want[family]["chunk"] = ref(input_ids=_chunk_prompt()).logits[:, CHUNK[2] :]
+        ref = build_model("deepseek_v32", **OVERRIDES)
+        ref.model.embed_tokens.weight[0].normal_()
+        ref.save_pretrained(str(root / "cb"))
+        dirs["deepseek_v32-cb"] = str(root / "cb")
+        gen = _cb_generation()
+        want["deepseek_v32-cb"] = {
+            "cb": [
+                ref.generate(torch.tensor([p]), generation_config=gen)[0, len(p) :].tolist()
+                for p in _cb_prompts()
+            ]
+        }
+    return dirs, want
+
+
+def _spawn(tmp_path_factory, dirs: dict, world: int, cases: list) -> list[dict]:
+    out = tmp_path_factory.mktemp(f"tp{world}")
+    spawn_gloo(_worker, world, dirs, cases, str(out), timeout=TIMEOUT_S)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(saved, tmp_path_factory):
+    return _spawn(tmp_path_factory, saved[0], 2, TWO)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(saved, tmp_path_factory):
+    return _spawn(tmp_path_factory, saved[0], 4, FOUR)
+
+
+def _layout(run: str) -> tuple[int, int]:
+    """``(requests, tokens per request)`` a run's caches are sized for: the batch (x beams) and the prompt
+    width + ``max_new_tokens`` - 1 (the last token's KV is never computed); the chunked prefill: what it
+    reserves."""
+    if run == "chunk":
+        return 1, 32
+    if run == "cb":
+        return CB_SLOTS, CB_TOKENS
+    lengths, _, new, extra = RUNS[run]
+    return len(lengths) * extra.get("num_beams", 1), max(lengths) + new - 1
+
+
+def _rows_written(run: str) -> int | None:
+    """Rows per layer a run appends to the host pool: every real token but the last generated one (its
+    KV is never computed); ``None`` for beam search (the beams' rows depend on the search)."""
+    if run == "chunk":
+        return CHUNK[0]
+    if run == "cb":
+        return sum(n + CB_NEW - 1 for n in CB_LENGTHS)
+    lengths, _, new, extra = RUNS[run]
+    return None if extra else sum(n + new - 1 for n in lengths)
+
+
+def _pool_bytes(requests: int, tokens: int, layers: int, kv_lora_rank: int, rope_dim: int) -> int:
+    """A shared pool's file, written out: a 4 KiB header (description + per-layer fence), then every
+    layer's ``kv_c`` rows (4 KiB aligned) and ``k_pe`` rows of ``requests`` x ``ceil(tokens / BS)`` blocks
+    (fp32)."""
+    rows = layers * requests * -(-tokens // BS) * BS
+    return 4096 + -(-rows * kv_lora_rank * 4 // 4096) * 4096 + rows * rope_dim * 4
+
+
+def _check_case(results: list[dict], want: dict, case: tuple) -> None:
+    from support.hf_models import tiny_config
+
+    name, family, config, runs = case
+    world = len(results)
+    cfg = tiny_config(family.removesuffix("-cb"), **OVERRIDES)
+    layers, Dc, Dr = cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    shared = "sparse" in config and config["sparse"].get("offload", True)
+    assert [r[name]["tp"] for r in results] == [(world, rank) for rank in range(world)]
+    if "layerwise" in config:  # each rank hashes its own weight shards: its store keys are its own
+        assert len({r[name]["fingerprint"] for r in results} - {""}) == world
+    prev_name, prev_d2h = None, 0
+    for run in runs:
+        got = [r[name]["runs"][run] for r in results]
+        if run == "fail":
+            rank0, *readers = (g["error"] for g in got)
+            assert rank0.startswith("RuntimeError") and "TP rank 1: OSError: injected" in rank0, rank0
+            assert all(e.startswith("OSError: injected") for e in readers), readers
+            # no rank holds a pool, TP rank 0 removed the file it created for the failed sequence
+            assert got[0]["pool_files"] == set() and all(g["pool"] is None for g in got)
+            prev_name, prev_d2h = None, got[0]["backend"]["bytes_d2h"]
+            continue
+        if run in ("cb_diverged", "cb_failed"):  # the first step's requests fail on every rank, by name
+            failed = [[i for i, e in enumerate(g["errors"]) if e is not None] for g in got]
+            assert failed[0] and all(f == failed[0] for f in failed), failed
+            message = {
+                "cb_diverged": "the TP ranks run different steps",
+                "cb_failed": "injected: rank 1 cannot run the step",
+            }[run]
+            assert all(message in str(g["errors"][i]) for g in got for i in failed[0]), got[0]["errors"]
+            if run == "cb_failed":
+                assert all("the step failed on TP rank 1" in str(got[0]["errors"][i]) for i in failed[0])
+            # the other requests ran to the end, their tokens those of the unmodified model
+            for g in got:
+                for i, tokens in enumerate(g["tokens"]):
+                    if i not in failed[0]:
+                        assert tokens == want[family]["cb"][i], (run, i)
+            assert all(g["stats"]["reserved_requests"] == 0 for g in got)
+            prev_name, prev_d2h = None, got[0]["backend"]["bytes_d2h"]
+            continue
+        for rank, g in enumerate(got):
+            if run == "chunk":
+                torch.testing.assert_close(g["logits"], want[family]["chunk"], rtol=1e-4, atol=1e-5)
+            elif run == "cb":
+                assert g["tokens"] == want[family]["cb"], f"{name} rank {rank}"
+            else:
+                diff = (
+                    (g["tokens"] != want[family][run]).sum()
+                    if g["tokens"].shape == want[family][run].shape
+                    else "all"
+                )
+                assert torch.equal(g["tokens"], want[family][run]), (
+                    f"{name} {run} rank {rank}: {diff} tokens differ"
+                )
+        if run == "a_again" and "layerwise" in config:  # every rank found the prompts' blocks in its store
+            assert all(g["stats"]["store_hits"] > r[name]["runs"]["a"]["stats"]["store_hits"]
+                       for g, r in zip(got, results, strict=True))  # fmt: skip
+        backend = [g["backend"] for g in got]
+        if not shared:
+            assert all(
+                g["pool"] is None and b.get("host_pool_bytes", 0) == 0
+                for g, b in zip(got, backend, strict=True)
+            )
+            continue
+        pools = [g["pool"] for g in got]
+        # one pool: TP rank 0's file, attached by name on every other rank, written by rank 0 only
+        assert len({p["name"] for p in pools}) == 1
+        assert [(p["writer"], p["owner"]) for p in pools] == [(True, True)] + [(False, False)] * (world - 1)
+        size = _pool_bytes(*_layout(run), layers, Dc, Dr)
+        assert pools[0]["file_bytes"] == size, run
+        # a sequence of other sizes got a new pool; the previous one's file is gone
+        assert pools[0]["name"] != prev_name and got[0]["pool_files"] == {pools[0]["name"]}
+        # the host pool exists once: TP rank 0 counts its bytes, the readers count them as shared
+        assert [b["host_pool_bytes"] for b in backend] == [size] + [0] * (world - 1)
+        assert [b["shared_host_pool_bytes"] for b in backend] == [0] + [size] * (world - 1)
+        # ... and so does the public stats()
+        public = [(g["stats"]["host_pool_bytes"], g["stats"]["shared_host_pool_bytes"]) for g in got]
+        assert public == [(size, 0)] + [(0, size)] * (world - 1)
+        # the rows reach the pool once: TP rank 0 copied every new row of every layer, the readers none
+        written = _rows_written(run)
+        d2h = backend[0]["bytes_d2h"] - prev_d2h
+        assert d2h == layers * written * (Dc + Dr) * 4 if written is not None else d2h > 0
+        assert all(b["bytes_d2h"] == 0 for b in backend[1:])
+        # every rank loads its own hot rows from the shared pool
+        assert all(b["bytes_h2d"] == backend[0]["bytes_h2d"] > 0 for b in backend)
+        if run == "beam":  # the beams share their prompts' full blocks on every rank alike
+            assert all(b["fork_shared_blocks"] == backend[0]["fork_shared_blocks"] > 0 for b in backend)
+        prev_name, prev_d2h = pools[0]["name"], backend[0]["bytes_d2h"]
+    for rank, r in enumerate(results):
+        assert r[name]["files_after_close"] == set(), f"rank {rank} left {r[name]['files_after_close']}"
+
+
+@pytest.mark.parametrize("case", TWO, ids=[c[0] for c in TWO])
+def test_two_ranks(saved, two_ranks, case):
+    _check_case(two_ranks, saved[1], case)
+
+
+@pytest.mark.parametrize("case", FOUR, ids=[c[0] for c in FOUR])
+def test_four_ranks(saved, four_ranks, case):
+    _check_case(four_ranks, saved[1], case)

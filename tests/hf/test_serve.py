@@ -1,0 +1,349 @@
+"""``python -m torch_kvoffload.serve``: transformers' OpenAI-compatible server on an offloaded model.
+
+A tiny DeepseekV32 (8 indexer heads, ``index_topk`` 8 below the prompt lengths, so the selection is
+sparse) and a word-level tokenizer are saved to a temporary directory; the server runs in a subprocess on
+127.0.0.1. Reference: per-prompt greedy ``generate()`` of the unmodified model loaded from the same
+directory. The word-level tokenizer decodes ids to space-separated words, one per id, so equal text means
+equal generated tokens.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers.cli.serving.model_manager")
+pytest.importorskip("openai")
+
+from support.hf_models import SMALL, build_model, indexer_boundary_ties
+
+from torch_kvoffload import serve
+from torch_kvoffload._utils import free_port
+from torch_kvoffload.integrations.hf import server
+
+#: Seconds the server may take from launch to answering ``/health`` (imports, load, offload).
+START_TIMEOUT_S = 120.0
+#: Seconds one HTTP request may take (the first one builds the continuous-batching state).
+REQUEST_TIMEOUT_S = 60.0
+#: Seconds a stopped or failing server may take to exit.
+EXIT_TIMEOUT_S = 60.0
+#: Pause between two readiness probes (each a wait on the process, which ends early if it exits).
+POLL_S = 0.2
+NEW_TOKENS = 8
+VOCAB = 1000
+COMPLETION_PROMPTS = ((12, 0), (20, 1), (9, 2))  # (length, seed)
+CHAT_PROMPTS = ((10, 3), (16, 4), (13, 5))
+STREAM_PROMPT = (14, 6)  # a streamed completion
+# Why: 16 tokens per step (passed to transformers' continuous batching) make the longer prompts' prefills
+# take several steps, mixed with the other requests' decode steps.
+CB_ARGS = ("--cb-max-batch-tokens", "16")
+MAX_REQUEST_TOKENS = 40  # prompt + max_tokens of one request (serving.max_request_tokens)
+SERVING_CONFIG = {
+    "layerwise": {},
+    "sparse": {},
+    "serving": {"max_request_tokens": MAX_REQUEST_TOKENS, "max_requests": 4},
+}
+
+
+def _words(length: int, seed: int) -> str:
+    g = torch.Generator().manual_seed(seed)
+    return " ".join(f"w{i}" for i in torch.randint(3, VOCAB, (length,), generator=g).tolist())
+
+
+def _save_tokenizer(path: Path) -> None:
+    """A fast word-level tokenizer: id ``i`` >= 3 is the word ``w{i}``, 0 / 1 / 2 are pad / bos / eos; the
+    chat template joins the messages' contents and ends the prompt with ``w5``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with single spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w5{% endif %}"
+    )
+    fast.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("v32")
+    build_model("deepseek_v32", index_n_heads=8, **SMALL).save_pretrained(path)
+    _save_tokenizer(path)
+    return path
+
+
+def _log_of(proc: subprocess.Popen, log: Path) -> str:
+    return f"server exited with {proc.returncode}; its output:\n{log.read_text()}"
+
+
+@pytest.fixture(scope="module")
+def served(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """``(base_url, log_path)`` of a running server; stopped (SIGTERM, then SIGKILL) when the module ends."""
+    tmp = tmp_path_factory.mktemp("serve")
+    config = tmp / "offload.json"
+    config.write_text(json.dumps(SERVING_CONFIG))
+    log = tmp / "server.log"
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch_kvoffload.serve", str(model_dir), "--port", str(port)]
+    cmd += ["--config", str(config), "--device", "cpu", "--log-level", "warning", *CB_ARGS]
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TQDM_DISABLE": "1"}
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_ready(proc, url, log)
+        yield url, log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            pytest.fail(f"the server did not stop within {EXIT_TIMEOUT_S} s of SIGTERM:\n{log.read_text()}")
+    assert proc.returncode == 0, _log_of(proc, log)
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
+    for _ in range(int(START_TIMEOUT_S / POLL_S)):
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=POLL_S * 5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        try:
+            proc.wait(timeout=POLL_S)
+        except subprocess.TimeoutExpired:
+            continue
+        pytest.fail(_log_of(proc, log))
+    pytest.fail(f"the server did not answer /health within {START_TIMEOUT_S} s:\n{log.read_text()}")
+
+
+def _reference(model_dir: Path) -> tuple[list[list[int]], list[list[int]], list[str]]:
+    """Per-prompt greedy ``generate()`` of the unmodified model, completion prompts (the streamed one last)
+    then chat prompts:
+    prompt ids, generated ids and their text; checks no DSA top-k boundary tie makes the selection implementation-defined."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompts = [tok(_words(n, s))["input_ids"] for n, s in (*COMPLETION_PROMPTS, STREAM_PROMPT)]
+    prompts += [
+        tok.apply_chat_template(
+            [{"role": "user", "content": _words(n, s)}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
+        for n, s in CHAT_PROMPTS
+    ]
+    tokens, sequences = [], []
+    with torch.no_grad():
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0]
+            tokens.append(out[len(p) :].tolist())
+            sequences.append(out)
+    assert indexer_boundary_ties(model, sequences) == 0
+    return prompts, tokens, [tok.decode(t, skip_special_tokens=True) for t in tokens]
+
+
+def test_concurrent_requests_equal_per_prompt_generate(served, model_dir: Path) -> None:
+    from openai import OpenAI
+
+    url, log = served
+    prompts, tokens, texts = _reference(model_dir)
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0)
+    name = str(model_dir)
+    assert [m.id for m in client.models.list().data] == [name]
+
+    def complete(prompt: tuple[int, int]):
+        return client.completions.create(
+            model=name, prompt=_words(*prompt), max_tokens=NEW_TOKENS, temperature=0
+        )
+
+    def chat(prompt: tuple[int, int]):
+        return client.chat.completions.create(
+            model=name,
+            messages=[{"role": "user", "content": _words(*prompt)}],
+            max_tokens=NEW_TOKENS,
+            temperature=0,
+        )
+
+    def stream(prompt: tuple[int, int]) -> str:
+        chunks = client.completions.create(
+            model=name, prompt=_words(*prompt), max_tokens=NEW_TOKENS, temperature=0, stream=True
+        )
+        return "".join(c.choices[0].text for c in chunks)
+
+    with ThreadPoolExecutor(len(COMPLETION_PROMPTS) + len(CHAT_PROMPTS) + 1) as pool:
+        completions = [pool.submit(complete, p) for p in COMPLETION_PROMPTS]
+        streamed = pool.submit(stream, STREAM_PROMPT)
+        chats = [pool.submit(chat, p) for p in CHAT_PROMPTS]
+        completions = [f.result() for f in completions]
+        streamed = streamed.result()
+        chats = [f.result() for f in chats]
+
+    k = len(completions)
+    assert streamed == texts[k]
+    del prompts[k], tokens[k], texts[k]
+    for got, prompt, ids, text in zip(completions, prompts[:k], tokens[:k], texts[:k], strict=True):
+        assert (got.choices[0].text, got.usage.prompt_tokens) == (text, len(prompt))
+        assert got.usage.completion_tokens == len(ids)
+    for got, prompt, ids, text in zip(chats, prompts[k:], tokens[k:], texts[k:], strict=True):
+        assert (got.choices[0].message.content, got.usage.prompt_tokens) == (text, len(prompt))
+        assert got.usage.completion_tokens == len(ids)
+    # The --config file reached the served model: its serving.max_request_tokens refuses one token more.
+    import openai
+
+    room = MAX_REQUEST_TOKENS - 8
+    client.completions.create(model=name, prompt=_words(8, 7), max_tokens=room, temperature=0)
+    with pytest.raises(openai.InternalServerError):
+        client.completions.create(model=name, prompt=_words(8, 7), max_tokens=room + 1, temperature=0)
+    # transformers logs each request with whether continuous batching serves it.
+    served_log = log.read_text()
+    assert served_log.count("CB: True") == len(completions) + 1 + len(chats) + 2, served_log
+    assert "CB: False" not in served_log
+
+
+def test_transformers_names_exist() -> None:
+    """The transformers names the server integration relies on: fails loudly when transformers renames
+    them (``server.TRANSFORMERS_NAMES``, ``server.SERVE_KWARGS``)."""
+    for module, attr, members in server.TRANSFORMERS_NAMES:
+        cls = getattr(importlib.import_module(module), attr)
+        missing = [m for m in members if not callable(getattr(cls, m, None))]
+        assert not missing, f"{module}.{attr} has no {missing}"
+    from transformers.cli.serve import Serve
+    from transformers.cli.serving.model_manager import ModelManager
+
+    params = inspect.signature(Serve.__init__).parameters
+    assert set(server.SERVE_KWARGS) <= set(params), set(server.SERVE_KWARGS) - set(params)
+    # Why: the swap of ModelManager only reaches Serve if Serve looks it up in that module when built.
+    assert "from .serving.model_manager import ModelManager" in inspect.getsource(Serve.__init__)
+    assert list(inspect.signature(ModelManager._load_model).parameters)[:2] == [
+        "self",
+        "model_id_and_revision",
+    ]
+    assert list(inspect.signature(ModelManager._load_processor).parameters)[:2] == [
+        "self",
+        "model_id_and_revision",
+    ]
+    source = inspect.getsource(ModelManager.load_model_and_processor)
+    assert "self._load_processor(" in source and "self._load_model(" in source
+    # run_server waits for the uvicorn thread start_server makes and forwards signals to uvicorn's handler.
+    assert "self._thread = " in inspect.getsource(Serve.start_server)
+    import uvicorn
+
+    assert callable(uvicorn.Server.handle_exit)
+
+
+def test_preloaded_manager_serves_only_its_model() -> None:
+    model, processor = object(), object()
+    manager = server.preloaded_manager_class("tiny", model, processor)()
+    key = manager.process_model_name("tiny")
+    assert manager._load_model(key) is model
+    assert manager._load_processor(key) is processor
+    with pytest.raises(ValueError, match="serves only 'tiny'"):
+        manager._load_model(manager.process_model_name("other"))
+
+
+@pytest.fixture
+def held_port():
+    """A port the test listens on: a server that tried to open it would fail with "address in use"."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_bad_config_exits_before_listening(model_dir: Path, held_port: int) -> None:
+    cmd = [sys.executable, "-m", "torch_kvoffload.serve", str(model_dir), "--port", str(held_port)]
+    cmd += ["--config", '{"block_size": 0}', "--device", "cpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=EXIT_TIMEOUT_S)
+    assert proc.returncode == 2, proc.stderr
+    assert "--config" in proc.stderr and "block_size" in proc.stderr, proc.stderr
+    assert "Uvicorn" not in proc.stderr and "address already in use" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("config", "needle"),
+    [
+        ('{"no_such_field": 1}', "no_such_field"),
+        ('{"serving": {"max_requests": 0}}', "max_requests"),
+        ("[1, 2]", "expected a JSON object"),
+        ("{not json", "not valid JSON"),
+        ("/no/such/config.json", "neither a JSON object nor an existing file"),
+    ],
+)
+def test_bad_config_is_named(
+    config: str, needle: str, model_dir: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _refuse_to_listen(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        serve.main([str(model_dir), "--config", config])
+    assert exit_info.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_config_file_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(SERVING_CONFIG))
+    assert server.read_offload_config(str(path)).serving.max_requests == 4
+    assert server.read_offload_config(None) is None
+
+
+def _refuse_to_listen(monkeypatch: pytest.MonkeyPatch) -> None:
+    def run_server(*args, **kwargs):
+        raise AssertionError("run_server was called")
+
+    monkeypatch.setattr(server, "run_server", run_server)
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "no_tokenizer", "no_weights"])
+def test_bad_model_dir_is_named(
+    case: str, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _refuse_to_listen(monkeypatch)
+    bad = tmp_path / "m"
+    if case != "missing":
+        bad.mkdir()
+    if case in ("no_tokenizer", "no_weights"):
+        (bad / "config.json").write_text((model_dir / "config.json").read_text())
+    if case == "no_weights":
+        for f in model_dir.glob("tokenizer*"):
+            (bad / f.name).write_text(f.read_text())
+    needle = {
+        "missing": "no such directory",
+        "empty": "no config.json",
+        "no_tokenizer": "no tokenizer",
+        "no_weights": "could not load the model",
+    }[case]
+    with pytest.raises(SystemExit) as exit_info:
+        serve.main([str(bad), "--device", "cpu"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and str(bad) in err, err
+
+
+def test_bad_model_dir_exits_before_listening(tmp_path: Path, held_port: int) -> None:
+    cmd = [sys.executable, "-m", "torch_kvoffload.serve", str(tmp_path / "nope"), "--port", str(held_port)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=EXIT_TIMEOUT_S)
+    assert proc.returncode == 2, proc.stderr
+    assert "MODEL_DIR" in proc.stderr and "no such directory" in proc.stderr, proc.stderr
+    assert "Uvicorn" not in proc.stderr, proc.stderr

@@ -1,0 +1,48 @@
+"""Store test doubles shared by the layerwise tests, and the arena's invariants."""
+
+from __future__ import annotations
+
+import itertools
+
+from torch_kvoffload.store import LocalKVStore
+from torch_kvoffload.store.base import KVStore
+
+
+class DropsBeforeLoad:
+    """Mixin for a LocalKVStore subclass: behaves like a remote pool that cannot pin what the lookup
+    found (the base class's non-pinning lease) and loses each key of ``drop`` right before the load that
+    reads it."""
+
+    pins_leases = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.drop: set[str] = set()
+
+    def lease(self, keys):
+        return KVStore.lease(self, keys)
+
+    def batch_get_blocks(self, keys, layout, blocks):
+        for key in keys:
+            if key in self.drop:
+                self.drop.discard(key)
+                self.remove(key)
+        return super().batch_get_blocks(keys, layout, blocks)
+
+
+def check_invariants(store: LocalKVStore) -> None:
+    """Free list + held bytes partition the arena; nothing overlaps; stored ≤ used ≤ capacity."""
+    with store._cond:
+        free = store._free
+        held = store._held
+        for (s0, e0), (s1, _) in itertools.pairwise(free):
+            assert s0 < e0 < s1, "free list not sorted / coalesced"
+        assert sum(e - s for s, e in free) + held == store.capacity_bytes
+        regions = sorted((e.offset, e.offset + e.reserved) for e in store._index.values() if e.reserved)
+        for (_, e0), (s1, _) in itertools.pairwise(regions):
+            assert e0 <= s1, "live regions overlap"
+        for s, e in regions:
+            i = next((i for i, (fs, fe) in enumerate(free) if fs < e and s < fe), None)
+            assert i is None, "a live region is on the free list"
+        assert store._stored == sum(e.nbytes for e in store._index.values())
+        assert store._stored <= held <= store.capacity_bytes

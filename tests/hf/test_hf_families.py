@@ -1,9 +1,10 @@
 """Other transformers MLA / DSA families with the same code: greedy tokens equal the unmodified model.
 
 The eager adapter follows the DeepSeek-V3 attention code, so it serves the families whose modeling files
-share it (Glm4MoeLite, Youtu); the compile path rewrites the captured graph from its op patterns, so it
-also serves families whose attention code differs (DeepseekV2's complex rotary, MiniCPM3, GlmMoeDsa's
-indexer). Tiny random configs, the same shape as ``tests/support/hf_models.py``.
+share it (Glm4MoeLite, Youtu) here; the families whose attention code differs (DeepseekV2's complex rotary,
+MiniCPM3's half-split rotary, GlmMoeDsa's interleaved indexer rotary) it runs through its per-family table,
+tested in ``test_hf_families_eager.py``. The compile path rewrites the captured graph from its op patterns.
+Tiny random configs, the same shape as ``tests/support/hf_models.py``.
 """
 
 from __future__ import annotations
@@ -54,10 +55,3 @@ def test_compile_serves_families_with_their_own_attention_code(config_name, inde
     got = _generate(model)
     assert torch.equal(got, want)
     assert torch_kvoffload.stats(model)["layer_saves"] > 0  # the KV really went through the host store
-
-
-def test_eager_offload_rejects_an_attention_it_does_not_reproduce_before_allocating():
-    model = _model("DeepseekV2Config", indexer=False)
-    with pytest.raises(ValueError, match=r"cannot run DeepseekV2Attention eagerly.*compile"):
-        torch_kvoffload.offload(model, {"layerwise": {}})
-    assert not hasattr(model, "_kvoffload_session")

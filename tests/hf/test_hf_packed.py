@@ -138,12 +138,17 @@ def test_restarting_positions_with_a_cache_are_one_sequence_as_in_transformers(p
 
 
 @torch.no_grad()
-def test_output_attentions_is_refused_by_name_and_a_generate_follows(pair):
+def test_output_attentions_equal_the_eager_models_packed_too_and_a_generate_follows(pair):
     ref, model = pair
+    eager = copy.deepcopy(ref)
+    eager.set_attn_implementation("eager")  # sdpa returns no attentions
     ids = torch.randint(3, 1000, (1, 6), generator=torch.Generator().manual_seed(4))
-    for kw in ({}, {"position_ids": _positions([[3, 3]]), "use_cache": False}):
-        with pytest.raises(ValueError, match="output_attentions=True is not supported"):
-            model(input_ids=ids, output_attentions=True, **kw)
+    for kw in ({}, {"position_ids": _positions([[3, 3]]), "use_cache": False}):  # packed: block diagonal
+        want = eager(input_ids=ids, output_attentions=True, **kw).attentions
+        got = model(input_ids=ids, output_attentions=True, **kw).attentions
+        assert len(got) == len(want) == ref.config.num_hidden_layers
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=ATOL)
     want = ref.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(model.generate(input_ids=ids, max_new_tokens=4, do_sample=False), want)
 

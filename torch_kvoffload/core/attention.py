@@ -1,10 +1,15 @@
 """Absorbed MLA attention of one layer of a forward, over rows a backend holds.
 
+* :func:`attend_layer`: a layer's attention of a forward over the backends taking part (a backend's own
+  attention, else dense or top-k attention over the keys a backend holds), with its probabilities when asked.
 * :func:`select_topk`: the lightning indexer's top-k logical positions of every query over a device
   indexer cache (floating, or Hadamard + int8 with per-row scales).
 * :func:`topk_attention`: sparse MLA attention over the selected rows (``kvoffload::sparse_mla_attention``).
 * :func:`dense_attention`: causal attention over every visible row, chunked over queries (models without
   an indexer).
+* :func:`dense_probabilities`, :func:`topk_probabilities`, :func:`selected_probabilities`: the softmax
+  probabilities those attentions apply (Hugging Face's ``output_attentions``), recomputed from the same
+  rows and selection, over each request's logical positions.
 
 Each takes either the forward's real queries (``pad=False``: request ``r``'s ``cu_seqlens_q`` queries are
 its last new positions, the query at logical position ``p`` sees rows ``0 .. p``) or its padding queries
@@ -13,24 +18,32 @@ that see real tokens (``pad=True``: query ``i`` of batch row ``fwd.pad_row[i]`` 
 block-table row).
 
 Shapes as in :mod:`torch_kvoffload.core.kv_backend`; outputs ``[N, H, Dc]`` (``[P, H, Dc]`` for the padding
-queries) in the queries' dtype.
+queries) in the queries' dtype; probabilities fp32 ``[N, H, width]`` (``[P, H, width]``), entry ``p`` the
+query's weight on its request's logical position ``p`` (0 where it attends to nothing).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from torch_kvoffload.core.forward import ForwardPlan
-from torch_kvoffload.core.kv_backend import IndexerView, KeyRows, Queries
+from torch_kvoffload.core.kv_backend import IndexerView, KeyRows, KVBackend, Queries, SelectedRows
 from torch_kvoffload.ops.indexer import hadamard_quant_int8, lightning_indexer, quant_lightning_indexer
 from torch_kvoffload.ops.sparse_attention import sparse_mla_attention
 
-__all__ = ["dense_attention", "select_topk", "topk_attention"]
+__all__ = [
+    "attend_layer",
+    "dense_attention", "dense_probabilities", "select_topk", "selected_probabilities", "topk_attention",
+    "topk_probabilities",
+]  # fmt: skip
 
 # queries per chunk of the dense attention (bounds the [Q, H, L] score tensor)
 _DENSE_CHUNK = 256
+# queries per chunk of the probabilities over selected rows (bounds the gathered [Q, K, Dc] rows)
+_SELECTED_CHUNK = 64
 
 
 def _query_rows(fwd: ForwardPlan, pad: bool) -> torch.Tensor:
@@ -68,6 +81,37 @@ def topk_attention(
     return sparse_mla_attention(q.q_nope, q.q_pe, keys.kv_c, keys.k_pe, idx, q.scale)[0]
 
 
+def _dense_scores(
+    q: Queries, keys_c: torch.Tensor, keys_pe: torch.Tensor, c0: int, c1: int, last: torch.Tensor
+) -> torch.Tensor:
+    """fp32 ``[c1 - c0, H, K]`` scaled scores of queries ``c0 .. c1 - 1`` over fp32 rows ``keys_c [K, Dc]`` /
+    ``keys_pe [K, Dr]``, ``−inf`` past position ``last [c1 - c0]`` of each query."""
+    kpos = torch.arange(keys_c.shape[0], device=last.device)
+    s = torch.einsum("qhc,kc->qhk", q.q_nope[c0:c1].float(), keys_c)
+    s = (s + torch.einsum("qhr,kr->qhk", q.q_pe[c0:c1].float(), keys_pe)) * q.scale
+    return s.masked_fill((kpos[None, :] > last[:, None])[:, None, :], -math.inf)
+
+
+def _dense_groups(
+    fwd: ForwardPlan, pad: bool, device: torch.device
+) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+    """``(request, q0, q1, last)`` per request with queries: its queries ``q0 .. q1 - 1`` (real, or padding
+    when ``pad``) and the last position ``last int64 [q1 - q0]`` (on ``device``) each sees."""
+    if pad:
+        counts, lens = torch.bincount(fwd.pad_row, minlength=fwd.B).tolist(), fwd.pad_len.long().to(device)
+        q0 = 0
+        for r in range(fwd.B):
+            q1 = q0 + counts[r]
+            if q1 > q0:
+                yield r, q0, q1, lens[q0:q1] - 1
+            q0 = q1
+        return
+    cu = fwd.cu_seqlens_q.tolist()
+    for r in range(fwd.B):
+        if cu[r + 1] > cu[r]:
+            yield r, cu[r], cu[r + 1], fwd.old_len[r] + torch.arange(cu[r + 1] - cu[r], device=device)
+
+
 def _dense_group(
     out: torch.Tensor, q: Queries, keys: KeyRows, base: int, q0: int, q1: int, last: torch.Tensor
 ) -> None:
@@ -76,12 +120,9 @@ def _dense_group(
     n_keys = int(last.max()) + 1
     keys_c = keys.kv_c[base : base + n_keys].float()
     keys_pe = keys.k_pe[base : base + n_keys].float()
-    kpos = torch.arange(n_keys, device=last.device)
     for c0 in range(q0, q1, _DENSE_CHUNK):
         c1 = min(c0 + _DENSE_CHUNK, q1)
-        s = torch.einsum("qhc,kc->qhk", q.q_nope[c0:c1].float(), keys_c)
-        s = (s + torch.einsum("qhr,kr->qhk", q.q_pe[c0:c1].float(), keys_pe)) * q.scale
-        s = s.masked_fill((kpos[None, :] > last[c0 - q0 : c1 - q0, None])[:, None, :], -math.inf)
+        s = _dense_scores(q, keys_c, keys_pe, c0, c1, last[c0 - q0 : c1 - q0])
         out[c0:c1] = torch.einsum("qhk,kc->qhc", torch.softmax(s, dim=-1), keys_c).to(out.dtype)
 
 
@@ -89,19 +130,120 @@ def dense_attention(fwd: ForwardPlan, q: Queries, keys: KeyRows, *, pad: bool = 
     """Causal attention of each query over its request's visible rows (fp32 softmax): a real query at
     position ``p`` over rows ``0 .. p``, a padding query (``pad``) over rows ``0 .. v - 1``."""
     out = torch.empty_like(q.q_nope)
-    dev = q.q_nope.device
-    if pad:
-        counts, lens = torch.bincount(fwd.pad_row, minlength=fwd.B).tolist(), fwd.pad_len.long()
-        q0 = 0
-        for r in range(fwd.B):
-            q1 = q0 + counts[r]
-            if q1 > q0:
-                _dense_group(out, q, keys, keys.starts[r], q0, q1, lens[q0:q1] - 1)
-            q0 = q1
-        return out
-    cu = fwd.cu_seqlens_q.tolist()
-    for r in range(fwd.B):
-        if cu[r + 1] > cu[r]:
-            last = fwd.old_len[r] + torch.arange(cu[r + 1] - cu[r], device=dev)
-            _dense_group(out, q, keys, keys.starts[r], cu[r], cu[r + 1], last)
+    for r, q0, q1, last in _dense_groups(fwd, pad, q.q_nope.device):
+        _dense_group(out, q, keys, keys.starts[r], q0, q1, last)
     return out
+
+
+def dense_probabilities(
+    fwd: ForwardPlan, q: Queries, keys: KeyRows, width: int, *, pad: bool = False
+) -> torch.Tensor:
+    """The probabilities :func:`dense_attention` applies: fp32 ``[N, H, width]`` (``width`` at least every
+    request's length), each query's softmax over its request's visible positions, 0 past them."""
+    out = q.q_nope.new_zeros((q.q_nope.shape[0], q.q_nope.shape[1], width), dtype=torch.float32)
+    for r, q0, q1, last in _dense_groups(fwd, pad, q.q_nope.device):
+        n_keys = int(last.max()) + 1
+        base = keys.starts[r]
+        keys_c = keys.kv_c[base : base + n_keys].float()
+        keys_pe = keys.k_pe[base : base + n_keys].float()
+        for c0 in range(q0, q1, _DENSE_CHUNK):
+            c1 = min(c0 + _DENSE_CHUNK, q1)
+            s = _dense_scores(q, keys_c, keys_pe, c0, c1, last[c0 - q0 : c1 - q0])
+            out[c0:c1, :, :n_keys] = torch.softmax(s, dim=-1)
+    return out
+
+
+def selected_probabilities(q: Queries, rows: SelectedRows, width: int) -> torch.Tensor:
+    """The probabilities of sparse MLA attention over selected rows: fp32 ``[N, H, width]``, each query's
+    softmax over its rows ``rows.kv_c / rows.k_pe [N, K, ·]`` (scaled absorbed scores), put at their
+    logical positions ``rows.positions [N, K]`` (``−1``: no row; ``width`` above every position), 0
+    elsewhere. A query with no row gets zeros."""
+    n, h = q.q_nope.shape[:2]
+    out = q.q_nope.new_zeros((n, h, width + 1), dtype=torch.float32)  # column ``width``: the -1 entries
+    for c0 in range(0, n, _SELECTED_CHUNK):
+        c1 = min(c0 + _SELECTED_CHUNK, n)
+        _selected_chunk(
+            out[c0:c1], q, c0, c1, rows.kv_c[c0:c1], rows.k_pe[c0:c1], rows.positions[c0:c1], width
+        )
+    return out[..., :width]
+
+
+def _selected_chunk(
+    out: torch.Tensor, q: Queries, c0: int, c1: int, kv_c: torch.Tensor, k_pe: torch.Tensor,
+    positions: torch.Tensor, width: int,
+) -> None:  # fmt: skip
+    """Queries ``c0 .. c1 - 1`` over their rows ``kv_c [c, K, Dc]`` / ``k_pe [c, K, Dr]`` at ``positions
+    [c, K]``, into ``out [c, H, width + 1]`` (the ``−1`` entries into its last column)."""
+    s = torch.einsum("qhc,qkc->qhk", q.q_nope[c0:c1].float(), kv_c.float())
+    s = (s + torch.einsum("qhr,qkr->qhk", q.q_pe[c0:c1].float(), k_pe.float())) * q.scale
+    valid = positions >= 0
+    p = torch.softmax(s.masked_fill(~valid[:, None, :], -math.inf), dim=-1)
+    at = torch.where(valid, positions.long(), width)[:, None, :].expand(-1, p.shape[1], -1)
+    out.scatter_(2, at, torch.where(valid[:, None, :], p, 0.0))
+
+
+def topk_probabilities(
+    fwd: ForwardPlan, q: Queries, keys: KeyRows, topk: torch.Tensor, width: int, *, pad: bool = False
+) -> torch.Tensor:
+    """The probabilities :func:`topk_attention` applies over the ``topk`` positions (``int32 [N, K]``, −1
+    padded): fp32 ``[N, H, width]``, 0 outside each query's selection (see :func:`selected_probabilities`)."""
+    starts = torch.tensor(keys.starts, dtype=torch.int64, device=topk.device)
+    req = _query_rows(fwd, pad)
+    n, h = q.q_nope.shape[:2]
+    out = q.q_nope.new_zeros((n, h, width + 1), dtype=torch.float32)
+    for c0 in range(0, n, _SELECTED_CHUNK):
+        c1 = min(c0 + _SELECTED_CHUNK, n)
+        pos = topk[c0:c1].long()
+        at = torch.where(pos >= 0, pos + starts[req[c0:c1]][:, None], 0)
+        _selected_chunk(out[c0:c1], q, c0, c1, keys.kv_c[at], keys.k_pe[at], pos, width)
+    return out[..., :width]
+
+
+def attend_layer(
+    layer: int,
+    fwd: ForwardPlan,
+    backends: Sequence[KVBackend],
+    indexer: KVBackend | None,
+    q: Queries,
+    q_pad: Queries | None,
+    width: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``layer``'s attention of forward ``fwd`` for its real queries ``q`` and its padding queries ``q_pad``
+    that see real tokens: ``(out, out_pad, probs, probs_pad)``.
+
+    The first of ``backends`` (those taking part, in order) whose own ``attend`` gives a result decides it
+    (a sparse-offload decode step; no padding queries then); otherwise dense attention (no indexer queries)
+    or the top-k attention over the keys of the first backend that has them, selecting with ``indexer``'s
+    cache. With ``width`` also the probabilities each query's attention applied (fp32 ``[N, H, width]``,
+    from the same rows and the same selection), else ``None`` for them.
+    """
+    for b in backends:
+        res = b.attend(layer, fwd, q)
+        if res is not None:
+            assert q_pad is None, "a backend's own attention serves decode steps only (no padding)"
+            if width is None:
+                return res, None, None, None
+            rows = b.attended(layer, fwd)
+            assert rows is not None, f"{b.name}: attend() gave a result but attended() no rows"
+            return res, None, selected_probabilities(q, rows, width), None
+    keys = next((k for b in backends if (k := b.keys(layer, fwd)) is not None), None)
+    assert keys is not None, "no backend holds the keys of this forward"
+    if q.index_q is None:
+        res = dense_attention(fwd, q, keys)
+        res_pad = None if q_pad is None else dense_attention(fwd, q_pad, keys, pad=True)
+        if width is None:
+            return res, res_pad, None, None
+        probs_pad = None if q_pad is None else dense_probabilities(fwd, q_pad, keys, width, pad=True)
+        return res, res_pad, dense_probabilities(fwd, q, keys, width), probs_pad
+    assert indexer is not None
+    view = indexer.indexer(layer, fwd)
+    assert view is not None
+    top = select_topk(view, fwd, q)
+    res = topk_attention(fwd, q, keys, top)
+    probs = None if width is None else topk_probabilities(fwd, q, keys, top, width)
+    if q_pad is None:
+        return res, None, probs, None
+    top_pad = select_topk(view, fwd, q_pad, pad=True)
+    res_pad = topk_attention(fwd, q_pad, keys, top_pad, pad=True)
+    probs_pad = None if width is None else topk_probabilities(fwd, q_pad, keys, top_pad, width, pad=True)
+    return res, res_pad, probs, probs_pad

@@ -90,6 +90,12 @@ class KVCore:
         self.forward: ForwardPlan | None = None
         #: keep the layerwise buffers through decode steps (continuous batching: prefills come at any step)
         self.keep_prefill_buffers = False
+        #: when a dict (set by the caller, e.g. for Hugging Face's ``output_attentions``), :meth:`attend` also
+        #: stores there, under the layer, the attention probabilities it applied: fp32 ``[B, S, H, width]``,
+        #: entry ``[b, s, h, p]`` the weight of query ``(b, s)`` on its request's logical position ``p``
+        #: (``width = max(new_len)``; 0 where it attends to nothing, e.g. left padding before any token).
+        #: Computed only then: a second pass over the rows the attention read, with the same selection
+        self.attention_probs: dict[int, torch.Tensor] | None = None
         self.counters = Counters(_COUNTERS)
 
     # ------------------------------------------------------------------------------------ sizing
@@ -439,36 +445,22 @@ class KVCore:
                 iw = index_weights.reshape(B * S, -1)[at].float()
             return Queries(q_nope.reshape(B * S, H, -1)[at], q_pe.reshape(B * S, H, -1)[at], iq, iw, scale)
 
-        res, res_pad = self._attend(layer, f, queries(f.sel), queries(f.pad_sel) if f.n_pad else None)
+        width = max(f.new_len, default=0) if self.attention_probs is not None else None
+        q_pad = queries(f.pad_sel) if f.n_pad else None
+        res, res_pad, probs, probs_pad = attention.attend_layer(
+            layer, f, self._taking_part(f), self._indexer, queries(f.sel), q_pad, width
+        )
         out.zero_()
         flat = out.view(B * S, H, -1)
         flat.index_copy_(0, f.sel, res.to(out.dtype))
         if res_pad is not None:
             flat.index_copy_(0, f.pad_sel, res_pad.to(out.dtype))
-
-    def _attend(
-        self, layer: int, f: ForwardPlan, q: Queries, q_pad: Queries | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attention of the real queries ``q`` and of the padding queries ``q_pad`` that see real tokens."""
-        taking_part = self._taking_part(f)
-        for b in taking_part:
-            res = b.attend(layer, f, q)
-            if res is not None:
-                assert q_pad is None, "a backend's own attention serves decode steps only (no padding)"
-                return res, None
-        keys = next((k for b in taking_part if (k := b.keys(layer, f)) is not None), None)
-        assert keys is not None, "no backend holds the keys of this forward"
-        if q.index_q is None:
-            pad = None if q_pad is None else attention.dense_attention(f, q_pad, keys, pad=True)
-            return attention.dense_attention(f, q, keys), pad
-        assert self._indexer is not None
-        view = self._indexer.indexer(layer, f)
-        assert view is not None
-        res = attention.topk_attention(f, q, keys, attention.select_topk(view, f, q))
-        if q_pad is None:
-            return res, None
-        top = attention.select_topk(view, f, q_pad, pad=True)
-        return res, attention.topk_attention(f, q_pad, keys, top, pad=True)
+        if self.attention_probs is not None and probs is not None:
+            p = q_nope.new_zeros((B * S, H, probs.shape[-1]), dtype=torch.float32)
+            p.index_copy_(0, f.sel, probs)
+            if probs_pad is not None:
+                p.index_copy_(0, f.pad_sel, probs_pad)
+            self.attention_probs[layer] = p.view(B, S, H, -1)
 
     # ------------------------------------------------------------------------------ accounting
     def device_kv_bytes(self) -> int:

@@ -25,7 +25,13 @@ if TYPE_CHECKING:
     from torch_kvoffload.layerwise import LayerCacheSpec, LayerwiseConfig, LayerwiseOffloadRuntime
     from torch_kvoffload.store.base import KVStore
 
-__all__ = ["IndexerView", "KVBackend", "KeyRows", "NewRows", "PDRole", "Queries"]
+__all__ = [
+    "ROW_PARTS", "IndexerView", "KVBackend", "KeyRows", "NewRows", "PDRole", "Queries", "SelectedRows",
+]  # fmt: skip
+
+#: The components of a layer's rows :meth:`KVBackend.read` gives back: the latent, the rotary key, the
+#: indexer key.
+ROW_PARTS = ("kv_c", "k_pe", "index_k")
 
 
 class NewRows(NamedTuple):
@@ -57,6 +63,16 @@ class KeyRows(NamedTuple):
     starts: list[int]
 
 
+class SelectedRows(NamedTuple):
+    """The rows a backend's own sparse attention read for each of ``N`` queries: ``positions int64 [N, K]``
+    (logical positions in the query's request, ``−1``: no row) and their ``kv_c [N, K, Dc]`` / ``k_pe [N, K,
+    Dr]`` (any values where the position is ``−1``)."""
+
+    positions: torch.Tensor
+    kv_c: torch.Tensor
+    k_pe: torch.Tensor
+
+
 class IndexerView(NamedTuple):
     """A layer's device indexer cache as the lightning indexer reads it: ``caches`` = ``(keys [pages,
     page, Di],)`` in a floating dtype or ``(int8 keys, fp32 scales [pages, page])`` when ``quantized``;
@@ -79,7 +95,9 @@ class KVBackend:
     :meth:`truncate` (no neutral default: a backend says what it does). Forwards:
     :meth:`takes_part`, :meth:`begin_forward`, :meth:`end_forward`, :meth:`abort_forward` (a forward that
     raised: end it, its own error is the one reported). Per layer: :meth:`layer_caches` (the tensors every
-    op of the layer takes, declared mutated), :meth:`write`, :meth:`keys`, :meth:`indexer`, :meth:`attend`.
+    op of the layer takes, declared mutated), :meth:`write`, :meth:`keys`, :meth:`indexer`, :meth:`attend`
+    (and :meth:`attended`, the rows it read).
+    Reading a layer's history back (the Hugging Face cache's ``layers[i].keys``): :meth:`read`.
     Accounting: :meth:`device_tensors`, :meth:`stats`. :meth:`close` releases everything.
     """
 
@@ -159,6 +177,21 @@ class KVBackend:
 
     def attend(self, layer: int, fwd: ForwardPlan, q: Queries) -> torch.Tensor | None:
         """``out [N, H, Dc]`` when this backend runs ``layer``'s whole attention of ``fwd`` itself."""
+        return None
+
+    def attended(self, layer: int, fwd: ForwardPlan) -> SelectedRows | None:
+        """Right after :meth:`attend` returned a result for ``layer`` of ``fwd``: the rows that attention
+        read, for its probabilities (Hugging Face's ``output_attentions``); ``None`` when this backend has
+        no attention of its own."""
+        return None
+
+    def read(self, layer: int, requests: Sequence[Request], part: str) -> list[torch.Tensor] | None:
+        """Per request, its rows ``0 .. length - 1`` of ``layer``'s component ``part`` (one of
+        :data:`ROW_PARTS`: ``"kv_c" [n, Dc]``, ``"k_pe" [n, Dr]``, ``"index_k" [n, Di]``) exactly as written,
+        as new tensors on the compute device in the model's dtype; ``None`` when this backend does not keep
+        that component's whole history. Between forwards; it copies every row it returns. Raises
+        ``RuntimeError`` naming the reason when it keeps them but cannot give them back exactly (a lossy
+        format, rows no longer held)."""
         return None
 
     # ------------------------------------------------------------------------------ accounting

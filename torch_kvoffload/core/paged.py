@@ -100,6 +100,14 @@ class SlotPages:
             for t in self.flat(layer):
                 t[b : b + n] = t[a : a + n]
 
+    def read(self, layer: int, requests: Sequence[Request]) -> list[list[torch.Tensor]]:
+        """Per request, per component, a copy of its rows ``0 .. length - 1`` of ``layer``."""
+        assert self._layout is not None, "SlotPages.read before allocate()"
+        page, pages = self._layout.page
+        per_slot = page * pages
+        flat = self.flat(layer)
+        return [[t[r.slot * per_slot : r.slot * per_slot + r.length].clone() for t in flat] for r in requests]
+
     def flat(self, layer: int) -> list[torch.Tensor]:
         """``layer``'s components as ``[slots * pages * page, width]`` views."""
         return [t.view(-1, *t.shape[2:]) for t in self.layers[layer]]

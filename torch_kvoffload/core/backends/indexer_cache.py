@@ -7,11 +7,14 @@ scales ``[pages, page]`` (DESIGN §7, "LIC8").
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from torch_kvoffload.core.forward import ForwardPlan
 from torch_kvoffload.core.kv_backend import IndexerView
 from torch_kvoffload.core.paged import SlotPages
+from torch_kvoffload.core.requests import Request
 from torch_kvoffload.core.spec import ModelSpec
 from torch_kvoffload.ops.indexer import hadamard_quant_int8
 
@@ -36,6 +39,17 @@ class IndexerCache(SlotPages):
             self.write(layer, rows_at, hadamard_quant_int8(index_k))
         else:
             self.write(layer, rows_at, [index_k])
+
+    def read_keys(self, layer: int, requests: Sequence[Request]) -> list[torch.Tensor]:
+        """Per request, a copy of its indexer keys ``[length, Di]`` of ``layer`` as written (model dtype).
+        ``RuntimeError`` for an int8 cache: the rotated, quantised keys do not give the written ones back."""
+        if self.int8:
+            raise RuntimeError(
+                "the indexer cache keeps int8 keys (Hadamard-rotated, one scale per row: "
+                "sparse.indexer_dtype='int8'), which do not give the model's indexer keys back exactly; "
+                "use the default indexer_dtype to read them"
+            )
+        return [parts[0] for parts in self.read(layer, requests)]
 
     def view(self, layer: int, fwd: ForwardPlan, top_k: int) -> IndexerView:
         """``layer``'s cache as the indexer of forward ``fwd`` reads it (the requests' pages)."""

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from torch_kvoffload.core.forward import ForwardPlan
-from torch_kvoffload.core.kv_backend import IndexerView, KeyRows, KVBackend, NewRows
+from torch_kvoffload.core.kv_backend import ROW_PARTS, IndexerView, KeyRows, KVBackend, NewRows
 from torch_kvoffload.core.layout import KVLayout
 from torch_kvoffload.core.requests import Request
 from torch_kvoffload.core.spec import ModelSpec
@@ -350,6 +350,33 @@ class LayerwiseBackend(KVBackend):
         c, pe = self.runtime.layer_caches(layer)[:2]
         rows = self._layout.blocks_per_request * self.block_size
         return KeyRows(c.view(-1, c.shape[-1]), pe.view(-1, pe.shape[-1]), [s * rows for s in fwd.slots])
+
+    def read(self, layer: int, requests: Sequence[Request], part: str) -> list[torch.Tensor] | None:
+        """The requests' full blocks from the host store (each read returns the block's record of every
+        layer: the store keeps one record per layer and block) and the partial last block from the device
+        tail. ``None`` once the buffers were released (decode on the sparse backend) or for the indexer
+        keys of buffers that do not carry them; ``RuntimeError`` when the store no longer holds a block."""
+        rt, spec, bs = self.runtime, self.spec, self.block_size
+        at = ROW_PARTS.index(part)
+        if rt is None or not self._tails or at >= self.components:
+            return None
+        out: list[torch.Tensor] = []
+        for r in requests:
+            full = r.length // bs
+            keys = self._key_tokens(r)
+            parts: list[torch.Tensor] = []
+            for block in range(full):
+                stored = rt.read_block(keys[: (block + 1) * bs], block)
+                if stored is None:
+                    raise RuntimeError(
+                        f"the host store no longer holds block {block} of request {r.id} (tokens {block * bs}.."
+                        f"{(block + 1) * bs - 1}): evicted, or its write failed (stats()['store_errors']); "
+                        "raise the store capacity (layerwise.store.capacity_bytes)"
+                    )
+                parts.append(stored[layer][at].to(spec.device))
+            parts.append(self._tails[layer][at][r.slot, : r.length - full * bs])
+            out.append(torch.cat(parts))  # a new tensor: neither the store's nor the tail's
+        return out
 
     def indexer(self, layer: int, fwd: ForwardPlan) -> IndexerView | None:
         if not self.indexed or self.runtime is None:

@@ -36,7 +36,7 @@ from torch_kvoffload.core.backends.indexer_cache import IndexerCache
 from torch_kvoffload.core.config import OffloadConfig
 from torch_kvoffload.core.forward import ForwardPlan
 from torch_kvoffload.core.group_outcomes import exchange_outcomes
-from torch_kvoffload.core.kv_backend import IndexerView, KeyRows, KVBackend, NewRows, Queries
+from torch_kvoffload.core.kv_backend import IndexerView, KeyRows, KVBackend, NewRows, Queries, SelectedRows
 from torch_kvoffload.core.layout import KVLayout
 from torch_kvoffload.core.requests import Request
 from torch_kvoffload.core.spec import ModelSpec, TensorParallel
@@ -48,6 +48,7 @@ from torch_kvoffload.sparse import (
     IndexerInputs,
     SparseDecodeConfig,
     SparseDecodeOffload,
+    StepResult,
 )
 from torch_kvoffload.sparse.step_inputs import CheckedRows
 
@@ -80,6 +81,8 @@ class SparseOffloadBackend(KVBackend):
         # forward's request ids, lengths and host block table, checked once for every layer
         self._write_ids: tuple[ForwardPlan, list[int]] | None = None
         self._decode_rows: tuple[ForwardPlan, CheckedRows] | None = None
+        # the last decode step's (layer, plan, result): the rows it read, for attended()
+        self._last_step: tuple[int, ForwardPlan, StepResult] | None = None
         self.counters = Counters(("prefill_host_bytes_h2d",))
         self._totals = RuntimeTotals(_TOTALS)
 
@@ -175,11 +178,11 @@ class SparseOffloadBackend(KVBackend):
     # ------------------------------------------------------------------------------ forwards
     def begin_forward(self, fwd: ForwardPlan) -> None:
         self._rows = {}
-        self._decode_rows = self._write_ids = None
+        self._decode_rows = self._write_ids = self._last_step = None
 
     def end_forward(self, fwd: ForwardPlan) -> None:
         self._rows = {}
-        self._decode_rows = self._write_ids = None
+        self._decode_rows = self._write_ids = self._last_step = None
 
     # ------------------------------------------------------------------------------ per layer
     def layer_caches(self, layer: int) -> list[torch.Tensor]:
@@ -234,6 +237,32 @@ class SparseOffloadBackend(KVBackend):
         assert self.runtime is not None
         return self.index.view(layer, fwd, self.runtime.top_k)
 
+    def read(self, layer: int, requests: Sequence[Request], part: str) -> list[torch.Tensor] | None:
+        """The requests' rows from the host pool (every row is appended there; copied host-to-device on
+        the runtime's ``h2d`` stream, after the layer's appends so far landed) or the device indexer
+        cache. ``RuntimeError`` when the pool keeps the main KV in another dtype than the model's."""
+        rt, spec = self.runtime, self.spec
+        if rt is None:
+            return None
+        if part == "index_k":
+            return self.index.read_keys(layer, requests)
+        pool = rt.pool
+        if pool.dtype != spec.dtype:
+            raise RuntimeError(
+                f"the host pool keeps the main KV in {pool.dtype} (sparse.kv_dtype), not in the model's "
+                f"{spec.dtype}: its rows do not give the model's values back exactly"
+            )
+        rt.wait_rows(layer)  # the appends so far are in the pool (a TP reader: the writer published them)
+        paged = pool.kv_c(layer) if part == "kv_c" else pool.k_pe(layer)
+        host = paged.reshape(-1, paged.shape[-1])
+        out: list[torch.Tensor] = []
+
+        def copy() -> None:  # indexing gathers into a new tensor: the pool is never handed out
+            out.extend(host[pool.slots(r.id, torch.arange(r.length))].to(spec.device) for r in requests)
+
+        rt.transfer_streams["h2d"].submit(copy, inline=True).wait()
+        return out
+
     def attend(self, layer: int, fwd: ForwardPlan, q: Queries) -> torch.Tensor | None:
         """The fused decode step (indexer + residency + Copy-SFA) over the host pool and hot buffers."""
         if not fwd.decode:
@@ -258,7 +287,22 @@ class SparseOffloadBackend(KVBackend):
             )
             self._decode_rows = (fwd, rt.check_rows(decode_rows, fwd.cu_seqlens_q, fwd.seq_lens_k))
         rows = self._decode_rows[1]
-        return rt.attend(layer, q.q_nope.contiguous(), q.q_pe.contiguous(), q.scale, indexer, rows).out
+        step = rt.attend(layer, q.q_nope.contiguous(), q.q_pe.contiguous(), q.scale, indexer, rows)
+        self._last_step = (layer, fwd, step)
+        return step.out
+
+    def attended(self, layer: int, fwd: ForwardPlan) -> SelectedRows | None:
+        """The rows the decode step of ``layer`` just read: its top-k positions and their hot-buffer rows
+        (the residency slots it attended over)."""
+        last, rt = self._last_step, self.runtime
+        if last is None or last[0] != layer or last[1] is not fwd or rt is None:
+            return None
+        step = last[2]
+        slots = step.residency.slots.long()  # [T, K], -1 where the top-k entry is -1
+        rows = torch.tensor(step.rows, dtype=torch.int64, device=slots.device)[:, None]
+        at = slots.clamp(min=0)
+        positions = torch.where(slots >= 0, step.topk.long(), -1)
+        return SelectedRows(positions, rt.hot_kv_c[layer][rows, at], rt.hot_k_pe[layer][rows, at])
 
     # ------------------------------------------------------------------------------ accounting
     def device_tensors(self) -> list[torch.Tensor]:

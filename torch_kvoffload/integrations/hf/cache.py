@@ -12,11 +12,27 @@ The batch rows and positions are the session's sequence's: ``reorder_cache`` (be
 it as a whole (``OffloadSession.rebuild_rows`` / ``crop``: requests forked or truncated in every backend);
 the per-layer methods refuse and point there.
 
-Only a graph Dynamo is tracing may read the placeholders (the passes then rewrite the attention onto the
-session). Run eagerly, the model's own attention would attend over the new tokens alone, so ``update``,
-``update_indexer`` and reading ``keys`` / ``values`` / ``indexer_keys`` raise ``RuntimeError`` outside
-Dynamo's tracing: that is what happens when Dynamo falls back to running the model eagerly (its recompile
-limit) or a model runs the library's cache without the library's attention.
+Only a graph Dynamo is tracing may append to the placeholders (the passes then rewrite the attention onto
+the session). Run eagerly, the model's own attention would attend over the new tokens alone, so ``update``
+and ``update_indexer`` raise ``RuntimeError`` outside Dynamo's tracing: that is what happens when Dynamo
+falls back to running the model eagerly (its recompile limit) or a model runs the library's cache without
+the library's attention.
+
+Reading ``layers[i].keys`` / ``values`` / ``indexer_keys`` outside Dynamo's tracing gives what the
+unmodified model's ``DynamicCache`` holds there, materialised from the session's KV wherever it lives
+(:func:`~torch_kvoffload.core.readback.read_rows`): ``keys`` the normalised latent ``[B, 1, T,
+kv_lora_rank]``, ``values`` the roped rotary key ``[B, 1, T, qk_rope_head_dim]``, ``indexer_keys`` ``[B, T,
+index_head_dim]`` (``None`` for a model without an indexer), in the model's dtype on its device; ``T`` counts
+the padding as transformers does. A padding position holds zeros (the library keeps no KV for padding; the
+unmodified model keeps what it computed for the pad token there, zero too when the pad token's embedding is,
+as with ``padding_idx``). Each read is a new tensor holding a copy of that layer's whole history (for the
+host tiers a host-to-device copy; a layerwise store is read a whole block of every layer at a time):
+changing it changes nothing else, and assigning the attribute raises ``AttributeError``. A cache that has
+seen no forward reads ``None``, as a fresh ``DynamicLayer``; one whose sequence the session no longer holds
+(a later sequence started, ``end_sequence``, a failed forward, ``close``) raises ``RuntimeError``, as does
+a read while a forward runs; a P/D node and KVPP raise ``NotImplementedError``, an int8 indexer cache (for
+``indexer_keys``) or a host pool in another dtype than the model's ``RuntimeError``. Inside a Dynamo trace
+(any ``torch.compile``) the attributes are the placeholders the library's graphs are traced with.
 """
 
 from __future__ import annotations
@@ -25,8 +41,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from torch_kvoffload.core.readback import read_rows
+
 if TYPE_CHECKING:
+    from torch_kvoffload.core.kv import KVCore
     from torch_kvoffload.core.spec import ModelSpec
+    from torch_kvoffload.integrations.hf.sequence import HFSequence
 
 __all__ = ["is_offload_cache", "new_offload_cache"]
 
@@ -35,6 +55,11 @@ class _Session(Protocol):
     """What the cache reads of its session (``integrations.hf.session.OffloadSession``)."""
 
     spec: ModelSpec
+    core: KVCore
+    owner: Any
+    forward_running: bool
+    _closed: bool
+    _seq: HFSequence  # the running sequence's requests and real-token masks (``layers[i].keys``)
 
     def rebuild_rows(self, owner: Any, sources: list[int], where: str) -> None: ...
 
@@ -55,18 +80,23 @@ def _check_traced(what: str) -> None:
         )
 
 
-def _placeholder(name: str) -> property:
-    """A layer attribute that only a graph Dynamo traces may read (see the module docstring)."""
+def _history(name: str, part: str) -> property:
+    """A read-only layer attribute: inside a Dynamo trace the placeholder, otherwise the layer's history
+    materialised from the session (see the module docstring)."""
     slot = f"_{name}"
 
     def get(self: Any) -> torch.Tensor | None:
-        _check_traced(f"layers[{self._layer}].{name}")
-        return getattr(self, slot)
+        if torch.compiler.is_compiling():
+            return getattr(self, slot)
+        return self._owner._read_history(self._layer, name, part)
 
-    def set_(self: Any, value: torch.Tensor | None) -> None:
-        setattr(self, slot, value)
+    def set_(self: Any, value: Any) -> None:
+        raise AttributeError(
+            f"OffloadCache.layers[{self._layer}].{name} is read-only: the KV lives in the offload session, and "
+            "each read returns a copy of it (changing the copy changes nothing)"
+        )
 
-    return property(get, set_)
+    return property(get, set_, doc=f"``{name}`` of this layer, as the unmodified model's cache holds it.")
 
 
 def _classes() -> tuple[type, type]:
@@ -85,36 +115,46 @@ def _classes() -> tuple[type, type]:
 
         is_sliding = False
         is_croppable = True  # the cache crops its session's sequence (OffloadCache.crop)
-        keys = _placeholder("keys")
-        values = _placeholder("values")
-        indexer_keys = _placeholder("indexer_keys")
+        keys = _history("keys", "kv_c")
+        values = _history("values", "k_pe")
+        indexer_keys = _history("indexer_keys", "index_k")
 
         def __init__(self, owner: Any, indexed: bool, layer: int) -> None:
-            super().__init__()
+            # not CacheLayerMixin.__init__: it assigns the read-only attributes
             self._owner = owner
             self._indexed = indexed
             self._layer = layer
-            self.indexer_keys = None
+            self._keys = self._values = self._indexer_keys = None
+            self.is_initialized = False
+
+        def set_placeholders(
+            self, keys: torch.Tensor, values: torch.Tensor, indexer_keys: torch.Tensor | None
+        ) -> None:
+            """What a Dynamo trace reads as the layer's cache (``integrations.hf.compile`` shows the cached
+            length this way); it holds no KV."""
+            self._keys, self._values, self._indexer_keys = keys, values, indexer_keys
+            self.is_initialized = True
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             b = key_states.shape[0]
             self.device = key_states.device
-            self.keys = key_states.new_zeros((b, 1, 0, key_states.shape[-1]))
-            self.values = value_states.new_zeros((b, 1, 0, value_states.shape[-1]))
+            self._keys = key_states.new_zeros((b, 1, 0, key_states.shape[-1]))
+            self._values = value_states.new_zeros((b, 1, 0, value_states.shape[-1]))
             self.is_initialized = True
 
         def update(self, key_states, value_states, *args, **kwargs):
             _check_traced("update")
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+            keys = torch.cat([self._keys, key_states], dim=-2)
+            return keys, torch.cat([self._values, value_states], dim=-2)
 
         def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
             _check_traced("update_indexer")
-            if self.indexer_keys is None:
+            if self._indexer_keys is None:
                 k = indexer_key_states
-                self.indexer_keys = k.new_zeros((k.shape[0], 0, k.shape[-1]))
-            return torch.cat([self.indexer_keys, indexer_key_states], dim=1)
+                self._indexer_keys = k.new_zeros((k.shape[0], 0, k.shape[-1]))
+            return torch.cat([self._indexer_keys, indexer_key_states], dim=1)
 
         def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
             return self._owner.get_seq_length() + query_length, 0
@@ -126,7 +166,7 @@ def _classes() -> tuple[type, type]:
             return -1
 
         def reset(self) -> None:
-            self.keys = self.values = self.indexer_keys = None
+            self._keys = self._values = self._indexer_keys = None
             self.is_initialized = False
 
         def _whole_cache(self, what: str) -> None:
@@ -160,6 +200,50 @@ def _classes() -> tuple[type, type]:
 
         def get_seq_length(self, layer_idx: int = 0) -> int:
             return self.seen_tokens
+
+        def __iter__(self):
+            """``(keys, values, None)`` per layer, as ``DynamicCache`` iterates (each a copy: see the
+            module docstring)."""
+            for layer in self.layers:
+                yield layer.keys, layer.values, None
+
+        def _read_history(self, layer: int, name: str, part: str) -> torch.Tensor | None:
+            """``layers[layer].<name>`` outside a Dynamo trace (see the module docstring)."""
+            where = f"OffloadCache.layers[{layer}].{name}"
+            session = self.session
+            spec = session.spec
+            if part == "index_k" and not spec.has_indexer:
+                return None
+            if session._closed:
+                raise RuntimeError(f"{where}: the offload session is closed; its KV was released")
+            seq = session._seq
+            if session.owner is not self or not seq.requests:
+                if self.seen_tokens == 0:
+                    return None  # nothing cached yet, as in a fresh DynamicLayer
+                raise RuntimeError(
+                    f"{where}: the session no longer holds this cache's sequence (a later generate or forward "
+                    "started another one, end_sequence() was called, or a forward of it failed), so its KV "
+                    "was released; read the attributes before the next sequence starts"
+                )
+            if session.forward_running:
+                raise RuntimeError(f"{where}: read while a forward runs; read the cache between forwards")
+            masks = seq.masks  # bool [B, T]: which positions of each row hold a real token
+            try:
+                rows = read_rows(session.core, layer, seq.requests, part)
+            except (RuntimeError, NotImplementedError) as exc:
+                raise type(exc)(f"{where}: {exc}") from exc
+            width = {"kv_c": spec.kv_lora_rank, "k_pe": spec.rope_dim, "index_k": spec.index_head_dim}[part]
+            B, T = masks.shape
+            out = torch.zeros(B, T, width, dtype=spec.dtype, device=spec.device)
+            for b, r in enumerate(rows):
+                at = masks[b].nonzero().squeeze(1).to(spec.device)
+                if at.numel() != r.shape[0]:  # the sequence's bookkeeping disagrees with its KV: never guess
+                    raise RuntimeError(
+                        f"{where}: row {b} has {at.numel()} real positions but its request keeps {r.shape[0]} "
+                        "rows"
+                    )
+                out[b, at] = r.to(spec.dtype)
+            return out if part == "index_k" else out.unsqueeze(1)
 
         def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
             return self.seen_tokens + query_length, 0

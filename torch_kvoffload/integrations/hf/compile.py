@@ -18,6 +18,12 @@ Each model compiled by :func:`compile` has its own Dynamo recompile budget (``is
 recompile limit on it a later model would run eagerly. Eagerly the model's own attention reads the
 library's cache, which raises (see ``integrations.hf.cache``) rather than attend over the new tokens only.
 A deep copy of a compiled model compiles its own graphs for its own session.
+
+Where Dynamo is told to build no graph at all (``torch.compiler.set_stance("force_eager")``, or Dynamo
+disabled when the model was compiled), a call runs the model's forward with the library's eager attention
+(``integrations.hf.attention``, what ``offload`` installs) for that call, over the same session and cache:
+the tokens are the unmodified model's, a sequence continues across the switch, and the compiled graphs
+serve the calls after it.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +53,7 @@ from torch_kvoffload.integrations.hf.install import (
     exclusive,
     new_session,
 )
+from torch_kvoffload.integrations.hf.output_attentions import output_attentions_requested
 from torch_kvoffload.passes import PassContext
 
 __all__ = ["DEFAULT_RECOMPILE_LIMIT", "SESSION_HOOKS", "compile", "explain"]
@@ -137,11 +145,8 @@ def _expose_cache_lengths(session: Any, cache: Any, batch: int) -> None:
         _mark_dynamic(values, 0, 2)
         if index is not None:
             _mark_dynamic(index, 0, 1)
-        layer.keys, layer.values = keys, values
-        if spec.has_indexer:
-            layer.indexer_keys = index
+        layer.set_placeholders(keys, values, index)
         layer.device = spec.device
-        layer.is_initialized = True
 
 
 # Dynamo's own default (8) is below the graphs one model may need: a prefill and a decode graph for each
@@ -175,8 +180,81 @@ class _CompiledForward:
         return type(self)(model, deepcopy_rebound("forward", self.forward, memo), self.kwargs)
 
 
+def _dynamo_runs_eagerly(compiled: _CompiledForward) -> bool:
+    """Whether calling ``compiled.fn`` now would run the model's own forward without any graph: under
+    ``torch.compiler.set_stance("force_eager")``, or when Dynamo was disabled as the model was compiled
+    (``TORCHDYNAMO_DISABLE=1``: ``torch.compile`` returned the forward itself). The stance has no public
+    getter; it is read from ``torch._dynamo.eval_frame`` (``"default"`` where that is missing)."""
+    from torch._dynamo import eval_frame
+
+    stance = getattr(getattr(eval_frame, "_stance", None), "stance", "default")
+    return stance == "force_eager" or compiled.fn is compiled.forward
+
+
+_ABSENT = object()
+
+
+def _eager_forward(model: torch.nn.Module, compiled: _CompiledForward, args: tuple, kwargs: dict) -> Any:
+    """The model's own forward with the library's eager attention in every MLA attention module (what
+    ``torch_kvoffload.offload`` installs), for this call only, over the same session and cache as the
+    compiled graphs: both run the same ops on the same session, so a sequence continues across the switch.
+    ``ValueError`` (naming the class and the reason) for a model the eager attention does not reproduce."""
+    from torch_kvoffload.integrations.hf.attention import mla_attention_forward, rope_functions
+
+    session = getattr(model, SESSION_ATTR)
+    modules = list(session.spec.attention_modules)
+    try:
+        for module in modules:
+            rope_functions(module)
+    except ValueError as exc:
+        raise ValueError(
+            f"{type(model).__name__} compiled by torch_kvoffload.compile runs the library's eager attention "
+            f"under torch.compiler.set_stance('force_eager') (Dynamo builds no graph then), which cannot serve "
+            f"it: {exc}"
+        ) from exc
+    saved = []
+    try:
+        for module in modules:
+            own = vars(module)
+            saved.append((module, own.get("forward", _ABSENT), own.get(SESSION_ATTR, _ABSENT)))
+            setattr(module, SESSION_ATTR, session)
+            module.forward = types.MethodType(mla_attention_forward, module)
+        return compiled.forward(*args, **kwargs)
+    finally:  # the modules as they were: the compiled graphs' guards see nothing changed
+        for module, forward, own_session in saved:
+            for name, value in (("forward", forward), (SESSION_ATTR, own_session)):
+                if value is _ABSENT:
+                    vars(module).pop(name, None)
+                else:
+                    setattr(module, name, value)
+
+
+def _check_eager_attentions(model: torch.nn.Module) -> None:
+    """``ValueError`` naming the model and the reason when a forward asking for ``output_attentions`` cannot
+    run: it runs the library's eager attention (:func:`_eager_forward`), which returns the probabilities."""
+    from torch_kvoffload.integrations.hf.attention import rope_functions
+
+    try:
+        for module in getattr(model, SESSION_ATTR).spec.attention_modules:
+            rope_functions(module)
+    except ValueError as exc:
+        raise ValueError(
+            f"{type(model).__name__} compiled by torch_kvoffload.compile: output_attentions=True runs the "
+            f"library's eager attention (the compiled graphs never form the probabilities), which cannot serve "
+            f"it: {exc}"
+        ) from exc
+
+
 def _compiled_forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``model.forward`` of a compiled model: the cached lengths shown to Dynamo, then the compiled call."""
+    """``model.forward`` of a compiled model: the cached lengths shown to Dynamo, then the compiled call;
+    where Dynamo would run the forward eagerly, and for a forward asking for ``output_attentions`` (the
+    graphs do not form the probabilities), the library's eager attention instead (:func:`_eager_forward`)."""
+    compiled = getattr(model, _COMPILED_ATTR)
+    if _dynamo_runs_eagerly(compiled):
+        return _eager_forward(model, compiled, args, kwargs)
+    if output_attentions_requested(model, kwargs):  # the graphs never form the attention probabilities
+        _check_eager_attentions(model)
+        return _eager_forward(model, compiled, args, kwargs)
     cache = kwargs.get("cache")
     if is_offload_cache(cache):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -187,7 +265,7 @@ def _compiled_forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     _mark_token_dims(kwargs)
     if args and isinstance(args[0], torch.Tensor):
         _mark_dynamic(args[0], 0, 1)  # input_ids given positionally
-    return getattr(model, _COMPILED_ATTR).fn(*args, **kwargs)
+    return compiled.fn(*args, **kwargs)
 
 
 def compile(model: torch.nn.Module, config: Any = None, **torch_compile_kwargs: Any) -> torch.nn.Module:
@@ -201,6 +279,9 @@ def compile(model: torch.nn.Module, config: Any = None, **torch_compile_kwargs: 
     ``isolate_recompiles`` defaults to ``True`` and ``recompile_limit`` to ``DEFAULT_RECOMPILE_LIMIT``
     where ``torch.compile`` has them).
     """
+    from torch_kvoffload.integrations.hf.versions import check_transformers_version
+
+    check_transformers_version()  # RuntimeError outside the supported transformers releases
     for key in ("backend", "options"):
         if key in torch_compile_kwargs:
             raise ValueError(f"torch_kvoffload.compile: {key!r} is set by the library, got {key}=...")

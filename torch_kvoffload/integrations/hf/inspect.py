@@ -146,6 +146,13 @@ def inspect_model(model: torch.nn.Module) -> ModelSpec:
     attn.sort(key=lambda m: m.layer_idx)
     indexed = [_has_indexer(m) for m in attn]
     if any(indexed) and not all(indexed):
+        shared = [m.layer_idx for m in attn if getattr(m, "skip_topk", False)]
+        if shared:  # GLM-5 (glm_moe_dsa) with config.indexer_types "shared"
+            _fail(
+                model,
+                f"layers {shared} reuse the previous layer's indexer top-k (cross-layer top-k sharing, "
+                "config.indexer_types 'shared'); the library selects every layer's top-k with its own indexer",
+            )
         _fail(model, "hybrid layout: only some layers have a lightning indexer")
     has_indexer = all(indexed)
     if has_indexer:

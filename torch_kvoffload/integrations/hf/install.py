@@ -18,12 +18,17 @@ would not:
 
 ``use_cache=False`` (a forward, or ``generate``) runs every forward as a sequence of its own over a fresh
 library cache that is not returned, as the unmodified model recomputes everything without a cache.
+
+``output_attentions=True`` (the keyword, a ``generate`` option or ``model.config.output_attentions``)
+returns the unmodified eager model's attention probabilities, recomputed per layer from the latent KV
+(:mod:`torch_kvoffload.integrations.hf.output_attentions`); refused on a P/D node.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import threading
 import types
@@ -36,7 +41,8 @@ import torch
 from torch_kvoffload.backend import SESSION_ATTR
 from torch_kvoffload.core.config import OffloadConfig
 from torch_kvoffload.integrations.hf.inspect import inspect_model
-from torch_kvoffload.integrations.hf.packed import packed_forward, packed_segments
+from torch_kvoffload.integrations.hf.output_attentions import collect_attentions, output_attentions_requested
+from torch_kvoffload.integrations.hf.packed import PackedRows, packed_forward, packed_segments
 from torch_kvoffload.integrations.hf.pd import make_role
 from torch_kvoffload.integrations.hf.session import OffloadSession, session_of
 
@@ -172,17 +178,23 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
                 "ids; pass input_ids"
             )
         shape = (int(embeds.shape[0]), int(embeds.shape[1]))
-    if kwargs.get("output_attentions") or (
-        kwargs.get("output_attentions") is None and getattr(model.config, "output_attentions", False)
-    ):
+    attentions = output_attentions_requested(model, kwargs)
+    if attentions and session.pd is not None:
         raise ValueError(
-            f"{name}: output_attentions=True is not supported: the library's absorbed attention never forms "
-            "the attention probabilities (run the unmodified model to inspect them)"
+            f"{name}: output_attentions=True is not supported on a P/D node (config.pd): part of the "
+            "sequence's KV is computed or placed by the peer; run the model without P/D to inspect them"
         )
     rows, width = (input_ids if input_ids is not None else embeds).shape[:2]
     layout = packed_segments(name, model, kwargs, int(rows), int(width))
     if layout is not None:  # several independent sequences in a row: run them as a batch of requests
-        return packed_forward(name, model, lambda **kw: _forward(model, **kw), layout, args, kwargs)
+
+        def segments(**kw: Any) -> Any:
+            out = _forward(model, **kw)
+            if attentions and out.attentions:  # the batch of segments' [segments, H, L, L] -> packed rows
+                out["attentions"] = tuple(_packed_attentions(layout, a) for a in out.attentions)
+            return out
+
+        return packed_forward(name, model, segments, layout, args, kwargs)
     cache = _user_cache(name, kwargs)
     use_cache = kwargs.get("use_cache")
     if use_cache is None:
@@ -206,8 +218,11 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         )
     with exclusive(session, name):
         past = cache.seen_tokens
+        body = functools.partial(model._kvoffload_originals["forward"], *args, **kwargs)
+        if attentions:  # the attention probabilities, recomputed per layer from the latent KV
+            body = functools.partial(collect_attentions, session.core, mask, past, body)
         out = session.run_forward(
-            lambda: model._kvoffload_originals["forward"](*args, **kwargs),
+            body,
             input_ids,
             mask,
             kwargs.get("cache_position"),
@@ -217,6 +232,16 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         )
         cache.seen_tokens = past + width
     return _strip_cache(out, cache) if private else out
+
+
+def _packed_attentions(layout: PackedRows, batch: torch.Tensor) -> torch.Tensor:
+    """One layer's attentions of the batch of ``layout``'s segments (``[segments, H, L, L]``) in the packed
+    rows' layout ``[rows, H, width, width]``: each segment's block on the diagonal, zero elsewhere (a
+    segment attends only to itself, as in the unmodified model's packed mask)."""
+    out = batch.new_zeros((layout.rows, batch.shape[1], layout.width, layout.width))
+    for i, (row, start, n) in enumerate(layout.spans):
+        out[row, :, start : start + n, start : start + n] = batch[i, :, :n, :n]
+    return out
 
 
 def _user_cache(who: str, kwargs: dict[str, Any]) -> Any:
@@ -251,13 +276,22 @@ def _generation_request(model: torch.nn.Module, kwargs: dict[str, Any]) -> int:
     (``max(num_beams, num_return_sequences)``).
 
     A ``cache_implementation`` the library's cache serves is turned off in ``kwargs`` (the library's cache
-    is passed instead); any other one is a ``ValueError`` naming it."""
+    is passed instead); any other one is a ``ValueError`` naming it, and so is a static one with
+    ``output_attentions``."""
     name = f"offloaded {type(model).__name__}"
     impl = _generation_option(model, kwargs, "cache_implementation")
     if impl not in _CACHE_IMPLEMENTATIONS:
         raise ValueError(
             f"{name}: generate(cache_implementation={impl!r}) is not supported: the library keeps the KV in its "
             f"own cache, which serves cache_implementation in {[c for c in _CACHE_IMPLEMENTATIONS if c]} or None"
+        )
+    if impl in ("static", "offloaded_static") and _generation_option(
+        model, kwargs, "output_attentions", getattr(model.config, "output_attentions", False)
+    ):
+        raise ValueError(
+            f"{name}: generate(output_attentions=True, cache_implementation={impl!r}) is not supported: the "
+            "unmodified model's attentions then span the static cache's whole allocated length, the library's "
+            "cover the sequence's positions (pass cache_implementation=None or 'dynamic')"
         )
     if impl is not None:
         kwargs["cache_implementation"] = None

@@ -18,10 +18,11 @@ from torch_kvoffload.backend import kvoffload_backend
 NEW_TOKENS = 32
 LENGTHS = [9, 13]
 
+# block size 8: the calls' prompts and generations cross block boundaries
 CONFIGS = {
-    "layerwise": {"layerwise": {}},
-    "sparse": {"sparse": {}},
-    "both": {"layerwise": {}, "sparse": {}},
+    "layerwise": {"layerwise": {}, "block_size": 8},
+    "sparse": {"sparse": {}, "block_size": 8},
+    "both": {"layerwise": {}, "sparse": {}, "block_size": 8},
 }
 
 
@@ -33,23 +34,43 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _generate(model, ids, mask):
+def _generate(model, ids, mask, new=NEW_TOKENS):
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+
+
+# (prompt lengths of the rows, max_new_tokens) of the calls after the first: batches of 1 and more rows,
+# with and without padding (Hugging Face passes no attention mask for a batch without), one-token prompts
+# and one-token decodes; MANY_SHAPES for the two cases that also bound the graph count, SHAPES otherwise
+SHAPES = [([5, 4], 8), ([12], 4), ([20, 19, 18], 16), ([3, 2], 8)]
+MANY_SHAPES = [
+    ([5, 4], 8), ([12], 4), ([20, 19, 18], 16), ([3, 3], 8), ([7, 6, 5, 7], 5), ([1], 6), ([9, 9, 9], 3),
+    ([11, 10], 7), ([4, 3, 2, 4, 3], 9), ([25], 4), ([1, 1], 3), ([6, 2], 1), ([2], 3), ([14, 1, 8], 6),
+]  # fmt: skip
+# a prefill and a decode graph for each of: batch 1 / more, prompt (or cached) length 1 / more, with /
+# without attention mask, is at most 16; MANY_SHAPES need 10 (12 with shape-specialised first graphs)
+MAX_GRAPHS = 10
 
 
 @pytest.mark.parametrize(
-    ("family", "mode"),
-    [("deepseek_v3", "layerwise"), ("deepseek_v32", "layerwise"), ("deepseek_v32", "sparse"),
-     ("deepseek_v32", "both")],
+    ("family", "mode", "shapes"),
+    [("deepseek_v3", "layerwise", MANY_SHAPES), ("deepseek_v32", "layerwise", SHAPES),
+     ("deepseek_v32", "sparse", SHAPES), ("deepseek_v32", "both", MANY_SHAPES)],
+    ids=["v3-layerwise", "v32-layerwise", "v32-sparse", "v32-both"],
 )  # fmt: skip
-def test_compiled_generate_matches_the_model(family, mode):
+def test_compiled_generate_matches_the_model_call_after_call(family, mode, shapes):
+    """One compiled model, called again and again with other shapes: every call gives the unmodified
+    model's tokens, each sizes the library's caches for its own requests, the graph count stays bounded
+    (Dynamo's default recompile limit, 8, used to run out after four calls of new shapes) and calls of
+    shapes seen before compile nothing."""
     ids, mask = left_padded_batch(LENGTHS)
-    want = _generate(build_model(family, **SMALL), ids, mask)
+    model = build_model(family, **SMALL)
+    ref = copy.deepcopy(model)
+    want = _generate(ref, ids, mask)
 
     # fullgraph=True (passed through to torch.compile) for one case: the rewritten graph has no break
     kwargs = {"fullgraph": True} if mode == "both" else {}
-    model = torch_kvoffload.compile(build_model(family, **SMALL), CONFIGS[mode], **kwargs)
+    model = torch_kvoffload.compile(model, CONFIGS[mode], **kwargs)
     got = _generate(model, ids, mask)
     assert torch.equal(got, want), f"{(got != want).sum().item()} tokens differ"
 
@@ -71,49 +92,32 @@ def test_compiled_generate_matches_the_model(family, mode):
         assert stats["misses"] > 0 and stats["bytes_h2d"] > 0  # decode read the host pool
 
     # a second generate with the same prompt width reuses the graphs
-    with torch.no_grad():
-        again = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    again = _generate(model, ids, mask, new=4)
     assert torch.equal(again, want[:, : ids.shape[1] + 4])
     assert len(model._kvoffload_compile_reports) == len(graphs)
 
-
-# (prompt lengths of the rows, max_new_tokens): batches of 1 and more rows, with and without padding
-# (Hugging Face passes no attention mask for a batch without), one-token prompts and one-token decodes
-SHAPES = [
-    ([5, 4], 8), ([12], 4), ([20, 19, 18], 16), ([3, 3], 8), ([7, 6, 5, 7], 5), ([1], 6), ([9, 9, 9], 3),
-    ([11, 10], 7), ([4, 3, 2, 4, 3], 9), ([25], 4), ([1, 1], 3), ([6, 2], 1), ([2], 3), ([14, 1, 8], 6),
-]  # fmt: skip
-# a prefill and a decode graph for each of: batch 1 / more, prompt (or cached) length 1 / more, with /
-# without attention mask, is at most 16; these shapes need 10 (12 with shape-specialised first graphs)
-MAX_GRAPHS = 10
-
-
-@pytest.mark.parametrize(("family", "mode"), [("deepseek_v3", "layerwise"), ("deepseek_v32", "both")])
-def test_generate_calls_of_many_shapes_on_one_compiled_model(family, mode):
-    """Dynamo's default recompile limit (8) used to run out after four calls of new shapes: each new
-    batch size or prompt length compiled a prefill and a decode graph until automatic dynamic shapes
-    caught up, per input variant. Now the graph count stays bounded and every call gives the unmodified
-    model's tokens."""
-    model = build_model(family, **SMALL)
-    ref = copy.deepcopy(model)
-    model = torch_kvoffload.compile(model, CONFIGS[mode])
     counts = []
-    for i, (lengths, new) in enumerate(SHAPES):
+    for i, (lengths, new) in enumerate(shapes):
         ids, mask = left_padded_batch(lengths, seed=100 + i)
-        with torch.no_grad():
-            want = ref.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
-            got = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        want = _generate(ref, ids, mask, new)
         if family == "deepseek_v32":
             rows = [want[b][mask[b].bool().tolist() + [True] * new] for b in range(len(lengths))]
             assert indexer_boundary_ties(ref, rows) == 0
+        got = _generate(model, ids, mask, new)
         assert torch.equal(got, want), f"call {i} {lengths}: {(got != want).sum().item()} tokens differ"
+        # each call's caches were sized for its requests: prompt width + new tokens - 1 each
+        s = torch_kvoffload.stats(model)
+        sparse = mode != "layerwise"
+        assert (s.get("reserved_tokens"), s.get("reserved_requests")) == (
+            ids.shape[1] + new - 1,
+            len(lengths) if sparse else 0,
+        )
         counts.append(len(model._kvoffload_compile_reports))
     assert counts[-1] <= MAX_GRAPHS, counts
     # the same shapes again compile nothing
-    for i, (lengths, new) in enumerate(SHAPES[:6]):
+    for i, (lengths, new) in enumerate(shapes[:6]):
         ids, mask = left_padded_batch(lengths, seed=200 + i)
-        with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        _generate(model, ids, mask, new)
     assert len(model._kvoffload_compile_reports) == counts[-1]
 
 

@@ -97,18 +97,6 @@ def test_generate_sequence_eager(family, mode):
     session_of(model).close()
 
 
-@pytest.mark.parametrize(
-    ("family", "mode"),
-    [("deepseek_v3", "layerwise"), ("deepseek_v32", "layerwise"), ("deepseek_v32", "sparse"),
-     ("deepseek_v32", "both")],
-)  # fmt: skip
-def test_generate_sequence_compiled(family, mode):
-    model, calls = _reference_run(family, SMALL, CALLS)
-    model = torch_kvoffload.compile(model, MODES[mode])
-    _check_sequence(model, calls)
-    session_of(model).close()
-
-
 # ----------------------------------------------------------------------------------- failed calls
 class _Boom(RuntimeError):
     pass

@@ -10,7 +10,7 @@ INSTALLED := $(VENV)/.installed
 BUILT := $(VENV)/.built
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' 2>/dev/null)
 
-.PHONY: setup build demo test lint format bench device-check clean
+.PHONY: setup build demo test test-fast lint format bench device-check clean
 
 setup: $(BUILT)
 
@@ -48,9 +48,15 @@ format: $(INSTALLED)
 
 # Two pytest workers (pytest-xdist), each taking whole files: module fixtures that spawn process groups run
 # once, and a worker waiting on its subprocesses leaves the core to the other. TEST_WORKERS=0 runs serially.
+# `make test` prints the 25 slowest tests; `make test-fast` is the inner loop: the unit tier, without the tests
+# marked slow (multi-process groups, servers, the compiled-model sequences).
 TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 test: lint $(BUILT)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PYTEST) --durations=25 tests
+
+test-fast: $(BUILT)
+	$(PYTEST) -m "not slow" tests
 
 # The Hugging Face demos first (a tiny DeepseekV32 with layerwise + sparse decode offload; 2-rank KVPP on a
 # tiny DeepseekV3 loaded with tensor parallelism, ranks spawned; the same on a DeepseekV32, whose heads are
@@ -83,3 +89,24 @@ device-check: $(BUILT)
 
 clean:
 	rm -rf build torch_kvoffload/*.so $(BUILT)
+
+# The Hugging Face tests on the oldest supported transformers (MIN_TRANSFORMERS in
+# torch_kvoffload/integrations/hf/versions.py; .venv has the newest the hf extra allows): .venv-oldest holds
+# torch 2.13.0, that transformers and this package, editable, with its test, hf, pd and serve extras; the C++
+# extension is built in-tree (`make build`), so both venvs load the same one.
+OLDEST_TRANSFORMERS := $(shell sed -n 's/^MIN_TRANSFORMERS = "\(.*\)"/\1/p' torch_kvoffload/integrations/hf/versions.py)
+VENV_OLDEST := .venv-oldest
+OLDEST_INSTALLED := $(VENV_OLDEST)/.installed-transformers-$(OLDEST_TRANSFORMERS)
+
+.PHONY: test-hf-oldest
+
+$(OLDEST_INSTALLED): pyproject.toml setup.py torch_kvoffload/integrations/hf/versions.py
+	test -x $(VENV_OLDEST)/bin/python || $(PYTHON) -m venv $(VENV_OLDEST)
+	$(VENV_OLDEST)/bin/python -m pip install --upgrade pip setuptools wheel
+	$(VENV_OLDEST)/bin/python -m pip install torch==2.13.0
+	TORCH_KVOFFLOAD_BUILD_EXT=0 $(VENV_OLDEST)/bin/python -m pip install --no-build-isolation \
+		-e '.[test,hf,pd,serve]' 'transformers==$(OLDEST_TRANSFORMERS)'
+	touch $@
+
+test-hf-oldest: $(OLDEST_INSTALLED) $(BUILT)
+	$(VENV_OLDEST)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/hf

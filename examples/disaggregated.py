@@ -16,7 +16,9 @@ per layer, then a projection to a vocabulary), compared with the same readout ov
 With a fault the run ends with the error each side reports, in bounded time: ``kill-decode`` (decode
 exits after layer 2; prefill's heartbeat detects it), ``drop-ack`` (decode never acknowledges layer 2;
 prefill's per-layer deadline fires), ``bad-metadata`` (prefill announces wrong block sizes for layer 2;
-decode refuses the layer with READ_FAILED and invalidates the request).
+decode refuses the layer with READ_FAILED and invalidates the request). The parent notices a child that
+exits without a result at once (:func:`child_result`). Exit status: 0, or 1 when a run without a fault
+reports an error.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import dataclasses
 import importlib.util
 import multiprocessing as mp
 import os
+import queue
 import tempfile
 import time
 
@@ -282,7 +285,32 @@ def prefill(a: dict, tickets_q, result_q) -> None:
     transport.close()
 
 
-def main() -> None:
+#: How long the parent waits for each child's result while the child is alive. A child that exits without
+#: one (the ``kill-decode`` fault's decode, a crash) is reported within two polls (:data:`POLL_S`) of its
+#: exit.
+RESULT_TIMEOUT_S = 120.0
+POLL_S = 0.2
+
+
+def child_result(q, proc, name: str, timeout: float) -> dict:
+    """The dict ``proc`` puts on ``q``; an ``{"error": ...}`` dict as soon as ``proc`` has exited without
+    one, or after ``timeout`` seconds while it still runs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return q.get(timeout=POLL_S)
+        except queue.Empty:
+            pass
+        if proc.exitcode is not None:
+            try:  # a result put just before a clean exit is already in the pipe
+                return q.get(timeout=POLL_S)
+            except queue.Empty:
+                return {"error": f"the {name} process exited with code {proc.exitcode} without a result"}
+        if time.monotonic() >= deadline:
+            return {"error": f"no result from the {name} process within {timeout:.0f} s (still running)"}
+
+
+def main() -> int:
     from torch_kvoffload._utils import free_port
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -302,13 +330,9 @@ def main() -> None:
         pre = ctx.Process(target=hf_prefill if hf else prefill, args=(a, tickets_q, pre_q), daemon=True)
         dec.start()
         pre.start()
-        p_out = pre_q.get(timeout=120)
-        try:
-            # decode still generates its tokens after prefill is done: slow on a loaded machine
-            d_out = dec_q.get(timeout=120)
-        except Exception:
-            state = "still running" if dec.exitcode is None else f"exited with code {dec.exitcode}"
-            d_out = {"error": f"no result from the decode process within 120 s of prefill's ({state})"}
+        p_out = child_result(pre_q, pre, "prefill", RESULT_TIMEOUT_S)
+        # decode still generates its tokens after prefill is done: slow on a loaded machine
+        d_out = child_result(dec_q, dec, "decode", RESULT_TIMEOUT_S)
         stop.set()
         for proc in (pre, dec):
             proc.join(10)
@@ -317,15 +341,18 @@ def main() -> None:
         f"prefill -> decode over {args.transport} ({what}), {args.tokens} tokens, {args.layers} layers, "
         f"fault={args.fault}"
     )
-    for e in p_out["layers"]:
+    for e in p_out.get("layers", []):
         print(f"  layer {e['layer']}: {e['bytes'] / 2**20:6.2f} MiB in {e['seconds'] * 1e3:7.2f} ms "
               f"({e['bytes'] / max(e['seconds'], 1e-9) / 1e9:5.2f} GB/s, LAYER_READY -> READ_DONE)")  # fmt: skip
-    print(f"prefill forward + transfer: {p_out['seconds']:.2f} s")
+    if "seconds" in p_out:
+        print(f"prefill forward + transfer: {p_out['seconds']:.2f} s")
     if "error" in p_out:
         print(f"prefill error: {p_out['error']}")
     if "error" in d_out:
         print(f"decode error: {d_out['error']}")
-        return
+    if "error" in p_out or "error" in d_out:
+        # with a fault the errors are the demonstration; without one they are a failure
+        return 0 if args.fault != "none" else 1
     if hf:
         ref = tiny_model(args.layers)
         ids = prompt(args.tokens)
@@ -339,7 +366,8 @@ def main() -> None:
     print(f"decode tokens    : {d_out['tokens']}")
     print(f"colocated tokens : {colocated}")
     print(f"equal: {d_out['tokens'] == colocated}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

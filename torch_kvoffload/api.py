@@ -27,10 +27,13 @@ def offload(model: torch.nn.Module, config: OffloadConfig | dict[str, Any] | Non
 
     ``config``: an :class:`OffloadConfig` (or its dict form); ``None`` = :meth:`OffloadConfig.default`.
     Raises ``ValueError`` (naming the model class and the reason) for a model the library cannot handle,
-    before anything is allocated.
+    before anything is allocated, and ``RuntimeError`` for a transformers release outside the supported
+    range (:mod:`torch_kvoffload.integrations.hf.versions`).
     """
     from torch_kvoffload.integrations.hf.install import offload as _offload
+    from torch_kvoffload.integrations.hf.versions import check_transformers_version
 
+    check_transformers_version()
     return _offload(model, config)
 
 

@@ -1,7 +1,8 @@
 """Continuous batching (``model.generate_batch``) for unmodified DeepSeek-V3 (MLA) / V3.2 (MLA + DSA) models.
 
 transformers 5.24's paged cache assumes per-head K and V: every full-attention layer stores
-``[tokens, 2, num_key_value_heads, head_dim]`` and the memory sizing counts those bytes. MLA caches one
+``[tokens, 2, num_key_value_heads, head_dim]`` and the memory sizing counts those bytes (5.25 adds an MLA
+allocator of its own, without the indexer rows). MLA caches one
 latent row per token instead (``kv_lora_rank`` + ``qk_rope_head_dim``), V3.2 adds the lightning indexer key
 (``index_head_dim``) read through ``cache.update_indexer``, and V3.2 names its layers ``indexed_attention``,
 which the paged cache rejects. :class:`MLACacheAllocator` is written as a transformers allocator would be:
@@ -12,8 +13,12 @@ its ``init_continuous_batching`` (an instance attribute) and, on the manager it 
 ``_create_batch_processor``. While those two calls run (under a lock), these module attributes point at
 the MLA versions and are put back afterwards: ``cache.ATTN_TYPE_TO_ALLOCATOR``,
 ``cache.group_layers_by_attn_type``, ``cache.FullAttentionCacheAllocator``,
-``initialization.ATTN_TYPE_TO_ALLOCATOR`` and ``initialization.group_layers_by_attn_type``
-(:data:`OVERRIDDEN`). The cache built there gets an instance ``update_indexer``. Other models are untouched.
+``initialization.ATTN_TYPE_TO_ALLOCATOR`` and ``initialization.group_layers_by_attn_type``, and from
+transformers 5.25 on ``cache.MLACacheAllocator`` (transformers' own MLA allocator, which 5.25's paged cache
+picks for every MLA full-attention layer instead of ``ATTN_TYPE_TO_ALLOCATOR``'s) (:data:`OVERRIDDEN`). The
+cache built there gets an instance ``update_indexer``. Other models are untouched. Importing this module
+checks that every transformers name it relies on exists (:data:`TRANSFORMERS_NAMES`; ``ImportError``
+naming the missing ones, the installed release and the supported range otherwise).
 
 An offloaded model (``torch_kvoffload.offload``, which enables this) keeps its KV in the library's caches
 (:mod:`torch_kvoffload.integrations.hf.serving`): transformers' paged cache only keeps its block ledger
@@ -47,21 +52,81 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "OVERRIDDEN",
+    "TRANSFORMERS_NAMES",
     "MLACacheAllocator",
     "disable_mla_continuous_batching",
     "enable_mla_continuous_batching",
 ]
 
-#: The transformers private names (module, attribute) swapped while an enabled model builds its CB state.
+_CB = "transformers.generation.continuous_batching"
+#: ``(module, attribute, first release)``: overridden names that exist only from a transformers release on.
+#: 5.25's ``PagedAttentionCache._create_allocator`` builds ``cache.MLACacheAllocator`` for a model with
+#: ``kv_lora_rank`` instead of ``ATTN_TYPE_TO_ALLOCATOR["full_attention"]``.
+_OVERRIDDEN_SINCE = ((f"{_CB}.cache", "MLACacheAllocator", "5.25.0"),)
+
+
+def _installed_at_least(release: str) -> bool:
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) >= Version(release)
+
+
+#: The transformers private names (module, attribute) swapped while an enabled model builds its CB state
+#: (those of :data:`_OVERRIDDEN_SINCE` only on the releases that have them).
 OVERRIDDEN = (
-    ("transformers.generation.continuous_batching.cache", "ATTN_TYPE_TO_ALLOCATOR"),
-    ("transformers.generation.continuous_batching.cache", "group_layers_by_attn_type"),
-    ("transformers.generation.continuous_batching.cache", "FullAttentionCacheAllocator"),
-    ("transformers.generation.continuous_batching.initialization", "ATTN_TYPE_TO_ALLOCATOR"),
-    ("transformers.generation.continuous_batching.initialization", "group_layers_by_attn_type"),
+    (f"{_CB}.cache", "ATTN_TYPE_TO_ALLOCATOR"),
+    (f"{_CB}.cache", "group_layers_by_attn_type"),
+    (f"{_CB}.cache", "FullAttentionCacheAllocator"),
+    (f"{_CB}.initialization", "ATTN_TYPE_TO_ALLOCATOR"),
+    (f"{_CB}.initialization", "group_layers_by_attn_type"),
+    *((m, n) for m, n, since in _OVERRIDDEN_SINCE if _installed_at_least(since)),
+)
+#: ``(module, attribute, members)``: every transformers name this module subclasses, calls, wraps or
+#: overrides (:data:`OVERRIDDEN` included), checked when the module is imported.
+TRANSFORMERS_NAMES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    *((m, n, ()) for m, n in OVERRIDDEN),
+    (
+        f"{_CB}.cache_allocators",
+        "FullAttentionCacheAllocator",
+        ("_before_cache_tensor_init", "_after_cache_tensor_init", "get_read_indices", "get_write_indices"),
+    ),
+    (
+        f"{_CB}.cache",
+        "PagedAttentionCache",
+        ("extend_read_and_write_indices", "can_store_request_tokens", "free_blocks", "free_all_requests"),
+    ),
+    (_CB, "ContinuousBatchingManager", ("_create_batch_processor", "add_request", "_run_generation_loop")),
+    ("transformers.generation.configuration_utils", "ContinuousBatchingConfig", ()),
 )
 _LOCK = threading.RLock()
 _FULL = "full_attention"
+
+
+def _check_transformers_names() -> None:
+    """``ImportError`` naming each :data:`TRANSFORMERS_NAMES` entry the installed transformers lacks."""
+    import importlib
+
+    import transformers
+
+    from torch_kvoffload.integrations.hf.versions import supported_range
+
+    missing = []
+    for module_name, name, members in TRANSFORMERS_NAMES:
+        try:
+            obj = getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError):
+            missing.append(f"{module_name}.{name}")
+            continue
+        missing += [f"{module_name}.{name}.{m}" for m in members if not hasattr(obj, m)]
+    if missing:
+        raise ImportError(
+            f"torch_kvoffload's continuous batching overrides transformers names that transformers "
+            f"{transformers.__version__} lacks: {', '.join(missing)} (supported: transformers{supported_range()})"
+        )
+
+
+_check_transformers_names()
 
 
 def _base_allocator() -> type:
@@ -183,6 +248,7 @@ def _mla_names(config: Any, ledger: bool = False) -> Iterator[None]:
 
     values = {"ATTN_TYPE_TO_ALLOCATOR": table, "group_layers_by_attn_type": group}
     values["FullAttentionCacheAllocator"] = allocator
+    values["MLACacheAllocator"] = allocator  # transformers >= 5.25 (_OVERRIDDEN_SINCE)
     with _LOCK:
         saved = []
         try:

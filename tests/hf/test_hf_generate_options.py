@@ -238,8 +238,11 @@ def test_cache_options_are_served_or_refused_by_the_library(family):
             _generate(model, **common, cache_implementation=impl)
     with pytest.raises(ValueError, match=r"library's cache.*DynamicCache"):
         _generate(model, **common, cache=DynamicCache(config=ref.config))
-    with pytest.raises(ValueError, match="output_attentions"):
-        _generate(model, **common, return_dict_in_generate=True, output_attentions=True)
+    # output_attentions is served (its values: test_hf_attentions.py), except with a static cache
+    got = _generate(model, **common, return_dict_in_generate=True, output_attentions=True)
+    assert torch.equal(got.sequences, plain) and len(got.attentions) == common["max_new_tokens"]
+    with pytest.raises(ValueError, match="output_attentions=True, cache_implementation='static'"):
+        _generate(model, **common, output_attentions=True, cache_implementation="static")
     # continuing from the cache a generate returned, then a plain call: the model stays usable
     kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
     first_ref, first = _generate(ref, input_ids=ids, **kw), _generate(model, input_ids=ids, **kw)
@@ -254,8 +257,23 @@ def test_cache_options_are_served_or_refused_by_the_library(family):
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32"])
 def test_compiled_model_serves_every_option_in_one_sequence(family):
+    """What a static cache buys in transformers, the library's cache gives a compiled model: after one
+    generate, generates of other batch sizes, prompt lengths, new tokens, with beams or a static-cache
+    request run under ``fail_on_recompile`` with the unmodified model's tokens. Then every option, in one
+    sequence of calls on the same model."""
     ref, model = _pair(family, None, compiled=True, **SMALL)
     ids, mask = _batch()
+    _generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    ids2, mask2 = left_padded_batch([9, 4], seed=2)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for kw in (
+            dict(max_new_tokens=6, do_sample=False),
+            dict(max_new_tokens=4, num_beams=2, do_sample=False),
+            dict(max_new_tokens=4, do_sample=False, cache_implementation="static"),
+        ):
+            got = _generate(model, input_ids=ids2, attention_mask=mask2, **kw)
+            _assert_same(_generate(ref, input_ids=ids2, attention_mask=mask2, **kw), got)
+
     emb = ref.get_input_embeddings()(ids).detach()
     with torch.no_grad():
         for keep in (0, 1, 3, 1):
@@ -323,21 +341,3 @@ def test_a_p_d_node_refuses_to_fork_or_crop_and_keeps_its_sequence_usable_until_
         assert session.request_ids == first[::-1]
     finally:
         torch_kvoffload.integrations.hf.install.detach(model)
-
-
-def test_compiled_generation_of_other_shapes_needs_no_recompile():
-    """What a static cache buys in transformers, the library's cache gives a compiled model: after one
-    generate, generates of other batch sizes, prompt lengths, new tokens, with beams or a static-cache
-    request run under ``fail_on_recompile`` with the unmodified model's tokens."""
-    ref, model = _pair("deepseek_v32", None, compiled=True, **SMALL)
-    ids, mask = _batch()
-    _generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
-    ids2, mask2 = left_padded_batch([9, 4], seed=2)
-    with torch.compiler.set_stance("fail_on_recompile"):
-        for kw in (
-            dict(max_new_tokens=6, do_sample=False),
-            dict(max_new_tokens=4, num_beams=2, do_sample=False),
-            dict(max_new_tokens=4, do_sample=False, cache_implementation="static"),
-        ):
-            got = _generate(model, input_ids=ids2, attention_mask=mask2, **kw)
-            _assert_same(_generate(ref, input_ids=ids2, attention_mask=mask2, **kw), got)

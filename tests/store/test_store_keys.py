@@ -23,7 +23,7 @@ from torch_kvoffload.store.keys import (
 
 def _reference_hashes(tokens: list[int], block_size: int, salt: str = "") -> list[str]:
     """Independent restatement of the documented formula, one token at a time."""
-    prev = hashlib.blake2b(b"torch_kvoffload/block-hash/v1" + salt.encode(), digest_size=DIGEST_SIZE).digest()
+    prev = hashlib.blake2b(b"torch_kvoffload/block-hash/v2" + salt.encode(), digest_size=DIGEST_SIZE).digest()
     out = []
     for b in range(len(tokens) // block_size):
         payload = b"".join(struct.pack("<q", t) for t in tokens[b * block_size : (b + 1) * block_size])

@@ -243,6 +243,7 @@ class KVCore:
             self.finish([dst.id])
             raise
         dst.tokens, dst.keyed = list(src.tokens), src.keyed
+        dst.positions = None if src.positions is None else list(src.positions)
         return dst
 
     def truncate(self, request_id: int, length: int) -> None:
@@ -263,6 +264,7 @@ class KVCore:
             self.finish([r.id])
             raise
         del r.tokens[length:]
+        r.truncate_positions(length)
 
     # ---------------------------------------------------------------------------------- forwards
     def _taking_part(self, fwd: ForwardPlan) -> list[KVBackend]:
@@ -275,12 +277,14 @@ class KVCore:
         new_mask: torch.Tensor,
         *,
         padding_queries: bool = True,
+        positions: Sequence[Sequence[int] | None] | None = None,
     ) -> ForwardPlan:
         """Begin a forward of live ``requests`` (one per batch row) whose real new positions are
         ``new_mask bool [B, S]`` (host, padding anywhere) holding ``new_tokens[b]``; return its plan
         (``padding_queries=False``: the padding positions' outputs are discarded by the caller, none
-        attends). A backend failing to begin ends the ones that began, and the error propagates (no forward
-        is running then)."""
+        attends). ``positions[b]``: the model (rotary) positions the model computes ``new_tokens[b]`` at
+        (``None``: their logical positions; see :attr:`Request.positions`). A backend failing to begin
+        ends the ones that began, and the error propagates (no forward is running then)."""
         if self.forward is not None:
             raise RuntimeError("KVCore.begin_forward: a forward is running; call end_forward()")
         assert self.layout is not None
@@ -297,8 +301,19 @@ class KVCore:
             self.drop_prefill_buffers()  # prefill is over: decode runs on the sparse backend alone
         lw = self.backends.layerwise
         layerwise = lw is not None and not decode and lw.built
-        for r, toks in zip(requests, new_tokens, strict=True):
+        if positions is not None:
+            if len(positions) != len(requests):
+                raise ValueError(
+                    f"KVCore.begin_forward: {len(positions)} rows of positions for {len(requests)} requests"
+                )
+            for b, (pos, toks) in enumerate(zip(positions, new_tokens, strict=True)):
+                if pos is not None and len(pos) != len(toks):
+                    raise ValueError(
+                        f"KVCore.begin_forward: row {b} has {len(toks)} new tokens and {len(pos)} positions"
+                    )
+        for b, (r, toks) in enumerate(zip(requests, new_tokens, strict=True)):
             self.requests.extend(r.id, toks)
+            r.add_positions(old_len[b], None if positions is None else positions[b])
         fwd = plan_forward(
             requests,
             old_len,

@@ -15,7 +15,7 @@ the KV core).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from torch_kvoffload._utils import check_int
@@ -30,17 +30,42 @@ class Request:
     ``keyed``: whether ``tokens`` are the token ids the KV was computed from. A request fed embeddings
     (``inputs_embeds``) has placeholders (``-1``) where no id is known; it is not keyed, for its whole
     life: a store that keys KV by content neither looks up nor shares its blocks.
+
+    ``positions``: the model (rotary) position each token's KV was computed at, one per token, or ``None``
+    while every token sat at its logical position (token ``t`` at ``t``: what ``generate`` feeds). The
+    rotary part of the KV depends on it, so a store that keys KV by content keys it by these positions
+    too (:meth:`add_positions`).
     """
 
     id: int
     slot: int
     tokens: list[int] = field(default_factory=list)
     keyed: bool = True
+    positions: list[int] | None = None
 
     @property
     def length(self) -> int:
         """Tokens seen so far (the next token's logical position)."""
         return len(self.tokens)
+
+    def add_positions(self, start: int, positions: Sequence[int] | None) -> None:
+        """Record the positions of tokens ``start .. start + len(positions) - 1`` (``None``: at their
+        logical positions). ``positions`` stays ``None`` while every token is at its logical position."""
+        if positions is None:
+            if self.positions is not None:
+                self.positions[start:] = range(start, self.length)
+            return
+        n = len(positions)
+        if self.positions is None and list(positions) == list(range(start, start + n)):
+            return
+        if self.positions is None:
+            self.positions = list(range(start))
+        self.positions[start:] = [int(p) for p in positions]
+
+    def truncate_positions(self, length: int) -> None:
+        """Keep the positions of the first ``length`` tokens."""
+        if self.positions is not None:
+            del self.positions[length:]
 
 
 class RequestTable:

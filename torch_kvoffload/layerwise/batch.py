@@ -74,6 +74,7 @@ class ForwardPlanner:
         num_cached_tokens: Sequence[int] | None,
         max_cached_tokens: Sequence[int] | None,
         idle: Sequence[bool] | None = None,
+        positions: Sequence[Sequence[int] | torch.Tensor | None] | None = None,
     ) -> Transfers:
         """Check the batch, lease its prefixes and plan its transfers (``begin_forward``'s contract).
 
@@ -100,6 +101,7 @@ class ForwardPlanner:
             ("num_cached_tokens", num_cached_tokens),
             ("max_cached_tokens", max_cached_tokens),
             ("idle", idle),
+            ("positions", positions),
         ):
             if values is not None and len(values) != len(token_ids):
                 raise ValueError(f"{fn}: '{arg}' has {len(values)} entries, expected {len(token_ids)}")
@@ -110,7 +112,7 @@ class ForwardPlanner:
                 check_int(fn, f"max_cached_tokens[{r}]", m, minimum=0)
         # a request without tokens computes none
         idle_rows = [len(t) == 0 or (idle is not None and bool(idle[r])) for r, t in enumerate(token_ids)]
-        tables, hashes = self._check_batch(token_ids, block_tables, num_cached_tokens, idle_rows)
+        tables, hashes = self._check_batch(token_ids, block_tables, num_cached_tokens, idle_rows, positions)
         try:
             requests = self._plan_requests(
                 token_ids, tables, hashes, num_cached_tokens, max_cached_tokens, idle_rows
@@ -126,9 +128,10 @@ class ForwardPlanner:
         block_tables: Sequence[Sequence[int]],
         num_cached_tokens: Sequence[int] | None,
         idle: list[bool],
+        positions: Sequence[Sequence[int] | torch.Tensor | None] | None = None,
     ) -> tuple[list[list[int]], list[list[str]]]:
         """Validate every request's tokens, block table and fixed cached count; return the block ids each
-        request uses and its block hashes. Touches no state."""
+        request uses and its block hashes (of its tokens at ``positions[r]``). Touches no state."""
         fn = "begin_forward"
         tables, hashes = [], []
         for r, (toks, table) in enumerate(zip(token_ids, block_tables, strict=True)):
@@ -167,7 +170,7 @@ class ForwardPlanner:
                 if not idle[r] and c // self.block_size > self.lookup.max_cacheable_blocks(n):
                     raise ValueError(f"{fn}: num_cached_tokens[{r}] = {c} leaves no token of {n} to compute")
             tables.append(ids)
-            hashes.append(self.lookup.hashes(toks))
+            hashes.append(self.lookup.hashes(toks, None if positions is None else positions[r]))
         return tables, hashes
 
     def _plan_requests(

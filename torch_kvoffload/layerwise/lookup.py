@@ -62,18 +62,23 @@ class PrefixLookup:
         ]
         self.leases: list[StoreLease] = []
 
-    def hashes(self, token_ids: Sequence[int] | torch.Tensor) -> list[str]:
-        """The chained hashes of the full blocks of ``token_ids``."""
-        return block_hashes(token_ids, self.block_size, salt=self.salt)
+    def hashes(
+        self, token_ids: Sequence[int] | torch.Tensor, positions: Sequence[int] | torch.Tensor | None = None
+    ) -> list[str]:
+        """The chained hashes of the full blocks of ``token_ids`` whose KV was computed at ``positions``
+        (``None``: token ``t`` at position ``t``; see :func:`~torch_kvoffload.store.keys.block_hashes`)."""
+        return block_hashes(token_ids, self.block_size, salt=self.salt, positions=positions)
 
     def max_cacheable_blocks(self, num_tokens: int) -> int:
         # At least one token is always computed, so a fully cached prompt still yields its last logits.
         return max(num_tokens - 1, 0) // self.block_size
 
-    def lookup(self, token_ids: Sequence[int] | torch.Tensor) -> int:
-        """Tokens of ``token_ids`` whose KV every layer has in the store (a multiple of ``block_size``,
-        leaving at least one token to compute)."""
-        hashes = self.hashes(token_ids)
+    def lookup(
+        self, token_ids: Sequence[int] | torch.Tensor, positions: Sequence[int] | torch.Tensor | None = None
+    ) -> int:
+        """Tokens of ``token_ids`` (at ``positions``) whose KV every layer has in the store (a multiple of
+        ``block_size``, leaving at least one token to compute)."""
+        hashes = self.hashes(token_ids, positions)
         cap = min(len(hashes), self.max_cacheable_blocks(len(token_ids)))
         if cap == 0:
             return 0

@@ -35,6 +35,7 @@ class _Forwards(Protocol):
         num_cached_tokens: Sequence[int] | None = None,
         *,
         max_cached_tokens: Sequence[int] | None = None,
+        positions: Sequence[Sequence[int] | torch.Tensor | None] | None = None,
     ) -> list[int]: ...
 
     def end_forward(self) -> None: ...
@@ -54,6 +55,7 @@ def run_forward(
     *,
     num_cached_tokens: Sequence[int] | None = None,
     max_cached_tokens: Sequence[int] | None = None,
+    positions: Sequence[Sequence[int] | torch.Tensor | None] | None = None,
 ) -> T:
     """``rt.begin_forward``, ``body(cached)``, ``rt.end_forward`` — recomputing instead of failing when the
     store dropped part of the prefix.
@@ -65,14 +67,16 @@ def run_forward(
     (``max_cached_tokens``; also after a first try with ``num_cached_tokens``). Requests sharing a block
     that must now be recomputed get it computed by the first of them and read by the others. Every retry
     lowers the cap of the request whose blocks were missing, so this ends — at worst with the whole
-    prompt recomputed. Any other error closes the forward and propagates.
+    prompt recomputed. Any other error closes the forward and propagates. ``positions``: see
+    ``begin_forward`` (the same on every try).
     """
     if isinstance(block_tables, torch.Tensor):
         block_tables = block_tables.tolist()
     fixed, caps = num_cached_tokens, max_cached_tokens
+    at = {} if positions is None else {"positions": positions}
     while True:
         cached = rt.begin_forward(
-            token_ids, block_tables, fixed, **({} if fixed is not None else {"max_cached_tokens": caps})
+            token_ids, block_tables, fixed, **at, **({} if fixed is not None else {"max_cached_tokens": caps})
         )
         try:
             out = body(cached)

@@ -229,14 +229,19 @@ class LayerwiseOffloadRuntime:
             raise TypeError(f"register_completion_provider: expected a callable, got {type(fn).__name__}")
         self._providers.append(fn)
 
-    def lookup(self, token_ids: Sequence[int] | torch.Tensor) -> int:
-        """Tokens of ``token_ids`` whose KV every layer has in the store (a multiple of ``block_size``,
-        leaving at least one token to compute)."""
-        return self._lookup.lookup(token_ids)
+    def lookup(
+        self, token_ids: Sequence[int] | torch.Tensor, positions: Sequence[int] | torch.Tensor | None = None
+    ) -> int:
+        """Tokens of ``token_ids`` (their KV computed at ``positions``, see :meth:`begin_forward`) whose KV
+        every layer has in the store (a multiple of ``block_size``, leaving at least one token to compute)."""
+        return self._lookup.lookup(token_ids, positions)
 
-    def read_block(self, token_ids: Sequence[int], block: int) -> list[list[torch.Tensor]] | None:
-        """Full block ``block`` of ``token_ids`` as stored; between forwards (``LayerStoreIO.read_block``)."""
-        return self._io.read_block(self._lookup.hashes(token_ids)[block])
+    def read_block(
+        self, token_ids: Sequence[int], block: int, positions: Sequence[int] | None = None
+    ) -> list[list[torch.Tensor]] | None:
+        """Full block ``block`` of ``token_ids`` (at ``positions``) as stored; between forwards
+        (``LayerStoreIO.read_block``)."""
+        return self._io.read_block(self._lookup.hashes(token_ids, positions)[block])
 
     # -------------------------------------------------------------------------------- forward
     def begin_forward(
@@ -247,6 +252,7 @@ class LayerwiseOffloadRuntime:
         *,
         max_cached_tokens: Sequence[int] | None = None,
         idle: Sequence[bool] | None = None,
+        positions: Sequence[Sequence[int] | torch.Tensor | None] | None = None,
     ) -> list[int]:
         """Start a prefill forward of a batch; return the cached tokens of each request.
 
@@ -268,6 +274,11 @@ class LayerwiseOffloadRuntime:
         without tokens) none: all its full blocks are read (``RuntimeError`` if the store lacks one), its
         partial block is the caller's. Loads are leased until :meth:`end_forward`; the first layers' start.
 
+        ``positions[r]``: the model positions (rotary positions) request ``r``'s KV is computed at, one per
+        token (``None``, or ``positions`` ``None``: token ``t`` at position ``t``). Blocks are keyed by
+        their tokens and these positions (:func:`~torch_kvoffload.store.keys.block_hashes`): KV computed at
+        other positions is never loaded.
+
         Raises ``ValueError`` / ``TypeError`` / ``IndexError`` naming the argument (and, for a block
         conflict, both requests and the block); nothing is changed then (no lease, no counter).
         """
@@ -278,7 +289,7 @@ class LayerwiseOffloadRuntime:
             raise RuntimeError(f"LayerwiseOffloadRuntime.{fn}: a forward is running; call end_forward()")
         self._gates.check_clean(fn)
         self._transfers = self._planner.plan(
-            token_ids, block_tables, num_cached_tokens, max_cached_tokens, idle
+            token_ids, block_tables, num_cached_tokens, max_cached_tokens, idle, positions
         )
         self._in_forward, self._current = True, -1
         self._loads, self._pending, self._entered = {}, [], set()
@@ -414,12 +425,13 @@ class LayerwiseOffloadRuntime:
         *,
         num_cached_tokens: Sequence[int] | None = None,
         max_cached_tokens: Sequence[int] | None = None,
+        positions: Sequence[Sequence[int] | torch.Tensor | None] | None = None,
     ) -> T:
         """``begin_forward``, ``body(cached)`` (every layer of the model, returning its outputs),
         ``end_forward`` — rerun with a shorter prefix when the store dropped part of it; any other error
         closes the forward and propagates (:func:`torch_kvoffload.layerwise.retry.run_forward`)."""
         caps = {"num_cached_tokens": num_cached_tokens, "max_cached_tokens": max_cached_tokens}
-        return retry.run_forward(self, token_ids, block_tables, body, **caps)
+        return retry.run_forward(self, token_ids, block_tables, body, positions=positions, **caps)
 
     def retry_caps(
         self, cached: Sequence[int], caps: Sequence[int] | None, evicted: PrefixEvictedError

@@ -2,8 +2,11 @@
 
 ``block_hashes`` hashes FULL blocks only: ``h_i = BLAKE2b(h_{i-1} ‖ int64-LE(tokens of block i))`` with
 ``h_{-1}`` derived from a salt, so two sequences with equal first ``k`` blocks get equal first ``k``
-hashes, and changing one token changes the hash of its block and of every later block. The hash is
-stable across processes, platforms and Python versions (no ``hash()``; fixed byte order).
+hashes, and changing one token changes the hash of its block and of every later block. A block whose KV
+was computed at other positions than its own indices (``positions``: the rotary part of the KV depends
+on them) hashes its positions too: ``h_i = BLAKE2b(h_{i-1} ‖ int64-LE(tokens) ‖ int64-LE(positions))``,
+so equal tokens at different positions never share a key, and equal tokens at equal positions do. The
+hash is stable across processes, platforms and Python versions (no ``hash()``; fixed byte order).
 
 ``layer_block_keys`` adds the model / spec id and the layer: ``kv/{model_id}/{layer}/{hash}``. Read from
 the right (the hash is fixed-width hex, the layer an integer) a key names exactly one
@@ -41,7 +44,7 @@ __all__ = [
 
 #: Bytes of each block digest (hex string of twice this length).
 DIGEST_SIZE = 16
-_DOMAIN = b"torch_kvoffload/block-hash/v1"
+_DOMAIN = b"torch_kvoffload/block-hash/v2"
 #: Bytes of the layout digest in :func:`cache_layout_fingerprint` (hex string of twice this length).
 FINGERPRINT_SIZE = 8
 # bump when the record format changes (component order, 16-byte aligned offsets inside one record)
@@ -69,42 +72,48 @@ class CacheLayout(Protocol):
     def indexer(self) -> Sequence[CacheComponent] | None: ...
 
 
-def _tokens_int64(fn: str, token_ids: Sequence[int] | torch.Tensor) -> np.ndarray:
+def _tokens_int64(fn: str, token_ids: Sequence[int] | torch.Tensor, what: str = "token_ids") -> np.ndarray:
     if isinstance(token_ids, torch.Tensor):
         if token_ids.dtype == torch.bool or token_ids.dtype.is_floating_point or token_ids.dtype.is_complex:
-            raise TypeError(f"{fn}: token_ids must have an integer dtype, got {token_ids.dtype}")
+            raise TypeError(f"{fn}: {what} must have an integer dtype, got {token_ids.dtype}")
         if token_ids.dim() != 1:
-            raise ValueError(f"{fn}: token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+            raise ValueError(f"{fn}: {what} must be 1-D, got shape {tuple(token_ids.shape)}")
         if token_ids.dtype == torch.uint64 and token_ids.numel() and int(token_ids.max()) > 2**63 - 1:
-            raise ValueError(f"{fn}: token ids must fit in int64")
+            raise ValueError(f"{fn}: {what} must fit in int64")
         return token_ids.detach().to("cpu", torch.int64).numpy().astype("<i8", copy=False)
     if isinstance(token_ids, str | bytes):
-        raise TypeError(
-            f"{fn}: token_ids must be a sequence of int or a tensor, got {type(token_ids).__name__}"
-        )
+        raise TypeError(f"{fn}: {what} must be a sequence of int or a tensor, got {type(token_ids).__name__}")
     values: list[int] = []
     for i, tok in enumerate(token_ids):
         if isinstance(tok, bool | np.bool_):
-            raise TypeError(f"{fn}: token_ids[{i}] is a bool, expected an int")
+            raise TypeError(f"{fn}: {what}[{i}] is a bool, expected an int")
         try:
             v = operator.index(tok)
         except TypeError:
-            raise TypeError(
-                f"{fn}: token_ids[{i}] must be an int, got {type(tok).__name__} {tok!r}"
-            ) from None
+            raise TypeError(f"{fn}: {what}[{i}] must be an int, got {type(tok).__name__} {tok!r}") from None
         if not -(2**63) <= v < 2**63:
-            raise ValueError(f"{fn}: token_ids[{i}] = {v} does not fit in int64")
+            raise ValueError(f"{fn}: {what}[{i}] = {v} does not fit in int64")
         values.append(v)
     return np.asarray(values, dtype="<i8")
 
 
-def block_hashes(token_ids: Sequence[int] | torch.Tensor, block_size: int, *, salt: str = "") -> list[str]:
+def block_hashes(
+    token_ids: Sequence[int] | torch.Tensor,
+    block_size: int,
+    *,
+    salt: str = "",
+    positions: Sequence[int] | torch.Tensor | None = None,
+) -> list[str]:
     """Chained content hashes of the full blocks of ``token_ids``.
 
     Args:
         token_ids: 1-D token ids (a sequence of ints, or an integer tensor of shape ``[T]``).
         block_size: tokens per block (≥ 1). A trailing partial block is not hashed.
         salt: namespaces the chain (e.g. a LoRA or cache-salt id); different salts never share keys.
+        positions: the model position (rotary position) each token's KV was computed at, ``[T]`` like
+            ``token_ids``; ``None``: token ``t`` at position ``t``. A block whose positions are exactly its
+            indices ``i * block_size ..`` hashes as without ``positions``; any other block hashes its
+            positions after its tokens (and so changes every later hash of the chain).
 
     Returns:
         ``T // block_size`` lowercase hex strings of ``2 * DIGEST_SIZE`` characters.
@@ -115,15 +124,29 @@ def block_hashes(token_ids: Sequence[int] | torch.Tensor, block_size: int, *, sa
         raise TypeError(f"{fn}: salt must be a str, got {type(salt).__name__}")
     tokens = _tokens_int64(fn, token_ids)
     n_blocks = tokens.shape[0] // block_size
-    raw = memoryview(tokens[: n_blocks * block_size].tobytes())
+    n = n_blocks * block_size
+    raw = memoryview(tokens[:n].tobytes())
     stride = block_size * 8
+    # per block: None at its canonical positions, else the bytes of its positions
+    moved: list[memoryview | None] = [None] * n_blocks
+    if positions is not None:
+        pos = _tokens_int64(fn, positions, "positions")
+        if pos.shape[0] != tokens.shape[0]:
+            raise ValueError(f"{fn}: {pos.shape[0]} positions for {tokens.shape[0]} token ids")
+        off = (pos[:n] != np.arange(n, dtype=np.int64)).reshape(n_blocks, block_size).any(axis=1)
+        if off.any():
+            pos_raw = memoryview(pos[:n].astype("<i8", copy=False).tobytes())
+            for i in np.flatnonzero(off).tolist():
+                moved[i] = pos_raw[i * stride : (i + 1) * stride]
     blake2b = hashlib.blake2b
     prev = blake2b(_DOMAIN + salt.encode("utf-8"), digest_size=DIGEST_SIZE).digest()
     out: list[str] = []
     append = out.append
-    for start in range(0, n_blocks * stride, stride):
+    for i, start in enumerate(range(0, n_blocks * stride, stride)):
         h = blake2b(prev, digest_size=DIGEST_SIZE)
         h.update(raw[start : start + stride])
+        if moved[i] is not None:
+            h.update(moved[i])
         prev = h.digest()
         append(prev.hex())  # not h.hexdigest(): that finalizes the hash a second time
     return out

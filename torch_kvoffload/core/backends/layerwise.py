@@ -24,6 +24,11 @@ false: fed embeddings, ``-1`` placeholders) keys its blocks by random negative i
 when the position is first written and inherited by its forks: nothing keyed by placeholders matches
 another request's blocks, nor its own dropped ones after a truncation, while its own history still
 round-trips through the store.
+
+Positions: a block's key covers the model positions its KV was computed at (``Request.positions``: the
+rotary part of the KV depends on them), so a block computed at other positions than a request's (a forward
+without ``position_ids`` on left padding counts the pads; custom ``position_ids``) is never loaded for it,
+while a later forward at the same positions still finds it.
 """
 
 from __future__ import annotations
@@ -209,17 +214,22 @@ class LayerwiseBackend(KVBackend):
         longer holds it."""
         keys = self._unkeyed.get(request.id)
         if self._tails:
-            self._restore_tail(request, length, request.tokens if keys is None else keys)
+            self._restore_tail(request, length, request.tokens if keys is None else keys, request.positions)
         if keys is not None:
             del keys[length:]  # later positions draw new ids: the dropped blocks are never found again
 
-    def _restore_tail(self, r: Request, length: int, key_tokens: Sequence[int]) -> None:
+    def _restore_tail(
+        self, r: Request, length: int, key_tokens: Sequence[int], positions: Sequence[int] | None
+    ) -> None:
         bs = self.block_size
         block, part = divmod(length, bs)
         if part == 0 or block >= r.length // bs:
             return  # no partial block, or its rows are still in the tail
         assert self.runtime is not None
-        rows = self.runtime.read_block(key_tokens[: (block + 1) * bs], block)
+        end = (block + 1) * bs
+        rows = self.runtime.read_block(
+            key_tokens[:end], block, None if positions is None else positions[:end]
+        )
         if rows is None:
             raise RuntimeError(
                 f"OffloadSession.truncate: the host store no longer holds block {block} of request {r.id} "
@@ -240,6 +250,11 @@ class LayerwiseBackend(KVBackend):
             keys += self._rng.integers(-(2**63), -1, size=r.length - len(keys), dtype=np.int64).tolist()
         return keys[: r.length]
 
+    @staticmethod
+    def _key_positions(r: Request) -> list[int] | None:
+        """The positions ``r``'s blocks are keyed by: ``None`` while every token is at its logical position."""
+        return None if r.positions is None else r.positions[: r.length]
+
     # ------------------------------------------------------------------------------ forwards
     def takes_part(self, fwd: ForwardPlan) -> bool:
         return fwd.layerwise
@@ -251,6 +266,9 @@ class LayerwiseBackend(KVBackend):
         caps = {} if max_cached_tokens is None else {"max_cached_tokens": max_cached_tokens}
         # a row with no new token computes none: its full blocks are all read, its tail restored
         idle = [o == n for o, n in zip(fwd.old_len, fwd.new_len, strict=True)]
+        positions = [self._key_positions(r) for r in fwd.requests]
+        if any(p is not None for p in positions):
+            caps["positions"] = positions
         cached = rt.begin_forward(
             [self._key_tokens(r) for r in fwd.requests], fwd.block_table.cpu().tolist(), idle=idle, **caps
         )
@@ -363,10 +381,11 @@ class LayerwiseBackend(KVBackend):
         out: list[torch.Tensor] = []
         for r in requests:
             full = r.length // bs
-            keys = self._key_tokens(r)
+            keys, positions = self._key_tokens(r), self._key_positions(r)
             parts: list[torch.Tensor] = []
             for block in range(full):
-                stored = rt.read_block(keys[: (block + 1) * bs], block)
+                end = (block + 1) * bs
+                stored = rt.read_block(keys[:end], block, None if positions is None else positions[:end])
                 if stored is None:
                     raise RuntimeError(
                         f"the host store no longer holds block {block} of request {r.id} (tokens {block * bs}.."

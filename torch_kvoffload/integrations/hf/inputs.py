@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["forward_shape", "new_positions"]
+__all__ = ["forward_shape", "model_positions", "new_positions"]
 
 _WHERE = "OffloadSession.begin_forward"
 
@@ -66,3 +66,30 @@ def new_positions(
             "(padding keeps no KV: earlier positions cannot turn real, nor real ones into padding)"
         )
     return mask[:, past:]
+
+
+def model_positions(
+    position_ids: torch.Tensor | None, B: int, S: int, past: int, new_mask: torch.Tensor
+) -> list[list[int]]:
+    """Per row, the model positions (the rotary positions the model computes their KV at) of the real new
+    tokens ``new_mask bool [B, S]`` (host): ``position_ids [B, S]`` or ``[1, S]`` (every row) when given,
+    else transformers' default ``past .. past + S - 1`` (the cache's length counts the padding, so a
+    left-padded row's first real token sits at its number of pads).
+
+    ``position_ids`` of another shape or dtype are left for the model to reject (transformers' rotary
+    embedding fails on them); their tokens get random negative positions, which no other forward's match.
+    """
+    if position_ids is None:
+        pos = torch.arange(past, past + S, dtype=torch.int64).expand(B, S)
+    elif (
+        isinstance(position_ids, torch.Tensor)
+        and position_ids.dim() == 2
+        and position_ids.shape[1] == S
+        and position_ids.shape[0] in (1, B)
+        and not position_ids.dtype.is_floating_point
+        and position_ids.dtype != torch.bool
+    ):
+        pos = position_ids.to("cpu", torch.int64).expand(B, S)
+    else:
+        pos = torch.randint(-(2**62), -1, (B, S), dtype=torch.int64)
+    return [pos[b][new_mask[b]].tolist() for b in range(B)]

@@ -229,6 +229,7 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             past=past,
             owner=cache,
             shape=shape,
+            position_ids=kwargs.get("position_ids"),
         )
         cache.seen_tokens = past + width
     return _strip_cache(out, cache) if private else out

@@ -27,7 +27,7 @@ import torch
 from torch_kvoffload._utils import check_int
 from torch_kvoffload.core.kv import KVCore
 from torch_kvoffload.core.requests import Request
-from torch_kvoffload.integrations.hf.inputs import forward_shape, new_positions
+from torch_kvoffload.integrations.hf.inputs import forward_shape, model_positions, new_positions
 
 __all__ = ["HFSequence"]
 
@@ -104,9 +104,12 @@ class HFSequence:
         past: int | None,
         owner: Any,
         shape: tuple[int, int] | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> None:
         """See :meth:`OffloadSession.begin_forward`; ``input_ids`` ``None`` (the forward is fed embeddings of
-        ``shape`` ``(B, S)``): its rows' requests are not keyed (see :class:`Request`)."""
+        ``shape`` ``(B, S)``): its rows' requests are not keyed (see :class:`Request`). With layerwise
+        offload the requests record the model positions of their tokens (``position_ids``, else
+        transformers' default ``past ..``): the store keys their blocks by them."""
         where = "OffloadSession.begin_forward"
         if self.core.forward is not None:
             raise RuntimeError(f"{where}: a forward is running; call end_forward()")
@@ -133,6 +136,12 @@ class HFSequence:
                     "layerwise offload (its stored blocks are keyed by token ids); start it from inputs_embeds"
                 )
         new_mask = new_positions(attention_mask, B, S, past, self.masks if past > 0 else None)
+        # only the layerwise store keys read them (and reading position_ids waits for the device)
+        positions = (
+            model_positions(position_ids, B, S, past, new_mask)
+            if self.core.backends.layerwise is not None
+            else None
+        )
         if input_ids is None:
             new_tokens = [[-1] * int(n) for n in new_mask.sum(dim=1).tolist()]
         else:
@@ -154,7 +163,7 @@ class HFSequence:
                     r.keyed = False
                     self.unkeyed_requests += 1
         try:
-            self.core.begin_forward(self.requests, new_tokens, new_mask)
+            self.core.begin_forward(self.requests, new_tokens, new_mask, positions=positions)
         except BaseException:
             self.fail()
             raise

@@ -247,9 +247,14 @@ class OffloadSession:
         past: int | None = None,
         owner: Any = None,
         shape: tuple[int, int] | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> None:
         """Start a forward of ``input_ids int64 [B, S]``, or of embeddings of ``shape`` ``(B, S)`` when
         ``input_ids`` is ``None`` (their requests are then not keyed by content: no prefix reuse).
+
+        ``position_ids [B, S]`` or ``[1, S]``: the model's positions, as the model is given them (``None``:
+        transformers' default ``past .. past + S - 1``, padding counted). With layerwise offload the store
+        keys each block by its tokens and these positions: KV computed at other positions is never loaded.
 
         ``attention_mask [B, past + S]`` (0 = padding, anywhere) or ``None`` (no padding).
         ``past`` (tokens already seen, padding included) defaults to ``cache_position[0]``, else the
@@ -259,7 +264,7 @@ class OffloadSession:
         """
         if self._closed:
             raise RuntimeError("OffloadSession.begin_forward: the session is closed")
-        self._seq.begin_forward(input_ids, attention_mask, cache_position, past, owner, shape)
+        self._seq.begin_forward(input_ids, attention_mask, cache_position, past, owner, shape, position_ids)
 
     def run_forward(
         self,
@@ -271,6 +276,7 @@ class OffloadSession:
         past: int | None = None,
         owner: Any = None,
         shape: tuple[int, int] | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> T:
         """:meth:`begin_forward`, ``body()`` (the model's forward), :meth:`end_forward`; a ``body`` that
         raises aborts the forward (:meth:`abort_forward`) and the error propagates.
@@ -283,7 +289,15 @@ class OffloadSession:
         ``forward_retries``. Only where the rows before the forward are all in whole blocks the cut keeps
         (any forward that starts a sequence); otherwise the error propagates as for any other failure.
         """
-        self.begin_forward(input_ids, attention_mask, cache_position, past=past, owner=owner, shape=shape)
+        self.begin_forward(
+            input_ids,
+            attention_mask,
+            cache_position,
+            past=past,
+            owner=owner,
+            shape=shape,
+            position_ids=position_ids,
+        )
         return self._seq.run_forward(body)
 
     def end_forward(self) -> None:

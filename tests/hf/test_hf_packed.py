@@ -17,10 +17,10 @@ from support.hf_models import SMALL, build_model
 import torch_kvoffload
 from torch_kvoffload.integrations.hf.packed import PackedRows
 
+# the compiled path once, on the family whose graphs hold the indexer too (each test compiles new variants)
 CASES = [
     ("deepseek_v3", "offload", {}),
     ("deepseek_v32", "offload", {}),
-    ("deepseek_v3", "compile", SMALL),
     ("deepseek_v32", "compile", SMALL),
 ]
 ATOL = 2e-5

@@ -1,15 +1,18 @@
 """``python -m torch_kvoffload.serve MODEL_DIR``: an OpenAI-compatible server for an offloaded model.
 
-Loads the model and tokenizer saved in ``MODEL_DIR`` (``save_pretrained``), offloads its KV cache with
-:func:`torch_kvoffload.offload` (``--config``: an :class:`~torch_kvoffload.OffloadConfig` as a JSON object
-or the path of a JSON file; default: the library's default for the model) and serves it with transformers'
-own server, continuous batching on (:mod:`torch_kvoffload.integrations.hf.server`). A bad config or model
-directory ends the command with status 2 and a message naming the problem, before the port is opened.
+Serves the model and tokenizer saved in ``MODEL_DIR`` (``save_pretrained``), the model's KV cache offloaded
+with :func:`torch_kvoffload.offload` (``--config``: an :class:`~torch_kvoffload.OffloadConfig` as a JSON object
+or the path of a JSON file; default: the library's default for the model), with transformers' own server,
+continuous batching on (:mod:`torch_kvoffload.integrations.hf.server`; from transformers 5.25 on, the model
+is loaded and offloaded in the process transformers generates in). A bad config or model directory, or a
+model that cannot be loaded or offloaded, ends the command with status 2 and a message naming the problem,
+before the port is opened.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from torch_kvoffload.api import offload
@@ -45,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
         "--log-level",
         default="warning",
         choices=("debug", "info", "warning", "error", "critical"),
-        help="transformers' log level (default: warning)",
+        help="transformers' log level (default: warning); from transformers 5.25 on, its server's, which logs a "
+        "line per request from info on",
     )
     return p
 
@@ -56,19 +60,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = server.read_offload_config(args.config)
-        model, tokenizer = server.load_model_dir(args.model_dir, device=args.device)
-        offload(model, config)
+        server.check_model_dir(args.model_dir)
+        # Why: run_server raises ValueError only before the port opens (loading or offloading the model).
+        return server.run_server(
+            args.model_dir,
+            functools.partial(offload, config=config),
+            device=args.device,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            cb_max_batch_tokens=args.cb_max_batch_tokens,
+        )
     except ValueError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
-    return server.run_server(
-        model,
-        tokenizer,
-        name=args.model_dir,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        cb_max_batch_tokens=args.cb_max_batch_tokens,
-    )
 
 
 if __name__ == "__main__":

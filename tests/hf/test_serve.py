@@ -4,7 +4,8 @@ A tiny DeepseekV32 (8 indexer heads, ``index_topk`` 8 below the prompt lengths, 
 sparse) and a word-level tokenizer are saved to a temporary directory; the server runs in a subprocess on
 127.0.0.1. Reference: per-prompt greedy ``generate()`` of the unmodified model loaded from the same
 directory. The word-level tokenizer decodes ids to space-separated words, one per id, so equal text means
-equal generated tokens.
+equal generated tokens. What differs between transformers' server designs (``server.server_design()``: 5.24
+loads the model in the server's process, 5.25 in an engine process of its own) is named per design below.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import importlib
 import inspect
 import json
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -55,6 +57,17 @@ SERVING_CONFIG = {
     "sparse": {},
     "serving": {"max_request_tokens": MAX_REQUEST_TOKENS, "max_requests": 4},
 }
+DESIGN = server.server_design()
+#: The log's line for a request served with continuous batching, and for one served without, per design:
+#: 5.24 logs a warning per request, 5.25 an info line (``--log-level info``, which the server runs with).
+REQUEST_LOG = {
+    server.IN_PROCESS: ("CB: True", "CB: False"),
+    server.ENGINE_PROCESS: ("prompt tokens, continuous batching,", "prompt tokens, generate,"),
+}[DESIGN]
+#: The openai error of a request longer than serving.max_request_tokens, per design: 5.24 answers the
+#: ValueError of the library's add_request with HTTP 500, 5.25's engine passes it on as the request's fault
+#: (HTTP 400, whose answer names the limit).
+TOO_LONG_ERROR = {server.IN_PROCESS: "InternalServerError", server.ENGINE_PROCESS: "BadRequestError"}[DESIGN]
 
 
 def _words(length: int, seed: int) -> str:
@@ -100,7 +113,7 @@ def served(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp / "server.log"
     port = free_port()
     cmd = [sys.executable, "-m", "torch_kvoffload.serve", str(model_dir), "--port", str(port)]
-    cmd += ["--config", str(config), "--device", "cpu", "--log-level", "warning", *CB_ARGS]
+    cmd += ["--config", str(config), "--device", "cpu", "--log-level", "info", *CB_ARGS]
     with log.open("w") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TQDM_DISABLE": "1"}
@@ -209,31 +222,47 @@ def test_concurrent_requests_equal_per_prompt_generate(served, model_dir: Path) 
     for got, prompt, ids, text in zip(chats, prompts[k:], tokens[k:], texts[k:], strict=True):
         assert (got.choices[0].message.content, got.usage.prompt_tokens) == (text, len(prompt))
         assert got.usage.completion_tokens == len(ids)
-    # The --config file reached the served model: its serving.max_request_tokens refuses one token more.
     import openai
 
+    # A request naming another model is refused.
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=f"{name}-other", prompt=_words(8, 7), max_tokens=2, temperature=0)
+    # The --config file reached the served model: its serving.max_request_tokens refuses one token more.
     room = MAX_REQUEST_TOKENS - 8
     client.completions.create(model=name, prompt=_words(8, 7), max_tokens=room, temperature=0)
-    with pytest.raises(openai.InternalServerError):
+    with pytest.raises(getattr(openai, TOO_LONG_ERROR)) as too_long:
         client.completions.create(model=name, prompt=_words(8, 7), max_tokens=room + 1, temperature=0)
     # transformers logs each request with whether continuous batching serves it.
     served_log = log.read_text()
-    assert served_log.count("CB: True") == len(completions) + 1 + len(chats) + 2, served_log
-    assert "CB: False" not in served_log
+    with_cb, without_cb = REQUEST_LOG
+    assert served_log.count(with_cb) == len(completions) + 1 + len(chats) + 2, served_log
+    assert without_cb not in served_log
+    if DESIGN == server.ENGINE_PROCESS:  # 5.24's answer is a bare 500 (its log's traceback names the limit)
+        assert f"serving.max_request_tokens={MAX_REQUEST_TOKENS}" in too_long.value.response.text
 
 
 def test_transformers_names_exist() -> None:
-    """The transformers names the server integration relies on: fails loudly when transformers renames
-    them (``server.TRANSFORMERS_NAMES``, ``server.SERVE_KWARGS``)."""
-    for module, attr, members in server.TRANSFORMERS_NAMES:
+    """The transformers names the installed release's server design relies on: fails loudly when transformers
+    renames them (``server.TRANSFORMERS_NAMES``, ``server.SERVE_KWARGS``)."""
+    for module, attr, members in server.TRANSFORMERS_NAMES[DESIGN]:
         cls = getattr(importlib.import_module(module), attr)
         missing = [m for m in members if not callable(getattr(cls, m, None))]
         assert not missing, f"{module}.{attr} has no {missing}"
     from transformers.cli.serve import Serve
-    from transformers.cli.serving.model_manager import ModelManager
 
     params = inspect.signature(Serve.__init__).parameters
-    assert set(server.SERVE_KWARGS) <= set(params), set(server.SERVE_KWARGS) - set(params)
+    kwargs = server.SERVE_KWARGS[DESIGN]
+    assert set(kwargs) <= set(params), set(kwargs) - set(params)
+    if DESIGN == server.IN_PROCESS:
+        _check_in_process_names()
+    else:
+        _check_engine_process_names()
+
+
+def _check_in_process_names() -> None:
+    from transformers.cli.serve import Serve
+    from transformers.cli.serving.model_manager import ModelManager
+
     # Why: the swap of ModelManager only reaches Serve if Serve looks it up in that module when built.
     assert "from .serving.model_manager import ModelManager" in inspect.getsource(Serve.__init__)
     assert list(inspect.signature(ModelManager._load_model).parameters)[:2] == [
@@ -253,6 +282,28 @@ def test_transformers_names_exist() -> None:
     assert callable(uvicorn.Server.handle_exit)
 
 
+def _check_engine_process_names() -> None:
+    from transformers.cli.serve import Serve
+    from transformers.cli.serving.model_manager import EngineClient, ModelLoader, ModelManager
+
+    # Why: run_server's Serve.run puts its loader in self.loader, which __init__ set and run hands on.
+    init, run = inspect.getsource(Serve.__init__), inspect.getsource(Serve.run)
+    assert "self.loader = ModelLoader(" in init and "self.run()" in init
+    assert "self.loader," in run
+    # The engine process loads with (a pickled copy of) the loader, the server's process reads the processor.
+    assert "partial(loader.load_model_and_processor," in inspect.getsource(EngineClient.start_process)
+    assert "loader.load_processor(model_id)" in inspect.getsource(EngineClient.__init__)
+    assert list(inspect.signature(ModelLoader.load_model_and_processor).parameters) == [
+        "self",
+        "model_id",
+        "on_progress",
+    ]
+    assert list(inspect.signature(ModelLoader.load_processor).parameters) == ["self", "model_id"]
+    # transformers refuses a request naming another model than force_model (the model name check).
+    assert "model != self.force_model" in inspect.getsource(ModelManager.get_engine)
+
+
+@pytest.mark.skipif(DESIGN != server.IN_PROCESS, reason="transformers >= 5.25: the engine loads the model")
 def test_preloaded_manager_serves_only_its_model() -> None:
     model, processor = object(), object()
     manager = server.preloaded_manager_class("tiny", model, processor)()
@@ -261,6 +312,27 @@ def test_preloaded_manager_serves_only_its_model() -> None:
     assert manager._load_processor(key) is processor
     with pytest.raises(ValueError, match="serves only 'tiny'"):
         manager._load_model(manager.process_model_name("other"))
+
+
+def _mark_prepared(model):
+    model.kvoffload_test_prepared = True
+    return model
+
+
+@pytest.mark.skipif(DESIGN != server.ENGINE_PROCESS, reason="transformers < 5.25 has no engine process")
+def test_engine_loader_loads_and_prepares_the_directory(model_dir: Path, tmp_path: Path) -> None:
+    refusal = tmp_path / "refusal"
+    loader = pickle.loads(
+        pickle.dumps(server.engine_loader(str(model_dir), _mark_prepared, "cpu", str(refusal)))
+    )
+    assert loader.load_processor("any").is_fast
+    model, tokenizer = loader.load_model_and_processor("any")
+    assert model.kvoffload_test_prepared and not model.training and tokenizer.is_fast
+    assert not refusal.exists()
+    bad = server.engine_loader(str(tmp_path / "nope"), _mark_prepared, "cpu", str(refusal))
+    with pytest.raises(ValueError, match="no such directory"):
+        bad.load_model_and_processor("any")
+    assert "no such directory" in refusal.read_text()
 
 
 @pytest.fixture
@@ -315,12 +387,8 @@ def _refuse_to_listen(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(server, "run_server", run_server)
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "no_tokenizer", "no_weights"])
-def test_bad_model_dir_is_named(
-    case: str, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _refuse_to_listen(monkeypatch)
-    bad = tmp_path / "m"
+def _bad_model_dir(case: str, model_dir: Path, bad: Path) -> str:
+    """Makes ``bad`` a model directory with the fault ``case``; returns what the error names."""
     if case != "missing":
         bad.mkdir()
     if case in ("no_tokenizer", "no_weights"):
@@ -328,12 +396,23 @@ def test_bad_model_dir_is_named(
     if case == "no_weights":
         for f in model_dir.glob("tokenizer*"):
             (bad / f.name).write_text(f.read_text())
-    needle = {
+    return {
         "missing": "no such directory",
         "empty": "no config.json",
         "no_tokenizer": "no tokenizer",
         "no_weights": "could not load the model",
     }[case]
+
+
+# Why: the weights are read by run_server (from transformers 5.25 on in the engine process), "no_weights"
+# only in test_bad_model_dir_exits_before_listening.
+@pytest.mark.parametrize("case", ["missing", "empty", "no_tokenizer"])
+def test_bad_model_dir_is_named(
+    case: str, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _refuse_to_listen(monkeypatch)
+    bad = tmp_path / "m"
+    needle = _bad_model_dir(case, model_dir, bad)
     with pytest.raises(SystemExit) as exit_info:
         serve.main([str(bad), "--device", "cpu"])
     assert exit_info.value.code == 2
@@ -341,9 +420,33 @@ def test_bad_model_dir_is_named(
     assert needle in err and str(bad) in err, err
 
 
-def test_bad_model_dir_exits_before_listening(tmp_path: Path, held_port: int) -> None:
-    cmd = [sys.executable, "-m", "torch_kvoffload.serve", str(tmp_path / "nope"), "--port", str(held_port)]
+@pytest.mark.parametrize("case", ["missing", "no_weights"])
+def test_bad_model_dir_exits_before_listening(
+    case: str, model_dir: Path, tmp_path: Path, held_port: int
+) -> None:
+    bad = tmp_path / "m"
+    needle = _bad_model_dir(case, model_dir, bad)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch_kvoffload.serve",
+        str(bad),
+        "--port",
+        str(held_port),
+        "--device",
+        "cpu",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=EXIT_TIMEOUT_S)
     assert proc.returncode == 2, proc.stderr
-    assert "MODEL_DIR" in proc.stderr and "no such directory" in proc.stderr, proc.stderr
-    assert "Uvicorn" not in proc.stderr, proc.stderr
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith("python -m torch_kvoffload.serve: error: MODEL_DIR"), proc.stderr
+    assert needle in error and str(bad) in error, proc.stderr
+    assert "Uvicorn" not in proc.stderr and "address already in use" not in proc.stderr, proc.stderr
+
+
+def test_taken_port_exits_1(model_dir: Path, held_port: int) -> None:
+    cmd = [sys.executable, "-m", "torch_kvoffload.serve", str(model_dir), "--port", str(held_port)]
+    cmd += ["--device", "cpu", "--config", json.dumps(SERVING_CONFIG)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    assert proc.returncode == 1, proc.stderr
+    assert f"could not listen on 127.0.0.1:{held_port}" in proc.stderr, proc.stderr

@@ -7,9 +7,9 @@ relies on: 5.24.0 renamed the cache keyword of the models' ``forward`` from ``pa
 range. :func:`check_transformers_version` raises a ``RuntimeError`` outside it; ``torch_kvoffload.offload``
 and ``torch_kvoffload.compile`` call it before touching the model.
 
-Not yet on 5.25: ``torch_kvoffload.serve`` (:mod:`~torch_kvoffload.integrations.hf.server`), which builds
-transformers' ``Serve`` around a preloaded model; 5.25 loads the served model in a process of its own
-(``ModelLoader`` / ``EngineClient``) and ``Serve`` has no ``non_blocking`` mode any more.
+``torch_kvoffload.serve`` (:mod:`~torch_kvoffload.integrations.hf.server`) follows transformers' two server
+designs in this range: 5.24 loads the served model in the server's process, 5.25 in a process of its own
+(``server.server_design``).
 """
 
 from __future__ import annotations

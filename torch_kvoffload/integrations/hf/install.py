@@ -213,8 +213,14 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     kwargs["use_cache"] = True
     mask = kwargs.get("attention_mask")
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
+        got = (
+            f"a tensor of shape {tuple(mask.shape)}"
+            if isinstance(mask, torch.Tensor)
+            else type(mask).__name__
+        )
         raise ValueError(
-            f"{name}: attention_mask must be a 2-D [batch, past + new] tensor, got {type(mask).__name__}"
+            f"{name}: attention_mask must be a 2-D [batch, past + new] tensor, got {got} (custom 4-D masks "
+            "are not supported: the library derives each request's visible tokens from the 2-D mask)"
         )
     with exclusive(session, name):
         past = cache.seen_tokens
@@ -307,6 +313,12 @@ def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     session = session_of(model)
     name = f"offloaded {type(model).__name__}"
     session.check_not_serving(f"{name}.generate")
+    if kwargs.get("assistant_model") is model:
+        raise ValueError(
+            f"{name}: generate(assistant_model=<the model itself>) is not supported: the model's session holds "
+            "one sequence, which the assistant's drafts would replace; pass another model as the assistant "
+            "(e.g. a copy.deepcopy of the model taken before offloading)"
+        )
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     embeds = kwargs.get("inputs_embeds")
     rows_per_prompt = _generation_request(model, kwargs)

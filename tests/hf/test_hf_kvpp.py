@@ -111,9 +111,12 @@ def _check(results: list[dict], name: str, family: str, overrides: dict, lengths
 
     world = len(results)
     layers, bpb = _spec(family, overrides)
-    heads = tiny_config(family, **overrides).num_attention_heads
-    # V3.2's TP plan shards the attention heads (q_b_proj / kv_b_proj colwise); V3's leaves them replicated
-    local_heads = heads // world if family == "deepseek_v32" else heads
+    config = tiny_config(family, **overrides)
+    heads = config.num_attention_heads
+    # a TP plan with kv_b_proj colwise shards the attention heads (V3.2; V3 too from transformers 5.25 on),
+    # one without leaves them replicated (V3 on 5.24)
+    sharded = (config.base_model_tp_plan or {}).get("layers.*.self_attn.kv_b_proj") == "colwise"
+    local_heads = heads // world if sharded else heads
     width = max(lengths)
     per_request = -(-(width + NEW) // BS)
     num_blocks = len(lengths) * per_request

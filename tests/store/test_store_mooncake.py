@@ -162,11 +162,12 @@ def _child(role: str, master_addr: str, metadata: str) -> None:
 
 
 def _spawn(role: str, master) -> subprocess.Popen:
-    from support import TOOLS_DIR
+    from support import ROOT, TOOLS_DIR
 
-    # the child runs this file as a script: it imports mooncake_master from tools/ too
+    # the child runs this file as a script: it imports mooncake_master from tools/ and support from tests/
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TOOLS_DIR), env.get("PYTHONPATH")) if p)
+    paths = (str(TOOLS_DIR), str(ROOT / "tests"), env.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()), role, master.master_addr, master.metadata_server],
         stdin=subprocess.PIPE,

@@ -144,6 +144,9 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, args: tuple
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         fn(rank, world, *args)
+        # no rank tears its gloo context down while a peer still exchanges with it (an abort in gloo's
+        # threads: "terminate called without an active exception")
+        dist.barrier()
     except BaseException:
         raise RuntimeError(f"rank {rank}:\n{traceback.format_exc()}") from None
     finally:

@@ -12,6 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
 import pytest
 from support import TOOLS_DIR
 from support.op_impls import OP_IMPLS, skip_unusable
@@ -20,6 +21,19 @@ import torch_kvoffload  # noqa: F401  (defines the ops and loads the extension)
 
 if str(TOOLS_DIR) not in sys.path:
     sys.path.insert(0, str(TOOLS_DIR))
+
+
+def _threads_per_worker() -> int:
+    """Intra-op threads for this pytest process: the cores divided among the xdist workers (one each on
+    two cores). More threads than cores spin against each other: two workers of two threads each ran the
+    HF tests 1.4x slower than two of one."""
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    return max(1, len(os.sched_getaffinity(0)) // workers)
+
+
+THREADS = _threads_per_worker()
+torch.set_num_threads(THREADS)
+os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))  # the processes tests spawn share the cores too
 
 
 @pytest.fixture(params=OP_IMPLS)

@@ -229,6 +229,9 @@ class Doc:
     close: tuple[str, ...] = ()
     peer_timeout_s: Callable[[], float] | None = None
     prints: tuple[str, ...] = ()
+    #: the ``slow`` tier (``make test-fast`` leaves it out): documents that compile models; those whose
+    #: blocks spawn processes (a ``peer_timeout_s``) are slow too
+    slow: bool = False
 
 
 #: The head of ``explain``'s report once a graph was compiled (before: "no graph compiled yet").
@@ -237,7 +240,7 @@ _EXPLAINED = "graph(s) compiled with the kvoffload passes"
 DOCS: dict[str, Doc] = {
     "README.md": Doc(_hf_reader, prints=("'device_kv_bytes'", _EXPLAINED, "kvoffload::copy_rows")),
     "docs/adding-an-op.md": Doc(),
-    "docs/compile.md": Doc(_hf_reader, prints=(_EXPLAINED, "'device_kv_bytes'")),
+    "docs/compile.md": Doc(_hf_reader, prints=(_EXPLAINED, "'device_kv_bytes'"), slow=True),
     "docs/device.md": Doc(),
     "docs/disaggregation.md": Doc(
         _pd_reader, close=("receiver", "runtime", "transport", "role", "pool"), peer_timeout_s=_pd_timeout
@@ -408,8 +411,8 @@ def test_python_fences_are_collected(path: Path) -> None:
 
 
 def _doc_param(path: Path):
-    # the documents whose examples spawn processes are the slow ones
-    slow = DOCS[_name(path)].peer_timeout_s is not None
+    doc = DOCS[_name(path)]
+    slow = doc.slow or doc.peer_timeout_s is not None
     return pytest.param(path, id=_name(path), marks=[pytest.mark.slow] if slow else [])
 
 

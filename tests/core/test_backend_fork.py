@@ -198,6 +198,7 @@ def _kvpp_worker(rank: int, world: int, scenario: str) -> None:
         core.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["fork", "truncate"])
 def test_kvpp_fork_and_truncate_on_two_ranks(scenario):
     """Each rank owns half the layers: a fork copies its owned bundles, the others arrive by broadcast."""

@@ -122,11 +122,26 @@ def test_compiled_generate_matches_the_model_call_after_call(family, mode, shape
 
 
 def test_explain_runs_a_forward_when_nothing_is_compiled():
-    model = torch_kvoffload.compile(build_model("deepseek_v3", **SMALL), CONFIGS["layerwise"])
+    model = build_model("deepseek_v3", **SMALL)
+    ref = copy.deepcopy(model)
+    model = torch_kvoffload.compile(model, CONFIGS["layerwise"])
     ids, mask = left_padded_batch([5, 5])
     text = torch_kvoffload.explain(model, ids, attention_mask=mask)
     assert text.startswith("DeepseekV3ForCausalLM: 1 graph(s)")
     assert "replaced" in text and "layer_save" in text
+    # the same call spelled by keyword or all positionally reuses the graph (Dynamo alone would build one per
+    # spelling: it guards on the number of positional arguments)
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask).logits
+        for got in (
+            model(input_ids=ids, attention_mask=mask),
+            model(ids, mask),
+            model(ids, attention_mask=mask),
+        ):
+            torch.testing.assert_close(got.logits, want, rtol=1e-4, atol=1e-5)
+    assert len(model._kvoffload_compile_reports) == 1
+    with torch.no_grad(), pytest.raises(TypeError, match="multiple values"):  # the forward's own error
+        model(ids, input_ids=ids)
     with pytest.raises(ValueError, match=r"was not compiled with torch_kvoffload\.compile"):
         torch_kvoffload.explain(build_model("deepseek_v3", **SMALL))
 

@@ -95,6 +95,7 @@ def _check(results: list[dict], tp: int, num_layers: int) -> None:
         assert 0 < runs_bytes < whole_bytes / 2
 
 
+@pytest.mark.slow
 def test_two_ranks_broadcast_the_block_runs_and_match_whole_spans(tmp_path) -> None:
     results = _run(tmp_path, 2, 2, 1, 5, extra=True)
     _check(results, 2, 5)
@@ -126,6 +127,7 @@ SHORT_TIMEOUT_S = 2.0
 STARTUP_S = 90.0
 
 
+@pytest.mark.slow
 def test_ranks_that_disagree_or_fail_raise_on_every_rank_and_recover(tmp_path) -> None:
     """Before a forward's broadcasts the ranks compare their block tables (and history flag) and whether
     each could schedule it: different tables, or one rank's bad input, raise a clear error on every rank

@@ -29,6 +29,8 @@ from torch_kvoffload.passes import (
     analyze_graph,
 )
 
+pytestmark = pytest.mark.slow  # captures whole Hugging Face models with Dynamo
+
 LAYERS = 2
 # Narrow widths keep the captures fast; the graph structure is the full model's.
 SMALL = dict(

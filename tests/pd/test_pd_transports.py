@@ -114,6 +114,7 @@ def test_shm_connect_to_missing_files_fails_clearly() -> None:
         ShmTransport().connect({"kind": "mooncake"}, "other")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_MOONCAKE is not None, reason=_MOONCAKE or "")
 def test_mooncake_two_process_transfer_on_loopback() -> None:
     from torch_kvoffload.pd.transports.mooncake import MooncakeTransport

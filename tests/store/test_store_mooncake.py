@@ -191,6 +191,7 @@ def _read_json(proc: subprocess.Popen, timeout: float) -> dict:
     raise AssertionError("child timed out")
 
 
+@pytest.mark.slow
 def test_two_processes_share_data(master) -> None:
     writer = _spawn("writer", master)
     reader = _spawn("reader", master)  # starts up (imports, setup) while the writer writes

@@ -126,6 +126,21 @@ def _mark_token_dims(kwargs: dict[str, Any]) -> None:
             _mark_dynamic(value, *range(min(value.dim(), 2)))
 
 
+def _as_keywords(forward: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """``(args, kwargs)`` of a call of ``forward`` with its leading positional arguments given by name
+    (``model(ids)`` as ``model(input_ids=ids)``): Dynamo guards on how many arguments came positionally, so
+    the two spellings of one call would otherwise compile a graph each. ``TypeError`` for a call ``forward``
+    could not bind (an argument given twice: the forward's own error, which Dynamo does not raise)."""
+    if not args:
+        return args, kwargs
+    signature = inspect.signature(forward)
+    signature.bind(*args, **kwargs)
+    params = list(signature.parameters.values())[: len(args)]
+    if len(params) < len(args) or any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
+        return args, kwargs
+    return (), {**{p.name: a for p, a in zip(params, args, strict=True)}, **kwargs}
+
+
 def _expose_cache_lengths(session: Any, cache: Any, batch: int) -> None:
     """Give each layer of the library's cache zero-stride placeholders of the true cached length.
 
@@ -255,6 +270,7 @@ def _compiled_forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if output_attentions_requested(model, kwargs):  # the graphs never form the attention probabilities
         _check_eager_attentions(model)
         return _eager_forward(model, compiled, args, kwargs)
+    args, kwargs = _as_keywords(compiled.forward, args, kwargs)
     cache = kwargs.get("cache")
     if is_offload_cache(cache):
         ids = kwargs.get("input_ids", args[0] if args else None)

@@ -41,7 +41,9 @@ def _generate(model, ids, mask, new=NEW_TOKENS):
 
 # (prompt lengths of the rows, max_new_tokens) of the calls after the first: batches of 1 and more rows,
 # with and without padding (Hugging Face passes no attention mask for a batch without), one-token prompts
-# and one-token decodes; MANY_SHAPES for the two cases that also bound the graph count, SHAPES otherwise
+# and one-token decodes; MANY_SHAPES for the case that also bounds the graph count (the input variants
+# behind the graphs are the same in every mode: V3.2 with both runtimes has the most to trace), SHAPES
+# otherwise
 SHAPES = [([5, 4], 8), ([12], 4), ([20, 19, 18], 16), ([3, 2], 8)]
 MANY_SHAPES = [
     ([5, 4], 8), ([12], 4), ([20, 19, 18], 16), ([3, 3], 8), ([7, 6, 5, 7], 5), ([1], 6), ([9, 9, 9], 3),
@@ -54,7 +56,7 @@ MAX_GRAPHS = 10
 
 @pytest.mark.parametrize(
     ("family", "mode", "shapes"),
-    [("deepseek_v3", "layerwise", MANY_SHAPES), ("deepseek_v32", "layerwise", SHAPES),
+    [("deepseek_v3", "layerwise", SHAPES), ("deepseek_v32", "layerwise", SHAPES),
      ("deepseek_v32", "sparse", SHAPES), ("deepseek_v32", "both", MANY_SHAPES)],
     ids=["v3-layerwise", "v32-layerwise", "v32-sparse", "v32-both"],
 )  # fmt: skip

@@ -45,18 +45,18 @@ def _fresh_dynamo():
 
 def test_compiled_models_of_one_class_in_one_process_give_the_unmodified_tokens():
     """The models of one class share their forward's code object: without a recompile budget per model,
-    Dynamo's limit on that code object sends a later model to eager. With a limit of 4 and two or more
-    graphs per model, the third of four models would be the first past it."""
-    for i in range(4):
-        family = ("deepseek_v3", "deepseek_v32")[i % 2]
+    Dynamo's limit on that code object sends a later model to eager. With a limit of 2 and two graphs per
+    model (prefill, decode), the second model would be the first past it (it raises then: the same models
+    compiled with ``isolate_recompiles=False``)."""
+    for i in range(2):
         ids, mask = left_padded_batch(LENGTHS, seed=i)
-        model = build_model(family, seed=i, **SMALL)
+        model = build_model("deepseek_v32", seed=i, **SMALL)
         ref = copy.deepcopy(model)
-        model = torch_kvoffload.compile(model, recompile_limit=4)
+        model = torch_kvoffload.compile(model, recompile_limit=2)
         want = _gen(ref, ids, mask, new=4)
         got = _gen(model, ids, mask, new=4)
-        assert torch.equal(got, want), f"model {i} ({family}): {(got != want).sum().item()} tokens differ"
-        assert len(model._kvoffload_compile_reports) >= 2, f"model {i} ran without its two graphs"
+        assert torch.equal(got, want), f"model {i}: {(got != want).sum().item()} tokens differ"
+        assert len(model._kvoffload_compile_reports) == 2, f"model {i} ran without its two graphs"
 
 
 def test_a_fallback_to_eager_raises_instead_of_generating():

@@ -96,7 +96,14 @@ TRANSFORMERS_NAMES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "PagedAttentionCache",
         ("extend_read_and_write_indices", "can_store_request_tokens", "free_blocks", "free_all_requests"),
     ),
-    (_CB, "ContinuousBatchingManager", ("_create_batch_processor", "add_request", "_run_generation_loop")),
+    (
+        _CB,
+        "ContinuousBatchingManager",
+        ("_create_batch_processor", "add_request", "_run_generation_loop", "stop"),
+    ),
+    (f"{_CB}.continuous_api", "ContinuousBatchProcessor", ("update_batch", "handle_batch_error")),
+    (f"{_CB}.continuous_api", "OutputRouter", ("deliver", "deliver_batch", "fail_and_deliver")),
+    (f"{_CB}.scheduler", "Scheduler", ("add_waiting_request",)),
     ("transformers.generation.configuration_utils", "ContinuousBatchingConfig", ()),
 )
 _LOCK = threading.RLock()
@@ -271,9 +278,36 @@ def _create_batch_processor(manager: Any, original: Any, config: Any, serving: A
     else:
         if getattr(cache, "_kvoffload_serving", None) is not serving:
             _hook_cache(cache, serving)
+        if "update_batch" not in vars(processor):
+            _hook_processor(processor, serving)
         serving.close()
         serving.open()
     return processor
+
+
+def _hook_processor(processor: Any, serving: Any) -> None:
+    """The instance overrides of an offloaded model's batch processor: a request the library cannot serve
+    fails alone when the scheduler takes it (transformers' own path for a request it rejects there), and a
+    step the library failed fails its requests (``handle_batch_error``) instead of ending the loop."""
+    scheduler = processor.scheduler
+    add_waiting = scheduler.add_waiting_request
+    update = processor.update_batch
+
+    def add_waiting_request(state):
+        new = state.max_new_tokens if state.max_new_tokens is not None else serving.max_tokens
+        reason = serving.refusal(state.request_id, len(state.initial_tokens), int(new))
+        if reason is not None:
+            raise ValueError(reason)  # the caller fails this request alone and goes on
+        return add_waiting(state)
+
+    def update_batch():
+        error = serving.take_step_error()
+        if error is None:
+            return update()
+        return processor.handle_batch_error(error)
+
+    scheduler.add_waiting_request = add_waiting_request
+    processor.update_batch = update_batch
 
 
 # ------------------------------------------------------------------------------- offloaded models
@@ -353,9 +387,14 @@ def _hook_cache(cache: Any, serving: Any) -> None:
 
 
 def _hook_manager(manager: Any, serving: Any) -> None:
-    """``add_request`` checks the request's length; the generation loop closes the serving state on exit."""
+    """``add_request`` refuses an id that is live already (before transformers takes it) and a request without
+    ``max_new_tokens``; the ids are released when their last output is delivered. The generation loop closes
+    the serving state on exit; ``stop`` (or the loop's end) lets another manager be created."""
     add_request = manager.add_request
     run_loop = manager._run_generation_loop
+    stop = manager.stop
+    router = manager.output_router
+    deliver, deliver_batch = router.deliver, router.deliver_batch
 
     @functools.wraps(add_request)
     def add_request_(input_ids, request_id=None, max_new_tokens=None, *args, **kwargs):
@@ -365,17 +404,58 @@ def _hook_manager(manager: Any, serving: Any) -> None:
                 "continuous batching of an offloaded model: pass max_new_tokens (each request's KV is reserved "
                 "for its prompt + max_new_tokens)"
             )
-        serving.check_length(request_id or "(new)", len(input_ids) + int(new))
-        return add_request(input_ids, request_id, max_new_tokens, *args, **kwargs)
+        if request_id is not None:
+            serving.claim(request_id)
+        try:
+            given = add_request(input_ids, request_id, max_new_tokens, *args, **kwargs)
+        except BaseException:
+            if request_id is not None:
+                serving.release(request_id)
+            raise
+        if given is None and request_id is not None:  # not taken (the manager accepts no request now)
+            serving.release(request_id)
+        elif given is not None and request_id is None:
+            serving.claim(given)  # an id of transformers' own numbering
+        return given
+
+    def ended(output: Any) -> None:
+        if output.error is not None or output.is_finished():
+            serving.release(output.request_id)
+
+    def deliver_(output):
+        try:
+            return deliver(output)
+        finally:
+            ended(output)
+
+    def deliver_batch_(outputs):
+        try:
+            return deliver_batch(outputs)
+        finally:
+            for output in outputs:
+                ended(output)
 
     def run_generation_loop(*args, **kwargs):
         try:
             return run_loop(*args, **kwargs)
         finally:
             serving.close()
+            serving.release_ownership(manager)
+
+    @functools.wraps(stop)
+    def stop_(*args, **kwargs):
+        try:
+            return stop(*args, **kwargs)
+        finally:
+            thread = manager._generation_thread
+            if thread is None or not thread.is_alive():
+                serving.release_ownership(manager)
 
     manager.add_request = add_request_
     manager._run_generation_loop = run_generation_loop
+    manager.stop = stop_
+    router.deliver = deliver_
+    router.deliver_batch = deliver_batch_
 
 
 def enable_mla_continuous_batching(model: Any) -> None:
@@ -401,18 +481,45 @@ def _init_continuous_batching(
     workload_hints: Any = None,
 ) -> Any:
     """``model.init_continuous_batching`` of an enabled model (see the module docstring)."""
-    config = model.config.get_text_config()
     session = getattr(model, SESSION_ATTR, None)
-    serving = None
-    if session is not None:
-        serving = _serving_of(session)
+    if session is None:
+        return _new_manager(model, None, generation_config, continuous_batching_config, workload_hints)
+    from torch_kvoffload.integrations.hf.install import exclusive
+
+    who = f"{type(model).__name__}.init_continuous_batching"
+    serving = _serving_of(session)
+    # a generate() holds the session between its forwards: sizing the caches for serving would end its sequence
+    with exclusive(session, who):
         if serving.is_open:
             raise RuntimeError(
-                f"{type(model).__name__}.init_continuous_batching: a manager of this offloaded model is "
-                "serving; stop it first (one manager at a time holds the model's KV caches)"
+                f"{who}: a manager of this offloaded model is serving; stop it first (one manager at a time "
+                "holds the model's KV caches)"
             )
-        gen = generation_config if generation_config is not None else model.generation_config
-        continuous_batching_config = _offload_cb_config(serving, continuous_batching_config, gen)
+        serving.take_ownership(_PENDING, who)  # refuses while another manager holds the model
+        try:
+            gen = generation_config if generation_config is not None else model.generation_config
+            cb_config = _offload_cb_config(serving, continuous_batching_config, gen)
+            manager = _new_manager(model, serving, generation_config, cb_config, workload_hints)
+        except BaseException:
+            serving.release_ownership(_PENDING)
+            raise
+        serving.release_ownership(_PENDING)
+        serving.take_ownership(manager, who)
+    return manager
+
+
+class _Pending:
+    """Holds a model's serving ownership while its manager is being built."""
+
+
+_PENDING = _Pending()
+
+
+def _new_manager(
+    model: Any, serving: Any, generation_config: Any, continuous_batching_config: Any, workload_hints: Any
+) -> Any:
+    """transformers' manager for ``model`` built with the MLA allocator, its overrides installed."""
+    config = model.config.get_text_config()
     original_init = type(model).init_continuous_batching.__get__(model)
     with _mla_names(config, ledger=serving is not None):
         manager = original_init(generation_config, continuous_batching_config, workload_hints)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 import zlib
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +72,7 @@ def serving_slots(session: OffloadSession) -> tuple[int, int, int]:
                 f"{tokens} tokens ({fixed} bytes fixed + {per} per request on the device), "
                 f"{'need at least 1' if slots < 1 else f'max_requests={slots} asked'}"
             )
+    _check_host_pool(session, slots, tokens)
     core.size(slots, tokens)
     if opts.device_kv_budget is not None and core.device_kv_bytes() > opts.device_kv_budget:
         raise ValueError(
@@ -78,6 +80,22 @@ def serving_slots(session: OffloadSession) -> tuple[int, int, int]:
             f"{core.device_kv_bytes()} bytes on the device"
         )
     return slots, per, fixed
+
+
+def _check_host_pool(session: OffloadSession, slots: int, tokens: int) -> None:
+    """``ValueError`` naming ``sparse.host_pool_blocks`` when a pool of that many blocks (given in the config;
+    by default the pool is sized for the requests) cannot hold ``slots`` requests of ``tokens`` tokens."""
+    sparse = session.config.sparse
+    given = None if sparse is None or not sparse.offload else sparse.host_pool_blocks
+    if given is None:
+        return
+    per = -(-tokens // session.config.resolved_block_size)
+    if given < slots * per:
+        raise ValueError(
+            f"sparse.host_pool_blocks={given} cannot hold {slots} requests of serving.max_request_tokens="
+            f"{tokens} tokens ({per} blocks of {session.config.resolved_block_size} tokens each, {slots * per} in "
+            "all); raise it, lower serving.max_requests / max_request_tokens, or leave it unset (sized for them)"
+        )
 
 
 class ServingRequests:
@@ -98,6 +116,13 @@ class ServingRequests:
         self._step: list[tuple[str, int, int]] = []  # (request id, past, query) in packed order
         self._open = threading.Event()
         self.steps = 0
+        #: ids added and not answered yet (:meth:`claim`); guarded by :attr:`_lock` (callers' threads and
+        #: the generation thread)
+        self._claimed: set[str] = set()
+        self._lock = threading.Lock()
+        self._owner: weakref.ref | None = None
+        #: the error of the last step that failed (:meth:`run_step`), until :meth:`take_step_error`
+        self._step_error: BaseException | None = None
 
     # ----------------------------------------------------------------------------------- lifetime
     @property
@@ -143,19 +168,66 @@ class ServingRequests:
             core.keep_prefill_buffers = False
             self._open.clear()
 
+    # ------------------------------------------------------------------------------------- owner
+    def take_ownership(self, manager: Any, who: str) -> None:
+        """``manager`` becomes the one continuous-batching manager of this model; ``RuntimeError`` naming
+        ``who`` while another one holds it (created, and neither stopped nor collected)."""
+        with self._lock:
+            held = self._owner() if self._owner is not None else None
+            if held is not None and held is not manager:
+                raise RuntimeError(
+                    f"{who}: another ContinuousBatchingManager of this offloaded model exists and has not "
+                    "stopped; one manager at a time holds the model's KV caches (stop it first, or add the "
+                    "requests to it)"
+                )
+            self._owner = weakref.ref(manager)
+
+    def release_ownership(self, manager: Any) -> None:
+        """``manager`` no longer holds the model (it stopped); another may be created."""
+        with self._lock:
+            if self._owner is not None and self._owner() in (manager, None):
+                self._owner = None
+
     # ----------------------------------------------------------------------------------- requests
     @property
     def live(self) -> int:
         return len(self._live)
 
-    def check_length(self, request_id: str, tokens: int) -> None:
-        """``ValueError`` when a request of ``tokens`` tokens (prompt + new) cannot be held."""
-        if tokens > self.max_tokens:
-            raise ValueError(
-                f"continuous batching of an offloaded model: request {request_id} needs {tokens} tokens "
+    def claim(self, request_id: str) -> None:
+        """``request_id`` is taken until its last output is delivered (:meth:`release`). ``ValueError`` when
+        it is taken already: two live requests of one id would read each other's outputs."""
+        with self._lock:
+            if request_id in self._claimed:
+                raise ValueError(
+                    f"continuous batching of an offloaded model: request id {request_id!r} is already in use by a "
+                    "request that has not finished; give each live request its own id"
+                )
+            self._claimed.add(request_id)
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            self._claimed.discard(request_id)
+
+    def refusal(self, request_id: str, prompt: int, new: int) -> str | None:
+        """Why a request of ``prompt`` prompt tokens and up to ``new`` new ones cannot be served (``None``:
+        it can)."""
+        if prompt == 0:
+            return (
+                f"continuous batching of an offloaded model: request {request_id} has an empty prompt (a "
+                "request needs at least one token to attend to)"
+            )
+        if prompt + new > self.max_tokens:
+            return (
+                f"continuous batching of an offloaded model: request {request_id} needs {prompt + new} tokens "
                 f"(prompt + max_new_tokens) but each request holds at most serving.max_request_tokens="
                 f"{self.max_tokens}; raise it in the OffloadConfig"
             )
+        return None
+
+    def take_step_error(self) -> BaseException | None:
+        """The error of the step that just ran, if it failed (then cleared)."""
+        error, self._step_error = self._step_error, None
+        return error
 
     def can_admit(self, request_id: str, tokens: int) -> bool:
         """Whether ``request_id`` holds, or could now get, a slot for ``tokens`` tokens in all."""
@@ -192,15 +264,26 @@ class ServingRequests:
 
         step, self._step = self._step, []
         ids = kwargs["input_ids"].to("cpu", torch.int64)  # host once: the requests' tokens are read there
-        layout, requests = self._agree_step(step, ids, kwargs["cu_seq_lens_q"])
-        decode = [i for i, (_, past, q) in enumerate(step) if past > 0 and q == 1]
-        prefill = [i for i, (_, past, q) in enumerate(step) if not (past > 0 and q == 1)]
         logits: torch.Tensor | None = None
-        for segments in (decode, prefill):  # decode rows first (the sparse decode path), then prefill chunks
-            if segments:
-                logits = self._forward(
-                    model, layout.select(segments), [requests[i] for i in segments], ids, logits
-                )
+        self._step_error = None
+        try:
+            layout, requests = self._agree_step(step, ids, kwargs["cu_seq_lens_q"])
+            decode = [i for i, (_, past, q) in enumerate(step) if past > 0 and q == 1]
+            prefill = [i for i, (_, past, q) in enumerate(step) if not (past > 0 and q == 1)]
+            for segments in (decode, prefill):  # decode rows first (the sparse decode path), then prefill
+                if segments:
+                    logits = self._forward(
+                        model, layout.select(segments), [requests[i] for i in segments], ids, logits
+                    )
+        except (
+            Exception
+        ) as exc:  # the step's requests fail (update_batch, see continuous_batching); not the loop
+            logger.exception("continuous batching: a step of %d request(s) failed", len(step))
+            self._step_error = exc
+            config = model.config.get_text_config()
+            logits = torch.zeros(
+                1, int(ids.shape[-1]), config.vocab_size, dtype=model.dtype, device=model.device
+            )
         self.steps += 1
         keep = kwargs.get("logits_to_keep")
         if isinstance(keep, torch.Tensor):  # as the model's own forward: only these positions' logits

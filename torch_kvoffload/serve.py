@@ -5,8 +5,10 @@ with :func:`torch_kvoffload.offload` (``--config``: an :class:`~torch_kvoffload.
 or the path of a JSON file; default: the library's default for the model), with transformers' own server,
 continuous batching on (:mod:`torch_kvoffload.integrations.hf.server`; from transformers 5.25 on, the model
 is loaded and offloaded in the process transformers generates in). A bad config or model directory, or a
-model that cannot be loaded or offloaded, ends the command with status 2 and a message naming the problem,
-before the port is opened.
+model that cannot be loaded or offloaded, or a serving plan that cannot hold (the device budget, the host
+pool, transformers' step buffers against host memory, ``--cb-max-batch-tokens``: see
+:func:`~torch_kvoffload.integrations.hf.continuous_batching.check_serving`), ends the command with status 2 and
+a message naming the problem, before the port is opened.
 """
 
 from __future__ import annotations
@@ -18,7 +20,27 @@ import sys
 from torch_kvoffload.api import offload
 from torch_kvoffload.integrations.hf import server
 
-__all__ = ["main"]
+__all__ = ["main", "prepare"]
+
+
+def prepare(model, *, config=None, cb_max_batch_tokens: int | None = None):
+    """``model`` offloaded with ``config`` and checked to serve continuous batching with
+    ``cb_max_batch_tokens`` tokens per step (``ValueError`` naming the field otherwise); what the server
+    serves. Picklable as a ``functools.partial`` (transformers' engine process gets a copy)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from torch_kvoffload.integrations.hf.continuous_batching import check_serving
+
+    offload(model, config=config)
+    check_serving(model, ContinuousBatchingConfig(max_batch_tokens=cb_max_batch_tokens))
+    return model
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--cb-max-batch-tokens",
-        type=int,
+        type=_positive_int,
         default=None,
         help="continuous batching: tokens per step (default: min(serving.max_request_tokens, 512))",
     )
@@ -64,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         # Why: run_server raises ValueError only before the port opens (loading or offloading the model).
         return server.run_server(
             args.model_dir,
-            functools.partial(offload, config=config),
+            functools.partial(prepare, config=config, cb_max_batch_tokens=args.cb_max_batch_tokens),
             device=args.device,
             host=args.host,
             port=args.port,

@@ -149,7 +149,7 @@ def test_manager_requests_added_while_others_run_and_early_eos() -> None:
     assert _reference(model, prompts[:1], _gen(eos=eos, new=10)) == reference[:1]
 
 
-def test_too_long_request_fails_alone_and_the_rest_run() -> None:
+def test_too_long_or_empty_request_is_refused_when_added_and_the_rest_run() -> None:
     model = _model("deepseek_v32")
     prompts = _prompts(2, (10, 30))
     reference = _reference(model, prompts[:1], _gen())
@@ -157,17 +157,16 @@ def test_too_long_request_fails_alone_and_the_rest_run() -> None:
     manager = model.init_continuous_batching(generation_config=_gen(), continuous_batching_config=_cb())
     manager.start()
     try:
-        manager.add_request(prompts[1], request_id="long")  # 30 + 8 > 32: an error result, not a dead loop
-        manager.add_request(prompts[0], request_id="short")
-        got = {}
-        while len(got) < 2:
-            result = manager.get_result(timeout=120)
-            assert result is not None
-            got[result.request_id] = result
+        with pytest.raises(ValueError, match=r"request long needs 38 tokens .*max_request_tokens=32"):
+            manager.add_request(prompts[1], request_id="long")  # 30 + 8 > 32
+        with pytest.raises(ValueError, match="request empty has an empty prompt"):
+            manager.add_request([], request_id="empty")
+        manager.add_request(prompts[0], request_id="long")  # the refused id was never taken
+        result = manager.get_result(timeout=120)
     finally:
         manager.stop(block=True, timeout=120)
-    assert "max_request_tokens=32" in got["long"].error and "38 tokens" in got["long"].error
-    assert got["short"].error is None and [list(got["short"].generated_tokens)] == reference
+    assert result.request_id == "long" and result.error is None
+    assert [list(result.generated_tokens)] == reference
 
 
 def test_a_failed_step_fails_its_requests_and_the_next_requests_run() -> None:

@@ -15,6 +15,7 @@ import inspect
 import json
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -64,10 +65,6 @@ REQUEST_LOG = {
     server.IN_PROCESS: ("CB: True", "CB: False"),
     server.ENGINE_PROCESS: ("prompt tokens, continuous batching,", "prompt tokens, generate,"),
 }[DESIGN]
-#: The openai error of a request longer than serving.max_request_tokens, per design: 5.24 answers the
-#: ValueError of the library's add_request with HTTP 500, 5.25's engine passes it on as the request's fault
-#: (HTTP 400, whose answer names the limit).
-TOO_LONG_ERROR = {server.IN_PROCESS: "InternalServerError", server.ENGINE_PROCESS: "BadRequestError"}[DESIGN]
 
 
 def _words(length: int, seed: int) -> str:
@@ -230,15 +227,68 @@ def test_concurrent_requests_equal_per_prompt_generate(served, model_dir: Path) 
     # The --config file reached the served model: its serving.max_request_tokens refuses one token more.
     room = MAX_REQUEST_TOKENS - 8
     client.completions.create(model=name, prompt=_words(8, 7), max_tokens=room, temperature=0)
-    with pytest.raises(getattr(openai, TOO_LONG_ERROR)) as too_long:
+    with pytest.raises(openai.BadRequestError) as too_long:  # the request's fault: HTTP 400 naming the limit
         client.completions.create(model=name, prompt=_words(8, 7), max_tokens=room + 1, temperature=0)
     # transformers logs each request with whether continuous batching serves it.
     served_log = log.read_text()
     with_cb, without_cb = REQUEST_LOG
     assert served_log.count(with_cb) == len(completions) + 1 + len(chats) + 2, served_log
     assert without_cb not in served_log
-    if DESIGN == server.ENGINE_PROCESS:  # 5.24's answer is a bare 500 (its log's traceback names the limit)
-        assert f"serving.max_request_tokens={MAX_REQUEST_TOKENS}" in too_long.value.response.text
+    assert f"serving.max_request_tokens={MAX_REQUEST_TOKENS}" in too_long.value.response.text
+
+
+def test_bad_requests_fail_alone_and_a_client_id_is_never_the_key(served, model_dir: Path) -> None:
+    """An empty prompt and an over-long one get an HTTP 400 naming the reason; two concurrent streams sent
+    with one ``X-Request-ID`` each get their own tokens (the header is echoed, never the key); the worker
+    lives on: ``/health`` answers 200 and a later request gets the unmodified model's tokens."""
+    import openai
+    from openai import OpenAI
+
+    url, _ = served
+    _, _, texts = _reference(model_dir)
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0)
+    name = str(model_dir)
+
+    def stream(prompt: tuple[int, int]) -> tuple[str, str]:
+        body = {
+            "model": name,
+            "prompt": _words(*prompt),
+            "max_tokens": NEW_TOKENS,
+            "temperature": 0,
+            "stream": True,
+        }
+        request = urllib.request.Request(
+            f"{url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "X-Request-ID": "same"},
+        )
+        text = ""
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as r:
+            echoed = r.headers.get("x-request-id")
+            for raw in r:
+                line = raw.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return echoed, text
+
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(stream, COMPLETION_PROMPTS[:2]))
+    assert got == [("same", texts[0]), ("same", texts[1])]
+    with pytest.raises(openai.BadRequestError) as empty:
+        client.completions.create(model=name, prompt="", max_tokens=NEW_TOKENS, temperature=0)
+    assert "empty prompt" in empty.value.response.text
+    with pytest.raises(openai.BadRequestError) as long:
+        client.completions.create(
+            model=name, prompt=_words(8, 7), max_tokens=MAX_REQUEST_TOKENS, temperature=0
+        )
+    assert f"serving.max_request_tokens={MAX_REQUEST_TOKENS}" in long.value.response.text
+
+    with urllib.request.urlopen(f"{url}/health", timeout=REQUEST_TIMEOUT_S) as r:
+        assert r.status == 200
+    late = client.completions.create(
+        model=name, prompt=_words(*COMPLETION_PROMPTS[2]), max_tokens=NEW_TOKENS, temperature=0
+    )
+    assert late.choices[0].text == texts[2]
 
 
 def test_transformers_names_exist() -> None:
@@ -371,6 +421,48 @@ def test_bad_config_is_named(
         serve.main([str(model_dir), "--config", config])
     assert exit_info.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+# serving plans refused before the port opens: (config, what the message names)
+BAD_PLANS = [
+    ({"sparse": {}, "serving": {"device_kv_budget": 1}}, "serving.device_kv_budget=1"),
+    ({"sparse": {"capacity": 4}}, "capacity"),  # below the model's index_topk (8)
+    (
+        {"sparse": {"host_pool_blocks": 2}, "serving": {"max_requests": 4, "max_request_tokens": 256}},
+        "sparse.host_pool_blocks=2",
+    ),
+    # 8 requests of 4M tokens: transformers' step buffers alone would be 512 x 32M x 4 bytes (65 GB)
+    ({"sparse": {}, "serving": {"max_request_tokens": 4 * 10**6}}, "serving.max_request_tokens=4000000"),
+]
+
+
+@pytest.mark.parametrize(("config", "needle"), BAD_PLANS, ids=["budget", "capacity", "host_pool", "huge"])
+def test_a_serving_plan_that_cannot_hold_is_refused_by_prepare(config: dict, needle: str) -> None:
+    model = build_model("deepseek_v32", index_n_heads=8, **SMALL)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        serve.prepare(model, config=config, cb_max_batch_tokens=None)
+    good = build_model("deepseek_v32", index_n_heads=8, **SMALL)
+    assert serve.prepare(good, config=SERVING_CONFIG, cb_max_batch_tokens=16) is good  # and a good plan holds
+
+
+def test_a_bad_serving_plan_exits_before_listening(model_dir: Path, held_port: int) -> None:
+    cmd = [sys.executable, "-m", "torch_kvoffload.serve", str(model_dir), "--port", str(held_port)]
+    cmd += ["--config", json.dumps(BAD_PLANS[0][0]), "--device", "cpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=EXIT_TIMEOUT_S)
+    assert proc.returncode == 2, proc.stderr
+    assert BAD_PLANS[0][1] in proc.stderr, proc.stderr
+    assert "Uvicorn" not in proc.stderr and "address already in use" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("tokens", ["0", "-3"])
+def test_cb_max_batch_tokens_below_one_is_refused(
+    tokens: str, model_dir: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _refuse_to_listen(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        serve.main([str(model_dir), "--cb-max-batch-tokens", tokens])
+    assert exit_info.value.code == 2
+    assert "--cb-max-batch-tokens" in capsys.readouterr().err
 
 
 def test_config_file_is_read(tmp_path: Path) -> None:

@@ -7,7 +7,13 @@ import os
 import re
 from typing import Any
 
-__all__ = ["check_host_bytes", "parse_bytes", "physical_memory_bytes"]
+__all__ = [
+    "address_space_limit_bytes",
+    "available_memory_bytes",
+    "check_host_bytes",
+    "parse_bytes",
+    "physical_memory_bytes",
+]
 
 _UNITS = {
     "": 1,
@@ -52,11 +58,45 @@ def physical_memory_bytes() -> int:
         return 0
 
 
+def available_memory_bytes() -> int:
+    """Host memory available now without swapping (Linux ``MemAvailable``; else ``SC_AVPHYS_PAGES``); ``0``
+    where the OS does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def address_space_limit_bytes() -> int:
+    """The process's soft ``RLIMIT_AS`` in bytes; ``0`` when unlimited or the OS does not say."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    except (ImportError, ValueError, OSError, AttributeError):
+        return 0
+    return 0 if soft == resource.RLIM_INFINITY or soft < 0 else int(soft)
+
+
 def check_host_bytes(where: str, name: str, nbytes: int) -> None:
-    """``ValueError`` naming ``name`` when ``nbytes`` of host memory exceed the machine's physical memory."""
+    """``ValueError`` naming ``name`` when ``nbytes`` of host memory exceed the machine's physical memory or
+    the process's address-space limit (``RLIMIT_AS``, where set)."""
     ram = physical_memory_bytes()
     if ram and nbytes > ram:
         raise ValueError(
             f"{where}: {name} = {nbytes} bytes exceeds this machine's physical memory ({ram} bytes); "
             "it could never be allocated"
+        )
+    limit = address_space_limit_bytes()
+    if limit and nbytes > limit:
+        raise ValueError(
+            f"{where}: {name} = {nbytes} bytes exceeds this process's address-space limit (RLIMIT_AS "
+            f"{limit} bytes); it could never be allocated"
         )

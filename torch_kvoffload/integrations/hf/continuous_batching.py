@@ -54,6 +54,7 @@ __all__ = [
     "OVERRIDDEN",
     "TRANSFORMERS_NAMES",
     "MLACacheAllocator",
+    "check_serving",
     "disable_mla_continuous_batching",
     "enable_mla_continuous_batching",
 ]
@@ -99,7 +100,7 @@ TRANSFORMERS_NAMES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         _CB,
         "ContinuousBatchingManager",
-        ("_create_batch_processor", "add_request", "_run_generation_loop", "stop"),
+        ("_create_batch_processor", "add_request", "add_requests", "_run_generation_loop", "stop"),
     ),
     (f"{_CB}.continuous_api", "ContinuousBatchProcessor", ("update_batch", "handle_batch_error")),
     (f"{_CB}.continuous_api", "OutputRouter", ("deliver", "deliver_batch", "fail_and_deliver")),
@@ -336,16 +337,70 @@ def _offload_cb_config(serving: Any, given: Any, gen: Any) -> Any:
                 "(each step's requests are mapped to the library's as the step is packed)"
             )
         setattr(cfg, name, False if name == "use_async_batching" else (False, False))
+    if cfg.max_batch_tokens is not None and int(cfg.max_batch_tokens) < 1:
+        raise ValueError(
+            f"continuous batching of an offloaded model: max_batch_tokens={cfg.max_batch_tokens} (tokens per "
+            "step, --cb-max-batch-tokens) must be at least 1"
+        )
+    if cfg.max_batch_tokens is None:
+        cfg.max_batch_tokens = min(serving.max_tokens, 512)
+    # before the caches are sized for them: an impossible plan allocates nothing
+    _check_step_buffers(cfg, serving.planned_slots(), serving.max_tokens)
     slots = serving.plan()
-    cfg.num_blocks = slots * (math.ceil(serving.max_tokens / cfg.page_size) + 1)
+    _check_step_buffers(cfg, slots, serving.max_tokens)
+    cfg.num_blocks = _ledger_blocks(slots, serving.max_tokens, cfg.page_size)
     cfg.max_blocks_per_request = 0
     cfg.allow_block_sharing = False
     cfg.cpu_offload_space = 0.0
     if cfg.safety_margin is None:
         cfg.safety_margin = 0.0
-    if cfg.max_batch_tokens is None:
-        cfg.max_batch_tokens = min(serving.max_tokens, 512)
     return cfg
+
+
+def _ledger_blocks(slots: int, tokens: int, page_size: int) -> int:
+    """Blocks of transformers' paged cache for ``slots`` requests of ``tokens`` tokens (one spare each)."""
+    return slots * (math.ceil(tokens / page_size) + 1)
+
+
+#: Bytes per element of transformers' per-step buffers that span every token its cache could read (fp32).
+_STEP_BUFFER_ITEMSIZE = 4
+
+
+def _check_step_buffers(cfg: Any, slots: int, tokens: int) -> None:
+    """``ValueError`` naming ``serving.max_request_tokens`` when transformers' per-step buffers for ``cfg``
+    would not fit in the host memory available now. transformers sizes them ``max_batch_tokens`` x every token
+    its cache could read (``num_blocks`` x ``page_size``), fp32 (measured on 5.24: 37 MB for 512 x 18 432);
+    they are allocated when the manager starts, whatever the requests' real lengths."""
+    from torch_kvoffload.store.sizes import available_memory_bytes, check_host_bytes
+
+    readable = _ledger_blocks(slots, tokens, int(cfg.page_size)) * int(cfg.page_size)
+    nbytes = int(cfg.max_batch_tokens) * readable * _STEP_BUFFER_ITEMSIZE
+    what = (
+        f"transformers' step buffers for {slots} requests of serving.max_request_tokens={tokens} tokens "
+        f"(max_batch_tokens {cfg.max_batch_tokens} x {readable} tokens readable x {_STEP_BUFFER_ITEMSIZE} bytes)"
+    )
+    where = "continuous batching of an offloaded model"
+    check_host_bytes(where, what, nbytes)
+    available = available_memory_bytes()
+    if available and nbytes > available:
+        raise ValueError(
+            f"{where}: {what} = {nbytes} bytes exceeds the host memory available now ({available} bytes); lower "
+            "serving.max_request_tokens, serving.max_requests or max_batch_tokens"
+        )
+
+
+def check_serving(model: Any, continuous_batching_config: Any = None) -> int:
+    """Check, before any request, that the offloaded ``model`` can serve continuous batching with
+    ``continuous_batching_config`` (``None``: the default) and its ``OffloadConfig.serving``: the device budget
+    holds the requests, the host pool and transformers' step buffers fit in host memory, every option is
+    supported. Sizes the caches as serving will; returns the requests held at once. ``ValueError`` naming the
+    field otherwise. A server calls it before it opens its port."""
+    session = getattr(model, SESSION_ATTR, None)
+    if session is None:
+        raise ValueError(f"check_serving: {type(model).__name__} is not offloaded (torch_kvoffload.offload)")
+    serving = _serving_of(session)
+    _offload_cb_config(serving, continuous_batching_config, model.generation_config)
+    return serving.slots
 
 
 def _hook_cache(cache: Any, serving: Any) -> None:
@@ -387,10 +442,15 @@ def _hook_cache(cache: Any, serving: Any) -> None:
 
 
 def _hook_manager(manager: Any, serving: Any) -> None:
-    """``add_request`` refuses an id that is live already (before transformers takes it) and a request without
-    ``max_new_tokens``; the ids are released when their last output is delivered. The generation loop closes
-    the serving state on exit; ``stop`` (or the loop's end) lets another manager be created."""
+    """``add_request`` refuses (``ValueError``, before transformers takes it) an id that is live already, a
+    request without ``max_new_tokens``, an empty prompt and one longer than ``serving.max_request_tokens``;
+    under ``add_requests`` (``generate_batch``) the last two become error results instead (the scheduler's
+    refusal), so that the other prompts are still answered. The ids are released when their last output is
+    delivered. The generation loop closes the serving state on exit; ``stop`` (or the loop's end) lets
+    another manager be created."""
     add_request = manager.add_request
+    add_requests = manager.add_requests
+    batching = threading.local()
     run_loop = manager._run_generation_loop
     stop = manager.stop
     router = manager.output_router
@@ -404,6 +464,10 @@ def _hook_manager(manager: Any, serving: Any) -> None:
                 "continuous batching of an offloaded model: pass max_new_tokens (each request's KV is reserved "
                 "for its prompt + max_new_tokens)"
             )
+        if not getattr(batching, "active", False):
+            reason = serving.refusal(request_id or "(new)", len(input_ids), int(new))
+            if reason is not None:
+                raise ValueError(reason)
         if request_id is not None:
             serving.claim(request_id)
         try:
@@ -417,6 +481,14 @@ def _hook_manager(manager: Any, serving: Any) -> None:
         elif given is not None and request_id is None:
             serving.claim(given)  # an id of transformers' own numbering
         return given
+
+    @functools.wraps(add_requests)
+    def add_requests_(*args, **kwargs):
+        batching.active = True
+        try:
+            return add_requests(*args, **kwargs)
+        finally:
+            batching.active = False
 
     def ended(output: Any) -> None:
         if output.error is not None or output.is_finished():
@@ -452,6 +524,7 @@ def _hook_manager(manager: Any, serving: Any) -> None:
                 serving.release_ownership(manager)
 
     manager.add_request = add_request_
+    manager.add_requests = add_requests_
     manager._run_generation_loop = run_generation_loop
     manager.stop = stop_
     router.deliver = deliver_

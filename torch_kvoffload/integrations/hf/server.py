@@ -21,6 +21,13 @@ keyed by that name; ``tests/hf/test_serve.py`` checks the installed release's):
     calling thread forwards SIGINT / SIGTERM to uvicorn's ``handle_exit``, waits for that thread
     (``Serve._thread``), then calls ``Serve.kill_server``, which stops the continuous-batching worker (a
     non-daemon thread that would otherwise keep the process alive).
+    transformers' handlers key a request's continuous-batching results by the client's ``X-Request-ID``
+    header (or a fresh one): two live requests of one id would read each other's tokens. While the server
+    runs, ``CBGenerateManager.generate_streaming`` / ``generate_non_streaming`` (of
+    ``transformers.cli.serving.utils``) give the manager an id of the server's own instead
+    (:func:`_server_owned_request_ids`); the answer still echoes the client's id. A ``ValueError`` there (a
+    request the library refuses: an empty prompt, one longer than ``serving.max_request_tokens``) is an
+    HTTP 400 naming the reason.
 
 :data:`ENGINE_PROCESS` (transformers 5.25)
     The served model runs in a process of its own, the engine, which ``ModelManager`` spawns (before the port
@@ -82,15 +89,20 @@ ENGINE_PROCESS = "engine_process"
 ENGINE_PROCESS_SINCE = "5.25.0"
 
 _MODEL_MANAGER = "transformers.cli.serving.model_manager"
+_SERVING_UTILS = "transformers.cli.serving.utils"
+#: The ``CBGenerateManager`` methods :func:`_server_owned_request_ids` overrides (:data:`IN_PROCESS` only).
+_CB_ENTRIES = ("generate_streaming", "generate_non_streaming")
 #: ``{design: ((module, attribute, members), ...)}``: the transformers names each design uses or overrides.
 #: :data:`IN_PROCESS`: ``ModelManager`` is replaced (while ``Serve`` is built) by a subclass overriding
 #: ``_load_model`` and ``_load_processor`` (its ``process_model_name`` names the served model); of
-#: ``Serve``, ``start_server`` / ``kill_server`` are called. :data:`ENGINE_PROCESS`: ``ModelLoader`` is
+#: ``Serve``, ``start_server`` / ``kill_server`` are called; ``CBGenerateManager``'s generation entries are
+#: wrapped while the server runs. :data:`ENGINE_PROCESS`: ``ModelLoader`` is
 #: subclassed, overriding ``load_model_and_processor`` and ``load_processor``; ``Serve.run`` is overridden.
 TRANSFORMERS_NAMES: dict[str, tuple[tuple[str, str, tuple[str, ...]], ...]] = {
     IN_PROCESS: (
         (_MODEL_MANAGER, "ModelManager", ("_load_model", "_load_processor", "process_model_name")),
         ("transformers.cli.serve", "Serve", ("start_server", "kill_server")),
+        (_SERVING_UTILS, "CBGenerateManager", _CB_ENTRIES),
     ),
     ENGINE_PROCESS: (
         (_MODEL_MANAGER, "ModelLoader", ("load_model_and_processor", "load_processor")),
@@ -266,21 +278,82 @@ def _manager_class_swapped(cls: type) -> Iterator[None]:
         module.ModelManager = original
 
 
+def _server_owned(method: Callable) -> Callable:
+    """``method`` (a ``CBGenerateManager`` generation entry) with its ``request_id`` replaced by a fresh id of
+    the server's, and a ``ValueError`` turned into an HTTP 400 naming it."""
+    import inspect
+    import uuid
+
+    signature = inspect.signature(method)
+
+    def rebound(args: tuple, kwargs: dict) -> inspect.BoundArguments:
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["request_id"] = f"kvoffload-{uuid.uuid4().hex}"
+        return bound
+
+    def refused(error: ValueError) -> BaseException:
+        from fastapi import HTTPException
+
+        return HTTPException(status_code=400, detail=str(error))
+
+    if inspect.iscoroutinefunction(method):
+
+        @functools.wraps(method)
+        async def run_async(*args: Any, **kwargs: Any) -> Any:
+            bound = rebound(args, kwargs)
+            try:
+                return await method(*bound.args, **bound.kwargs)
+            except ValueError as e:
+                raise refused(e) from None
+
+        return run_async
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        bound = rebound(args, kwargs)
+        try:
+            return method(*bound.args, **bound.kwargs)
+        except ValueError as e:
+            raise refused(e) from None
+
+    return run
+
+
+@contextlib.contextmanager
+def _server_owned_request_ids() -> Iterator[None]:
+    """While the block runs, transformers' continuous-batching generation entries key requests by ids of the
+    server's (see the module docstring); put back on exit."""
+    import importlib
+
+    cls = importlib.import_module(_SERVING_UTILS).CBGenerateManager
+    saved = {name: vars(cls)[name] for name in _CB_ENTRIES}
+    try:
+        for name in _CB_ENTRIES:
+            setattr(cls, name, _server_owned(saved[name]))
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(cls, name, method)
+
+
 def _serve_in_process(
     model_dir: str, prepare: Callable[[Any], Any], device: str, serve_kwargs: dict[str, Any]
 ) -> int:
     from transformers.cli.serve import Serve
 
     model, tokenizer = _load_and_prepare(model_dir, prepare, device)
-    with _manager_class_swapped(preloaded_manager_class(model_dir, model, tokenizer)):
-        serve = Serve(force_model=model_dir, continuous_batching=True, non_blocking=True, **serve_kwargs)
-    previous = {sig: signal.signal(sig, serve.server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        serve._thread.join()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        serve.kill_server()
+    with _server_owned_request_ids():
+        with _manager_class_swapped(preloaded_manager_class(model_dir, model, tokenizer)):
+            serve = Serve(force_model=model_dir, continuous_batching=True, non_blocking=True, **serve_kwargs)
+        previous = {
+            sig: signal.signal(sig, serve.server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+        try:
+            serve._thread.join()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            serve.kill_server()
     return 0 if serve.server.started else 1
 
 

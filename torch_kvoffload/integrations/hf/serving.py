@@ -141,6 +141,17 @@ class ServingRequests:
             self.slots, self.device_bytes_per_request, self.fixed_device_bytes = serving_slots(self.session)
         return self.slots
 
+    def planned_slots(self) -> int:
+        """The requests :meth:`plan` will hold, without sizing anything: ``serving.max_requests`` or the
+        default, or (with a device budget, which only measuring the caches settles) :attr:`slots` once
+        planned, else ``serving.max_requests`` or 1."""
+        opts = self.session.config.serving
+        if self.slots:
+            return self.slots
+        if opts.device_kv_budget is None:
+            return opts.max_requests or DEFAULT_REQUESTS
+        return opts.max_requests or 1
+
     def open(self) -> None:
         """Start serving: caches sized for :attr:`slots` requests, no request live."""
         session = self.session

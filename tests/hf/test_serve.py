@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-import os
 import pickle
 import re
 import socket
@@ -31,21 +30,14 @@ pytest.importorskip("transformers.cli.serving.model_manager")
 pytest.importorskip("openai")
 
 from support.hf_models import SMALL, build_model, indexer_boundary_ties
+from support.serving import EXIT_TIMEOUT_S, START_TIMEOUT_S, running_server, save_model_dir, words
 
 from torch_kvoffload import serve
-from torch_kvoffload._utils import free_port
 from torch_kvoffload.integrations.hf import server
 
-#: Seconds the server may take from launch to answering ``/health`` (imports, load, offload).
-START_TIMEOUT_S = 120.0
 #: Seconds one HTTP request may take (the first one builds the continuous-batching state).
 REQUEST_TIMEOUT_S = 60.0
-#: Seconds a stopped or failing server may take to exit.
-EXIT_TIMEOUT_S = 60.0
-#: Pause between two readiness probes (each a wait on the process, which ends early if it exits).
-POLL_S = 0.2
 NEW_TOKENS = 8
-VOCAB = 1000
 COMPLETION_PROMPTS = ((12, 0), (20, 1), (9, 2))  # (length, seed)
 CHAT_PROMPTS = ((10, 3), (16, 4), (13, 5))
 STREAM_PROMPT = (14, 6)  # a streamed completion
@@ -67,83 +59,17 @@ REQUEST_LOG = {
 }[DESIGN]
 
 
-def _words(length: int, seed: int) -> str:
-    g = torch.Generator().manual_seed(seed)
-    return " ".join(f"w{i}" for i in torch.randint(3, VOCAB, (length,), generator=g).tolist())
-
-
-def _save_tokenizer(path: Path) -> None:
-    """A fast word-level tokenizer: id ``i`` >= 3 is the word ``w{i}``, 0 / 1 / 2 are pad / bos / eos; the
-    chat template joins the messages' contents and ends the prompt with ``w5``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with single spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-    fast.chat_template = (
-        "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w5{% endif %}"
-    )
-    fast.save_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("v32")
-    build_model("deepseek_v32", index_n_heads=8, **SMALL).save_pretrained(path)
-    _save_tokenizer(path)
-    return path
-
-
-def _log_of(proc: subprocess.Popen, log: Path) -> str:
-    return f"server exited with {proc.returncode}; its output:\n{log.read_text()}"
+    return save_model_dir(tmp_path_factory.mktemp("v32"))
 
 
 @pytest.fixture(scope="module")
 def served(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """``(base_url, log_path)`` of a running server; stopped (SIGTERM, then SIGKILL) when the module ends."""
     tmp = tmp_path_factory.mktemp("serve")
-    config = tmp / "offload.json"
-    config.write_text(json.dumps(SERVING_CONFIG))
-    log = tmp / "server.log"
-    port = free_port()
-    cmd = [sys.executable, "-m", "torch_kvoffload.serve", str(model_dir), "--port", str(port)]
-    cmd += ["--config", str(config), "--device", "cpu", "--log-level", "info", *CB_ARGS]
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TQDM_DISABLE": "1"}
-        )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_ready(proc, url, log)
+    with running_server(model_dir, tmp, SERVING_CONFIG, "--log-level", "info", *CB_ARGS) as (url, log, _):
         yield url, log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=EXIT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            pytest.fail(f"the server did not stop within {EXIT_TIMEOUT_S} s of SIGTERM:\n{log.read_text()}")
-    assert proc.returncode == 0, _log_of(proc, log)
-
-
-def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
-    for _ in range(int(START_TIMEOUT_S / POLL_S)):
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=POLL_S * 5) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        try:
-            proc.wait(timeout=POLL_S)
-        except subprocess.TimeoutExpired:
-            continue
-        pytest.fail(_log_of(proc, log))
-    pytest.fail(f"the server did not answer /health within {START_TIMEOUT_S} s:\n{log.read_text()}")
 
 
 def _reference(model_dir: Path) -> tuple[list[list[int]], list[list[int]], list[str]]:
@@ -154,10 +80,10 @@ def _reference(model_dir: Path) -> tuple[list[list[int]], list[list[int]], list[
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    prompts = [tok(_words(n, s))["input_ids"] for n, s in (*COMPLETION_PROMPTS, STREAM_PROMPT)]
+    prompts = [tok(words(n, s))["input_ids"] for n, s in (*COMPLETION_PROMPTS, STREAM_PROMPT)]
     prompts += [
         tok.apply_chat_template(
-            [{"role": "user", "content": _words(n, s)}],
+            [{"role": "user", "content": words(n, s)}],
             add_generation_prompt=True,
             tokenize=True,
             return_dict=True,
@@ -185,20 +111,20 @@ def test_concurrent_requests_equal_per_prompt_generate(served, model_dir: Path) 
 
     def complete(prompt: tuple[int, int]):
         return client.completions.create(
-            model=name, prompt=_words(*prompt), max_tokens=NEW_TOKENS, temperature=0
+            model=name, prompt=words(*prompt), max_tokens=NEW_TOKENS, temperature=0
         )
 
     def chat(prompt: tuple[int, int]):
         return client.chat.completions.create(
             model=name,
-            messages=[{"role": "user", "content": _words(*prompt)}],
+            messages=[{"role": "user", "content": words(*prompt)}],
             max_tokens=NEW_TOKENS,
             temperature=0,
         )
 
     def stream(prompt: tuple[int, int]) -> str:
         chunks = client.completions.create(
-            model=name, prompt=_words(*prompt), max_tokens=NEW_TOKENS, temperature=0, stream=True
+            model=name, prompt=words(*prompt), max_tokens=NEW_TOKENS, temperature=0, stream=True
         )
         return "".join(c.choices[0].text for c in chunks)
 
@@ -223,12 +149,12 @@ def test_concurrent_requests_equal_per_prompt_generate(served, model_dir: Path) 
 
     # A request naming another model is refused.
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=f"{name}-other", prompt=_words(8, 7), max_tokens=2, temperature=0)
+        client.completions.create(model=f"{name}-other", prompt=words(8, 7), max_tokens=2, temperature=0)
     # The --config file reached the served model: its serving.max_request_tokens refuses one token more.
     room = MAX_REQUEST_TOKENS - 8
-    client.completions.create(model=name, prompt=_words(8, 7), max_tokens=room, temperature=0)
+    client.completions.create(model=name, prompt=words(8, 7), max_tokens=room, temperature=0)
     with pytest.raises(openai.BadRequestError) as too_long:  # the request's fault: HTTP 400 naming the limit
-        client.completions.create(model=name, prompt=_words(8, 7), max_tokens=room + 1, temperature=0)
+        client.completions.create(model=name, prompt=words(8, 7), max_tokens=room + 1, temperature=0)
     # transformers logs each request with whether continuous batching serves it.
     served_log = log.read_text()
     with_cb, without_cb = REQUEST_LOG
@@ -252,7 +178,7 @@ def test_bad_requests_fail_alone_and_a_client_id_is_never_the_key(served, model_
     def stream(prompt: tuple[int, int]) -> tuple[str, str]:
         body = {
             "model": name,
-            "prompt": _words(*prompt),
+            "prompt": words(*prompt),
             "max_tokens": NEW_TOKENS,
             "temperature": 0,
             "stream": True,
@@ -279,14 +205,14 @@ def test_bad_requests_fail_alone_and_a_client_id_is_never_the_key(served, model_
     assert "empty prompt" in empty.value.response.text
     with pytest.raises(openai.BadRequestError) as long:
         client.completions.create(
-            model=name, prompt=_words(8, 7), max_tokens=MAX_REQUEST_TOKENS, temperature=0
+            model=name, prompt=words(8, 7), max_tokens=MAX_REQUEST_TOKENS, temperature=0
         )
     assert f"serving.max_request_tokens={MAX_REQUEST_TOKENS}" in long.value.response.text
 
     with urllib.request.urlopen(f"{url}/health", timeout=REQUEST_TIMEOUT_S) as r:
         assert r.status == 200
     late = client.completions.create(
-        model=name, prompt=_words(*COMPLETION_PROMPTS[2]), max_tokens=NEW_TOKENS, temperature=0
+        model=name, prompt=words(*COMPLETION_PROMPTS[2]), max_tokens=NEW_TOKENS, temperature=0
     )
     assert late.choices[0].text == texts[2]
 

@@ -20,7 +20,8 @@ keyed by that name; ``tests/hf/test_serve.py`` checks the installed release's):
     built. ``Serve`` runs uvicorn in a thread of its own (``non_blocking=True``, its ``start_server``): the
     calling thread forwards SIGINT / SIGTERM to uvicorn's ``handle_exit``, waits for that thread
     (``Serve._thread``), then calls ``Serve.kill_server``, which stops the continuous-batching worker (a
-    non-daemon thread that would otherwise keep the process alive).
+    non-daemon thread that would otherwise keep the process alive); requests still in flight get
+    :data:`GRACEFUL_SHUTDOWN_S` to end.
     transformers' handlers key a request's continuous-batching results by the client's ``X-Request-ID``
     header (or a fresh one): two live requests of one id would read each other's tokens. While the server
     runs, ``CBGenerateManager.generate_streaming`` / ``generate_non_streaming`` (of
@@ -85,6 +86,9 @@ __all__ = [
 IN_PROCESS = "in_process"
 #: transformers' server design from 5.25 on: the model loads and generates in a process of its own.
 ENGINE_PROCESS = "engine_process"
+#: Seconds the server waits, once told to stop, for requests in flight to end before it cuts them (then
+#: transformers stops its continuous-batching worker within 2 s more): SIGTERM ends the process in < 10 s.
+GRACEFUL_SHUTDOWN_S = 5.0
 #: The first transformers release of :data:`ENGINE_PROCESS`.
 ENGINE_PROCESS_SINCE = "5.25.0"
 
@@ -345,6 +349,8 @@ def _serve_in_process(
     with _server_owned_request_ids():
         with _manager_class_swapped(preloaded_manager_class(model_dir, model, tokenizer)):
             serve = Serve(force_model=model_dir, continuous_batching=True, non_blocking=True, **serve_kwargs)
+        # uvicorn reads it when it shuts down: a stream still open then is cut instead of waited for
+        serve.server.config.timeout_graceful_shutdown = GRACEFUL_SHUTDOWN_S
         previous = {
             sig: signal.signal(sig, serve.server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)
         }

@@ -1,0 +1,62 @@
+"""A soak of ``python -m torch_kvoffload.serve`` on loopback: a few hundred requests over the OpenAI API, a
+mix of valid, empty, over-long, duplicate-id, and disconnected-mid-stream ones, from several client threads.
+
+Checks: every valid greedy answer equals per-prompt ``generate()`` of the unmodified model, every bad
+request gets its HTTP 400, ``/health`` answers 200 throughout, the server's memory after warm-up grows by at
+most 5 %, and SIGTERM with streams in flight ends the server within 10 s. The same scenario, longer and
+with a latency table: ``benchmarks/serving_soak.py`` (``support/soak.py`` holds both).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers.cli.serving.model_manager")
+
+from support.serving import running_server, save_model_dir
+from support.soak import SOAK_CONFIG, reference_texts, run_soak, server_rss, stream_first_chunk
+
+#: Requests of the soak (its first tenth is the warm-up the memory is measured after).
+REQUESTS = 240
+CLIENTS = 6
+#: Seconds SIGTERM may take to end the server with requests in flight (the issue's bound).
+STOP_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    model_dir = save_model_dir(tmp_path_factory.mktemp("soak-model"))
+    with running_server(model_dir, tmp_path_factory.mktemp("soak"), SOAK_CONFIG) as (url, log, proc):
+        yield model_dir, url, log, proc
+
+
+def test_soak_answers_every_valid_request_and_the_worker_lives(server) -> None:
+    model_dir, url, log, proc = server
+    references = reference_texts(model_dir)
+    report = run_soak(url, str(model_dir), references, requests=REQUESTS, clients=CLIENTS, pid=proc.pid)
+    assert report.wrong == [], f"{len(report.wrong)} valid answers differ, first: {report.wrong[:3]}"
+    assert report.unexpected == [], f"unexpected answers: {report.unexpected[:5]}\n{log.read_text()[-4000:]}"
+    assert report.health_failures == 0 and report.health_checks > 0
+    assert sum(report.kinds.values()) == REQUESTS and all(report.kinds.values()), report.kinds
+    assert report.rss_after <= report.rss_warm * 1.05, (
+        f"server memory grew from {report.rss_warm} to {report.rss_after} bytes after warm-up"
+    )
+
+
+def test_sigterm_with_streams_in_flight_ends_the_server_in_bounded_time(server) -> None:
+    model_dir, url, log, proc = server
+    assert server_rss(proc.pid) > 0
+    held = [stream_first_chunk(url, str(model_dir), seed) for seed in range(3)]  # open, unread streams
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    took = time.monotonic() - start
+    for r in held:
+        r.close()
+    assert proc.returncode == 0, log.read_text()[-4000:]
+    assert took <= STOP_S, f"the server took {took:.1f} s to stop after SIGTERM"
+    assert isinstance(model_dir, Path)

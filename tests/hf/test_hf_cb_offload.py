@@ -266,8 +266,18 @@ def test_the_wrapped_transformers_methods_keep_their_signatures() -> None:
     """The offload path wraps these on instances; a transformers release that changes them must fail here."""
     from transformers.generation.continuous_batching import ContinuousBatchingManager
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    from transformers.generation.continuous_batching.continuous_api import (
+        ContinuousBatchProcessor,
+        OutputRouter,
+    )
+    from transformers.generation.continuous_batching.scheduler import Scheduler
 
     expected = {
+        ContinuousBatchProcessor.update_batch: ["self"],
+        ContinuousBatchProcessor.handle_batch_error: ["self", "error"],
+        OutputRouter.deliver: ["self", "output"],
+        OutputRouter.deliver_batch: ["self", "outputs"],
+        Scheduler.add_waiting_request: ["self", "state"],
         PagedAttentionCache.extend_read_and_write_indices: [
             "self", "request_id", "past_length", "query_length", "read_index", "write_index",
         ],
@@ -283,6 +293,20 @@ def test_the_wrapped_transformers_methods_keep_their_signatures() -> None:
         )
     add = list(inspect.signature(ContinuousBatchingManager.add_request).parameters)
     assert add[:4] == ["self", "input_ids", "request_id", "max_new_tokens"]
+    assert list(inspect.signature(ContinuousBatchingManager.add_requests).parameters)[:2] == [
+        "self",
+        "inputs",
+    ]
+    assert list(inspect.signature(ContinuousBatchingManager.stop).parameters)[:3] == [
+        "self",
+        "block",
+        "timeout",
+    ]
+    # the request states the scheduler refuses are read by these fields
+    from transformers.generation.continuous_batching.requests import RequestState
+
+    fields = RequestState.__dataclass_fields__
+    assert {"request_id", "initial_tokens", "max_new_tokens"} <= set(fields)
 
 
 def test_a_cancelled_request_releases_its_slot_and_the_others_finish() -> None:

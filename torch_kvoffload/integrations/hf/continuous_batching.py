@@ -29,7 +29,17 @@ library's requests) are wrapped; on the manager, ``add_request`` (refuses a requ
 ``serving.max_request_tokens``) and ``_run_generation_loop`` (closes the serving state when the loop ends).
 The step itself runs in the model's forward (``install._forward``). Asynchronous batching, CUDA graphs,
 compiled CB paths, CPU swap, prefix sharing and ``num_return_sequences > 1`` are turned off or refused for
-an offloaded model (the configuration given is copied, not changed).
+an offloaded model (the configuration given is copied, not changed). Requests the library cannot serve fail
+alone: ``add_request`` refuses a live id, an empty prompt and an over-long one; under ``add_requests``
+(``generate_batch``) the scheduler's ``add_waiting_request`` fails the last two as error results; a step the
+library fails is failed by ``handle_batch_error`` in ``update_batch`` (its requests, not the loop); the
+output router's ``deliver`` / ``deliver_batch`` release a request's id with its last output; ``stop`` and the
+loop's end release the model for another manager. :func:`check_serving` checks a serving plan before any
+request (a server calls it before its port opens).
+
+Why one module: every override of transformers' private continuous-batching classes lives here, next to the
+list of names they rely on (:data:`TRANSFORMERS_NAMES`) that importing it checks; splitting them would split
+that list.
 """
 
 from __future__ import annotations

@@ -45,12 +45,12 @@ from torch_kvoffload.backend import (
     kvoffload_backend,
 )
 from torch_kvoffload.integrations.hf.cache import is_offload_cache
+from torch_kvoffload.integrations.hf.exclusive import exclusive
 from torch_kvoffload.integrations.hf.install import (
     attach,
     bind_method,
     check_no_grad,
     deepcopy_rebound,
-    exclusive,
     new_session,
 )
 from torch_kvoffload.integrations.hf.output_attentions import output_attentions_requested

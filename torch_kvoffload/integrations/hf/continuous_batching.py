@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from torch_kvoffload.backend import SESSION_ATTR
+from torch_kvoffload.integrations.hf.exclusive import exclusive
 
 logger = logging.getLogger(__name__)
 
@@ -567,8 +568,6 @@ def _init_continuous_batching(
     session = getattr(model, SESSION_ATTR, None)
     if session is None:
         return _new_manager(model, None, generation_config, continuous_batching_config, workload_hints)
-    from torch_kvoffload.integrations.hf.install import exclusive
-
     who = f"{type(model).__name__}.init_continuous_batching"
     serving = _serving_of(session)
     # a generate() holds the session between its forwards: sizing the caches for serving would end its sequence

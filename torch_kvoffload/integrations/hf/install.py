@@ -26,20 +26,18 @@ returns the unmodified eager model's attention probabilities, recomputed per lay
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import inspect
-import threading
 import types
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from torch_kvoffload.backend import SESSION_ATTR
 from torch_kvoffload.core.config import OffloadConfig
+from torch_kvoffload.integrations.hf.exclusive import exclusive
 from torch_kvoffload.integrations.hf.inspect import inspect_model
 from torch_kvoffload.integrations.hf.output_attentions import collect_attentions, output_attentions_requested
 from torch_kvoffload.integrations.hf.packed import PackedRows, packed_forward, packed_segments
@@ -47,13 +45,8 @@ from torch_kvoffload.integrations.hf.pd import make_role
 from torch_kvoffload.integrations.hf.session import OffloadSession, session_of
 
 __all__ = [
-    "attach", "bind_method", "check_no_grad", "deepcopy_rebound", "detach", "exclusive", "new_session", "offload",
+    "attach", "bind_method", "check_no_grad", "deepcopy_rebound", "detach", "new_session", "offload",
 ]  # fmt: skip
-
-
-# one re-entrant lock per session: the thread holding it may call again (a forward inside generate)
-_LOCKS: weakref.WeakKeyDictionary[OffloadSession, threading.RLock] = weakref.WeakKeyDictionary()
-_LOCKS_LOCK = threading.Lock()
 
 
 def _resolve_config(config: Any, has_indexer: bool) -> OffloadConfig:
@@ -66,29 +59,6 @@ def _resolve_config(config: Any, has_indexer: bool) -> OffloadConfig:
             f"torch_kvoffload: config must be an OffloadConfig, a dict or None, got {type(config).__name__}"
         )
     return config
-
-
-@contextlib.contextmanager
-def exclusive(session: OffloadSession, who: str) -> Iterator[None]:
-    """Hold ``session`` for the calling thread (again if it holds it already) while the block runs.
-
-    Raises ``RuntimeError`` naming ``who``, without touching the session, when another thread holds it: two
-    callers would interleave their forwards over the session's one sequence.
-    """
-    with _LOCKS_LOCK:
-        lock = _LOCKS.get(session)
-        if lock is None:
-            lock = _LOCKS[session] = threading.RLock()
-    if not lock.acquire(blocking=False):
-        raise RuntimeError(
-            f"{who}: called from a second thread while another thread runs a forward or generate of this "
-            "model; an offloaded model serves one caller at a time (its session holds one sequence): call it "
-            "from one thread, or give each thread its own copy.deepcopy(model)"
-        )
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def check_no_grad(who: str, tensors: Any) -> None:

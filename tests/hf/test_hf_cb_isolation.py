@@ -109,49 +109,81 @@ def test_a_live_request_id_is_refused_and_the_first_request_keeps_its_tokens() -
     assert session_of(model).stats()["reserved_requests"] == 0
 
 
-def test_a_failed_step_fails_its_requests_and_the_loop_serves_the_others() -> None:
-    model = _model(2)
-    prompts = _prompts(3, (6, 11, 9, 14))
-    reference = _reference(model, prompts)
-    torch_kvoffload.offload(model, {"sparse": {}, "serving": SERVING})
-    session = session_of(model)
+def _serve_with_failures(model, prompts, inject) -> dict:
+    """Serves ``prompts[:3]`` as r0..r2 with ``inject(serving)`` installed on the model's serving state,
+    then ``prompts[3]`` as r3 once they are answered; returns the results."""
     manager = model.init_continuous_batching(generation_config=_gen(), continuous_batching_config=_cb())
-    serving = session.serving
-    real_forward, real_step = type(serving)._forward, type(serving).run_step
-    calls, steps, failed_step = [], [], []
-
-    def failing(self, *args):
-        calls.append(1)
-        if len(calls) == 3:
-            failed_step.extend(steps[-1])
-            raise RuntimeError("injected failure")
-        return real_forward(self, *args)
-
-    def run_step(self, *args):
-        steps.append([rid for rid, _, _ in self._step])
-        return real_step(self, *args)
-
-    serving._forward = failing.__get__(serving)
-    serving.run_step = run_step.__get__(serving)
+    inject(session_of(model).serving)
     manager.start()
     try:
         for i, p in enumerate(prompts[:3]):
             manager.add_request(p, request_id=f"r{i}", max_new_tokens=NEW)
         got = _drain(manager, {"r0", "r1", "r2"})
-        assert failed_step, "no step failed"
         assert manager.background_thread_status.fatal_error is None and manager.is_running()
-        for i in range(3):
-            result = got[f"r{i}"]
-            if f"r{i}" in failed_step:
-                assert "injected failure" in result.error
-            else:
-                assert result.error is None and list(result.generated_tokens) == reference[i]
-        # the loop goes on: a request added afterwards is served
-        manager.add_request(prompts[3], request_id="r3", max_new_tokens=NEW)
-        late = _drain(manager, {"r3"})["r3"]
-        assert late.error is None and list(late.generated_tokens) == reference[3]
+        manager.add_request(prompts[3], request_id="r3", max_new_tokens=NEW)  # the loop goes on
+        got.update(_drain(manager, {"r3"}))
     finally:
         manager.stop(block=True, timeout=WAIT_S)
+    return got
+
+
+def test_a_request_whose_rows_fail_fails_alone_and_its_step_goes_on() -> None:
+    model = _model(2)
+    prompts = _prompts(3, (6, 11, 9, 14))
+    reference = _reference(model, prompts)
+    torch_kvoffload.offload(model, {"sparse": {}, "serving": SERVING})
+    session = session_of(model)
+    shared = []
+
+    def inject(serving):
+        real_forward = type(serving)._forward
+
+        def failing(self, model, layout, requests, ids, logits):
+            bad = self._live.get("r1")
+            if any(r is bad for r in requests):
+                if len(requests) > 1:
+                    shared.append(len(requests))
+                raise RuntimeError("injected failure in r1's rows")
+            return real_forward(self, model, layout, requests, ids, logits)
+
+        serving._forward = failing.__get__(serving)
+
+    got = _serve_with_failures(model, prompts, inject)
+    assert shared, "r1 never shared a forward with another request: nothing was isolated"
+    assert "injected failure in r1's rows" in got["r1"].error
+    for i in (0, 2, 3):
+        assert got[f"r{i}"].error is None and list(got[f"r{i}"].generated_tokens) == reference[i], f"r{i}"
+    assert session.stats()["reserved_requests"] == 0
+
+
+def test_a_step_that_cannot_run_fails_its_requests_and_the_loop_serves_the_others() -> None:
+    model = _model(2)
+    prompts = _prompts(3, (6, 11, 9, 14))
+    reference = _reference(model, prompts)
+    torch_kvoffload.offload(model, {"sparse": {}, "serving": SERVING})
+    session = session_of(model)
+    calls, failed_step = [], []
+
+    def inject(serving):
+        real_agree = type(serving)._agree_step
+
+        def failing(self, step, *args):
+            calls.append(1)
+            if len(calls) == 3:
+                failed_step.extend(rid for rid, _, _ in step)
+                raise RuntimeError("injected step failure")
+            return real_agree(self, step, *args)
+
+        serving._agree_step = failing.__get__(serving)
+
+    got = _serve_with_failures(model, prompts, inject)
+    assert failed_step, "no step failed"
+    for i in range(4):
+        result = got[f"r{i}"]
+        if f"r{i}" in failed_step:
+            assert "injected step failure" in result.error
+        else:
+            assert result.error is None and list(result.generated_tokens) == reference[i]
     assert session.stats()["reserved_requests"] == 0
 
 

@@ -177,19 +177,20 @@ def test_a_failed_step_fails_its_requests_and_the_next_requests_run() -> None:
     session = session_of(model)
     model.init_continuous_batching(generation_config=_gen(), continuous_batching_config=_cb()).stop()
     serving = session.serving
-    real, calls = type(serving)._forward, []
+    real, calls = type(serving)._agree_step, []
 
-    def failing(self, *args):
+    def failing(self, *args):  # the second step cannot run at all
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("injected failure")
         return real(self, *args)
 
-    serving._forward = failing.__get__(serving)
+    serving._agree_step = failing.__get__(serving)
     out = model.generate_batch(prompts, generation_config=_gen(), continuous_batching_config=_cb())
+    assert len(out) == len(prompts)
     assert any(o.error is not None and "injected failure" in str(o.error) for o in out.values())
     assert session.stats()["reserved_requests"] == 0
-    del serving._forward
+    del serving._agree_step
     assert _batch(model, prompts) == reference
 
 

@@ -32,7 +32,9 @@ compiled CB paths, CPU swap, prefix sharing and ``num_return_sequences > 1`` are
 an offloaded model (the configuration given is copied, not changed). Requests the library cannot serve fail
 alone: ``add_request`` refuses a live id, an empty prompt and an over-long one; under ``add_requests``
 (``generate_batch``) the scheduler's ``add_waiting_request`` fails the last two as error results; a step the
-library fails is failed by ``handle_batch_error`` in ``update_batch`` (its requests, not the loop); the
+library fails fails only the requests whose own forward fails (each of the step's segments runs again alone;
+``update_batch`` leaves their tokens out, then fails them), or the whole step's requests when the step
+itself cannot run (``handle_batch_error``), never the loop; the
 output router's ``deliver`` / ``deliver_batch`` release a request's id with its last output; ``stop`` and the
 loop's end release the model for another manager. :func:`check_serving` checks a serving plan before any
 request (a server calls it before its port opens).
@@ -113,7 +115,12 @@ TRANSFORMERS_NAMES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         "ContinuousBatchingManager",
         ("_create_batch_processor", "add_request", "add_requests", "_run_generation_loop", "stop"),
     ),
-    (f"{_CB}.continuous_api", "ContinuousBatchProcessor", ("update_batch", "handle_batch_error")),
+    (
+        f"{_CB}.continuous_api",
+        "ContinuousBatchProcessor",
+        ("update_batch", "handle_batch_error", "_handle_request_error"),
+    ),
+    (f"{_CB}.input_outputs", "ContinuousBatchingIOs", ("prepare_batch_update",)),
     (f"{_CB}.continuous_api", "OutputRouter", ("deliver", "deliver_batch", "fail_and_deliver")),
     (f"{_CB}.scheduler", "Scheduler", ("add_waiting_request",)),
     ("transformers.generation.configuration_utils", "ContinuousBatchingConfig", ()),
@@ -313,10 +320,36 @@ def _hook_processor(processor: Any, serving: Any) -> None:
         return add_waiting(state)
 
     def update_batch():
-        error = serving.take_step_error()
-        if error is None:
+        error, failed = serving.take_step_error(), serving.take_failed()
+        if error is not None:
+            return processor.handle_batch_error(error)
+        if not failed:
             return update()
-        return processor.handle_batch_error(error)
+        # the step without the requests that failed alone (their tokens were never computed), then those fail
+        io = processor.inputs_and_outputs
+        states, tokens, logprobs = io.prepare_batch_update()
+        kept, kept_tokens, kept_logprobs, dropped = [], [], [], []
+        t = 0
+        for future in states:
+            token = logprob = None
+            if future.has_new_token:
+                token, logprob = tokens[t], (logprobs[t] if logprobs is not None else None)
+                t += 1
+            if future.state.request_id in failed:
+                dropped.append(future.state)
+                continue
+            kept.append(future)
+            if future.has_new_token:
+                kept_tokens.append(token)
+                kept_logprobs.append(logprob)
+        io.prepare_batch_update = lambda: (kept, kept_tokens, kept_logprobs if logprobs is not None else None)
+        try:
+            update()
+        finally:
+            del io.prepare_batch_update
+        for state in dropped:
+            processor._handle_request_error(failed[state.request_id], state)
+            scheduler.finish_request(state.request_id)
 
     scheduler.add_waiting_request = add_waiting_request
     processor.update_batch = update_batch

@@ -121,8 +121,10 @@ class ServingRequests:
         self._claimed: set[str] = set()
         self._lock = threading.Lock()
         self._owner: weakref.ref | None = None
-        #: the error of the last step that failed (:meth:`run_step`), until :meth:`take_step_error`
+        #: the error of the last step that failed as a whole (:meth:`run_step`), until :meth:`take_step_error`
         self._step_error: BaseException | None = None
+        #: ``{request id: error}`` of the last step's requests that failed alone, until :meth:`take_failed`
+        self._failed: dict[str, BaseException] = {}
 
     # ----------------------------------------------------------------------------------- lifetime
     @property
@@ -236,9 +238,14 @@ class ServingRequests:
         return None
 
     def take_step_error(self) -> BaseException | None:
-        """The error of the step that just ran, if it failed (then cleared)."""
+        """The error of the step that just ran, if it failed as a whole (then cleared)."""
         error, self._step_error = self._step_error, None
         return error
+
+    def take_failed(self) -> dict[str, BaseException]:
+        """``{request id: error}`` of the step that just ran: its requests that failed alone (then cleared)."""
+        failed, self._failed = self._failed, {}
+        return failed
 
     def can_admit(self, request_id: str, tokens: int) -> bool:
         """Whether ``request_id`` holds, or could now get, a slot for ``tokens`` tokens in all."""
@@ -276,21 +283,20 @@ class ServingRequests:
         step, self._step = self._step, []
         ids = kwargs["input_ids"].to("cpu", torch.int64)  # host once: the requests' tokens are read there
         logits: torch.Tensor | None = None
-        self._step_error = None
+        self._step_error, self._failed = None, {}
         try:
             layout, requests = self._agree_step(step, ids, kwargs["cu_seq_lens_q"])
             decode = [i for i, (_, past, q) in enumerate(step) if past > 0 and q == 1]
             prefill = [i for i, (_, past, q) in enumerate(step) if not (past > 0 and q == 1)]
             for segments in (decode, prefill):  # decode rows first (the sparse decode path), then prefill
                 if segments:
-                    logits = self._forward(
-                        model, layout.select(segments), [requests[i] for i in segments], ids, logits
-                    )
+                    logits = self._forward_isolating(model, layout, segments, step, requests, ids, logits)
         except (
             Exception
         ) as exc:  # the step's requests fail (update_batch, see continuous_batching); not the loop
             logger.exception("continuous batching: a step of %d request(s) failed", len(step))
             self._step_error = exc
+        if logits is None:  # nothing ran: what is sampled from these is never delivered
             config = model.config.get_text_config()
             logits = torch.zeros(
                 1, int(ids.shape[-1]), config.vocab_size, dtype=model.dtype, device=model.device
@@ -361,6 +367,35 @@ class ServingRequests:
             )
         layout, requests = mine
         return layout, requests
+
+    def _forward_isolating(
+        self,
+        model: torch.nn.Module,
+        layout: PackedRows,
+        segments: list[int],
+        step: list[tuple[str, int, int]],
+        requests: list[Request],
+        ids: torch.Tensor,
+        logits: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """:meth:`_forward` of ``segments``; when it raises, each segment again alone, so that only the
+        requests whose own forward fails fail (recorded for :meth:`take_failed`) and the others keep their
+        logits. A forward that raised wrote nothing a request holds (the core aborts it; the rows past each
+        request's length are written again). Under tensor parallelism the step fails as a whole instead: a
+        rank retrying alone would leave the others in a collective."""
+        try:
+            return self._forward(model, layout.select(segments), [requests[i] for i in segments], ids, logits)
+        except Exception as exc:
+            if len(segments) > 1 and self.session.spec.tp is None:
+                for i in segments:
+                    logits = self._forward_isolating(model, layout, [i], step, requests, ids, logits)
+                return logits
+            if self.session.spec.tp is not None:
+                raise
+            rid = step[segments[0]][0]
+            logger.exception("continuous batching: request %s failed in its step", rid)
+            self._failed[rid] = exc
+            return logits
 
     def _forward(
         self,

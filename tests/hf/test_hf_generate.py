@@ -28,7 +28,7 @@ def _generate(model, ids, mask, new=NEW):
 
 @pytest.fixture(autouse=True)
 def _no_grad():
-    """Forwards run without autograd (an offloaded forward with autograd on raises: test_hf_safety.py)."""
+    """Forwards run without autograd (with autograd on, an offloaded forward refuses a backward: test_hf_safety.py)."""
     with torch.no_grad():
         yield
 

@@ -157,15 +157,33 @@ def test_deepcopy_refuses_a_forward_it_cannot_rebind():
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_forward_with_autograd_raises_and_no_grad_works(mode):
+def test_forward_with_autograd_answers_and_its_backward_raises(mode):
+    """With autograd on, a forward gives the unmodified model's values, requiring grad as the unmodified
+    model's do; a backward through them raises (the library's attention computes no gradients)."""
     ids, mask = left_padded_batch(LENGTHS, seed=7)
     model, ref = _pair("deepseek_v32", mode)
-    with pytest.raises(RuntimeError, match=r"autograd.*torch\.no_grad\(\)"):
-        model(ids, attention_mask=mask)
+    # the compiled model wraps its graphs the same way: one call spelling there (each compiles a graph)
+    extra = {"output_hidden_states": True, "labels": ids} if mode == "offload" else {}
+    expected = ref(ids, attention_mask=mask, **extra)
+    out = model(ids, attention_mask=mask, **extra)
+    torch.testing.assert_close(out.logits, expected.logits, rtol=1e-4, atol=1e-5)
+    assert out.logits.requires_grad
+    refused = [out.logits.sum()]
+    if extra:
+        torch.testing.assert_close(out.loss, expected.loss, rtol=1e-4, atol=1e-5)
+        assert out.loss.requires_grad and out.hidden_states[-1].requires_grad
+        refused += [out.loss, out.hidden_states[-1].sum()]
+        # return_dict=False: the tuple's tensors are refused the same way
+        refused.append(model(ids, attention_mask=mask, return_dict=False)[0].sum())
+    for value in refused:
+        with pytest.raises(RuntimeError, match="backward through an offloaded model: .*computes no gradients"):
+            value.backward()
+    assert all(p.grad is None for p in model.parameters())
     with torch.no_grad():
         want = ref(ids, attention_mask=mask).logits
         got = model(ids, attention_mask=mask).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert not got.requires_grad
     with torch.inference_mode():
         got = model(ids, attention_mask=mask).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -53,6 +53,7 @@ from torch_kvoffload.integrations.hf.install import (
     deepcopy_rebound,
     new_session,
 )
+from torch_kvoffload.integrations.hf.no_backward import autograd_anchor, without_autograd
 from torch_kvoffload.integrations.hf.output_attentions import output_attentions_requested
 from torch_kvoffload.passes import PassContext
 
@@ -265,6 +266,12 @@ def _compiled_forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     where Dynamo would run the forward eagerly, and for a forward asking for ``output_attentions`` (the
     graphs do not form the probabilities), the library's eager attention instead (:func:`_eager_forward`)."""
     compiled = getattr(model, _COMPILED_ATTR)
+    anchor = autograd_anchor(model)
+    if (
+        anchor is not None
+    ):  # the graphs of no_grad forwards, outputs with a backward that raises (no_backward)
+        who = f"compiled {type(model).__name__}"
+        return without_autograd(who, anchor, lambda: _compiled_forward(model, *args, **kwargs))
     if _dynamo_runs_eagerly(compiled):
         return _eager_forward(model, compiled, args, kwargs)
     if output_attentions_requested(model, kwargs):  # the graphs never form the attention probabilities

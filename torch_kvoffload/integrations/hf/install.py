@@ -39,6 +39,7 @@ from torch_kvoffload.backend import SESSION_ATTR
 from torch_kvoffload.core.config import OffloadConfig
 from torch_kvoffload.integrations.hf.exclusive import exclusive
 from torch_kvoffload.integrations.hf.inspect import inspect_model
+from torch_kvoffload.integrations.hf.no_backward import autograd_anchor, without_autograd
 from torch_kvoffload.integrations.hf.output_attentions import collect_attentions, output_attentions_requested
 from torch_kvoffload.integrations.hf.packed import PackedRows, packed_forward, packed_segments
 from torch_kvoffload.integrations.hf.pd import make_role
@@ -133,7 +134,9 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         with exclusive(session, name):  # a continuous-batching step, from its generation thread
             return serving.run_step(model, kwargs)
     session.check_not_serving(name)
-    check_no_grad(name, model.parameters())
+    anchor = autograd_anchor(model)
+    if anchor is not None:  # the unmodified model's values, no backward (see no_backward)
+        return without_autograd(name, anchor, lambda: _forward(model, *args, **kwargs))
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     embeds = kwargs.get("inputs_embeds")
     shape = None

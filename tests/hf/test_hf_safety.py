@@ -176,7 +176,9 @@ def test_forward_with_autograd_answers_and_its_backward_raises(mode):
         # return_dict=False: the tuple's tensors are refused the same way
         refused.append(model(ids, attention_mask=mask, return_dict=False)[0].sum())
     for value in refused:
-        with pytest.raises(RuntimeError, match=r"backward through an offloaded model: .*computes no gradients"):
+        with pytest.raises(
+            RuntimeError, match=r"backward through an offloaded model: .*computes no gradients"
+        ):
             value.backward()
     assert all(p.grad is None for p in model.parameters())
     with torch.no_grad():

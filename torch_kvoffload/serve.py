@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import sys
 
 from torch_kvoffload.api import offload
@@ -23,17 +24,30 @@ from torch_kvoffload.integrations.hf import server
 __all__ = ["main", "prepare"]
 
 
-def prepare(model, *, config=None, cb_max_batch_tokens: int | None = None):
+def prepare(model, *, config=None, cb_max_batch_tokens: int | None = None, log_level: str = "warning"):
     """``model`` offloaded with ``config`` and checked to serve continuous batching with
     ``cb_max_batch_tokens`` tokens per step (``ValueError`` naming the field otherwise); what the server
-    serves. Picklable as a ``functools.partial`` (transformers' engine process gets a copy)."""
+    serves. The library's own log lines go to stderr from ``log_level`` on (in the process that serves the
+    model). Picklable as a ``functools.partial`` (transformers' engine process gets a copy)."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     from torch_kvoffload.integrations.hf.continuous_batching import check_serving
 
+    _log_to_stderr(log_level)
     offload(model, config=config)
     check_serving(model, ContinuousBatchingConfig(max_batch_tokens=cb_max_batch_tokens))
     return model
+
+
+def _log_to_stderr(level: str) -> None:
+    """The ``torch_kvoffload`` loggers write to stderr from ``level`` on (once per process)."""
+    library = logging.getLogger("torch_kvoffload")
+    library.setLevel(level.upper())
+    if not any(getattr(h, "_kvoffload_serve", False) for h in library.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler._kvoffload_serve = True
+        library.addHandler(handler)
 
 
 def _positive_int(text: str) -> int:
@@ -70,8 +84,8 @@ def _parser() -> argparse.ArgumentParser:
         "--log-level",
         default="warning",
         choices=("debug", "info", "warning", "error", "critical"),
-        help="transformers' log level (default: warning); from transformers 5.25 on, its server's, which logs a "
-        "line per request from info on",
+        help="transformers' log level (default: warning; from transformers 5.25 on, its server's, which logs a "
+        "line per request from info on) and the library's (info: a line per finished request)",
     )
     return p
 
@@ -86,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         # Why: run_server raises ValueError only before the port opens (loading or offloading the model).
         return server.run_server(
             args.model_dir,
-            functools.partial(prepare, config=config, cb_max_batch_tokens=args.cb_max_batch_tokens),
+            functools.partial(
+                prepare, config=config, cb_max_batch_tokens=args.cb_max_batch_tokens, log_level=args.log_level
+            ),
             device=args.device,
             host=args.host,
             port=args.port,

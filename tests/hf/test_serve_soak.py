@@ -3,7 +3,8 @@ mix of valid, empty, over-long, duplicate-id, and disconnected-mid-stream ones, 
 
 Checks: every valid greedy answer equals per-prompt ``generate()`` of the unmodified model, every bad
 request gets its HTTP 400, ``/health`` answers 200 throughout, the server's memory after warm-up grows by at
-most 5 %, and SIGTERM with streams in flight ends the server within 10 s. The same scenario, longer and
+most 5 %, the library holds no request's rows once all are answered, and SIGTERM with streams in flight
+ends the server within 10 s. The same scenario, longer and
 with a latency table: ``benchmarks/serving_soak.py`` (``support/soak.py`` holds both).
 """
 
@@ -23,6 +24,9 @@ from support.soak import SOAK_CONFIG, reference_texts, run_soak, server_rss, str
 #: Requests of the soak (its first tenth is the warm-up the memory is measured after).
 REQUESTS = 240
 CLIENTS = 6
+#: Seconds the last dropped stream may take to be noticed and finished
+IDLE_WAIT_S = 10.0
+IDLE = "finished; 0 live, reserved_requests 0"
 #: Seconds SIGTERM may take to end the server with requests in flight (the issue's bound).
 STOP_S = 10.0
 
@@ -30,7 +34,8 @@ STOP_S = 10.0
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     model_dir = save_model_dir(tmp_path_factory.mktemp("soak-model"))
-    with running_server(model_dir, tmp_path_factory.mktemp("soak"), SOAK_CONFIG) as (url, log, proc):
+    tmp = tmp_path_factory.mktemp("soak")
+    with running_server(model_dir, tmp, SOAK_CONFIG, "--log-level", "info") as (url, log, proc):
         yield model_dir, url, log, proc
 
 
@@ -45,6 +50,15 @@ def test_soak_answers_every_valid_request_and_the_worker_lives(server) -> None:
     assert report.rss_after <= report.rss_warm * 1.05, (
         f"server memory grew from {report.rss_warm} to {report.rss_after} bytes after warm-up"
     )
+    # once every request was answered (or dropped), the library holds no request and no request's rows: its
+    # line for the last request that finished says so (a dropped stream finishes when the server notices)
+    deadline = time.monotonic() + IDLE_WAIT_S
+    while True:
+        lines = [line for line in log.read_text().splitlines() if "finished; " in line and "live, " in line]
+        if (lines and lines[-1].endswith(IDLE)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert lines and lines[-1].endswith(IDLE), lines[-3:]
 
 
 def test_sigterm_with_streams_in_flight_ends_the_server_in_bounded_time(server) -> None:

@@ -263,6 +263,12 @@ class ServingRequests:
         r = self._live.pop(request_id, None)
         if r is not None:
             self.session.core.finish([r.id])
+            if logger.isEnabledFor(logging.INFO):  # a leak shows as rows held with no request live
+                logger.info(
+                    "continuous batching of %s: request %s finished; %d live, reserved_requests %d",
+                    self.session.name, request_id, len(self._live),
+                    self.session.stats().get("reserved_requests", 0),
+                )  # fmt: skip
 
     def finish_all(self) -> None:
         ids = [r.id for r in self._live.values()]

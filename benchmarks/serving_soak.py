@@ -14,18 +14,16 @@ kind and writes ``benchmarks/results/serving_soak.json`` and ``.png``.
 from __future__ import annotations
 
 import argparse
-import signal
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from _common import RESULTS_DIR, format_table, machine_info, pyplot, write_json
 from support.serving import running_server, save_model_dir
-from support.soak import SOAK_CONFIG, reference_texts, run_soak, server_rss, stream_first_chunk
+from support.soak import SOAK_CONFIG, reference_texts, run_soak, server_rss, stop_with_streams_open
 
 STOP_S = 10.0
 
@@ -48,13 +46,7 @@ def main() -> int:
             report = run_soak(
                 url, str(model_dir), references, requests=args.requests, clients=args.clients, pid=proc.pid
             )
-            held = [stream_first_chunk(url, str(model_dir), seed) for seed in range(3)]
-            start = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
-            stop_s = time.monotonic() - start
-            for r in held:
-                r.close()
+            stop_s = stop_with_streams_open(url, str(model_dir), proc)
     rows, kinds = [], {}
     for kind, seconds in sorted(report.latencies.items()):
         ms = [s * 1e3 for s in seconds]

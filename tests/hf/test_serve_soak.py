@@ -10,7 +10,6 @@ with a latency table: ``benchmarks/serving_soak.py`` (``support/soak.py`` holds 
 
 from __future__ import annotations
 
-import signal
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 pytest.importorskip("transformers.cli.serving.model_manager")
 
 from support.serving import running_server, save_model_dir
-from support.soak import SOAK_CONFIG, reference_texts, run_soak, server_rss, stream_first_chunk
+from support.soak import SOAK_CONFIG, reference_texts, run_soak, server_rss, stop_with_streams_open
 
 #: Requests of the soak (its first tenth is the warm-up the memory is measured after).
 REQUESTS = 240
@@ -64,13 +63,7 @@ def test_soak_answers_every_valid_request_and_the_worker_lives(server) -> None:
 def test_sigterm_with_streams_in_flight_ends_the_server_in_bounded_time(server) -> None:
     model_dir, url, log, proc = server
     assert server_rss(proc.pid) > 0
-    held = [stream_first_chunk(url, str(model_dir), seed) for seed in range(3)]  # open, unread streams
-    start = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=60)
-    took = time.monotonic() - start
-    for r in held:
-        r.close()
+    took = stop_with_streams_open(url, str(model_dir), proc)
     assert proc.returncode == 0, log.read_text()[-4000:]
     assert took <= STOP_S, f"the server took {took:.1f} s to stop after SIGTERM"
     assert isinstance(model_dir, Path)

@@ -101,6 +101,21 @@ def stream_first_chunk(url: str, name: str, seed: int):
     return response
 
 
+def stop_with_streams_open(url: str, name: str, proc, streams: int = 3, timeout: float = 60.0) -> float:
+    """Seconds ``proc`` (the server) takes to exit after SIGTERM sent while ``streams`` streamed requests are
+    open and unread (:func:`stream_first_chunk`); they are closed afterwards."""
+    import signal
+
+    held = [stream_first_chunk(url, name, seed) for seed in range(streams)]
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=timeout)
+    took = time.monotonic() - start
+    for r in held:
+        r.close()
+    return took
+
+
 @dataclass
 class SoakReport:
     kinds: Counter = field(default_factory=Counter)

@@ -389,9 +389,11 @@ def _offload_cb_config(serving: Any, given: Any, gen: Any) -> Any:
     if cfg.max_batch_tokens is None:
         cfg.max_batch_tokens = min(serving.max_tokens, 512)
     # before the caches are sized for them: an impossible plan allocates nothing
-    _check_step_buffers(cfg, serving.planned_slots(), serving.max_tokens)
+    planned = serving.planned_slots()
+    _check_step_buffers(cfg, planned, serving.max_tokens)
     slots = serving.plan()
-    _check_step_buffers(cfg, slots, serving.max_tokens)
+    if slots != planned:  # a device budget settled the slots only once the caches were measured
+        _check_step_buffers(cfg, slots, serving.max_tokens)
     cfg.num_blocks = _ledger_blocks(slots, serving.max_tokens, cfg.page_size)
     cfg.max_blocks_per_request = 0
     cfg.allow_block_sharing = False

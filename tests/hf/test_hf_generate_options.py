@@ -343,15 +343,19 @@ def test_a_p_d_node_refuses_to_fork_or_crop_and_keeps_its_sequence_usable_until_
         torch_kvoffload.integrations.hf.install.detach(model)
 
 
-def test_the_model_as_its_own_assistant_and_a_4d_mask_are_refused_by_name():
-    """Both fail before anything runs, naming the option, and the model stays usable."""
+def test_the_model_as_its_own_assistant_and_a_3d_mask_are_refused_by_name():
+    """Both fail before anything runs, naming the option, and the model stays usable (4-D masks are
+    served: tests/hf/test_hf_custom_masks.py)."""
     ref, model = _pair("deepseek_v3", CONFIGS["layerwise"], **SMALL)
     ids, mask = _batch()
     with pytest.raises(ValueError, match=r"assistant_model=<the model itself>"):
         _generate(model, input_ids=ids[:1], max_new_tokens=4, assistant_model=model, do_sample=False)
-    mask4d = torch.ones(ids.shape[0], 1, ids.shape[1], ids.shape[1])
-    with torch.no_grad(), pytest.raises(ValueError, match=r"got a tensor of shape \(3, 1, 7, 7\)"):
-        model(input_ids=ids, attention_mask=mask4d)
+    mask3d = torch.ones(ids.shape[0], ids.shape[1], ids.shape[1])
+    with (
+        torch.no_grad(),
+        pytest.raises(ValueError, match=r"2-D .* or 4-D .* got a tensor of shape \(3, 7, 7\)"),
+    ):
+        model(input_ids=ids, attention_mask=mask3d)
     assert torch_kvoffload.stats(model)["reserved_requests"] == 0
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     _assert_same(_generate(ref, **kw), _generate(model, **kw))

@@ -32,10 +32,11 @@ import torch
 from torch_kvoffload.core.forward import ForwardPlan
 from torch_kvoffload.core.kv_backend import IndexerView, KeyRows, KVBackend, Queries, SelectedRows
 from torch_kvoffload.ops.indexer import hadamard_quant_int8, lightning_indexer, quant_lightning_indexer
+from torch_kvoffload.ops.indexer_reference import float_logits, quant_logits, score_matrix
 from torch_kvoffload.ops.sparse_attention import sparse_mla_attention
 
 __all__ = [
-    "attend_layer",
+    "attend_layer", "biased_attention",
     "dense_attention", "dense_probabilities", "select_topk", "selected_probabilities", "topk_attention",
     "topk_probabilities",
 ]  # fmt: skip
@@ -199,6 +200,87 @@ def topk_probabilities(
     return out[..., :width]
 
 
+def _biased_scores(fwd: ForwardPlan, view: IndexerView, q: Queries) -> torch.Tensor:
+    """fp32 ``[N, W]`` indexer scores of every query over its request's positions ``0 .. new_len - 1``
+    (``W = max(new_len)``; ``−inf`` past the request's length) plus ``fwd.bias``, from the same cache and
+    formula as :func:`select_topk` (for an int8 cache: the same Hadamard + int8 queries)."""
+    assert q.index_q is not None and q.index_weights is not None and fwd.bias is not None
+    table = view.block_table
+    if view.quantized:
+        q8, qs = hadamard_quant_int8(q.index_q)
+        logits = quant_logits(q8, qs, q.index_weights, *view.caches, table)
+        q_dev = q8
+    else:
+        logits = float_logits(q.index_q.to(view.caches[0].dtype), q.index_weights, view.caches[0], table)
+        q_dev = q.index_q
+    lens = fwd.seq_lens_k
+    visible = lens.long()[_query_rows(fwd, False)]
+    scores = score_matrix(q_dev, view.caches[0], table, fwd.cu_seqlens_q, lens, visible, logits)
+    width = max(fwd.new_len)
+    return scores[:, :width] + fwd.bias[:, :width]
+
+
+def biased_attention(fwd: ForwardPlan, q: Queries, keys: KeyRows, view: IndexerView | None) -> torch.Tensor:
+    """Attention of a forward with an additive bias (``fwd.bias``, e.g. a custom mask) in place of the
+    causal rule, computed as the unmodified Hugging Face attention adds its 4-D mask: each query's scaled
+    absorbed scores over every position of its request plus its bias, softmax (fp32), times the latent
+    rows. With an indexer (``view``) the bias is added to the indexer's scores too and the attention runs
+    over the top ``min(top_k, length)`` positions of that sum, as the unmodified DSA indexer selects.
+
+    A query whose bias is ``−inf`` everywhere gets zeros (SDPA's fully masked row); one whose bias is the
+    fp32 minimum everywhere gets the average of every row (a softmax over equal scores: the unmodified DSA
+    attention sets the positions its indexer did not select to that minimum too).
+
+    Pure PyTorch, per request: it costs ``[queries, H, length]`` scores (or ``[queries, top_k]`` gathered
+    rows) and reads every row, so only forwards that pass a bias take it. Output ``[N, H, Dc]``."""
+    assert fwd.bias is not None
+    out = torch.empty_like(q.q_nope)
+    cu = fwd.cu_seqlens_q.tolist()
+    width = max(fwd.new_len)
+    req = _query_rows(fwd, False)
+    lens = torch.tensor(fwd.new_len, dtype=torch.int64, device=req.device)[req]
+    beyond = torch.arange(width, device=req.device)[None, :] >= lens[:, None]  # [N, W]
+    bias = fwd.bias[:, :width]
+    dead = (torch.isneginf(bias) | beyond).all(dim=-1)  # [N]
+    blind = ((bias <= torch.finfo(torch.float32).min / 2) | beyond).all(dim=-1) & ~dead
+    if view is None:
+        for r in range(fwd.B):
+            q0, q1, n = cu[r], cu[r + 1], fwd.new_len[r]
+            if q1 == q0:
+                continue
+            base = keys.starts[r]
+            kc, kp = keys.kv_c[base : base + n].float(), keys.k_pe[base : base + n].float()
+            for c0 in range(q0, q1, _DENSE_CHUNK):
+                c1 = min(c0 + _DENSE_CHUNK, q1)
+                s = torch.einsum("qhc,kc->qhk", q.q_nope[c0:c1].float(), kc)
+                s = (s + torch.einsum("qhr,kr->qhk", q.q_pe[c0:c1].float(), kp)) * q.scale
+                p = torch.softmax(s + fwd.bias[c0:c1, None, :n], dim=-1)  # a blind query: uniform
+                p = p.masked_fill(dead[c0:c1, None, None], 0.0)
+                out[c0:c1] = torch.einsum("qhk,kc->qhc", p, kc).to(out.dtype)
+        return out
+    combined = _biased_scores(fwd, view, q)  # [N, W]
+    k = min(view.top_k, combined.shape[1])
+    top = torch.topk(combined, k, dim=-1).indices  # [N, k]
+    chosen = combined.gather(1, top)
+    valid = chosen > -math.inf  # positions past the request's length are never attended
+    starts = torch.tensor(keys.starts, dtype=torch.int64, device=top.device)
+    at = torch.where(valid, top + starts[req][:, None], 0)
+    for c0 in range(0, top.shape[0], _SELECTED_CHUNK):
+        c1 = min(c0 + _SELECTED_CHUNK, top.shape[0])
+        kc, kp = keys.kv_c[at[c0:c1]].float(), keys.k_pe[at[c0:c1]].float()  # [c, k, D]
+        s = torch.einsum("qhc,qkc->qhk", q.q_nope[c0:c1].float(), kc)
+        s = (s + torch.einsum("qhr,qkr->qhk", q.q_pe[c0:c1].float(), kp)) * q.scale
+        chosen_bias = fwd.bias[c0:c1].gather(1, top[c0:c1])
+        s = (s + chosen_bias[:, None, :]).masked_fill(~valid[c0:c1, None, :], -math.inf)
+        p = torch.softmax(s, dim=-1).masked_fill(dead[c0:c1, None, None], 0.0)
+        out[c0:c1] = torch.einsum("qhk,qkc->qhc", p, kc).to(out.dtype)
+    for i in blind.nonzero().reshape(-1).tolist():  # every position, not only the selected ones
+        r = int(req[i])
+        rows = keys.kv_c[keys.starts[r] : keys.starts[r] + fwd.new_len[r]].float()
+        out[i] = rows.mean(dim=0).expand_as(out[i]).to(out.dtype)
+    return out
+
+
 def attend_layer(
     layer: int,
     fwd: ForwardPlan,
@@ -215,8 +297,18 @@ def attend_layer(
     (a sparse-offload decode step; no padding queries then); otherwise dense attention (no indexer queries)
     or the top-k attention over the keys of the first backend that has them, selecting with ``indexer``'s
     cache. With ``width`` also the probabilities each query's attention applied (fp32 ``[N, H, width]``,
-    from the same rows and the same selection), else ``None`` for them.
+    from the same rows and the same selection), else ``None`` for them. A forward with a bias
+    (``fwd.bias``: no padding queries, no probabilities) runs :func:`biased_attention`.
     """
+    if fwd.bias is not None:
+        assert q_pad is None and width is None, "a biased forward has no padding queries nor probabilities"
+        keys = next((k for b in backends if (k := b.keys(layer, fwd)) is not None), None)
+        assert keys is not None, "no backend holds the keys of this forward"
+        view = None
+        if q.index_q is not None:
+            assert indexer is not None
+            view = indexer.indexer(layer, fwd)
+        return biased_attention(fwd, q, keys, view), None, None, None
     for b in backends:
         res = b.attend(layer, fwd, q)
         if res is not None:

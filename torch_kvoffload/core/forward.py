@@ -24,7 +24,7 @@ import torch
 from torch_kvoffload.core.layout import KVLayout
 from torch_kvoffload.core.requests import Request
 
-__all__ = ["ForwardPlan", "plan_forward", "visible_padding"]
+__all__ = ["ForwardPlan", "check_bias", "plan_forward", "visible_padding"]
 
 
 @dataclass
@@ -52,6 +52,9 @@ class ForwardPlan:
     pad_row: torch.Tensor  # int64 [P]: their batch row
     pad_len: torch.Tensor  # int32 [P]: their visible length v (the request's rows 0 .. v - 1)
     n_pad: int  # P (host)
+    # fp32 [N, L]: an additive bias of each query over its request's logical positions, in place of the
+    # causal rule (KVCore.attention_bias); None: causal
+    bias: torch.Tensor | None = None
 
     @property
     def request_ids(self) -> list[int]:
@@ -85,10 +88,12 @@ def plan_forward(
     layerwise: bool,
     device: torch.device,
     padding_queries: bool = True,
+    bias: torch.Tensor | None = None,
 ) -> ForwardPlan:
     """The plan of a forward of ``requests`` (batch rows) whose real new positions are ``new_mask bool [B,
     S]`` (host, padding anywhere), ``old_len[b]`` tokens of request ``b`` before it. ``padding_queries=False``:
-    the caller discards the padding positions' outputs, so none attends (all get zero)."""
+    the caller discards the padding positions' outputs, so none attends (all get zero). ``bias``: see
+    :func:`check_bias`."""
     B, S = new_mask.shape
     bs, M = layout.block_size, layout.blocks_per_request
     page, pages = layout.page
@@ -100,6 +105,8 @@ def plan_forward(
     pos = torch.tensor(list(old_len), dtype=torch.int64)[row] + rank.reshape(-1)[sel].to(torch.int64)
     n_new = new_mask.sum(dim=1).tolist()
     new_len = [o + n for o, n in zip(old_len, n_new, strict=True)]
+    if bias is not None:  # checked by the caller before anything changed (check_bias)
+        bias = bias.to(device=device, dtype=torch.float32).reshape(B * S, -1)
     cu = torch.tensor([0, *itertools.accumulate(n_new)], dtype=torch.int32)
     table = (slots[:, None] * M + torch.arange(M)[None, :]).to(torch.int32)
     index_table = (slots[:, None] * pages + torch.arange(pages)[None, :]).to(torch.int32)
@@ -114,5 +121,23 @@ def plan_forward(
         index_table=index_table.to(device), index_phys=(slots[row] * (pages * page) + pos).to(device),
         cu_seqlens_q=cu.to(device), seq_lens_k=torch.tensor(new_len, dtype=torch.int32).to(device),
         pad_sel=pad_sel.to(device), pad_row=(pad_sel // S).to(device),
-        pad_len=pad_len.to(torch.int32).to(device), n_pad=int(pad_sel.numel()),
+        pad_len=pad_len.to(torch.int32).to(device), n_pad=int(pad_sel.numel()), bias=bias,
     )  # fmt: skip
+
+
+def check_bias(bias: torch.Tensor, new_mask: torch.Tensor, new_len: list[int]) -> None:
+    """``ValueError`` unless ``bias`` fits a forward of ``new_mask bool [B, S]`` whose requests reach
+    ``new_len`` tokens: an additive fp32 bias ``[B, S, L]`` of every new position (all real: no padding)
+    over its request's logical positions ``0 .. L - 1`` (``L >= max(new_len)``), which the forward's
+    attention and indexer scores add instead of the causal rule (:attr:`ForwardPlan.bias`)."""
+    B, S = new_mask.shape
+    where = "KVCore.begin_forward: attention_bias"
+    if not bool(new_mask.all()):
+        raise ValueError(f"{where} needs every new position real (no padding in new_mask)")
+    if bias.dim() != 3 or tuple(bias.shape[:2]) != (B, S) or bias.shape[2] < max(new_len, default=0):
+        raise ValueError(
+            f"{where} must be [{B}, {S}, >= {max(new_len, default=0)}] (batch, new positions, the longest "
+            f"request's positions), got {list(bias.shape)}"
+        )
+    if not bias.dtype.is_floating_point:
+        raise ValueError(f"{where} must be floating (additive), got {bias.dtype}")

@@ -39,7 +39,7 @@ import torch
 from torch_kvoffload.core import attention
 from torch_kvoffload.core.backends import Backends, build_backends
 from torch_kvoffload.core.config import OffloadConfig
-from torch_kvoffload.core.forward import ForwardPlan, plan_forward
+from torch_kvoffload.core.forward import ForwardPlan, check_bias, plan_forward
 from torch_kvoffload.core.kv_backend import KVBackend, NewRows, PDRole, Queries
 from torch_kvoffload.core.layout import KVLayout
 from torch_kvoffload.core.requests import Request, RequestTable
@@ -90,12 +90,13 @@ class KVCore:
         self.forward: ForwardPlan | None = None
         #: keep the layerwise buffers through decode steps (continuous batching: prefills come at any step)
         self.keep_prefill_buffers = False
-        #: when a dict (set by the caller, e.g. for Hugging Face's ``output_attentions``), :meth:`attend` also
-        #: stores there, under the layer, the attention probabilities it applied: fp32 ``[B, S, H, width]``,
-        #: entry ``[b, s, h, p]`` the weight of query ``(b, s)`` on its request's logical position ``p``
-        #: (``width = max(new_len)``; 0 where it attends to nothing, e.g. left padding before any token).
-        #: Computed only then: a second pass over the rows the attention read, with the same selection
+        #: a dict (set by the caller, e.g. for ``output_attentions``): :meth:`attend` stores there per layer the
+        #: probabilities it applied, fp32 ``[B, S, H, max(new_len)]`` over each request's logical positions (0
+        #: where nothing is attended); a second pass over the rows the attention read, only when set
         self.attention_probs: dict[int, torch.Tensor] | None = None
+        #: set by the caller for the next forward it begins (e.g. a custom 4-D mask): the additive bias its
+        #: attention and indexer use instead of the causal rule (:func:`~torch_kvoffload.core.forward.check_bias`)
+        self.attention_bias: torch.Tensor | None = None
         self.counters = Counters(_COUNTERS)
 
     # ------------------------------------------------------------------------------------ sizing
@@ -290,13 +291,12 @@ class KVCore:
         assert self.layout is not None
         old_len = [r.length for r in requests]
         n_new = [len(t) for t in new_tokens]
+        bias = self.attention_bias  # a biased forward reads every row: the decode attention knows no bias
+        if bias is not None:
+            check_bias(bias, new_mask, [o + n for o, n in zip(old_len, n_new, strict=True)])
         # with earlier tokens every padding position sees them: a padded forward is never a decode step
-        decode = (
-            self.backends.sparse is not None
-            and all(old_len)
-            and all(n == 1 for n in n_new)
-            and bool(new_mask.all())
-        )
+        decode = self.backends.sparse is not None and bias is None and all(old_len)
+        decode = decode and all(n == 1 for n in n_new) and bool(new_mask.all())
         if decode and not self.keep_prefill_buffers:
             self.drop_prefill_buffers()  # prefill is over: decode runs on the sparse backend alone
         lw = self.backends.layerwise
@@ -323,6 +323,7 @@ class KVCore:
             layerwise=layerwise,
             device=self.spec.device,
             padding_queries=padding_queries,
+            bias=bias,
         )
         self.counters.add("forwards")
         self.counters.add("decode_forwards" if decode else "prefill_forwards")

@@ -45,6 +45,7 @@ from torch_kvoffload.backend import (
     kvoffload_backend,
 )
 from torch_kvoffload.integrations.hf.cache import is_offload_cache
+from torch_kvoffload.integrations.hf.custom_mask import is_custom_mask
 from torch_kvoffload.integrations.hf.exclusive import exclusive
 from torch_kvoffload.integrations.hf.install import (
     attach,
@@ -245,9 +246,10 @@ def _eager_forward(model: torch.nn.Module, compiled: _CompiledForward, args: tup
                     setattr(module, name, value)
 
 
-def _check_eager_attentions(model: torch.nn.Module) -> None:
-    """``ValueError`` naming the model and the reason when a forward asking for ``output_attentions`` cannot
-    run: it runs the library's eager attention (:func:`_eager_forward`), which returns the probabilities."""
+def _check_eager_attentions(model: torch.nn.Module, what: str = "output_attentions=True") -> None:
+    """``ValueError`` naming the model and the reason when a forward asking for ``what`` (the attention
+    probabilities, a custom 4-D mask) cannot run: it runs the library's eager attention
+    (:func:`_eager_forward`), which serves them."""
     from torch_kvoffload.integrations.hf.attention import rope_functions
 
     try:
@@ -255,9 +257,9 @@ def _check_eager_attentions(model: torch.nn.Module) -> None:
             rope_functions(module)
     except ValueError as exc:
         raise ValueError(
-            f"{type(model).__name__} compiled by torch_kvoffload.compile: output_attentions=True runs the "
-            f"library's eager attention (the compiled graphs never form the probabilities), which cannot serve "
-            f"it: {exc}"
+            f"{type(model).__name__} compiled by torch_kvoffload.compile: {what} runs the library's eager "
+            f"attention (the compiled graphs serve neither the probabilities nor a custom mask), which cannot "
+            f"serve it: {exc}"
         ) from exc
 
 
@@ -276,6 +278,9 @@ def _compiled_forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         return _eager_forward(model, compiled, args, kwargs)
     if output_attentions_requested(model, kwargs):  # the graphs never form the attention probabilities
         _check_eager_attentions(model)
+        return _eager_forward(model, compiled, args, kwargs)
+    if is_custom_mask(kwargs.get("attention_mask")):  # the graphs attend causally: the eager biased path
+        _check_eager_attentions(model, "a custom 4-D attention_mask")
         return _eager_forward(model, compiled, args, kwargs)
     args, kwargs = _as_keywords(compiled.forward, args, kwargs)
     cache = kwargs.get("cache")

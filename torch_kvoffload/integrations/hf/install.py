@@ -26,6 +26,7 @@ returns the unmodified eager model's attention probabilities, recomputed per lay
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -37,6 +38,12 @@ import torch
 
 from torch_kvoffload.backend import SESSION_ATTR
 from torch_kvoffload.core.config import OffloadConfig
+from torch_kvoffload.integrations.hf.custom_mask import (
+    CUSTOM_MASK,
+    attention_bias,
+    custom_mask_bias,
+    is_custom_mask,
+)
 from torch_kvoffload.integrations.hf.exclusive import exclusive
 from torch_kvoffload.integrations.hf.inspect import inspect_model
 from torch_kvoffload.integrations.hf.no_backward import autograd_anchor, without_autograd
@@ -124,6 +131,32 @@ def _strip_cache(out: Any, cache: Any) -> Any:
     return out
 
 
+def _check_custom_mask(name: str, session: Any, attentions: bool) -> None:
+    """``ValueError`` where a custom 4-D ``attention_mask`` cannot be served (see ``custom_mask``)."""
+    what = f"{name}: a custom 4-D attention_mask"
+    if attentions:
+        raise ValueError(f"{what} with output_attentions=True is not supported; pass one or the other")
+    if session.pd is not None:
+        raise ValueError(f"{what} is not supported on a P/D node: the peer's KV follows the causal rule")
+    if session.core.backends.kvpp is not None:
+        raise ValueError(f"{what} is not supported with KVPP: each rank reads only the layers it owns")
+
+
+def _custom_mask_real(name: str, session: Any, cache: Any, B: int, S: int, past: int) -> torch.Tensor:
+    """``bool [B, past + S]``: the positions holding KV for a custom-mask forward of ``cache``'s sequence:
+    its earlier real positions, then every new one."""
+    new = torch.ones(B, S, dtype=torch.bool)
+    if past == 0:
+        return new
+    seq = session._seq
+    if seq.owner is not cache or tuple(seq.masks.shape) != (B, past):
+        raise ValueError(
+            f"{name}: this cache's sequence is not the one the session holds with {B} rows and {past} "
+            "positions; a custom 4-D attention_mask continues the session's running sequence only"
+        )
+    return torch.cat([seq.masks.to(torch.bool), new], dim=1)
+
+
 def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     from torch_kvoffload.integrations.hf.cache import is_offload_cache
 
@@ -158,7 +191,11 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             "sequence's KV is computed or placed by the peer; run the model without P/D to inspect them"
         )
     rows, width = (input_ids if input_ids is not None else embeds).shape[:2]
-    layout = packed_segments(name, model, kwargs, int(rows), int(width))
+    custom = is_custom_mask(kwargs.get("attention_mask"))
+    if custom:
+        _check_custom_mask(name, session, attentions)
+    # transformers uses a 4-D mask as given: no packed-sequence detection then
+    layout = None if custom else packed_segments(name, model, kwargs, int(rows), int(width))
     if layout is not None:  # several independent sequences in a row: run them as a batch of requests
 
         def segments(**kw: Any) -> Any:
@@ -185,31 +222,30 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     kwargs["cache"] = cache
     kwargs["use_cache"] = True
     mask = kwargs.get("attention_mask")
-    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
+    if mask is not None and not custom and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
         got = (
             f"a tensor of shape {tuple(mask.shape)}"
             if isinstance(mask, torch.Tensor)
             else type(mask).__name__
         )
         raise ValueError(
-            f"{name}: attention_mask must be a 2-D [batch, past + new] tensor, got {got} (custom 4-D masks "
-            "are not supported: the library derives each request's visible tokens from the 2-D mask)"
+            f"{name}: attention_mask must be a 2-D [batch, past + new] or 4-D [batch, 1, new, past + new] "
+            f"tensor, got {got}"
         )
     with exclusive(session, name):
         past = cache.seen_tokens
+        bias = None
+        if custom:  # the 2-D mask of the positions holding KV; the 4-D one becomes the attention's bias
+            mask = _custom_mask_real(name, session, cache, int(rows), int(width), past)
+            bias = custom_mask_bias(name, kwargs["attention_mask"], mask, indexer=session.spec.has_indexer)
         body = functools.partial(model._kvoffload_originals["forward"], *args, **kwargs)
         if attentions:  # the attention probabilities, recomputed per layer from the latent KV
             body = functools.partial(collect_attentions, session.core, mask, past, body)
-        out = session.run_forward(
-            body,
-            input_ids,
-            mask,
-            kwargs.get("cache_position"),
-            past=past,
-            owner=cache,
-            shape=shape,
-            position_ids=kwargs.get("position_ids"),
-        )
+        with attention_bias(session.core, bias) if custom else contextlib.nullcontext():
+            out = session.run_forward(
+                body, input_ids, mask, kwargs.get("cache_position"), past=past, owner=cache, shape=shape,
+                position_ids=kwargs.get("position_ids"), unkeyed=CUSTOM_MASK if custom else None,
+            )  # fmt: skip
         cache.seen_tokens = past + width
     return _strip_cache(out, cache) if private else out
 

@@ -105,9 +105,11 @@ class HFSequence:
         owner: Any,
         shape: tuple[int, int] | None = None,
         position_ids: torch.Tensor | None = None,
+        unkeyed: str | None = None,
     ) -> None:
         """See :meth:`OffloadSession.begin_forward`; ``input_ids`` ``None`` (the forward is fed embeddings of
-        ``shape`` ``(B, S)``): its rows' requests are not keyed (see :class:`Request`). With layerwise
+        ``shape`` ``(B, S)``) or ``unkeyed`` (why this forward's KV is not what its tokens alone give):
+        its rows' requests are not keyed (see :class:`Request`). With layerwise
         offload the requests record the model positions of their tokens (``position_ids``, else
         transformers' default ``past ..``): the store keys their blocks by them."""
         where = "OffloadSession.begin_forward"
@@ -130,10 +132,19 @@ class HFSequence:
             self.end()
         else:
             self._check_continuation(B, past, owner)
-            if input_ids is None and any(r.keyed for r in self.requests) and self.core.backends.layerwise:
+            if (
+                (input_ids is None or unkeyed is not None)
+                and any(r.keyed for r in self.requests)
+                and self.core.backends.layerwise
+            ):
+                how, start = (
+                    ("from inputs_embeds", "start it from inputs_embeds")
+                    if unkeyed is None
+                    else (f"with {unkeyed}", f"start it with {unkeyed}")
+                )
                 raise ValueError(
-                    f"{where}: a sequence started from input_ids cannot continue from inputs_embeds with "
-                    "layerwise offload (its stored blocks are keyed by token ids); start it from inputs_embeds"
+                    f"{where}: a sequence started from input_ids cannot continue {how} with layerwise "
+                    f"offload (its stored blocks are keyed by token ids); {start}"
                 )
         new_mask = new_positions(attention_mask, B, S, past, self.masks if past > 0 else None)
         # only the layerwise store keys read them (and reading position_ids waits for the device)
@@ -157,7 +168,7 @@ class HFSequence:
             self._start(B, owner)
         elif longest > self.core.reserved_tokens:
             self._grow(longest)
-        if input_ids is None:
+        if input_ids is None or unkeyed is not None:
             for r in self.requests:
                 if r.keyed:
                     r.keyed = False

@@ -248,9 +248,11 @@ class OffloadSession:
         owner: Any = None,
         shape: tuple[int, int] | None = None,
         position_ids: torch.Tensor | None = None,
+        unkeyed: str | None = None,
     ) -> None:
         """Start a forward of ``input_ids int64 [B, S]``, or of embeddings of ``shape`` ``(B, S)`` when
-        ``input_ids`` is ``None`` (their requests are then not keyed by content: no prefix reuse).
+        ``input_ids`` is ``None`` (their requests are then not keyed by content: no prefix reuse; nor
+        when ``unkeyed`` names why the forward's KV is not what its tokens alone give, e.g. a custom mask).
 
         ``position_ids [B, S]`` or ``[1, S]``: the model's positions, as the model is given them (``None``:
         transformers' default ``past .. past + S - 1``, padding counted). With layerwise offload the store
@@ -264,7 +266,9 @@ class OffloadSession:
         """
         if self._closed:
             raise RuntimeError("OffloadSession.begin_forward: the session is closed")
-        self._seq.begin_forward(input_ids, attention_mask, cache_position, past, owner, shape, position_ids)
+        self._seq.begin_forward(
+            input_ids, attention_mask, cache_position, past, owner, shape, position_ids, unkeyed
+        )
 
     def run_forward(
         self,
@@ -277,6 +281,7 @@ class OffloadSession:
         owner: Any = None,
         shape: tuple[int, int] | None = None,
         position_ids: torch.Tensor | None = None,
+        unkeyed: str | None = None,
     ) -> T:
         """:meth:`begin_forward`, ``body()`` (the model's forward), :meth:`end_forward`; a ``body`` that
         raises aborts the forward (:meth:`abort_forward`) and the error propagates.
@@ -290,14 +295,9 @@ class OffloadSession:
         (any forward that starts a sequence); otherwise the error propagates as for any other failure.
         """
         self.begin_forward(
-            input_ids,
-            attention_mask,
-            cache_position,
-            past=past,
-            owner=owner,
-            shape=shape,
-            position_ids=position_ids,
-        )
+            input_ids, attention_mask, cache_position, past=past, owner=owner, shape=shape,
+            position_ids=position_ids, unkeyed=unkeyed,
+        )  # fmt: skip
         return self._seq.run_forward(body)
 
     def end_forward(self) -> None:

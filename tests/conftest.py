@@ -36,16 +36,6 @@ torch.set_num_threads(THREADS)
 os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))  # the processes tests spawn share the cores too
 
 
-@pytest.hookimpl(trylast=True)  # after tests/hf/conftest.py has marked its tests slow
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files holding a ``slow`` test first, the others after, each file's tests in their order.
-
-    xdist's ``--dist loadfile`` hands files to the workers in this order: the long ones start while every
-    worker is busy and the short ones fill the end, instead of one worker finishing a long file alone."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within each group stays
-
-
 @pytest.fixture(params=OP_IMPLS)
 def op_impl(request: pytest.FixtureRequest) -> str:
     """``"dispatch"`` or ``"triton"`` (skipped when triton does not import or has nowhere to run)."""

@@ -82,14 +82,22 @@ def topk_attention(
     return sparse_mla_attention(q.q_nope, q.q_pe, keys.kv_c, keys.k_pe, idx, q.scale)[0]
 
 
+def _scores(q: Queries, c0: int, c1: int, keys_c: torch.Tensor, keys_pe: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[c1 - c0, H, K]`` scaled absorbed scores of queries ``c0 .. c1 - 1`` over fp32 rows shared by
+    them (``keys_c [K, Dc]`` / ``keys_pe [K, Dr]``) or their own (``[c1 - c0, K, ·]``)."""
+    shared = keys_c.dim() == 2
+    eq_c, eq_r = ("qhc,kc->qhk", "qhr,kr->qhk") if shared else ("qhc,qkc->qhk", "qhr,qkr->qhk")
+    s = torch.einsum(eq_c, q.q_nope[c0:c1].float(), keys_c)
+    return (s + torch.einsum(eq_r, q.q_pe[c0:c1].float(), keys_pe)) * q.scale
+
+
 def _dense_scores(
     q: Queries, keys_c: torch.Tensor, keys_pe: torch.Tensor, c0: int, c1: int, last: torch.Tensor
 ) -> torch.Tensor:
-    """fp32 ``[c1 - c0, H, K]`` scaled scores of queries ``c0 .. c1 - 1`` over fp32 rows ``keys_c [K, Dc]`` /
-    ``keys_pe [K, Dr]``, ``−inf`` past position ``last [c1 - c0]`` of each query."""
+    """:func:`_scores` over rows ``keys_c [K, Dc]`` / ``keys_pe [K, Dr]``, ``−inf`` past position
+    ``last [c1 - c0]`` of each query."""
     kpos = torch.arange(keys_c.shape[0], device=last.device)
-    s = torch.einsum("qhc,kc->qhk", q.q_nope[c0:c1].float(), keys_c)
-    s = (s + torch.einsum("qhr,kr->qhk", q.q_pe[c0:c1].float(), keys_pe)) * q.scale
+    s = _scores(q, c0, c1, keys_c, keys_pe)
     return s.masked_fill((kpos[None, :] > last[:, None])[:, None, :], -math.inf)
 
 
@@ -175,8 +183,7 @@ def _selected_chunk(
 ) -> None:  # fmt: skip
     """Queries ``c0 .. c1 - 1`` over their rows ``kv_c [c, K, Dc]`` / ``k_pe [c, K, Dr]`` at ``positions
     [c, K]``, into ``out [c, H, width + 1]`` (the ``−1`` entries into its last column)."""
-    s = torch.einsum("qhc,qkc->qhk", q.q_nope[c0:c1].float(), kv_c.float())
-    s = (s + torch.einsum("qhr,qkr->qhk", q.q_pe[c0:c1].float(), k_pe.float())) * q.scale
+    s = _scores(q, c0, c1, kv_c.float(), k_pe.float())
     valid = positions >= 0
     p = torch.softmax(s.masked_fill(~valid[:, None, :], -math.inf), dim=-1)
     at = torch.where(valid, positions.long(), width)[:, None, :].expand(-1, p.shape[1], -1)
@@ -200,10 +207,10 @@ def topk_probabilities(
     return out[..., :width]
 
 
-def _biased_scores(fwd: ForwardPlan, view: IndexerView, q: Queries) -> torch.Tensor:
-    """fp32 ``[N, W]`` indexer scores of every query over its request's positions ``0 .. new_len - 1``
-    (``W = max(new_len)``; ``−inf`` past the request's length) plus ``fwd.bias``, from the same cache and
-    formula as :func:`select_topk` (for an int8 cache: the same Hadamard + int8 queries)."""
+def _biased_scores(fwd: ForwardPlan, view: IndexerView, q: Queries, req: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[N, W]`` indexer scores of every query (of request ``req [N]``) over its request's positions
+    ``0 .. new_len - 1`` (``W = max(new_len)``; ``−inf`` past the request's length) plus ``fwd.bias``, from
+    the same cache and formula as :func:`select_topk` (for an int8 cache: the same Hadamard + int8 queries)."""
     assert q.index_q is not None and q.index_weights is not None and fwd.bias is not None
     table = view.block_table
     if view.quantized:
@@ -214,8 +221,7 @@ def _biased_scores(fwd: ForwardPlan, view: IndexerView, q: Queries) -> torch.Ten
         logits = float_logits(q.index_q.to(view.caches[0].dtype), q.index_weights, view.caches[0], table)
         q_dev = q.index_q
     lens = fwd.seq_lens_k
-    visible = lens.long()[_query_rows(fwd, False)]
-    scores = score_matrix(q_dev, view.caches[0], table, fwd.cu_seqlens_q, lens, visible, logits)
+    scores = score_matrix(q_dev, view.caches[0], table, fwd.cu_seqlens_q, lens, lens.long()[req], logits)
     width = max(fwd.new_len)
     return scores[:, :width] + fwd.bias[:, :width]
 
@@ -252,13 +258,12 @@ def biased_attention(fwd: ForwardPlan, q: Queries, keys: KeyRows, view: IndexerV
             kc, kp = keys.kv_c[base : base + n].float(), keys.k_pe[base : base + n].float()
             for c0 in range(q0, q1, _DENSE_CHUNK):
                 c1 = min(c0 + _DENSE_CHUNK, q1)
-                s = torch.einsum("qhc,kc->qhk", q.q_nope[c0:c1].float(), kc)
-                s = (s + torch.einsum("qhr,kr->qhk", q.q_pe[c0:c1].float(), kp)) * q.scale
+                s = _scores(q, c0, c1, kc, kp)
                 p = torch.softmax(s + fwd.bias[c0:c1, None, :n], dim=-1)  # a blind query: uniform
                 p = p.masked_fill(dead[c0:c1, None, None], 0.0)
                 out[c0:c1] = torch.einsum("qhk,kc->qhc", p, kc).to(out.dtype)
         return out
-    combined = _biased_scores(fwd, view, q)  # [N, W]
+    combined = _biased_scores(fwd, view, q, req)  # [N, W]
     k = min(view.top_k, combined.shape[1])
     top = torch.topk(combined, k, dim=-1).indices  # [N, k]
     chosen = combined.gather(1, top)
@@ -268,8 +273,7 @@ def biased_attention(fwd: ForwardPlan, q: Queries, keys: KeyRows, view: IndexerV
     for c0 in range(0, top.shape[0], _SELECTED_CHUNK):
         c1 = min(c0 + _SELECTED_CHUNK, top.shape[0])
         kc, kp = keys.kv_c[at[c0:c1]].float(), keys.k_pe[at[c0:c1]].float()  # [c, k, D]
-        s = torch.einsum("qhc,qkc->qhk", q.q_nope[c0:c1].float(), kc)
-        s = (s + torch.einsum("qhr,qkr->qhk", q.q_pe[c0:c1].float(), kp)) * q.scale
+        s = _scores(q, c0, c1, kc, kp)
         chosen_bias = fwd.bias[c0:c1].gather(1, top[c0:c1])
         s = (s + chosen_bias[:, None, :]).masked_fill(~valid[c0:c1, None, :], -math.inf)
         p = torch.softmax(s, dim=-1).masked_fill(dead[c0:c1, None, None], 0.0)
@@ -300,16 +304,7 @@ def attend_layer(
     from the same rows and the same selection), else ``None`` for them. A forward with a bias
     (``fwd.bias``: no padding queries, no probabilities) runs :func:`biased_attention`.
     """
-    if fwd.bias is not None:
-        assert q_pad is None and width is None, "a biased forward has no padding queries nor probabilities"
-        keys = next((k for b in backends if (k := b.keys(layer, fwd)) is not None), None)
-        assert keys is not None, "no backend holds the keys of this forward"
-        view = None
-        if q.index_q is not None:
-            assert indexer is not None
-            view = indexer.indexer(layer, fwd)
-        return biased_attention(fwd, q, keys, view), None, None, None
-    for b in backends:
+    for b in backends if fwd.bias is None else ():  # a backend's own attention knows no bias
         res = b.attend(layer, fwd, q)
         if res is not None:
             assert q_pad is None, "a backend's own attention serves decode steps only (no padding)"
@@ -320,16 +315,21 @@ def attend_layer(
             return res, None, selected_probabilities(q, rows, width), None
     keys = next((k for b in backends if (k := b.keys(layer, fwd)) is not None), None)
     assert keys is not None, "no backend holds the keys of this forward"
-    if q.index_q is None:
+    view = None
+    if q.index_q is not None:
+        assert indexer is not None
+        view = indexer.indexer(layer, fwd)
+        assert view is not None
+    if fwd.bias is not None:
+        assert q_pad is None and width is None, "a biased forward has no padding queries nor probabilities"
+        return biased_attention(fwd, q, keys, view), None, None, None
+    if view is None:
         res = dense_attention(fwd, q, keys)
         res_pad = None if q_pad is None else dense_attention(fwd, q_pad, keys, pad=True)
         if width is None:
             return res, res_pad, None, None
         probs_pad = None if q_pad is None else dense_probabilities(fwd, q_pad, keys, width, pad=True)
         return res, res_pad, dense_probabilities(fwd, q, keys, width), probs_pad
-    assert indexer is not None
-    view = indexer.indexer(layer, fwd)
-    assert view is not None
     top = select_topk(view, fwd, q)
     res = topk_attention(fwd, q, keys, top)
     probs = None if width is None else topk_probabilities(fwd, q, keys, top, width)

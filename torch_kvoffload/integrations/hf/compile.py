@@ -246,7 +246,7 @@ def _eager_forward(model: torch.nn.Module, compiled: _CompiledForward, args: tup
                     setattr(module, name, value)
 
 
-def _check_eager_attentions(model: torch.nn.Module, what: str = "output_attentions=True") -> None:
+def _check_eager_attentions(model: torch.nn.Module, what: str) -> None:
     """``ValueError`` naming the model and the reason when a forward asking for ``what`` (the attention
     probabilities, a custom 4-D mask) cannot run: it runs the library's eager attention
     (:func:`_eager_forward`), which serves them."""
@@ -276,11 +276,13 @@ def _compiled_forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         return without_autograd(who, anchor, lambda: _compiled_forward(model, *args, **kwargs))
     if _dynamo_runs_eagerly(compiled):
         return _eager_forward(model, compiled, args, kwargs)
+    eager_for = None
     if output_attentions_requested(model, kwargs):  # the graphs never form the attention probabilities
-        _check_eager_attentions(model)
-        return _eager_forward(model, compiled, args, kwargs)
-    if is_custom_mask(kwargs.get("attention_mask")):  # the graphs attend causally: the eager biased path
-        _check_eager_attentions(model, "a custom 4-D attention_mask")
+        eager_for = "output_attentions=True"
+    elif is_custom_mask(kwargs.get("attention_mask")):  # the graphs attend causally
+        eager_for = "a custom 4-D attention_mask"
+    if eager_for is not None:
+        _check_eager_attentions(model, eager_for)
         return _eager_forward(model, compiled, args, kwargs)
     args, kwargs = _as_keywords(compiled.forward, args, kwargs)
     cache = kwargs.get("cache")

@@ -128,8 +128,8 @@ def _check_blind_queries(
 
 
 @contextlib.contextmanager
-def attention_bias(core: Any, bias: torch.Tensor) -> Iterator[None]:
-    """``core.attention_bias`` set to ``bias`` for the forward begun inside (see
+def attention_bias(core: Any, bias: torch.Tensor | None) -> Iterator[None]:
+    """``core.attention_bias`` set to ``bias`` (``None``: causal) for the forward begun inside (see
     :attr:`~torch_kvoffload.core.kv.KVCore.attention_bias`)."""
     core.attention_bias = bias
     try:

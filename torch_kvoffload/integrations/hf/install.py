@@ -26,7 +26,6 @@ returns the unmodified eager model's attention probabilities, recomputed per lay
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import inspect
@@ -241,7 +240,7 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         body = functools.partial(model._kvoffload_originals["forward"], *args, **kwargs)
         if attentions:  # the attention probabilities, recomputed per layer from the latent KV
             body = functools.partial(collect_attentions, session.core, mask, past, body)
-        with attention_bias(session.core, bias) if custom else contextlib.nullcontext():
+        with attention_bias(session.core, bias):
             out = session.run_forward(
                 body, input_ids, mask, kwargs.get("cache_position"), past=past, owner=cache, shape=shape,
                 position_ids=kwargs.get("position_ids"), unkeyed=CUSTOM_MASK if custom else None,

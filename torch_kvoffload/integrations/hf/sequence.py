@@ -113,6 +113,10 @@ class HFSequence:
         offload the requests record the model positions of their tokens (``position_ids``, else
         transformers' default ``past ..``): the store keys their blocks by them."""
         where = "OffloadSession.begin_forward"
+        # how the forward's rows come without a content key (None: keyed by their token ids)
+        unkeyed_as = (
+            f"with {unkeyed}" if unkeyed is not None else "from inputs_embeds" if input_ids is None else None
+        )
         if self.core.forward is not None:
             raise RuntimeError(f"{where}: a forward is running; call end_forward()")
         if input_ids is None:
@@ -133,18 +137,13 @@ class HFSequence:
         else:
             self._check_continuation(B, past, owner)
             if (
-                (input_ids is None or unkeyed is not None)
+                unkeyed_as is not None
                 and any(r.keyed for r in self.requests)
                 and self.core.backends.layerwise
             ):
-                how, start = (
-                    ("from inputs_embeds", "start it from inputs_embeds")
-                    if unkeyed is None
-                    else (f"with {unkeyed}", f"start it with {unkeyed}")
-                )
                 raise ValueError(
-                    f"{where}: a sequence started from input_ids cannot continue {how} with layerwise "
-                    f"offload (its stored blocks are keyed by token ids); {start}"
+                    f"{where}: a sequence started from input_ids cannot continue {unkeyed_as} with layerwise "
+                    f"offload (its stored blocks are keyed by token ids); start it {unkeyed_as}"
                 )
         new_mask = new_positions(attention_mask, B, S, past, self.masks if past > 0 else None)
         # only the layerwise store keys read them (and reading position_ids waits for the device)
@@ -168,7 +167,7 @@ class HFSequence:
             self._start(B, owner)
         elif longest > self.core.reserved_tokens:
             self._grow(longest)
-        if input_ids is None or unkeyed is not None:
+        if unkeyed_as is not None:
             for r in self.requests:
                 if r.keyed:
                     r.keyed = False

@@ -220,6 +220,6 @@ def test_a_taken_registry_name_leaves_nothing_registered():
     before = mla_runtime.runtimes.names()
     with pytest.raises(ValueError, match="taken"):
         OffloadSession(spec, OffloadConfig(layerwise={}, block_size=4), name="taken")
-    assert mla_runtime.runtimes.names() == before and mla_runtime.runtimes.get("taken") is first
+    assert mla_runtime.runtimes.names() == before and mla_runtime.runtimes.get("taken") is first.core
     first.close()
     assert "taken" not in mla_runtime.runtimes.names()

@@ -154,10 +154,10 @@ def test_failed_calls_leave_the_model_usable(mode):
     assert torch.equal(_generate(model, ids2, mask2, new2), want2)
 
     # an exception in the attention of the third forward (a decode step)
-    _raise_once(session, "cache_attention", after=2 * session.spec.num_layers + 1)
+    _raise_once(session.core, "cache_attention", after=2 * session.spec.num_layers + 1)
     with pytest.raises(_Boom):
         _generate(model, ids0, mask0, new0)
-    del session.cache_attention
+    del session.core.cache_attention
     assert _assert_released(model) == failures + 2
     # a batch of another size right after the failure, then the first one again
     assert torch.equal(_generate(model, ids1, mask1, new1), want1)
@@ -186,10 +186,10 @@ def test_failed_compiled_call_leaves_the_model_usable():
     session = session_of(model)
     (ids0, mask0, new0, want0), (ids1, mask1, new1, want1) = ref
     assert torch.equal(_generate(model, ids0, mask0, new0), want0)
-    _raise_once(session, "cache_write", after=1)  # layer 1 of the prefill
+    _raise_once(session.core, "cache_write", after=1)  # layer 1 of the prefill
     with pytest.raises(_Boom):
         _generate(model, ids1, mask1, new1)
-    del session.cache_write
+    del session.core.cache_write
     assert _assert_released(model) == 1
     assert torch.equal(_generate(model, ids1, mask1, new1), want1)
     assert torch.equal(_generate(model, ids0, mask0, new0), want0)

@@ -147,7 +147,7 @@ class CoreDriver:
         if kvpp is not None:  # what the kvpp_wait_layer / kvpp_prefetch_layer ops call
             kvpp.runtime.scheduler.wait_layer(layer, caches)
             kvpp.runtime.scheduler.prefetch_layer(layer, caches)
-        core.write(layer, kv_c, k_pe, index_k if spec.has_indexer else None)
+        core.cache_write(layer, kv_c, k_pe, index_k if spec.has_indexer else None)
         if hooks is not None:
             hooks.save_layer(layer, caches)
         qn, qp = self._rand(B, S, H, Dc), self._rand(B, S, H, Dr)
@@ -155,9 +155,9 @@ class CoreDriver:
         iw = self._rand(B, S, Hi).abs() if self.draw_index else None
         out = torch.empty(B, S, H, Dc) if self.fill is None else torch.full((B, S, H, Dc), self.fill)
         if spec.has_indexer:
-            core.attend(layer, qn, qp, iq, iw, self.scale, out)
+            core.cache_attention(layer, qn, qp, iq, iw, self.scale, out)
         else:
-            core.attend(layer, qn, qp, None, None, self.scale, out)
+            core.cache_attention(layer, qn, qp, None, None, self.scale, out)
         new = [kv_c, k_pe] if index_k is None else [kv_c, k_pe, index_k]
         return new, (qn, qp, iq, iw), out
 

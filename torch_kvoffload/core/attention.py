@@ -49,10 +49,7 @@ _SELECTED_CHUNK = 64
 
 def _query_rows(fwd: ForwardPlan, pad: bool) -> torch.Tensor:
     """int64 [N] (or [P]): the batch row (request) of each query."""
-    if pad:
-        return fwd.pad_row
-    counts = fwd.cu_seqlens_q[1:].long() - fwd.cu_seqlens_q[:-1].long()
-    return torch.repeat_interleave(torch.arange(fwd.B, device=counts.device), counts)
+    return fwd.pad_row if pad else fwd.query_rows()
 
 
 def select_topk(view: IndexerView, fwd: ForwardPlan, q: Queries, *, pad: bool = False) -> torch.Tensor:
@@ -76,9 +73,12 @@ def topk_attention(
     fwd: ForwardPlan, q: Queries, keys: KeyRows, topk: torch.Tensor, *, pad: bool = False
 ) -> torch.Tensor:
     """Sparse MLA attention of each query over its ``topk`` positions (rows ``keys.starts[request] + p``)."""
-    starts = torch.tensor(keys.starts, dtype=torch.int64, device=topk.device)
-    req = _query_rows(fwd, pad)
-    idx = torch.where(topk >= 0, topk.long() + starts[req][:, None], -1).to(torch.int32)
+    key = ("row_starts", pad, tuple(keys.starts))
+    base = fwd.memo.get(key)  # the same for every layer whose keys start alike
+    if base is None:
+        starts = torch.tensor(keys.starts, dtype=torch.int64, device=topk.device)
+        base = fwd.memo[key] = starts[_query_rows(fwd, pad)][:, None].to(torch.int32)
+    idx = torch.where(topk >= 0, topk + base, -1)
     return sparse_mla_attention(q.q_nope, q.q_pe, keys.kv_c, keys.k_pe, idx, q.scale)[0]
 
 

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from torch_kvoffload.core.layout import KVLayout
 from torch_kvoffload.core.requests import Request
+from torch_kvoffload.core.spec import ModelSpec
 
-__all__ = ["ForwardPlan", "check_bias", "plan_forward", "visible_padding"]
+__all__ = ["ForwardPlan", "check_bias", "check_queries", "check_write", "plan_forward", "visible_padding"]
 
 
 @dataclass
@@ -55,6 +57,10 @@ class ForwardPlan:
     # fp32 [N, L]: an additive bias of each query over its request's logical positions, in place of the
     # causal rule (KVCore.attention_bias); None: causal
     bias: torch.Tensor | None = None
+    # every position is real (N == B * S, sel == arange): rows and queries are the inputs' own rows
+    packed: bool = False
+    # what the layers of this forward derive alike from the plan, computed by the first that needs it
+    memo: dict[Any, Any] = field(default_factory=dict)
 
     @property
     def request_ids(self) -> list[int]:
@@ -63,6 +69,15 @@ class ForwardPlan:
     @property
     def slots(self) -> list[int]:
         return [r.slot for r in self.requests]
+
+    def query_rows(self) -> torch.Tensor:
+        """int64 [N]: the batch row (request) of each real position (computed once per forward)."""
+        rows = self.memo.get("query_rows")
+        if rows is None:
+            counts = self.cu_seqlens_q[1:].long() - self.cu_seqlens_q[:-1].long()
+            rows = torch.repeat_interleave(torch.arange(self.B, device=counts.device), counts)
+            self.memo["query_rows"] = rows
+        return rows
 
     @property
     def first(self) -> bool:
@@ -122,6 +137,7 @@ def plan_forward(
         cu_seqlens_q=cu.to(device), seq_lens_k=torch.tensor(new_len, dtype=torch.int32).to(device),
         pad_sel=pad_sel.to(device), pad_row=(pad_sel // S).to(device),
         pad_len=pad_len.to(torch.int32).to(device), n_pad=int(pad_sel.numel()), bias=bias,
+        packed=int(sel.numel()) == B * S,
     )  # fmt: skip
 
 
@@ -141,3 +157,56 @@ def check_bias(bias: torch.Tensor, new_mask: torch.Tensor, new_len: list[int]) -
         )
     if not bias.dtype.is_floating_point:
         raise ValueError(f"{where} must be floating (additive), got {bias.dtype}")
+
+
+def check_write(
+    f: ForwardPlan, spec: ModelSpec, kv_c: torch.Tensor, k_pe: torch.Tensor, index_k: torch.Tensor | None
+) -> None:
+    """``ValueError`` unless a layer's new rows fit forward ``f``: ``kv_c [B, S, Dc]``, ``k_pe [B, S, Dr]``
+    and, for a model with an indexer, ``index_k [B, S, Di]``."""
+    B, S = f.B, f.S
+    if kv_c.shape != (B, S, spec.kv_lora_rank) or k_pe.shape != (B, S, spec.rope_dim):
+        raise ValueError(
+            f"kvoffload::mla_cache_write: 'kv_c' / 'k_pe' must be [{B}, {S}, {spec.kv_lora_rank}] / "
+            f"[{B}, {S}, {spec.rope_dim}], got {list(kv_c.shape)} / {list(k_pe.shape)}"
+        )
+    if spec.has_indexer and (index_k is None or index_k.shape != (B, S, spec.index_head_dim)):
+        raise ValueError(
+            f"kvoffload::mla_cache_write: 'index_k' must be [{B}, {S}, {spec.index_head_dim}] for "
+            f"{spec.model_class}, got {None if index_k is None else list(index_k.shape)}"
+        )
+
+
+def check_queries(
+    f: ForwardPlan,
+    spec: ModelSpec,
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    index_q: torch.Tensor | None,
+    index_weights: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """``ValueError`` unless a layer's queries fit forward ``f``: ``q_nope [B, S, H, Dc]``, ``q_pe [B, S, H,
+    Dr]``, ``out`` shaped as ``q_nope``, and for a model with an indexer ``index_q [B, S, Hi, Di]`` with
+    ``index_weights [B, S, Hi]``."""
+    B, S, H = f.B, f.S, spec.num_heads
+    where = "kvoffload::mla_cache_attention"
+    if q_nope.shape != (B, S, H, spec.kv_lora_rank) or q_pe.shape != (B, S, H, spec.rope_dim):
+        raise ValueError(
+            f"{where}: 'q_nope' / 'q_pe' must be [{B}, {S}, {H}, {spec.kv_lora_rank}] / "
+            f"[{B}, {S}, {H}, {spec.rope_dim}], got {list(q_nope.shape)} / {list(q_pe.shape)}"
+        )
+    if out.shape != q_nope.shape:
+        raise ValueError(f"{where}: 'out' must be {list(q_nope.shape)}, got {list(out.shape)}")
+    if spec.has_indexer and (index_q is None or index_weights is None):
+        raise ValueError(f"{where}: {spec.model_class} needs 'index_q' and 'index_weights'")
+    if index_q is not None and (
+        index_weights is None
+        or index_q.shape[:2] != (B, S)
+        or index_q.dim() != 4
+        or tuple(index_weights.shape) != tuple(index_q.shape[:3])
+    ):
+        raise ValueError(
+            f"{where}: 'index_q' [{B}, {S}, Hi, Di] and 'index_weights' [{B}, {S}, Hi] must come together, got "
+            f"{list(index_q.shape)} and {None if index_weights is None else list(index_weights.shape)}"
+        )

@@ -11,7 +11,9 @@ KVLayout` every device cache is sized for, and the backends the configuration en
   continue; its slot is reused by the next admission); :meth:`fork` (a new request continuing a live one:
   beam search) and :meth:`truncate` (drop a request's last rows: assisted decoding);
 * forwards: :meth:`begin_forward` plans the index tensors of a forward over some live requests and begins
-  it on the backends that take part; per layer :meth:`write` and :meth:`attend`; :meth:`end_forward` /
+  it on the backends that take part; per layer :meth:`cache_write` and :meth:`cache_attention` (what the
+  ``kvoffload::mla_cache_write`` / ``mla_cache_attention`` ops call: a core is the runtime they find
+  by name in ``ops.mla_runtime.runtimes``); :meth:`end_forward` /
   :meth:`abort_forward`; :meth:`retry_caps` / :meth:`restart` run a layerwise forward again whose stored
   prefix could not be loaded.
 
@@ -39,7 +41,7 @@ import torch
 from torch_kvoffload.core import attention
 from torch_kvoffload.core.backends import Backends, build_backends
 from torch_kvoffload.core.config import OffloadConfig
-from torch_kvoffload.core.forward import ForwardPlan, check_bias, plan_forward
+from torch_kvoffload.core.forward import ForwardPlan, check_bias, check_queries, check_write, plan_forward
 from torch_kvoffload.core.kv_backend import KVBackend, NewRows, PDRole, Queries
 from torch_kvoffload.core.layout import KVLayout
 from torch_kvoffload.core.requests import Request, RequestTable
@@ -269,7 +271,10 @@ class KVCore:
 
     # ---------------------------------------------------------------------------------- forwards
     def _taking_part(self, fwd: ForwardPlan) -> list[KVBackend]:
-        return [b for b in self.backends.all if b.takes_part(fwd)]
+        parts = fwd.memo.get("backends")
+        if parts is None:
+            parts = fwd.memo["backends"] = [b for b in self.backends.all if b.takes_part(fwd)]
+        return parts
 
     def begin_forward(
         self,
@@ -390,13 +395,13 @@ class KVCore:
     def check_layer(self, fn: str, layer: object) -> int:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.spec.num_layers:
             raise ValueError(
-                f"OffloadSession.{fn}: layer must be an int in [0, {self.spec.num_layers}), got {layer!r}"
+                f"KVCore.{fn}: layer must be an int in [0, {self.spec.num_layers}), got {layer!r}"
             )
         return layer
 
     def _running(self, fn: str, layer: int) -> ForwardPlan:
         if self.forward is None:
-            raise RuntimeError(f"OffloadSession.{fn}: no forward is running; call begin_forward()")
+            raise RuntimeError(f"KVCore.{fn}: no forward is running; call begin_forward()")
         self.check_layer(fn, layer)
         return self.forward
 
@@ -405,30 +410,28 @@ class KVCore:
         self.check_layer("layer_caches", layer)
         return [t for b in self.backends.all for t in b.layer_caches(layer)]
 
-    def write(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, index_k: torch.Tensor | None) -> None:
+    def cache_write(
+        self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, index_k: torch.Tensor | None
+    ) -> None:
         """Keep ``layer``'s new rows of the running forward (``kv_c [B,S,Dc]``, ``k_pe [B,S,Dr]``,
         ``index_k [B,S,Di]`` or ``None``) in every backend that takes part."""
         f = self._running("cache_write", layer)
         spec = self.spec
-        if kv_c.shape != (f.B, f.S, spec.kv_lora_rank) or k_pe.shape != (f.B, f.S, spec.rope_dim):
-            raise ValueError(
-                f"kvoffload::mla_cache_write: 'kv_c' / 'k_pe' must be [{f.B}, {f.S}, {spec.kv_lora_rank}] / "
-                f"[{f.B}, {f.S}, {spec.rope_dim}], got {list(kv_c.shape)} / {list(k_pe.shape)}"
-            )
-        if spec.has_indexer and (index_k is None or index_k.shape != (f.B, f.S, spec.index_head_dim)):
-            raise ValueError(
-                f"kvoffload::mla_cache_write: 'index_k' must be [{f.B}, {f.S}, {spec.index_head_dim}] for "
-                f"{spec.model_class}, got {None if index_k is None else list(index_k.shape)}"
-            )
+        check_write(f, spec, kv_c, k_pe, index_k)
+
+        def real(t: torch.Tensor, width: int) -> torch.Tensor:  # [N, width]: the real positions' rows
+            flat = t.reshape(-1, width)
+            return flat if f.packed else flat[f.sel]
+
         rows = NewRows(
-            kv_c.reshape(-1, spec.kv_lora_rank)[f.sel].to(spec.dtype),
-            k_pe.reshape(-1, spec.rope_dim)[f.sel].to(spec.dtype),
-            index_k.reshape(-1, spec.index_head_dim)[f.sel] if spec.has_indexer else None,
+            real(kv_c, spec.kv_lora_rank).to(spec.dtype),
+            real(k_pe, spec.rope_dim).to(spec.dtype),
+            real(index_k, spec.index_head_dim) if index_k is not None and spec.has_indexer else None,
         )
         for b in self._taking_part(f):
             b.write(layer, f, rows)
 
-    def attend(
+    def cache_attention(
         self,
         layer: int,
         q_nope: torch.Tensor,
@@ -444,31 +447,29 @@ class KVCore:
         f = self._running("cache_attention", layer)
         spec = self.spec
         B, S, H = f.B, f.S, spec.num_heads
-        if q_nope.shape != (B, S, H, spec.kv_lora_rank) or q_pe.shape != (B, S, H, spec.rope_dim):
-            raise ValueError(
-                f"kvoffload::mla_cache_attention: 'q_nope' / 'q_pe' must be [{B}, {S}, {H}, {spec.kv_lora_rank}] / "
-                f"[{B}, {S}, {H}, {spec.rope_dim}], got {list(q_nope.shape)} / {list(q_pe.shape)}"
-            )
-        if spec.has_indexer and index_q is None:
-            raise ValueError(
-                f"kvoffload::mla_cache_attention: {spec.model_class} needs 'index_q' and 'index_weights'"
-            )
+        check_queries(f, spec, q_nope, q_pe, index_q, index_weights, out)
 
-        def queries(at: torch.Tensor) -> Queries:
+        def queries(at: torch.Tensor | None) -> Queries:  # at None: every position (a packed forward)
+            def rows(t: torch.Tensor, *shape: int) -> torch.Tensor:
+                flat = t.reshape(B * S, *shape)
+                return flat if at is None else flat[at]
+
             iq = iw = None
             if index_q is not None and index_weights is not None:
-                iq = index_q.reshape(B * S, *index_q.shape[2:])[at]
-                iw = index_weights.reshape(B * S, -1)[at].float()
-            return Queries(q_nope.reshape(B * S, H, -1)[at], q_pe.reshape(B * S, H, -1)[at], iq, iw, scale)
+                iq, iw = rows(index_q, *index_q.shape[2:]), rows(index_weights, -1).float()
+            return Queries(rows(q_nope, H, -1), rows(q_pe, H, -1), iq, iw, scale)
 
         width = max(f.new_len, default=0) if self.attention_probs is not None else None
         q_pad = queries(f.pad_sel) if f.n_pad else None
         res, res_pad, probs, probs_pad = attention.attend_layer(
-            layer, f, self._taking_part(f), self._indexer, queries(f.sel), q_pad, width
+            layer, f, self._taking_part(f), self._indexer, queries(None if f.packed else f.sel), q_pad, width
         )
-        out.zero_()
         flat = out.view(B * S, H, -1)
-        flat.index_copy_(0, f.sel, res.to(out.dtype))
+        if f.packed:  # every position is a real query: no padding output to clear
+            flat.copy_(res)
+        else:
+            out.zero_()
+            flat.index_copy_(0, f.sel, res.to(out.dtype))
         if res_pad is not None:
             flat.index_copy_(0, f.pad_sel, res_pad.to(out.dtype))
         if self.attention_probs is not None and probs is not None:

@@ -1,13 +1,13 @@
 """MLA cache runtime ops: ``kvoffload::mla_cache_write`` and ``kvoffload::mla_cache_attention``.
 
 They hand one layer's new latent KV and queries to the runtime registered under ``runtime`` in
-:data:`runtimes` (an offload session: ``torch_kvoffload.integrations.hf.session.OffloadSession``), which
+:data:`runtimes` (a model's KV core: ``torch_kvoffload.core.kv.KVCore``), which
 keeps KV where its configuration says (layerwise physical buffer, sparse host pool, indexer cache) and
 runs absorbed MLA attention over every visible cached token. The eager adapter and the graph passes call,
 per layer: projections → layer / KVPP hooks → ``mla_cache_write`` → ``layer_save`` →
 ``mla_cache_attention`` → W_UV → ``o_proj``.
 
-``caches`` is the session's ``layer_caches(layer)``, declared mutated so that graphs keep these ops in
+``caches`` is the runtime's ``layer_caches(layer)``, declared mutated so that graphs keep these ops in
 order with the hook ops of the same layer; when they are copies of the runtime's tensors (a
 functionalized graph's clones) the kernel copies the runtime's contents into them afterwards. The kernel
 is the Python runtime itself (registered as the reference kernel for every device); the fake kernel
@@ -28,7 +28,7 @@ __all__ = ["MLACacheRuntime", "mla_cache_attention", "mla_cache_write", "runtime
 
 
 class MLACacheRuntime(Protocol):
-    """What the ops call (an offload session)."""
+    """What the ops call (a KV core)."""
 
     def cache_write(
         self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, index_k: torch.Tensor | None

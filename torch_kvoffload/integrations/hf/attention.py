@@ -6,6 +6,9 @@ runs the module's own projections (``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj
 ``weights_proj``) and the rotary functions of the module's own modeling file, then the op sequence of the
 contract: layer hooks (layerwise ``layer_wait`` + ``layer_prefetch``; KVPP ``kvpp_wait_layer`` + ``kvpp_prefetch_layer``
 of the next layer) → ``mla_cache_write`` → ``layer_save`` → ``mla_cache_attention`` → W_UV → ``o_proj``.
+Run eagerly, the two cache steps call the KV core's ``cache_write`` / ``cache_attention`` directly (what
+the ops' kernels call, without the dispatcher and the ops' checks of arguments this function made itself);
+traced by Dynamo, it emits the ops, which a graph keeps as nodes.
 
 Absorption: with ``W = kv_b_proj.weight.view(H, qk_nope + v, Dc)``, ``W_UK = W[:, :qk_nope]`` and
 ``W_UV = W[:, qk_nope:]``, the query is folded into the latent space (``q_nope[h] = q_pass[h] @ W_UK[h]``)
@@ -182,6 +185,17 @@ def _rotaries(module: torch.nn.Module, code: AttentionCode) -> tuple[Rotary, Rot
     return _rotary(module, code.rotary), index
 
 
+def _attention_of(module: torch.nn.Module) -> tuple[AttentionCode, Rotary, Rotary | None]:
+    """``module``'s :func:`attention_code` and rotaries, resolved at its first forward and kept on it (they
+    depend on the module's class and config only)."""
+    found = module.__dict__.get("_kvoffload_attention")
+    if found is None:
+        code = attention_code(module)
+        found = (code, *_rotaries(module, code))
+        module.__dict__["_kvoffload_attention"] = found
+    return found
+
+
 def indexer_inputs(
     indexer: torch.nn.Module, hidden_states: torch.Tensor, q_resid: torch.Tensor, position_embeddings: Any,
     rope_index: Rotary,
@@ -231,8 +245,7 @@ def mla_attention_forward(
     B, S, _ = hidden_states.shape
     nope, rope, v = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
     Dc = self.kv_lora_rank
-    code = attention_code(self)
-    rope_main, rope_index = _rotaries(self, code)
+    code, rope_main, rope_index = _attention_of(self)
 
     q_resid = None
     if getattr(self, "q_lora_rank", None) is None:
@@ -261,24 +274,32 @@ def mla_attention_forward(
     q_pe = q_rot.transpose(1, 2)
 
     ops = torch.ops.kvoffload
-    caches = session.layer_caches(layer)
-    lw = session.layerwise_runtime
+    lw, kv = session.layerwise_runtime, session.kvpp_runtime
+    # the hooks and the graph-boundary ops take the layer's caches (declared mutated, for graph order)
+    traced = torch.compiler.is_compiling()
+    caches = session.layer_caches(layer) if lw is not None or kv is not None or traced else []
     if lw is not None:
         ops.layer_wait(lw, layer, caches)
         ops.layer_prefetch(lw, layer, caches)
-    kv = session.kvpp_runtime
     if kv is not None:
         # the owner's broadcast of this layer lands before the first KV access; the next one overlaps it
         ops.kvpp_wait_layer(kv, layer, caches)
         if layer + 1 < session.spec.num_layers:
             ops.kvpp_prefetch_layer(kv, layer + 1, session.layer_caches(layer + 1))
-    mla_runtime.mla_cache_write(session.name, layer, kv_c, k_pe, index_k, caches)
+    out = q_nope.new_empty(B, S, H, Dc)
+    core = session.core
+    if traced:  # a graph keeps the ops as nodes; their kernels call the same core methods
+        mla_runtime.mla_cache_write(session.name, layer, kv_c, k_pe, index_k, caches)
+    else:
+        core.cache_write(layer, kv_c, k_pe, index_k)
     if lw is not None:
         ops.layer_save(lw, layer, caches)
-    out = q_nope.new_empty(B, S, H, Dc)
-    mla_runtime.mla_cache_attention(
-        session.name, layer, q_nope, q_pe, index_q, index_w, float(self.scaling), out, caches
-    )
+    if traced:
+        mla_runtime.mla_cache_attention(
+            session.name, layer, q_nope, q_pe, index_q, index_w, float(self.scaling), out, caches
+        )
+    else:
+        core.cache_attention(layer, q_nope, q_pe, index_q, index_w, float(self.scaling), out)
     out_v = (
         torch.matmul(out.transpose(1, 2), w[:, nope:].transpose(1, 2)).transpose(1, 2).reshape(B, S, H * v)
     )

@@ -7,8 +7,8 @@ resident sparse, KVPP, P/D role: see :mod:`torch_kvoffload.core.backends`); the 
 forwards onto it, supplies the cache object (:meth:`new_cache`), registers the ops' runtimes and assembles
 :meth:`stats`.
 
-Registries: the session itself in ``ops.mla_runtime.runtimes`` under :attr:`name` (the ``mla_cache_write`` /
-``mla_cache_attention`` ops call :meth:`cache_write` / :meth:`cache_attention`); with layerwise offload the
+Registries: the KV core in ``ops.mla_runtime.runtimes`` under :attr:`name` (the ``mla_cache_write`` /
+``mla_cache_attention`` ops call its ``cache_write`` / ``cache_attention`` directly); with layerwise offload the
 layerwise backend in ``ops.layer_hooks.runtimes`` under :attr:`layerwise_runtime`; with KVPP the KVPP
 scheduler under :attr:`kvpp_runtime`.
 
@@ -157,7 +157,7 @@ class OffloadSession:
         self.kvpp_runtime: str | None = f"{self.name}/kvpp" if backends.kvpp is not None else None
         registered = False
         try:
-            mla_runtime.runtimes.register(self.name, self)
+            mla_runtime.runtimes.register(self.name, self._core)
             registered = True
             if backends.layerwise is not None:
                 layer_hooks.runtimes.register(f"{self.name}/layerwise", backends.layerwise)
@@ -336,27 +336,6 @@ class OffloadSession:
         decoding): see :meth:`HFSequence.crop`. Between forwards."""
         self._owned(owner, "OffloadCache.crop")
         self._seq.crop(remove)
-
-    # ------------------------------------------------------------------------ the ops' runtime
-    def cache_write(
-        self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, index_k: torch.Tensor | None
-    ) -> None:
-        """Store this forward's new rows of ``layer`` (``kv_c [B,S,Dc]``, ``k_pe [B,S,Dr]``,
-        ``index_k [B,S,Di]`` or None) where the configuration keeps them."""
-        self._core.write(layer, kv_c, k_pe, index_k)
-
-    def cache_attention(
-        self,
-        layer: int,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        index_q: torch.Tensor | None,
-        index_weights: torch.Tensor | None,
-        scale: float,
-        out: torch.Tensor,
-    ) -> None:
-        """Absorbed MLA attention of ``layer`` (see ``kvoffload::mla_cache_attention``)."""
-        self._core.attend(layer, q_nope, q_pe, index_q, index_weights, scale, out)
 
     # ------------------------------------------------------------------------ runtimes and requests
     @property

@@ -113,31 +113,38 @@ def plan_forward(
     bs, M = layout.block_size, layout.blocks_per_request
     page, pages = layout.page
     slots = torch.tensor([r.slot for r in requests], dtype=torch.int64)
-    flat = new_mask.reshape(-1)
-    sel = torch.nonzero(flat).reshape(-1)
-    row = sel // S
-    rank = torch.cumsum(new_mask.int(), dim=1) - 1  # index among the row's new tokens
-    pos = torch.tensor(list(old_len), dtype=torch.int64)[row] + rank.reshape(-1)[sel].to(torch.int64)
-    n_new = new_mask.sum(dim=1).tolist()
+    old = torch.tensor(list(old_len), dtype=torch.int64)
+    packed = bool(new_mask.all())
+    if packed:  # every position real (a decode step, an unpadded batch): no search for them
+        sel = torch.arange(B * S)
+        row = sel if S == 1 else sel // S
+        pos = old if S == 1 else old[row] + sel % S
+        n_new = [S] * B
+    else:
+        sel = torch.nonzero(new_mask.reshape(-1)).reshape(-1)
+        row = sel // S
+        rank = torch.cumsum(new_mask.int(), dim=1) - 1  # index among the row's new tokens
+        pos = old[row] + rank.reshape(-1)[sel].to(torch.int64)
+        n_new = new_mask.sum(dim=1).tolist()
     new_len = [o + n for o, n in zip(old_len, n_new, strict=True)]
     if bias is not None:  # checked by the caller before anything changed (check_bias)
         bias = bias.to(device=device, dtype=torch.float32).reshape(B * S, -1)
     cu = torch.tensor([0, *itertools.accumulate(n_new)], dtype=torch.int32)
     table = (slots[:, None] * M + torch.arange(M)[None, :]).to(torch.int32)
     index_table = (slots[:, None] * pages + torch.arange(pages)[None, :]).to(torch.int32)
-    if padding_queries:
+    if padding_queries and not packed:
         pad_sel, pad_len = visible_padding(new_mask, old_len)
     else:
         pad_sel = pad_len = torch.zeros(0, dtype=torch.int64)
+    slot_of = slots[row]
     return ForwardPlan(
         B=B, S=S, requests=list(requests), decode=decode, layerwise=layerwise, old_len=list(old_len),
         new_len=new_len, sel=sel.to(device), pos=pos.to(device), row=row.to(device),
-        phys=(slots[row] * (M * bs) + pos).to(device), block_table=table.to(device),
-        index_table=index_table.to(device), index_phys=(slots[row] * (pages * page) + pos).to(device),
+        phys=(slot_of * (M * bs) + pos).to(device), block_table=table.to(device),
+        index_table=index_table.to(device), index_phys=(slot_of * (pages * page) + pos).to(device),
         cu_seqlens_q=cu.to(device), seq_lens_k=torch.tensor(new_len, dtype=torch.int32).to(device),
         pad_sel=pad_sel.to(device), pad_row=(pad_sel // S).to(device),
-        pad_len=pad_len.to(torch.int32).to(device), n_pad=int(pad_sel.numel()), bias=bias,
-        packed=int(sel.numel()) == B * S,
+        pad_len=pad_len.to(torch.int32).to(device), n_pad=int(pad_sel.numel()), bias=bias, packed=packed,
     )  # fmt: skip
 
 

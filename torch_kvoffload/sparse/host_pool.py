@@ -98,6 +98,8 @@ class HostKVPool:
         else:
             off = 0
             self._fence = torch.zeros(num_layers, dtype=torch.int64)
+        # the same memory as a NumPy array: a scalar read or write costs no tensor op (one per append)
+        self._fence_np = self._fence.numpy()
         kv_bytes, pe_bytes = _part_bytes(num_layers, num_blocks, block_size, kv_lora_rank, rope_dim, dtype)
         self._kv_c = (
             storage[off : off + kv_bytes].view(dtype).view(num_layers, num_blocks, block_size, kv_lora_rank)
@@ -419,19 +421,19 @@ class HostKVPool:
         """
         layer = check_layer("HostKVPool.publish", layer, self.num_layers)
         seq = check_int("HostKVPool.publish", "seq", seq, minimum=0)
-        if int(self._fence[layer]) != _FAILED:
-            self._fence[layer] = seq
+        if int(self._fence_np[layer]) != _FAILED:
+            self._fence_np[layer] = seq
 
     def mark_failed(self, layer: int) -> None:
         """Writer: an append of ``layer`` failed; its rows will never be complete, readers get an error."""
         layer = check_layer("HostKVPool.mark_failed", layer, self.num_layers)
-        self._fence[layer] = _FAILED
+        self._fence_np[layer] = _FAILED
 
     def published(self, layer: int) -> int:
         """The last sequence number the writer published for ``layer`` (0 before the first, -1 after a
         failed append)."""
         layer = check_layer("HostKVPool.published", layer, self.num_layers)
-        return int(self._fence[layer])
+        return int(self._fence_np[layer])
 
     def wait_published(self, layer: int, seq: int, timeout: float) -> float:
         """Block until the writer published ``seq`` (or later) for ``layer``; return the seconds waited.

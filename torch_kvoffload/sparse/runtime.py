@@ -141,14 +141,13 @@ class SparseDecodeOffload:
         )  # fmt: skip
         self._device_path = resolve_step_path(where, step_path, self.device, pool, self.capacity)
         self._device_step = self._device_path and config.fused
-        self._counters = StepCounters(num_layers, pool.row_bytes, self.device)
+        fresh = self.device.type == "cpu" and not self._device_path  # new output tensors every step
+        self._counters = StepCounters(num_layers, pool.row_bytes, self.device, deferred=fresh)
         self._appender = RowAppender(
             pool, self._counters, writer=writer, dtype=self.dtype, device=self.device,
             device_path=self._device_path, fence_timeout=self.fence_timeout,
         )  # fmt: skip
-        outputs = StepOutputs(
-            max_rows, kv_lora_rank, self.device, fresh=self.device.type == "cpu" and not self._device_path
-        )
+        outputs = StepOutputs(max_rows, kv_lora_rank, self.device, fresh=fresh)
         self._outputs = outputs
         self._host_step = HostStep(config, pool, self._hot, outputs, self.device)
         self._step = DeviceStep(config, pool, self._hot, outputs, self.device) if self._device_step else None

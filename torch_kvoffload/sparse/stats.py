@@ -8,7 +8,6 @@ import torch
 
 from torch_kvoffload.counters import Counters
 from torch_kvoffload.ops.residency import ResidencyOutputs
-from torch_kvoffload.sparse.residency import step_counts
 
 __all__ = ["COUNTER_NAMES", "StepCounters"]
 
@@ -16,9 +15,14 @@ COUNTER_NAMES = (
     "hits", "misses", "evictions", "bytes_h2d", "bytes_d2h", "waits", "wait_seconds",
     "fork_shared_blocks", "cow_copies",
 )  # fmt: skip
+#: Deferred steps of one layer are counted together once this many wait, or once their top-k tensors hold
+#: this many entries (bounds what is kept: 256 KiB of int32 top-k per layer).
+DEFERRED_STEPS = 256
+DEFERRED_ENTRIES = 1 << 16
 #: Counted in the totals only (table operations of every layer at once): 0 in the per-layer counters.
 TOTAL_ONLY = ("fork_shared_blocks", "cow_copies")
-#: What the device step's per-layer tallies count (``rows_h2d`` becomes ``bytes_h2d`` when read).
+#: What the per-layer tallies count once folded (``rows_h2d`` becomes ``bytes_h2d``); a tally holds the valid
+#: top-k entries in place of the hits (hits = entries - misses, derived when read).
 _TALLY_NAMES = ("hits", "misses", "evictions", "rows_h2d")
 
 
@@ -27,16 +31,27 @@ class StepCounters:
     :data:`TOTAL_ONLY` (``fork_shared_blocks``: host-pool blocks forks shared instead of copying,
     ``cow_copies``: shared blocks copied before a write into them) in the totals only.
 
-    ``row_bytes``: bytes of one host-pool row (``kv_c`` + ``k_pe`` of one layer). A step's hits, misses,
-    evictions and copied rows are added in place to an ``int64 [4]`` tally per layer on ``tally_device``
+    ``row_bytes``: bytes of one host-pool row (``kv_c`` + ``k_pe`` of one layer). A step's valid top-k
+    entries, misses, evictions and copied rows are added in place to an ``int64 [4]`` tally per layer on ``tally_device``
     (the steps' device, default CPU), moved into the counters only by :meth:`fold` (when they are read).
     On an accelerator a step so reads nothing back (the fold is a device sync) and can be captured in a
     CUDA graph; on the CPU one in-place add per step costs less than bumping eight counters. Safe to
     bump from transfer threads.
     """
 
-    def __init__(self, num_layers: int, row_bytes: int, tally_device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        row_bytes: int,
+        tally_device: torch.device | None = None,
+        *,
+        deferred: bool = False,
+    ) -> None:
         self.row_bytes = row_bytes
+        self.deferred = deferred
+        # deferred: per layer, the steps' (topk, miss_count, evictions, copied) not counted yet
+        self._pending: list[list[tuple]] = [[] for _ in range(num_layers)]
+        self._pending_entries = [0] * num_layers  # top-k entries those steps keep
         self.layers = [Counters(COUNTER_NAMES) for _ in range(num_layers)]
         self.total = Counters(COUNTER_NAMES)
         where = tally_device if tally_device is not None else torch.device("cpu")
@@ -62,32 +77,63 @@ class StepCounters:
     def record(
         self, layer: int, topk: torch.Tensor, res: ResidencyOutputs, copied: int | torch.Tensor
     ) -> None:
-        """Count a committed step of ``int32 topk [T, K]`` that copied ``copied`` rows host→device."""
-        counts = step_counts(topk, res)
-        tally = self._tally[layer]
-        if self._on_device:  # in place on the device (a CUDA graph replay adds to them too)
-            if isinstance(copied, torch.Tensor):
-                tally.add_(torch.stack([counts["hits"], counts["misses"], counts["evictions"], copied]))
-            else:
-                tally[:3].add_(torch.stack([counts["hits"], counts["misses"], counts["evictions"]]))
-                tally[3].add_(copied)
+        """Count a committed step of ``int32 topk [T, K]`` that copied ``copied`` rows host→device.
+
+        ``deferred`` (steps whose outputs are new tensors every step, the CPU host step): the step's
+        tensors are kept and counted together, by :meth:`fold` or once :data:`DEFERRED_STEPS` steps (or
+        :data:`DEFERRED_ENTRIES` top-k entries) of a layer wait, so a step runs no counting op."""
+        if self.deferred:
+            with self._tally_lock:
+                pending = self._pending[layer]
+                pending.append((topk, res.miss_count, res.evictions, copied))
+                self._pending_entries[layer] += topk.numel()
+                if len(pending) >= DEFERRED_STEPS or self._pending_entries[layer] >= DEFERRED_ENTRIES:
+                    self._count_pending(layer)
             return
-        parts = [counts["hits"], counts["misses"], counts["evictions"]]
+        # the valid top-k entries (hits are those that did not miss: derived in fold()), misses, evictions
+        parts = [
+            (topk >= 0).sum(),
+            res.miss_count.sum(dtype=torch.int64),
+            res.evictions.sum(dtype=torch.int64),
+        ]
+        tally = self._tally[layer]
         if isinstance(copied, torch.Tensor):
             parts.append(copied.to(torch.int64))
             copied = 0
         step = torch.stack(parts)
+        if self._on_device:  # in place on the device (a CUDA graph replay adds to them too)
+            tally[: len(parts)].add_(step)
+            if copied:
+                tally[3].add_(copied)
+            return
         with self._tally_lock:
             tally[: len(parts)].add_(step)
             self._copied[layer] += copied
+
+    def _count_pending(self, layer: int) -> None:
+        """Add the deferred steps of ``layer`` to its tally (the lock held)."""
+        pending, self._pending[layer] = self._pending[layer], []
+        self._pending_entries[layer] = 0
+        if not pending:
+            return
+        topk, misses, evictions, copied = zip(*pending, strict=True)
+        entries = (torch.cat([t.reshape(-1) for t in topk]) >= 0).sum()
+        step = torch.stack(
+            [entries, torch.cat(misses).sum(dtype=torch.int64), torch.cat(evictions).sum(dtype=torch.int64)]
+        )
+        self._tally[layer][:3].add_(step)
+        for c in copied:
+            self._copied[layer] += int(c)
 
     def fold(self) -> None:
         """Move the tallies into the counters (on the device path a device synchronisation: only when
         read)."""
         with self._tally_lock:
+            for layer in range(len(self._tally)):
+                self._count_pending(layer)
             for layer, tally in enumerate(self._tally):
-                values = tally.tolist()
-                values[3] += self._copied[layer]
+                entries, misses, evictions, rows = tally.tolist()
+                values = [entries - misses, misses, evictions, rows + self._copied[layer]]
                 if not any(values):
                     continue
                 tally.zero_()

@@ -206,9 +206,14 @@ def test_packed_layout_moves_tokens_both_ways(seed):
     assert torch.equal(layout.gather(ids), _loops_gather(ids.expand(rows, -1), lengths)[0]), (
         "[1, T] serves every row"
     )
+    # take: the segments' tokens one after the other, in segment order (a packed forward's row)
+    taken = layout.take(packed)
+    assert taken.shape == (1, sum(map(sum, lengths)), 3)
+    assert torch.equal(taken[0], torch.cat([want[i, :n] for i, n in enumerate(layout.lengths)]))
     # the last token of every segment, alone, into an output buffer; the rest stays untouched
     out = torch.full((rows, width, 3), -1.0)
-    layout.scatter_last(want[torch.arange(len(layout.spans)), layout.last_columns()], out)
+    last = torch.tensor([n - 1 for n in layout.lengths])
+    layout.scatter_last(want[torch.arange(len(layout.spans)), last], out)
     for b, row in enumerate(lengths):
         ends = {sum(row[: i + 1]) - 1 for i in range(len(row))}
         for t in range(width):

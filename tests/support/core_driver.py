@@ -110,24 +110,36 @@ class CoreDriver:
         for layer in range(self.spec.num_layers):
             self.rows[req.id, layer] = [t[:length] for t in self.rows[req.id, layer]]
 
-    def forward(self, requests, tokens: list[list[int]], mask: torch.Tensor | None = None):
+    def forward(
+        self, requests, tokens: list[list[int]], mask: torch.Tensor | None = None, *, packed: bool = False
+    ):
         """One forward of ``tokens[b]`` new tokens of ``requests[b]``, at the true positions of ``mask``
-        (``[B, S]`` bool; default: left padded to the longest); every output checked. Returns the core's
-        forward (also kept as ``last``)."""
+        (``[B, S]`` bool; default: left padded to the longest), or (``packed``) one after the other in one
+        row ``[1, N]``; every output checked. Returns the core's forward (also kept as ``last``)."""
         B = len(requests)
-        if mask is None:
+        if packed:
+            assert mask is None, "a packed forward has no mask"
+        elif mask is None:
             mask = torch.zeros(B, max(len(t) for t in tokens), dtype=torch.bool)
             for b, t in enumerate(tokens):
                 mask[b, mask.shape[1] - len(t) :] = True
         old = [r.length for r in requests]
         decode = all(old) and all(len(t) == 1 for t in tokens)
         self.last = self.core.begin_forward(requests, tokens, mask)
-        outs = [self._layer(layer, *mask.shape) for layer in range(self.spec.num_layers)]
+        shape = (1, sum(len(t) for t in tokens)) if packed else tuple(mask.shape)
+        outs = [self._layer(layer, *shape) for layer in range(self.spec.num_layers)]
         self.core.end_forward()
+        starts = [sum(len(t) for t in tokens[:b]) for b in range(B)]
         for layer, (new, queries, out) in enumerate(outs):
             for b, r in enumerate(requests):
-                rows, q = [t[b] for t in new], [None if t is None else t[b] for t in queries]
-                self._check(layer, r.id, old[b], mask[b], rows, q, out[b])
+                if packed:  # request b's run of the one row: all real
+                    at = slice(starts[b], starts[b] + len(tokens[b]))
+                    rows, q = [t[0, at] for t in new], [None if t is None else t[0, at] for t in queries]
+                    real = torch.ones(len(tokens[b]), dtype=torch.bool)
+                    self._check(layer, r.id, old[b], real, rows, q, out[0, at])
+                else:
+                    rows, q = [t[b] for t in new], [None if t is None else t[b] for t in queries]
+                    self._check(layer, r.id, old[b], mask[b], rows, q, out[b])
                 if decode and self.top_k is not None:
                     self.decode_entries += min(self.top_k, old[b] + 1)
         return self.last

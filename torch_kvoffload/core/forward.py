@@ -1,6 +1,13 @@
 """``ForwardPlan``: the index tensors of one forward over a batch of requests.
 
-A forward feeds ``S`` positions of ``B`` requests (one per batch row). Row ``b``'s real new tokens are the
+Two layouts of a forward's inputs (every layer's rows and queries):
+
+* **packed** (:func:`plan_packed`): the requests' new tokens one after the other, request-major, in one row
+  ``[1, N]`` (``cu_seqlens_q`` gives each request's run): the layout vLLM and transformers' continuous
+  batching use. No padding: every position is a real token.
+* **batched** (:func:`plan_forward`): one batch row per request, ``[B, S]``, with padding.
+
+A batched forward feeds ``S`` positions of ``B`` requests (one per batch row). Row ``b``'s real new tokens are the
 positions where ``new_mask[b]`` is true (padding may be anywhere: left, right, between real tokens, in any
 forward of a request, and a row may have no real token at all); they take the request's logical positions
 ``old_len[b] .. new_len[b] - 1``. Every paged cache is addressed through the request's device slot (see
@@ -26,15 +33,17 @@ from torch_kvoffload.core.layout import KVLayout
 from torch_kvoffload.core.requests import Request
 from torch_kvoffload.core.spec import ModelSpec
 
-__all__ = ["ForwardPlan", "check_bias", "check_queries", "check_write", "plan_forward", "visible_padding"]
+__all__ = [
+    "ForwardPlan", "check_bias", "check_queries", "check_write", "plan_forward", "plan_packed", "visible_padding",
+]  # fmt: skip
 
 
 @dataclass
 class ForwardPlan:
     """Index tensors of one forward (device tensors unless noted)."""
 
-    B: int
-    S: int
+    B: int  # requests
+    S: int  # positions per batch row (a packed forward: N)
     requests: list[Request]  # per batch row; their tokens include this forward's
     decode: bool  # one new real token per request after earlier ones, no padding, with a sparse backend
     layerwise: bool  # runs the layerwise pipeline
@@ -57,8 +66,10 @@ class ForwardPlan:
     # fp32 [N, L]: an additive bias of each query over its request's logical positions, in place of the
     # causal rule (KVCore.attention_bias); None: causal
     bias: torch.Tensor | None = None
-    # every position is real (N == B * S, sel == arange): rows and queries are the inputs' own rows
+    # every position is real (sel == arange(N)): rows and queries are the inputs' own rows, request-major
     packed: bool = False
+    # the leading dims of every layer input: (B, S) batched, (1, N) for a packed forward (plan_packed)
+    shape: tuple[int, int] = (0, 0)
     # what the layers of this forward derive alike from the plan, computed by the first that needs it
     memo: dict[Any, Any] = field(default_factory=dict)
 
@@ -145,6 +156,45 @@ def plan_forward(
         cu_seqlens_q=cu.to(device), seq_lens_k=torch.tensor(new_len, dtype=torch.int32).to(device),
         pad_sel=pad_sel.to(device), pad_row=(pad_sel // S).to(device),
         pad_len=pad_len.to(torch.int32).to(device), n_pad=int(pad_sel.numel()), bias=bias, packed=packed,
+        shape=(B, S),
+    )  # fmt: skip
+
+
+def plan_packed(
+    requests: Sequence[Request],
+    old_len: Sequence[int],
+    n_new: Sequence[int],
+    layout: KVLayout,
+    *,
+    decode: bool,
+    layerwise: bool,
+    device: torch.device,
+) -> ForwardPlan:
+    """The plan of a packed forward: ``n_new[r]`` new tokens of ``requests[r]`` (``old_len[r]`` before it)
+    one after the other in one row ``[1, N]`` (``N = sum(n_new)``), request-major; a request may have none.
+    Its positions are all real: no padding queries, no bias."""
+    R, N = len(requests), sum(n_new)
+    bs, M = layout.block_size, layout.blocks_per_request
+    page, pages = layout.page
+    slots = torch.tensor([r.slot for r in requests], dtype=torch.int64)
+    counts = torch.tensor(list(n_new), dtype=torch.int64)
+    starts = torch.cumsum(counts, 0) - counts  # each request's first row
+    sel = torch.arange(N)
+    row = torch.repeat_interleave(torch.arange(R), counts, output_size=N)
+    pos = torch.tensor(list(old_len), dtype=torch.int64)[row] + sel - starts[row]
+    new_len = [o + n for o, n in zip(old_len, n_new, strict=True)]
+    cu = torch.tensor([0, *itertools.accumulate(n_new)], dtype=torch.int32)
+    table = (slots[:, None] * M + torch.arange(M)[None, :]).to(torch.int32)
+    index_table = (slots[:, None] * pages + torch.arange(pages)[None, :]).to(torch.int32)
+    none = torch.zeros(0, dtype=torch.int64, device=device)
+    slot_of = slots[row]
+    return ForwardPlan(
+        B=R, S=N, requests=list(requests), decode=decode, layerwise=layerwise, old_len=list(old_len),
+        new_len=new_len, sel=sel.to(device), pos=pos.to(device), row=row.to(device),
+        phys=(slot_of * (M * bs) + pos).to(device), block_table=table.to(device),
+        index_table=index_table.to(device), index_phys=(slot_of * (pages * page) + pos).to(device),
+        cu_seqlens_q=cu.to(device), seq_lens_k=torch.tensor(new_len, dtype=torch.int32).to(device),
+        pad_sel=none, pad_row=none, pad_len=none.to(torch.int32), n_pad=0, packed=True, shape=(1, N),
     )  # fmt: skip
 
 
@@ -170,8 +220,8 @@ def check_write(
     f: ForwardPlan, spec: ModelSpec, kv_c: torch.Tensor, k_pe: torch.Tensor, index_k: torch.Tensor | None
 ) -> None:
     """``ValueError`` unless a layer's new rows fit forward ``f``: ``kv_c [B, S, Dc]``, ``k_pe [B, S, Dr]``
-    and, for a model with an indexer, ``index_k [B, S, Di]``."""
-    B, S = f.B, f.S
+    and, for a model with an indexer, ``index_k [B, S, Di]`` (``(B, S)`` is ``f.shape``: ``(1, N)`` packed)."""
+    B, S = f.shape
     if kv_c.shape != (B, S, spec.kv_lora_rank) or k_pe.shape != (B, S, spec.rope_dim):
         raise ValueError(
             f"kvoffload::mla_cache_write: 'kv_c' / 'k_pe' must be [{B}, {S}, {spec.kv_lora_rank}] / "
@@ -195,8 +245,8 @@ def check_queries(
 ) -> None:
     """``ValueError`` unless a layer's queries fit forward ``f``: ``q_nope [B, S, H, Dc]``, ``q_pe [B, S, H,
     Dr]``, ``out`` shaped as ``q_nope``, and for a model with an indexer ``index_q [B, S, Hi, Di]`` with
-    ``index_weights [B, S, Hi]``."""
-    B, S, H = f.B, f.S, spec.num_heads
+    ``index_weights [B, S, Hi]`` (``(B, S)`` is ``f.shape``: ``(1, N)`` packed)."""
+    (B, S), H = f.shape, spec.num_heads
     where = "kvoffload::mla_cache_attention"
     if q_nope.shape != (B, S, H, spec.kv_lora_rank) or q_pe.shape != (B, S, H, spec.rope_dim):
         raise ValueError(

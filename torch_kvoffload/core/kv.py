@@ -41,7 +41,14 @@ import torch
 from torch_kvoffload.core import attention
 from torch_kvoffload.core.backends import Backends, build_backends
 from torch_kvoffload.core.config import OffloadConfig
-from torch_kvoffload.core.forward import ForwardPlan, check_bias, check_queries, check_write, plan_forward
+from torch_kvoffload.core.forward import (
+    ForwardPlan,
+    check_bias,
+    check_queries,
+    check_write,
+    plan_forward,
+    plan_packed,
+)  # fmt: skip
 from torch_kvoffload.core.kv_backend import KVBackend, NewRows, PDRole, Queries
 from torch_kvoffload.core.layout import KVLayout
 from torch_kvoffload.core.requests import Request, RequestTable
@@ -280,15 +287,17 @@ class KVCore:
         self,
         requests: Sequence[Request],
         new_tokens: Sequence[Sequence[int]],
-        new_mask: torch.Tensor,
+        new_mask: torch.Tensor | None = None,
         *,
         padding_queries: bool = True,
         positions: Sequence[Sequence[int] | None] | None = None,
     ) -> ForwardPlan:
-        """Begin a forward of live ``requests`` (one per batch row) whose real new positions are
-        ``new_mask bool [B, S]`` (host, padding anywhere) holding ``new_tokens[b]``; return its plan
-        (``padding_queries=False``: the padding positions' outputs are discarded by the caller, none
-        attends). ``positions[b]``: the model (rotary) positions the model computes ``new_tokens[b]`` at
+        """Begin a forward of live ``requests`` holding ``new_tokens[r]`` each; return its plan. ``new_mask
+        None``: a packed forward, the layers' inputs are the new tokens one after the other in one row ``[1,
+        N]``, request-major (:func:`~torch_kvoffload.core.forward.plan_packed`). Else one batch row per request
+        whose real new positions are ``new_mask bool [B, S]`` (host, padding anywhere;
+        ``padding_queries=False``: the padding positions' outputs are discarded by the caller, none
+        attends). ``positions[r]``: the model (rotary) positions the model computes ``new_tokens[r]`` at
         (``None``: their logical positions; see :attr:`Request.positions`). A backend failing to begin
         ends the ones that began, and the error propagates (no forward is running then)."""
         if self.forward is not None:
@@ -298,10 +307,12 @@ class KVCore:
         n_new = [len(t) for t in new_tokens]
         bias = self.attention_bias  # a biased forward reads every row: the decode attention knows no bias
         if bias is not None:
+            if new_mask is None:
+                raise ValueError("KVCore.begin_forward: an attention_bias needs a batched forward (new_mask)")
             check_bias(bias, new_mask, [o + n for o, n in zip(old_len, n_new, strict=True)])
         # with earlier tokens every padding position sees them: a padded forward is never a decode step
         decode = self.backends.sparse is not None and bias is None and all(old_len)
-        decode = decode and all(n == 1 for n in n_new) and bool(new_mask.all())
+        decode = decode and all(n == 1 for n in n_new) and (new_mask is None or bool(new_mask.all()))
         if decode and not self.keep_prefill_buffers:
             self.drop_prefill_buffers()  # prefill is over: decode runs on the sparse backend alone
         lw = self.backends.layerwise
@@ -319,17 +330,13 @@ class KVCore:
         for b, (r, toks) in enumerate(zip(requests, new_tokens, strict=True)):
             self.requests.extend(r.id, toks)
             r.add_positions(old_len[b], None if positions is None else positions[b])
-        fwd = plan_forward(
-            requests,
-            old_len,
-            new_mask,
-            self.layout,
-            decode=decode,
-            layerwise=layerwise,
-            device=self.spec.device,
-            padding_queries=padding_queries,
-            bias=bias,
-        )
+        where = dict(decode=decode, layerwise=layerwise, device=self.spec.device)
+        if new_mask is None:
+            fwd = plan_packed(requests, old_len, n_new, self.layout, **where)
+        else:
+            fwd = plan_forward(
+                requests, old_len, new_mask, self.layout, **where, padding_queries=padding_queries, bias=bias
+            )
         self.counters.add("forwards")
         self.counters.add("decode_forwards" if decode else "prefill_forwards")
         begun: list[KVBackend] = []
@@ -446,7 +453,7 @@ class KVCore:
         padding before the request's first token) gets zero (see the module docstring)."""
         f = self._running("cache_attention", layer)
         spec = self.spec
-        B, S, H = f.B, f.S, spec.num_heads
+        (B, S), H = f.shape, spec.num_heads
         check_queries(f, spec, q_nope, q_pe, index_q, index_weights, out)
 
         def queries(at: torch.Tensor | None) -> Queries:  # at None: every position (a packed forward)

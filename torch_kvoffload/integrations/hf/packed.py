@@ -99,6 +99,12 @@ class PackedRows:
         once per layout, on the host)."""
         return tuple(t.to(device) for t in self._host_index)
 
+    def take(self, packed: torch.Tensor) -> torch.Tensor:
+        """The segments' tokens of ``packed [rows, width, ...]`` one after the other, in segment order:
+        ``[1, n, ...]`` (``n = sum(lengths)``), the layout of a packed forward of these segments."""
+        _, _, row, tok = self._index(packed.device)
+        return packed[row, tok][None]
+
     def mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """``bool [segments, longest]``: which batch positions hold a real token."""
         return (
@@ -123,10 +129,6 @@ class PackedRows:
         seg, col, row, tok = self._index(batch.device)
         out[row, tok] = batch[seg, col]
         return out
-
-    def last_columns(self) -> torch.Tensor:
-        """``int64 [segments]``: each segment's last batch column (``length - 1``)."""
-        return torch.tensor([n - 1 for n in self.lengths], dtype=torch.int64)
 
     def scatter_last(self, last: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Each segment's last-token output ``last [segments, ...]`` into its packed position of ``out [rows,

@@ -8,10 +8,11 @@ admitted when the scheduler first stores tokens for it (:meth:`admit`: host-pool
 indexer-cache rows reserved) and finished when the scheduler frees its blocks (:meth:`finish`: end,
 cancellation, failure, a reset). A step (:meth:`run_step`) is cut into its segments by
 :class:`~torch_kvoffload.integrations.hf.packed.PackedRows`, the layout packed forwards use too, and runs
-as at most two forwards of the library's attention: every decode row in one batch ``[R, 1]`` (the sparse
-decode path: indexer, residency, only the misses copied), every prefill chunk in one right-padded batch ``[P, longest chunk]`` (layerwise offload when
-configured; a later chunk attends over its request's earlier rows). The logits of each request's last
-token of the step are placed where the step's ``logits_indices`` read them.
+as at most two packed forwards of the library's attention (the segments' tokens one after the other in one
+row, no padding computed): every decode token (the sparse decode path: indexer, residency, only the misses
+copied), then every prefill chunk (layerwise offload when configured; a later chunk attends over its
+request's earlier rows). The logits of each request's last token of the step are placed where the step's
+``logits_indices`` read them.
 
 Sizing (:meth:`plan`): every device cache is sized once for :attr:`slots` requests of
 ``config.serving.max_request_tokens`` tokens; with ``device_kv_budget`` the slots are as many as fit,
@@ -411,23 +412,26 @@ class ServingRequests:
         ids: torch.Tensor,
         logits: torch.Tensor | None,
     ) -> torch.Tensor:
-        """One forward of the library's attention over ``layout``'s segments of the step's ``ids int64 [1,
-        Q]`` (host), segment ``i`` continuing ``requests[i]``, as the right-padded batch ``[segments, longest]``;
-        the logits of each segment's last token go to its packed position in ``logits [1, Q, V]``
-        (allocated when ``None``), which is returned."""
+        """One packed forward of the library's attention over ``layout``'s segments of the step's ``ids int64
+        [1, Q]`` (host), segment ``i`` continuing ``requests[i]``: the segments' tokens one after the other
+        in one row ``[1, n]`` (no padding computed), each at its request's positions; the logits of each
+        segment's last token go to its packed position in ``logits [1, Q, V]`` (allocated when ``None``),
+        which is returned."""
         core, device = self.session.core, self.session.spec.device
-        batch = layout.gather(ids)
-        mask = layout.mask()
-        tokens = [row[:n].tolist() for row, n in zip(batch, layout.lengths, strict=True)]
-        past = torch.tensor([r.length for r in requests])
-        pos = past[:, None] + torch.arange(layout.longest)[None, :]
-        last = layout.last_columns()
-        keep = torch.unique(last)  # the columns whose logits are needed
-        # the padding's outputs are never read: it attends nowhere
-        core.begin_forward(requests, tokens, mask, padding_queries=False)
+        packed = layout.take(ids)  # [1, n]: the segments' tokens, in segment order
+        lengths = torch.tensor(layout.lengths, dtype=torch.int64)
+        tokens = [t.tolist() for t in packed[0].split(layout.lengths)]
+        seg = torch.repeat_interleave(torch.arange(len(requests)), lengths)
+        starts = torch.cumsum(lengths, 0) - lengths
+        past = torch.tensor([r.length for r in requests], dtype=torch.int64)
+        pos = (
+            past[seg] + torch.arange(packed.shape[1]) - starts[seg]
+        )  # each segment at its request's positions
+        keep = starts + lengths - 1  # each segment's last token: only its logits are needed
+        core.begin_forward(requests, tokens)
         try:
             out = model._kvoffload_originals["forward"](
-                input_ids=batch.to(device), position_ids=pos.to(device), use_cache=False,
+                input_ids=packed.to(device), position_ids=pos[None, :].to(device), use_cache=False,
                 logits_to_keep=keep.to(device),
             ).logits  # fmt: skip
         except BaseException:
@@ -436,5 +440,4 @@ class ServingRequests:
         core.end_forward()
         if logits is None:
             logits = out.new_zeros(1, layout.width, out.shape[-1])
-        col = torch.searchsorted(keep, last).to(out.device)
-        return layout.scatter_last(out[torch.arange(len(requests), device=out.device), col], logits)
+        return layout.scatter_last(out[0], logits)

@@ -9,7 +9,7 @@ import socket
 
 import torch
 
-__all__ = ["DTYPE_ALIASES", "check_int", "dtype_name", "free_port", "parse_dtype", "round_up"]
+__all__ = ["DTYPE_ALIASES", "Unchanged", "check_int", "dtype_name", "free_port", "parse_dtype", "round_up"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -89,3 +89,27 @@ def parse_dtype(where: str, value: object, allowed: tuple[torch.dtype, ...] | No
 def dtype_name(dtype: torch.dtype) -> str:
     """Short name of a dtype (``"bf16"``, ``"fp16"``, ``"fp32"``), else torch's own (``"int8"``)."""
     return _SHORT_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+class Unchanged:
+    """Whether a tensor is still the one watched, holding what it held then: by its version counter, or for
+    an inference tensor (made under ``torch.inference_mode``, which keeps no version counter) by its values
+    compared with a copy taken when watched. For state derived once from a caller's tensor and reused while
+    the tensor stays as it was."""
+
+    __slots__ = ("_copy", "_tensor", "_version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+        if tensor.is_inference():
+            self._version, self._copy = -1, tensor.clone()
+        else:
+            self._version, self._copy = tensor._version, None
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """``tensor`` is the watched one and was not modified since."""
+        if tensor is not self._tensor:
+            return False
+        if self._copy is not None:
+            return torch.equal(tensor, self._copy)
+        return tensor._version == self._version

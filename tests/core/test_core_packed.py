@@ -2,8 +2,8 @@
 
 The layout vLLM and transformers' continuous batching drive attention with (cumulative sequence lengths,
 each request's computed length). Every backend serves it: prompts of different lengths, decode steps,
-a chunk next to decode tokens, a request with no new token, packed and batched forwards mixed in one
-sequence. Outputs are checked against the pure-PyTorch reference of ``tests/support/core_driver.py``
+a chunk next to decode tokens (with a sparse backend one forward of two parts: the decode tokens take the
+sparse decode path), a request with no new token, packed and batched forwards mixed in one sequence. Outputs are checked against the pure-PyTorch reference of ``tests/support/core_driver.py``
 (dense causal softmax, or the lightning indexer's top-k when it selects fewer rows than the context).
 One test runs the driver in a fresh interpreter and checks that nothing imported transformers.
 """
@@ -56,7 +56,12 @@ def _sequence(core: KVCore, drv: CoreDriver) -> None:
     for _ in range(3):
         fwd = drv.forward([a, b, c], drv.random_tokens(1, 1, 1), packed=True)
         assert fwd.decode == (core.backends.sparse is not None)
-    drv.forward([b, a, c], drv.random_tokens(4, 1, 1), packed=True)  # a chunk beside decode tokens
+    mixed = core.counters.snapshot()["mixed_forwards"]
+    fwd = drv.forward([b, a, c], drv.random_tokens(4, 1, 1), packed=True)  # a chunk beside decode tokens
+    # with a sparse backend: one forward of two parts, a and c through the decode path, b's chunk the other
+    parts = core.backends.sparse is not None
+    assert [p.request_ids for p in fwd.parts] == ([[a.id, c.id], [b.id]] if parts else [])
+    assert [p.decode for p in fwd.parts] == ([True, False] if parts else [])
     drv.forward([a, b, c], drv.random_tokens(2, 0, 1), packed=True)  # b computes nothing this time
     drv.forward([a, c], drv.random_tokens(1, 1))  # batched, between packed ones
     core.finish([b.id])
@@ -64,6 +69,7 @@ def _sequence(core: KVCore, drv: CoreDriver) -> None:
     drv.forward([c, d, a], drv.random_tokens(1, 6, 1), packed=True)
     drv.forward([a, c, d], drv.random_tokens(1, 1, 1), packed=True)
     assert (a.length, c.length, d.length) == (14, 15, 7)
+    assert core.counters.snapshot()["mixed_forwards"] - mixed == (3 if parts else 0)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

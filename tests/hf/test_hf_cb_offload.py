@@ -102,6 +102,7 @@ def test_generate_batch_equals_per_prompt_generate(name: str) -> None:
     session = session_of(model)
     model.init_continuous_batching(generation_config=_gen(), continuous_batching_config=_cb()).stop()
     log = _StepLog(model)
+    before = session.stats()["forwards"]
     assert _batch(model, prompts) == reference
     steps = log.steps
     assert max(len(s) for s in steps) <= 4 and max(sum(q for _, q in s) for s in steps) <= 16
@@ -113,6 +114,10 @@ def test_generate_batch_equals_per_prompt_generate(name: str) -> None:
     stats = session.stats()
     assert stats["reserved_requests"] == 0 and stats["resident_rows"] == 0, "requests left behind"
     assert (stats["serving_slots"], stats["serving_requests"], stats["serving_steps"]) == (3, 0, len(steps))
+    # one model forward per step, decode tokens and chunks together; with a sparse backend the mixed steps'
+    # forwards run in two parts (the decode tokens through the sparse decode path)
+    assert stats["forwards"] - before == len(steps)
+    assert (stats["mixed_forwards"] > 0) == ("sparse" in config)
     assert not session.serving.is_open
     # the same model generates as before once the manager stopped, and serves a second batch
     assert _reference(model, prompts[:2], _gen()) == reference[:2]

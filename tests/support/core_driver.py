@@ -53,8 +53,8 @@ class CoreDriver:
     ``draw_index`` draws the indexer tensors (``max(Hi, 1)`` heads of ``max(Di, 1)``) even without an
     indexer, keeping the random stream of a spec with one. ``fill`` is the outputs' value before attention
     (``None``: uninitialised); ``padding`` what is checked at padding positions (:data:`Padding`).
-    ``decode_entries`` counts the valid top-k entries of the decode steps (the sparse offload backend's
-    hits + misses).
+    ``decode_entries`` counts the valid top-k entries of the decode steps and of the decode tokens of mixed
+    forwards (the sparse offload backend's hits + misses).
     """
 
     def __init__(
@@ -140,7 +140,9 @@ class CoreDriver:
                 else:
                     rows, q = [t[b] for t in new], [None if t is None else t[b] for t in queries]
                     self._check(layer, r.id, old[b], mask[b], rows, q, out[b])
-                if decode and self.top_k is not None:
+                # a decode token: in a decode step, or in the decode part of a mixed forward
+                stepped = decode or (bool(self.last.parts) and old[b] > 0 and len(tokens[b]) == 1)
+                if stepped and self.top_k is not None:
                     self.decode_entries += min(self.top_k, old[b] + 1)
         return self.last
 

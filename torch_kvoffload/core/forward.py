@@ -4,7 +4,8 @@ Two layouts of a forward's inputs (every layer's rows and queries):
 
 * **packed** (:func:`plan_packed`): the requests' new tokens one after the other, request-major, in one row
   ``[1, N]`` (``cu_seqlens_q`` gives each request's run): the layout vLLM and transformers' continuous
-  batching use. No padding: every position is a real token.
+  batching use. No padding: every position is a real token. A packed forward of decode tokens and prompt
+  chunks together is planned in two parts (:func:`plan_mixed`), each served by its own path.
 * **batched** (:func:`plan_forward`): one batch row per request, ``[B, S]``, with padding.
 
 A batched forward feeds ``S`` positions of ``B`` requests (one per batch row). Row ``b``'s real new tokens are the
@@ -34,7 +35,8 @@ from torch_kvoffload.core.requests import Request
 from torch_kvoffload.core.spec import ModelSpec
 
 __all__ = [
-    "ForwardPlan", "check_bias", "check_queries", "check_write", "plan_forward", "plan_packed", "visible_padding",
+    "ForwardPlan", "check_bias", "check_queries", "check_write", "plan_forward", "plan_mixed", "plan_packed",
+    "visible_padding",
 ]  # fmt: skip
 
 
@@ -70,6 +72,9 @@ class ForwardPlan:
     packed: bool = False
     # the leading dims of every layer input: (B, S) batched, (1, N) for a packed forward (plan_packed)
     shape: tuple[int, int] = (0, 0)
+    # a mixed forward's parts (plan_mixed): each a plan over some of its requests, whose sel index the
+    # whole forward's inputs; empty: the plan is its own only part
+    parts: list[ForwardPlan] = field(default_factory=list)
     # what the layers of this forward derive alike from the plan, computed by the first that needs it
     memo: dict[Any, Any] = field(default_factory=dict)
 
@@ -169,10 +174,13 @@ def plan_packed(
     decode: bool,
     layerwise: bool,
     device: torch.device,
+    rows_at: Sequence[int] | None = None,
+    width: int | None = None,
 ) -> ForwardPlan:
     """The plan of a packed forward: ``n_new[r]`` new tokens of ``requests[r]`` (``old_len[r]`` before it)
     one after the other in one row ``[1, N]`` (``N = sum(n_new)``), request-major; a request may have none.
-    Its positions are all real: no padding queries, no bias."""
+    Its positions are all real: no padding queries, no bias. ``rows_at`` (a part of a mixed forward): the
+    rows' places in a packed row of ``width`` tokens that holds other requests' rows too."""
     R, N = len(requests), sum(n_new)
     bs, M = layout.block_size, layout.blocks_per_request
     page, pages = layout.page
@@ -188,14 +196,50 @@ def plan_packed(
     index_table = (slots[:, None] * pages + torch.arange(pages)[None, :]).to(torch.int32)
     none = torch.zeros(0, dtype=torch.int64, device=device)
     slot_of = slots[row]
-    return ForwardPlan(
+    plan = ForwardPlan(
         B=R, S=N, requests=list(requests), decode=decode, layerwise=layerwise, old_len=list(old_len),
         new_len=new_len, sel=sel.to(device), pos=pos.to(device), row=row.to(device),
         phys=(slot_of * (M * bs) + pos).to(device), block_table=table.to(device),
         index_table=index_table.to(device), index_phys=(slot_of * (pages * page) + pos).to(device),
         cu_seqlens_q=cu.to(device), seq_lens_k=torch.tensor(new_len, dtype=torch.int32).to(device),
-        pad_sel=none, pad_row=none, pad_len=none.to(torch.int32), n_pad=0, packed=True, shape=(1, N),
+        pad_sel=none, pad_row=none, pad_len=none.to(torch.int32), n_pad=0, packed=rows_at is None,
+        shape=(1, N if width is None else width),
     )  # fmt: skip
+    if rows_at is not None:
+        plan.sel = torch.tensor(list(rows_at), dtype=torch.int64).to(device)
+    return plan
+
+
+def plan_mixed(
+    requests: Sequence[Request],
+    old_len: Sequence[int],
+    n_new: Sequence[int],
+    layout: KVLayout,
+    *,
+    layerwise: bool,
+    device: torch.device,
+) -> ForwardPlan | None:
+    """A packed forward (see :func:`plan_packed`) holding both decode tokens (one new token after earlier
+    ones) and other rows, as one plan of two parts: the decode tokens (``decode=True``: the sparse decode
+    step) and the rest (prompts and chunks: ``layerwise`` when asked). ``None`` when the forward holds only
+    one kind. One model forward then serves a continuous-batching step's decode tokens and prompt chunks."""
+    decode = [i for i, (o, n) in enumerate(zip(old_len, n_new, strict=True)) if o > 0 and n == 1]
+    if not decode or len(decode) == len(requests):
+        return None
+    taken = set(decode)
+    rest = [i for i in range(len(requests)) if i not in taken]
+    starts = list(itertools.accumulate(n_new, initial=0))
+
+    def part(idx: list[int], is_decode: bool, lw: bool) -> ForwardPlan:
+        rows_at = [t for i in idx for t in range(starts[i], starts[i + 1])]
+        return plan_packed(
+            [requests[i] for i in idx], [old_len[i] for i in idx], [n_new[i] for i in idx], layout,
+            decode=is_decode, layerwise=lw, device=device, rows_at=rows_at, width=starts[-1],
+        )  # fmt: skip
+
+    whole = plan_packed(requests, old_len, n_new, layout, decode=False, layerwise=layerwise, device=device)
+    whole.parts = [part(decode, True, False), part(rest, False, layerwise)]
+    return whole
 
 
 def check_bias(bias: torch.Tensor, new_mask: torch.Tensor, new_len: list[int]) -> None:

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
-from torch_kvoffload.core import attention
+from torch_kvoffload.core import layer as layer_step
 from torch_kvoffload.core.backends import Backends, build_backends
 from torch_kvoffload.core.config import OffloadConfig
 from torch_kvoffload.core.forward import (
@@ -47,9 +47,10 @@ from torch_kvoffload.core.forward import (
     check_queries,
     check_write,
     plan_forward,
+    plan_mixed,
     plan_packed,
 )  # fmt: skip
-from torch_kvoffload.core.kv_backend import KVBackend, NewRows, PDRole, Queries
+from torch_kvoffload.core.kv_backend import KVBackend, PDRole
 from torch_kvoffload.core.layout import KVLayout
 from torch_kvoffload.core.requests import Request, RequestTable
 from torch_kvoffload.core.spec import ModelSpec
@@ -59,7 +60,14 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["KVCore"]
 
-_COUNTERS = ("forwards", "prefill_forwards", "decode_forwards", "resizes", "failed_forwards")
+_COUNTERS = (
+    "forwards",
+    "prefill_forwards",
+    "decode_forwards",
+    "mixed_forwards",
+    "resizes",
+    "failed_forwards",
+)
 
 
 def _nbytes(tensors) -> int:
@@ -277,6 +285,19 @@ class KVCore:
         r.truncate_positions(length)
 
     # ---------------------------------------------------------------------------------- forwards
+    @property
+    def serves_mixed(self) -> bool:
+        """Whether one packed forward may hold decode tokens (one new token after earlier ones) beside other
+        rows: without a sparse backend every row takes the same path; with one such a forward is planned
+        in two parts (:func:`~torch_kvoffload.core.forward.plan_mixed`: the decode tokens take its decode
+        path), which KVPP and a P/D role (they plan whole forwards) do not take."""
+        b = self.backends
+        return b.sparse is None or (b.kvpp is None and b.role is None)
+
+    def _engaged(self, fwd: ForwardPlan) -> list[tuple[ForwardPlan, KVBackend]]:
+        """``(part, backend)`` of every backend taking part in each part of ``fwd``, in call order."""
+        return [(part, b) for part in layer_step.parts_of(fwd) for b in self._taking_part(part)]
+
     def _taking_part(self, fwd: ForwardPlan) -> list[KVBackend]:
         parts = fwd.memo.get("backends")
         if parts is None:
@@ -331,21 +352,30 @@ class KVCore:
             self.requests.extend(r.id, toks)
             r.add_positions(old_len[b], None if positions is None else positions[b])
         where = dict(decode=decode, layerwise=layerwise, device=self.spec.device)
-        if new_mask is None:
+        mixed = None
+        if new_mask is None and self.backends.sparse is not None and self.serves_mixed:
+            mixed = plan_mixed(
+                requests, old_len, n_new, self.layout, layerwise=layerwise, device=self.spec.device
+            )
+        if mixed is not None:
+            fwd = mixed
+        elif new_mask is None:
             fwd = plan_packed(requests, old_len, n_new, self.layout, **where)
         else:
             fwd = plan_forward(
                 requests, old_len, new_mask, self.layout, **where, padding_queries=padding_queries, bias=bias
             )
         self.counters.add("forwards")
-        self.counters.add("decode_forwards" if decode else "prefill_forwards")
-        begun: list[KVBackend] = []
+        self.counters.add(
+            "mixed_forwards" if fwd.parts else "decode_forwards" if decode else "prefill_forwards"
+        )
+        begun: list[tuple[ForwardPlan, KVBackend]] = []
         try:
-            for b in self._taking_part(fwd):
-                b.begin_forward(fwd)
-                begun.append(b)
+            for part, b in self._engaged(fwd):
+                b.begin_forward(part)
+                begun.append((part, b))
         except BaseException:
-            self._close_failed(fwd, begun)
+            self._close_failed(begun)
             raise
         self.forward = fwd
         return fwd
@@ -357,9 +387,9 @@ class KVCore:
         if fwd is None:
             raise RuntimeError("KVCore.end_forward: no forward is running")
         first: BaseException | None = None
-        for b in reversed(self._taking_part(fwd)):
+        for part, b in reversed(self._engaged(fwd)):
             try:
-                b.end_forward(fwd)
+                b.end_forward(part)
             except BaseException as exc:
                 first = first or exc
         if first is not None:
@@ -369,10 +399,10 @@ class KVCore:
         """Close a forward that raised; the backends' errors are logged (the forward's own is reported)."""
         fwd, self.forward = self.forward, None
         if fwd is not None:
-            self._close_failed(fwd, self._taking_part(fwd))
+            self._close_failed(self._engaged(fwd))
 
-    def _close_failed(self, fwd: ForwardPlan, begun: Sequence[KVBackend]) -> None:
-        for b in reversed(begun):
+    def _close_failed(self, begun: Sequence[tuple[ForwardPlan, KVBackend]]) -> None:
+        for fwd, b in reversed(begun):
             try:
                 b.abort_forward(fwd)
             except Exception as exc:
@@ -383,7 +413,7 @@ class KVCore:
         run again (see :meth:`LayerwiseBackend.retry_caps`; never on a P/D node, whose peer was told of
         the first try)."""
         lw, fwd = self.backends.layerwise, self.forward
-        if lw is None or fwd is None or self.backends.role is not None:
+        if lw is None or fwd is None or self.backends.role is not None or fwd.parts:
             return None
         return lw.retry_caps(fwd, caps, exc)
 
@@ -423,20 +453,8 @@ class KVCore:
         """Keep ``layer``'s new rows of the running forward (``kv_c [B,S,Dc]``, ``k_pe [B,S,Dr]``,
         ``index_k [B,S,Di]`` or ``None``) in every backend that takes part."""
         f = self._running("cache_write", layer)
-        spec = self.spec
-        check_write(f, spec, kv_c, k_pe, index_k)
-
-        def real(t: torch.Tensor, width: int) -> torch.Tensor:  # [N, width]: the real positions' rows
-            flat = t.reshape(-1, width)
-            return flat if f.packed else flat[f.sel]
-
-        rows = NewRows(
-            real(kv_c, spec.kv_lora_rank).to(spec.dtype),
-            real(k_pe, spec.rope_dim).to(spec.dtype),
-            real(index_k, spec.index_head_dim) if index_k is not None and spec.has_indexer else None,
-        )
-        for b in self._taking_part(f):
-            b.write(layer, f, rows)
+        check_write(f, self.spec, kv_c, k_pe, index_k)
+        layer_step.write_rows(layer, f, self.spec, self._taking_part, kv_c, k_pe, index_k)
 
     def cache_attention(
         self,
@@ -452,39 +470,11 @@ class KVCore:
         A padding position attends over its request's real tokens before it; one that sees none (left
         padding before the request's first token) gets zero (see the module docstring)."""
         f = self._running("cache_attention", layer)
-        spec = self.spec
-        (B, S), H = f.shape, spec.num_heads
-        check_queries(f, spec, q_nope, q_pe, index_q, index_weights, out)
-
-        def queries(at: torch.Tensor | None) -> Queries:  # at None: every position (a packed forward)
-            def rows(t: torch.Tensor, *shape: int) -> torch.Tensor:
-                flat = t.reshape(B * S, *shape)
-                return flat if at is None else flat[at]
-
-            iq = iw = None
-            if index_q is not None and index_weights is not None:
-                iq, iw = rows(index_q, *index_q.shape[2:]), rows(index_weights, -1).float()
-            return Queries(rows(q_nope, H, -1), rows(q_pe, H, -1), iq, iw, scale)
-
-        width = max(f.new_len, default=0) if self.attention_probs is not None else None
-        q_pad = queries(f.pad_sel) if f.n_pad else None
-        res, res_pad, probs, probs_pad = attention.attend_layer(
-            layer, f, self._taking_part(f), self._indexer, queries(None if f.packed else f.sel), q_pad, width
-        )
-        flat = out.view(B * S, H, -1)
-        if f.packed:  # every position is a real query: no padding output to clear
-            flat.copy_(res)
-        else:
-            out.zero_()
-            flat.index_copy_(0, f.sel, res.to(out.dtype))
-        if res_pad is not None:
-            flat.index_copy_(0, f.pad_sel, res_pad.to(out.dtype))
-        if self.attention_probs is not None and probs is not None:
-            p = q_nope.new_zeros((B * S, H, probs.shape[-1]), dtype=torch.float32)
-            p.index_copy_(0, f.sel, probs)
-            if probs_pad is not None:
-                p.index_copy_(0, f.pad_sel, probs_pad)
-            self.attention_probs[layer] = p.view(B, S, H, -1)
+        check_queries(f, self.spec, q_nope, q_pe, index_q, index_weights, out)
+        layer_step.attend_queries(
+            layer, f, self.spec, self._taking_part, self._indexer, (q_nope, q_pe, index_q, index_weights),
+            scale, out, self.attention_probs,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------------------ accounting
     def device_kv_bytes(self) -> int:

@@ -26,6 +26,7 @@ import torch
 
 from torch_kvoffload import device as kv_device
 from torch_kvoffload import transfer as kv_transfer
+from torch_kvoffload._utils import Unchanged
 from torch_kvoffload.ops import copy_rows
 from torch_kvoffload.sparse._checks import check_layer, check_tensor, host_ints
 from torch_kvoffload.sparse.host_pool import HostKVPool
@@ -70,9 +71,10 @@ class RowAppender:
         self._keep: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self._pending_publish: list[kv_transfer.TransferEvent] = []  # device path: fence + bytes_d2h
         self._seq = [0] * num_layers  # appends issued per layer (writer and readers alike)
-        # the last append's placement: (request ids, positions tensor, its version, tables version, dst). A
-        # forward appends the same rows to every layer: its later layers reuse the first one's pool rows
-        self._placed: tuple[list[int], torch.Tensor, int, int, torch.Tensor] | None = None
+        # recent appends' placements by positions tensor: (request ids, the positions as watched, tables
+        # version, dst). A forward appends the same rows to every layer (a mixed forward: two sets): its later
+        # layers reuse the first one's pool rows
+        self._placed: dict[int, tuple[list[int], Unchanged, int, torch.Tensor]] = {}
 
     def append(
         self,
@@ -203,20 +205,16 @@ class RowAppender:
         and the same unmodified positions tensor come with unchanged block tables (the next layers of a
         forward: nothing to check or copy again)."""
         tables = self.pool.block_tables
-        last = self._placed
-        if (
-            last is not None
-            and last[1] is positions
-            and last[2] == positions._version
-            and last[3] == tables.version
-            and last[0] == ids
-        ):
-            return last[4]
+        last = self._placed.get(id(positions))
+        if last is not None and last[2] == tables.version and last[0] == ids and last[1].holds(positions):
+            return last[3]
         dst, copies = self._pool_slots(where, ids, positions.to("cpu", torch.int64))
         if copies and self.writer:
             self.counters.count_total("cow_copies", len(copies))
             self._copy_on_write(copies)
-        self._placed = (ids, positions, positions._version, tables.version, dst)
+        if len(self._placed) >= 4:
+            self._placed.clear()
+        self._placed[id(positions)] = (ids, Unchanged(positions), tables.version, dst)
         return dst
 
     def _pool_slots(self, where: str, ids: list[int], pos: torch.Tensor) -> tuple[torch.Tensor, list]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from torch_kvoffload import transfer as kv_transfer
+from torch_kvoffload._utils import Unchanged
 from torch_kvoffload.ops import (
     copy_rows,
     lightning_indexer_manage,
@@ -46,9 +47,9 @@ class HostStep:
     ) -> None:
         self.config, self.pool, self.hot, self.outputs, self.device = config, pool, hot, outputs, device
         self.h2d = kv_transfer.TransferStream("sparse-h2d", device)
-        # the last step's (rows, request ids, stable_len tensor, its version) and their device tensors: every
-        # layer of a forward steps the same rows
-        self._rows_key: tuple | None = None
+        # the last step's (rows, request ids, stable_len as watched) and their device tensors: every layer of
+        # a forward steps the same rows
+        self._rows_key: tuple[list[int], list[int], Unchanged] | None = None
         self._rows_t: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def prepare(
@@ -67,25 +68,16 @@ class HostStep:
         through the returned :class:`PreparedStep`."""
         T, H = q_nope.shape[:2]
         dev = self.device
-        key = (plan.rows, ids, stable, stable._version)
         last = self._rows_key
-        if (
-            last is not None
-            and last[2] is stable
-            and last[3] == key[3]
-            and last[0] == plan.rows
-            and last[1] == ids
-        ):
+        if last is not None and last[0] == plan.rows and last[1] == ids and last[2].holds(stable):
             assert self._rows_t is not None
             rows_t, ids_t, stable = self._rows_t
         else:
+            key = (list(plan.rows), list(ids), Unchanged(stable))
             rows_t = torch.tensor(plan.rows, dtype=torch.int64).to(dev, non_blocking=True)
             ids_t = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
             stable = stable.to(dev, non_blocking=True)
-            self._rows_key, self._rows_t = (
-                (list(plan.rows), list(ids), key[2], key[3]),
-                (rows_t, ids_t, stable),
-            )
+            self._rows_key, self._rows_t = key, (rows_t, ids_t, stable)
         state = self.hot.tables[layer].gather(rows_t)
         out, lse, topk, res = self.outputs.get(layer, T, H, self.hot.top_k, q_nope.dtype)
         self._manage(indexer, state, ids_t, stable, topk, res)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from torch_kvoffload._utils import Unchanged
 from torch_kvoffload.sparse._checks import check_layer, check_scale, check_tensor, host_ints
 from torch_kvoffload.sparse.host_pool import HostKVPool
 
@@ -72,8 +73,8 @@ class CheckedRows:
 
     ``request_ids`` (``T`` ints), ``stable_len int64 [T]`` and ``host_block_table int32 [T, W]`` passed
     the checks of :func:`check_rows` against the indexer's ``cu_seqlens_q`` / ``seq_lens_k``. They stay
-    valid while those tensors are the same objects, unmodified (``versions``: their and the rows'
-    tensors' version counters), and the runtime's requests did not change (``epoch``).
+    valid while those tensors are the same objects, unmodified (``watched``: their and the rows' tensors,
+    see :class:`~torch_kvoffload._utils.Unchanged`), and the runtime's requests did not change (``epoch``).
     """
 
     request_ids: list[int]
@@ -82,13 +83,12 @@ class CheckedRows:
     cu_seqlens_q: torch.Tensor
     seq_lens_k: torch.Tensor
     epoch: int
-    versions: tuple[int, int, int, int]
+    watched: tuple[Unchanged, ...]  # the four tensors above, as checked
 
-    def current_versions(self) -> tuple[int, int, int, int]:
-        return tuple(t._version for t in self._tensors())  # type: ignore[return-value]
-
-    def _tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.stable_len, self.host_block_table, self.cu_seqlens_q, self.seq_lens_k)
+    def unchanged(self) -> bool:
+        """Whether the four tensors are unmodified since they were checked."""
+        tensors = (self.stable_len, self.host_block_table, self.cu_seqlens_q, self.seq_lens_k)
+        return all(w.holds(t) for w, t in zip(self.watched, tensors, strict=True))
 
 
 def check_step(
@@ -154,8 +154,8 @@ def check_rows(
     lens = check_tensor(where, "indexer.seq_lens_k", seq_lens_k, shape=(cu.shape[0] - 1,),
                         dtypes=(torch.int32,), devices=dev)  # fmt: skip
     check_block_coverage(where, pool, ids, host_bt, cu, lens)
-    versions = (stable._version, host_bt._version, cu._version, lens._version)
-    return CheckedRows(ids, stable, host_bt, cu, lens, epoch, versions)
+    watched = tuple(Unchanged(t) for t in (stable, host_bt, cu, lens))
+    return CheckedRows(ids, stable, host_bt, cu, lens, epoch, watched)
 
 
 def check_step_checked(
@@ -189,7 +189,7 @@ def check_step_checked(
             f"{where}: the checked rows were checked with other indexer.cu_seqlens_q / seq_lens_k tensors; "
             "check_rows() them with this step's"
         )
-    if rows.epoch != epoch or rows.current_versions() != rows.versions:
+    if rows.epoch != epoch or not rows.unchanged():
         raise ValueError(
             f"{where}: the checked rows are stale (a request was reserved or released, or their tensors "
             "were modified since check_rows()); check them again"

@@ -7,14 +7,15 @@ style keywords ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (cumulative segment lengths
 flattened ``[1, T]`` row) say the same explicitly; transformers' continuous batching feeds every step that
 way (decode tokens of some requests and prompt chunks of others in one row).
 
-The library's attention follows requests, not masks, so a packed input runs as a batch of its segments, one
-request each. :class:`PackedRows` is that layout, built once for both callers: :func:`packed_forward` (a
-packed forward of the model, no cache) and the continuous-batching step
+The library's attention follows requests, not masks: each segment is one request. :class:`PackedRows` is the
+layout, built once for both callers. The continuous-batching step
 (:meth:`~torch_kvoffload.integrations.hf.serving.ServingRequests.run_step`, each segment continuing its
-request). It moves tokens from the packed ``[B, T]`` input into the right-padded batch ``[segments,
-longest]`` (:meth:`PackedRows.gather`) and per-token outputs back (:meth:`PackedRows.scatter`,
-:meth:`PackedRows.scatter_last`); :func:`packed_forward` returns ``logits`` and ``hidden_states`` packed, and
-a ``loss`` computed from the packed logits and ``labels`` with the model's own loss function.
+request) runs its segments as one packed forward of the KV core (:meth:`PackedRows.take`: the segments'
+tokens one after the other; :meth:`PackedRows.scatter_last`: each segment's last logits back).
+:func:`packed_forward` (a packed forward of the model, no cache) runs them as the right-padded batch
+``[segments, longest]`` of the model's batched path (:meth:`PackedRows.gather`, :meth:`PackedRows.scatter`),
+which also serves ``output_attentions``; it returns ``logits`` and ``hidden_states`` packed, and a ``loss``
+computed from the packed logits and ``labels`` with the model's own loss function.
 """
 
 from __future__ import annotations

@@ -8,10 +8,11 @@ admitted when the scheduler first stores tokens for it (:meth:`admit`: host-pool
 indexer-cache rows reserved) and finished when the scheduler frees its blocks (:meth:`finish`: end,
 cancellation, failure, a reset). A step (:meth:`run_step`) is cut into its segments by
 :class:`~torch_kvoffload.integrations.hf.packed.PackedRows`, the layout packed forwards use too, and runs
-as at most two packed forwards of the library's attention (the segments' tokens one after the other in one
-row, no padding computed): every decode token (the sparse decode path: indexer, residency, only the misses
-copied), then every prefill chunk (layerwise offload when configured; a later chunk attends over its
-request's earlier rows). The logits of each request's last token of the step are placed where the step's
+as one packed forward of the library's attention (the segments' tokens one after the other in one row, no
+padding computed) whose decode tokens take the sparse decode path (indexer, residency, only the misses
+copied) and whose prompt chunks the prefill path (layerwise offload when configured; a later chunk attends
+over its request's earlier rows): :func:`~torch_kvoffload.core.forward.plan_mixed`. With KVPP or a P/D role
+(which plan whole forwards) the decode tokens and the chunks run as two packed forwards instead. The logits of each request's last token of the step are placed where the step's
 ``logits_indices`` read them.
 
 Sizing (:meth:`plan`): every device cache is sized once for :attr:`slots` requests of
@@ -295,8 +296,12 @@ class ServingRequests:
             layout, requests = self._agree_step(step, ids, kwargs["cu_seq_lens_q"])
             decode = [i for i, (_, past, q) in enumerate(step) if past > 0 and q == 1]
             prefill = [i for i, (_, past, q) in enumerate(step) if not (past > 0 and q == 1)]
-            for segments in (decode, prefill):  # decode rows first (the sparse decode path), then prefill
+            # one forward when the core serves decode tokens beside chunks (plan_mixed), else the decode
+            # tokens first (the sparse decode path), then the chunks
+            groups = [decode + prefill] if self.session.core.serves_mixed else [decode, prefill]
+            for segments in groups:
                 if segments:
+                    segments.sort()  # in the step's own order: the forward's row is the step's
                     logits = self._forward_isolating(model, layout, segments, step, requests, ids, logits)
         except (
             Exception

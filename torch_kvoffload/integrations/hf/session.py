@@ -447,7 +447,16 @@ class OffloadSession:
         out = {"device_kv_bytes": self.device_kv_bytes(), "dense_kv_bytes": self.dense_kv_bytes()}
         out.update({k: got.get(k, 0) for k in _BACKEND_KEYS})
         out.update(
-            {k: own[k] for k in ("forwards", "prefill_forwards", "decode_forwards", "failed_forwards")}
+            {
+                k: own[k]
+                for k in (
+                    "forwards",
+                    "prefill_forwards",
+                    "decode_forwards",
+                    "mixed_forwards",
+                    "failed_forwards",
+                )
+            }
         )
         out.update(
             resizes=own["resizes"],

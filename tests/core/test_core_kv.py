@@ -26,7 +26,7 @@ def _spec(indexer: bool) -> ModelSpec:
         model_class="Toy", num_layers=2, kv_lora_rank=DC, rope_dim=DR, qk_nope_head_dim=16, v_head_dim=16,
         num_heads=H, dtype=torch.float32, device=torch.device("cpu"), scale=SCALE, has_indexer=indexer,
         index_topk=64 if indexer else 0, index_head_dim=DI if indexer else 0, index_n_heads=HI if indexer else 0,
-        fingerprint="toy", attention_modules=(), weights_fingerprint="w",
+        fingerprint="toy", weights_fingerprint="w",
     )  # fmt: skip
 
 
@@ -92,7 +92,7 @@ def test_fixed_pools_refuse_growth_before_any_change():
         (a,) = core.admit(1)
         drv = _driver(core)
         drv.forward([a], drv.random_tokens(3))
-        with pytest.raises(ValueError, match="needs 9 tokens per request but 8 were reserved"):
+        with pytest.raises(ValueError, match="need 9 tokens per request but 8 were reserved"):
             core.grow(9)
         assert core.layout.tokens == 8
         core.grow(8)  # what the pool holds: nothing to do

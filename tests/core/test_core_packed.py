@@ -33,7 +33,7 @@ def _spec(indexer: bool, top_k: int = 64) -> ModelSpec:
         model_class="Toy", num_layers=2, kv_lora_rank=DC, rope_dim=DR, qk_nope_head_dim=16, v_head_dim=16,
         num_heads=H, dtype=torch.float32, device=torch.device("cpu"), scale=SCALE, has_indexer=indexer,
         index_topk=top_k if indexer else 0, index_head_dim=DI if indexer else 0,
-        index_n_heads=HI if indexer else 0, fingerprint="toy", attention_modules=(), weights_fingerprint="w",
+        index_n_heads=HI if indexer else 0, fingerprint="toy", weights_fingerprint="w",
     )  # fmt: skip
 
 
@@ -132,7 +132,7 @@ def test_a_packed_batch_runs_without_transformers():
         spec = ModelSpec(
             model_class="Toy", num_layers=2, kv_lora_rank=16, rope_dim=8, qk_nope_head_dim=16, v_head_dim=16,
             num_heads=2, dtype=torch.float32, device=torch.device("cpu"), scale=0.2, has_indexer=True,
-            index_topk=4, index_head_dim=8, index_n_heads=8, fingerprint="toy", attention_modules=(),
+            index_topk=4, index_head_dim=8, index_n_heads=8, fingerprint="toy",
             weights_fingerprint="w",
         )
         core = KVCore(spec, OffloadConfig(sparse={{}}, block_size=4), name="no-hf")

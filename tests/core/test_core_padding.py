@@ -27,7 +27,7 @@ def _spec(indexer: bool) -> ModelSpec:
         model_class="Toy", num_layers=2, kv_lora_rank=DC, rope_dim=DR, qk_nope_head_dim=16, v_head_dim=16,
         num_heads=H, dtype=torch.float32, device=torch.device("cpu"), scale=SCALE, has_indexer=indexer,
         index_topk=TOPK if indexer else 0, index_head_dim=DI if indexer else 0,
-        index_n_heads=HI if indexer else 0, fingerprint="toy", attention_modules=(), weights_fingerprint="w",
+        index_n_heads=HI if indexer else 0, fingerprint="toy", weights_fingerprint="w",
     )  # fmt: skip
 
 

@@ -172,8 +172,9 @@ class KVCore:
         live = list(self.requests)
         if not all(b.can_grow(new, live) for b in self.backends.all):
             raise ValueError(
-                f"OffloadSession: the running sequence needs {tokens} tokens per request but {cur.tokens} "
-                "were reserved; pass max_new_tokens to generate() (or call reserve() before the first forward)"
+                f"KVCore: the live requests need {tokens} tokens per request but {cur.tokens} were reserved, "
+                "and a backend keeps the sizes of the requests' first forward; size() the core for the longest "
+                "request before admitting them"
             )
 
     def grow(self, tokens: int) -> None:

@@ -200,7 +200,7 @@ class KVBackend:
         return []
 
     def stats(self) -> dict[str, float]:
-        """Counters under the names of ``OffloadSession.stats`` (summed over backends)."""
+        """Counters by name (the core sums them over its backends: ``KVCore.backend_stats``)."""
         return {}
 
     def close(self) -> None:

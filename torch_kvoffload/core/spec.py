@@ -45,7 +45,7 @@ class ModelSpec:
     ``kv_lora_rank`` (Dc), ``rope_dim`` (Dr), ``qk_nope_head_dim``, ``v_head_dim``, ``num_heads`` (H: the
     heads this process computes, the local share of ``total_heads`` under tensor parallelism, ``tp``);
     ``index_head_dim`` / ``index_n_heads`` / ``index_topk`` are 0 without an indexer; ``scale`` is the
-    attention softmax scale; ``attention_modules[i]`` is the attention of layer ``i``. ``fingerprint``
+    attention softmax scale. ``fingerprint``
     names the architecture and KV layout; ``weights_fingerprint`` the weights (:func:`weights_fingerprint`,
     taken by :meth:`with_weights`; ``""`` in what a model inspection returns, which reads no weight).
     """
@@ -65,7 +65,6 @@ class ModelSpec:
     index_head_dim: int
     index_n_heads: int
     fingerprint: str
-    attention_modules: tuple[torch.nn.Module, ...] = field(repr=False, compare=False)
     weights_fingerprint: str = ""
     tp: TensorParallel | None = None
     total_heads: int = 0

@@ -232,7 +232,7 @@ class LayerwiseBackend(KVBackend):
         )
         if rows is None:
             raise RuntimeError(
-                f"OffloadSession.truncate: the host store no longer holds block {block} of request {r.id} "
+                f"KVCore.truncate: the host store no longer holds block {block} of request {r.id} "
                 f"(tokens {block * bs}..{(block + 1) * bs - 1}), whose first {part} rows the request keeps; "
                 "raise the store capacity (layerwise.store.capacity_bytes)"
             )
@@ -280,7 +280,7 @@ class LayerwiseBackend(KVBackend):
             if old > 0 and c < full_old:
                 rt.end_forward()
                 raise RuntimeError(
-                    f"OffloadSession: the host store no longer holds blocks of request {r} ({c} of {full_old} "
+                    f"KVCore.begin_forward: the host store no longer holds blocks of request {r} ({c} of {full_old} "
                     "cached tokens found); raise the store capacity (layerwise.store.capacity_bytes)"
                 )
             for p in range(max(c, full_old), old):  # rows of the partial block kept in the tail

@@ -3,8 +3,17 @@ runtimes (``OffloadSession``), supply the cache ``generate`` uses, and replace i
 """
 
 from torch_kvoffload.core.spec import ModelSpec
-from torch_kvoffload.integrations.hf.inspect import inspect_model
+from torch_kvoffload.integrations.hf.inspect import HFModelSpec, inspect_model
 from torch_kvoffload.integrations.hf.install import attach, detach, offload
 from torch_kvoffload.integrations.hf.session import OffloadSession, session_of
 
-__all__ = ["ModelSpec", "OffloadSession", "attach", "detach", "inspect_model", "offload", "session_of"]
+__all__ = [
+    "HFModelSpec",
+    "ModelSpec",
+    "OffloadSession",
+    "attach",
+    "detach",
+    "inspect_model",
+    "offload",
+    "session_of",
+]

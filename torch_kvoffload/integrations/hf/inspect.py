@@ -18,12 +18,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass, field
 
 import torch
 
 from torch_kvoffload.core.spec import ModelSpec, TensorParallel, local_shard
 
-__all__ = ["inspect_model"]
+__all__ = ["HFModelSpec", "inspect_model"]
+
+
+@dataclass(frozen=True)
+class HFModelSpec(ModelSpec):
+    """The :class:`~torch_kvoffload.core.spec.ModelSpec` of a Hugging Face model, with its attention modules
+    (``attention_modules[i]``: layer ``i``'s), which only the integration uses (the KV core never sees a
+    model's modules)."""
+
+    attention_modules: tuple[torch.nn.Module, ...] = field(default=(), repr=False, compare=False)
+
 
 _MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "num_attention_heads")
 _INDEXER_FIELDS = ("index_topk", "index_head_dim", "index_n_heads")
@@ -112,7 +123,7 @@ def _local_heads(model: torch.nn.Module, attn: list[torch.nn.Module], dims: dict
     return heads.pop()
 
 
-def inspect_model(model: torch.nn.Module) -> ModelSpec:
+def inspect_model(model: torch.nn.Module) -> HFModelSpec:
     """Describe ``model``'s MLA attention; ``ValueError`` naming the class and the reason if unsupported."""
     config = getattr(model, "config", None)
     if config is None:
@@ -173,7 +184,7 @@ def inspect_model(model: torch.nn.Module) -> ModelSpec:
     scale = float(getattr(first, "scaling", (dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"]) ** -0.5))
     desc = {"class": type(model).__name__, "layers": len(attn), "dtype": str(param.dtype), **dims, **extra}
     fingerprint = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
-    return ModelSpec(
+    return HFModelSpec(
         model_class=type(model).__name__,
         num_layers=len(attn),
         kv_lora_rank=dims["kv_lora_rank"],

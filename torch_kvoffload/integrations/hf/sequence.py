@@ -87,7 +87,14 @@ class HFSequence:
     def _grow(self, tokens: int) -> None:
         """The running sequence needs ``tokens`` tokens per request (see :meth:`KVCore.grow`): a refusal
         changes nothing; any other failure ends the sequence and drops the caches."""
-        self.core.check_growth(tokens)
+        try:
+            self.core.check_growth(tokens)
+        except ValueError:
+            raise ValueError(
+                f"OffloadSession: the running sequence needs {tokens} tokens per request but "
+                f"{self.core.reserved_tokens} were reserved; pass max_new_tokens to generate() (or call "
+                "reserve() before the first forward)"
+            ) from None
         try:
             self.core.grow(tokens)
         except BaseException:  # e.g. out of memory: the sequence cannot continue

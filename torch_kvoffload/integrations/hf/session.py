@@ -51,7 +51,7 @@ from torch_kvoffload.ops import layer_hooks, mla_runtime
 
 if TYPE_CHECKING:
     from torch_kvoffload.core.config import OffloadConfig
-    from torch_kvoffload.core.spec import ModelSpec
+    from torch_kvoffload.integrations.hf.inspect import HFModelSpec
     from torch_kvoffload.kvpp import KVPPConfig, KVPPRuntime
     from torch_kvoffload.layerwise import LayerwiseOffloadRuntime
     from torch_kvoffload.pd import PDConfig
@@ -93,8 +93,9 @@ class OffloadSession:
 
     Parameters
     ----------
-    spec : ModelSpec
-        With layerwise offload, with the weights' fingerprint (:meth:`ModelSpec.with_weights`): the store
+    spec : HFModelSpec
+        From :func:`~torch_kvoffload.integrations.hf.inspect.inspect_model` (the model's attention modules
+        with it); with layerwise offload, with the weights' fingerprint (:meth:`ModelSpec.with_weights`): the store
         keys carry it, so models of one architecture with other weights never read each other's KV.
     config : OffloadConfig
         Resolved (``None`` fields off). Sparse attention needs ``spec.has_indexer``.
@@ -107,7 +108,7 @@ class OffloadSession:
 
     def __init__(
         self,
-        spec: ModelSpec,
+        spec: HFModelSpec,
         config: OffloadConfig,
         *,
         name: str | None = None,

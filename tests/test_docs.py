@@ -241,6 +241,7 @@ DOCS: dict[str, Doc] = {
     "README.md": Doc(_hf_reader, prints=("'device_kv_bytes'", _EXPLAINED, "kvoffload::copy_rows")),
     "docs/adding-an-op.md": Doc(),
     "docs/compile.md": Doc(_hf_reader, prints=(_EXPLAINED, "'device_kv_bytes'"), slow=True),
+    "docs/core.md": Doc(),
     "docs/device.md": Doc(),
     "docs/disaggregation.md": Doc(
         _pd_reader, close=("receiver", "runtime", "transport", "role", "pool"), peer_timeout_s=_pd_timeout

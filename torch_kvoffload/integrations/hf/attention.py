@@ -274,9 +274,13 @@ def mla_attention_forward(
     q_pe = q_rot.transpose(1, 2)
 
     ops = torch.ops.kvoffload
-    lw, kv = session.layerwise_runtime, session.kvpp_runtime
-    # the hooks and the graph-boundary ops take the layer's caches (declared mutated, for graph order)
+    core = session.core
     traced = torch.compiler.is_compiling()
+    lw, kv = session.layerwise_runtime, session.kvpp_runtime
+    running = core.forward
+    if not traced and running is not None and not running.layerwise:
+        lw = None  # the layerwise hooks do nothing in a forward without the layerwise pipeline (decode steps)
+    # the hooks and the graph-boundary ops take the layer's caches (declared mutated, for graph order)
     caches = session.layer_caches(layer) if lw is not None or kv is not None or traced else []
     if lw is not None:
         ops.layer_wait(lw, layer, caches)
@@ -287,7 +291,6 @@ def mla_attention_forward(
         if layer + 1 < session.spec.num_layers:
             ops.kvpp_prefetch_layer(kv, layer + 1, session.layer_caches(layer + 1))
     out = q_nope.new_empty(B, S, H, Dc)
-    core = session.core
     if traced:  # a graph keeps the ops as nodes; their kernels call the same core methods
         mla_runtime.mla_cache_write(session.name, layer, kv_c, k_pe, index_k, caches)
     else:

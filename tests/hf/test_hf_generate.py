@@ -57,10 +57,17 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_greedy_tokens_equal_unmodified_model(case, batch, reference):
+def test_greedy_tokens_equal_unmodified_model(case, batch, reference, monkeypatch):
     family, cfg = CASES[case]
     ids, mask = batch
     model = torch_kvoffload.offload(build_model(family), OffloadConfig(**cfg, block_size=BS))
+    hooks = []  # (layer, whether the forward runs the layerwise pipeline) of every layerwise hook call
+    lw = session_of(model).core.backends.layerwise
+    if lw is not None:
+        wait = lw.wait_layer
+        monkeypatch.setattr(
+            lw, "wait_layer", lambda layer, caches=None: (hooks.append(lw._pass), wait(layer, caches))
+        )
     got = _generate(model, ids, mask)
     assert torch.equal(got, reference[family])
     s = torch_kvoffload.stats(model)
@@ -69,6 +76,8 @@ def test_greedy_tokens_equal_unmodified_model(case, batch, reference):
         assert s["decode_forwards"] == NEW - 1 and s["misses"] > 0 and s["hits"] > 0
     if "layerwise" in cfg:
         assert s["layer_saves"] > 0
+        # the hooks run in the forwards with the layerwise pipeline only: with sparse, the prompt's alone
+        assert len(hooks) == L * (1 if "sparse" in cfg else NEW) and all(p is not None for p in hooks)
     session_of(model).close()
 
 

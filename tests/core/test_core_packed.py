@@ -17,33 +17,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.core_driver import CoreDriver
+from support.core_driver import CORE_CONFIGS, TOY_SCALE, CoreDriver, toy_spec
 
 from torch_kvoffload.core.config import OffloadConfig
 from torch_kvoffload.core.kv import KVCore
 from torch_kvoffload.core.spec import ModelSpec
 
-DC, DR, H, DI, HI = 16, 8, 2, 8, 8
 BS = 4
-SCALE = (16 + 8) ** -0.5
+SCALE = TOY_SCALE
+DC, DR, DI = 16, 8, 8
+CONFIGS = CORE_CONFIGS
 
 
 def _spec(indexer: bool, top_k: int = 64) -> ModelSpec:
-    return ModelSpec(
-        model_class="Toy", num_layers=2, kv_lora_rank=DC, rope_dim=DR, qk_nope_head_dim=16, v_head_dim=16,
-        num_heads=H, dtype=torch.float32, device=torch.device("cpu"), scale=SCALE, has_indexer=indexer,
-        index_topk=top_k if indexer else 0, index_head_dim=DI if indexer else 0,
-        index_n_heads=HI if indexer else 0, fingerprint="toy", weights_fingerprint="w",
-    )  # fmt: skip
-
-
-CONFIGS = {
-    "layerwise": (False, {"layerwise": {"num_shared_buffers": 1}}),
-    "sparse-offload": (True, {"sparse": {}}),
-    "sparse-resident": (True, {"sparse": {"offload": False}}),
-    "layerwise+sparse": (True, {"layerwise": {}, "sparse": {}}),
-    "layerwise+resident": (True, {"layerwise": {}, "sparse": {"offload": False}}),
-}
+    return toy_spec(indexer, top_k=top_k)
 
 
 def _sequence(core: KVCore, drv: CoreDriver) -> None:
@@ -125,20 +112,15 @@ def test_a_packed_batch_runs_without_transformers():
         import sys
         sys.path.insert(0, {str(tests)!r})
         import torch
-        from support.core_driver import CoreDriver
+        from support.core_driver import CORE_CONFIGS, TOY_SCALE, CoreDriver, toy_spec
         from torch_kvoffload.core.config import OffloadConfig
         from torch_kvoffload.core.kv import KVCore
-        from torch_kvoffload.core.spec import ModelSpec
-        spec = ModelSpec(
-            model_class="Toy", num_layers=2, kv_lora_rank=16, rope_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-            num_heads=2, dtype=torch.float32, device=torch.device("cpu"), scale=0.2, has_indexer=True,
-            index_topk=4, index_head_dim=8, index_n_heads=8, fingerprint="toy",
-            weights_fingerprint="w",
-        )
+        from support.core_driver import toy_spec
+        spec = toy_spec(True, top_k=4)
         core = KVCore(spec, OffloadConfig(sparse={{}}, block_size=4), name="no-hf")
         core.size(2, 16)
         a, b = core.admit(2)
-        drv = CoreDriver(core, scale=0.2, seed=0, positive_index=True)
+        drv = CoreDriver(core, scale=spec.scale, seed=0, positive_index=True)
         drv.forward([a, b], drv.random_tokens(6, 3), packed=True)
         for _ in range(3):
             assert drv.forward([a, b], drv.random_tokens(1, 1), packed=True).decode

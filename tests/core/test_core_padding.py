@@ -10,35 +10,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.core_driver import CoreDriver
+from support.core_driver import CORE_CONFIGS, TOY_SCALE, CoreDriver, toy_spec
 
 from torch_kvoffload.core.config import OffloadConfig
 from torch_kvoffload.core.forward import visible_padding
 from torch_kvoffload.core.kv import KVCore
 from torch_kvoffload.core.spec import ModelSpec
 
-DC, DR, H, DI, HI = 16, 8, 2, 8, 8
 BS, TOPK = 4, 5
-SCALE = (16 + 8) ** -0.5
+SCALE = TOY_SCALE
 
 
 def _spec(indexer: bool) -> ModelSpec:
-    return ModelSpec(
-        model_class="Toy", num_layers=2, kv_lora_rank=DC, rope_dim=DR, qk_nope_head_dim=16, v_head_dim=16,
-        num_heads=H, dtype=torch.float32, device=torch.device("cpu"), scale=SCALE, has_indexer=indexer,
-        index_topk=TOPK if indexer else 0, index_head_dim=DI if indexer else 0,
-        index_n_heads=HI if indexer else 0, fingerprint="toy", weights_fingerprint="w",
-    )  # fmt: skip
+    return toy_spec(indexer, top_k=TOPK)
 
 
-CONFIGS = {
-    "layerwise": (False, {"layerwise": {"num_shared_buffers": 1}}),
-    "layerwise-indexed": (True, {"layerwise": {}}),
-    "sparse-offload": (True, {"sparse": {}}),
-    "sparse-resident": (True, {"sparse": {"offload": False}}),
-    "layerwise+sparse": (True, {"layerwise": {}, "sparse": {}}),
-    "layerwise+resident": (True, {"layerwise": {}, "sparse": {"offload": False}}),
-}
+CONFIGS = {**CORE_CONFIGS, "layerwise-indexed": (True, {"layerwise": {}})}
 
 
 def _driver(core: KVCore, seed: int = 0) -> CoreDriver:

@@ -13,6 +13,31 @@ from typing import Literal
 import torch
 
 from torch_kvoffload.core.kv import KVCore
+from torch_kvoffload.core.spec import ModelSpec
+
+#: The toy model of the core tests: latent 16, rope 8, 2 heads, indexer keys of 8, 2 layers.
+TOY_SCALE = (16 + 8) ** -0.5
+
+#: Every single-process backend combination: name -> (the model needs an indexer, OffloadConfig fields).
+CORE_CONFIGS = {
+    "layerwise": (False, {"layerwise": {"num_shared_buffers": 1}}),
+    "sparse-offload": (True, {"sparse": {}}),
+    "sparse-resident": (True, {"sparse": {"offload": False}}),
+    "layerwise+sparse": (True, {"layerwise": {}, "sparse": {}}),
+    "layerwise+resident": (True, {"layerwise": {}, "sparse": {"offload": False}}),
+}
+
+
+def toy_spec(indexer: bool, *, top_k: int, index_heads: int = 8) -> ModelSpec:
+    """The toy model's spec (no model behind it), with a lightning indexer of ``index_heads`` heads selecting
+    ``top_k`` rows when ``indexer``."""
+    return ModelSpec(
+        model_class="Toy", num_layers=2, kv_lora_rank=16, rope_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        num_heads=2, dtype=torch.float32, device=torch.device("cpu"), scale=TOY_SCALE, has_indexer=indexer,
+        index_topk=top_k if indexer else 0, index_head_dim=8 if indexer else 0,
+        index_n_heads=index_heads if indexer else 0, fingerprint="toy", weights_fingerprint="w",
+    )  # fmt: skip
+
 
 #: What the driver checks at a padding position: nothing, that it is zero when it sees no real token, or
 #: (``"check"``) also that it attends over its request's real tokens before it like a real token there.

@@ -37,8 +37,13 @@ from typing import Any, Protocol
 import torch
 import torch.fx as fx
 
-from torch_kvoffload.passes import OffloadPassManager, PassContext, PassReport, analyze_graph
-from torch_kvoffload.passes._graph import CACHE_INPUTS_KEY
+from torch_kvoffload.passes import (
+    CACHE_INPUTS_KEY,
+    OffloadPassManager,
+    PassContext,
+    PassReport,
+    analyze_graph,
+)
 
 logger = logging.getLogger(__name__)
 

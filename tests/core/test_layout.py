@@ -56,6 +56,40 @@ def test_threads_outside_the_transfer_interface_say_why(path: Path) -> None:
         )
 
 
+#: The top-level package's own private modules, shared by every subpackage (helpers, the extension loader).
+SHARED_PRIVATE = ("torch_kvoffload._utils", "torch_kvoffload._extension", "torch_kvoffload._version")
+
+
+def _private_imports(path: Path) -> list[str]:
+    """What ``path`` imports by a private name (a module or name starting with ``_``) from another
+    subpackage of ``torch_kvoffload`` (the shared private modules of the top-level package aside)."""
+    rel = path.relative_to(PACKAGE).parts
+    own = rel[0] if len(rel) > 1 else None
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (
+            isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch_kvoffload.")
+        ):
+            continue
+        if node.module.startswith(SHARED_PRIVATE):
+            continue
+        parts = node.module.split(".")
+        if parts[1] == own:
+            continue
+        private = any(p.startswith("_") for p in parts[1:]) or any(a.name.startswith("_") for a in node.names)
+        if private:
+            found.append(f"from {node.module} import {', '.join(a.name for a in node.names)}")
+    return found
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_private_name_is_imported_across_packages(path: Path) -> None:
+    assert not _private_imports(path), (
+        f"{path.relative_to(ROOT)} imports private names of another package: {_private_imports(path)}; "
+        "that package exports what others use"
+    )
+
+
 def _layout_entries() -> set[str]:
     """The paths the README's Layout section names under ``torch_kvoffload/``."""
     readme = (ROOT / "README.md").read_text()

@@ -53,7 +53,7 @@ from torch_kvoffload.counters import Counters
 from torch_kvoffload.kvpp.allocation import KVPPAllocation
 from torch_kvoffload.kvpp.blocks import BlockTables, block_runs, forward_digest
 from torch_kvoffload.kvpp.transport import BroadcastTransport
-from torch_kvoffload.ops._hook_registry import sync_copies
+from torch_kvoffload.ops import sync_copies
 from torch_kvoffload.ops.kvpp import runtimes
 from torch_kvoffload.transfer import TransferError, TransferEvent, record_compute_event
 

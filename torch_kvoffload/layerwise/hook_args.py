@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from torch_kvoffload.layerwise.allocation import LayerBuffers
-from torch_kvoffload.ops._hook_registry import sync_copies
+from torch_kvoffload.ops import sync_copies
 
 __all__ = ["check_caches", "check_layer", "sync_caches"]
 

@@ -8,6 +8,8 @@ accelerators present (CUDA; Ascend through triton-ascend) when ``triton`` import
 import logging as _logging
 
 from torch_kvoffload.ops import copy, indexer, kvpp, layer_hooks, mla_runtime, residency, sparse_attention
+from torch_kvoffload.ops._checks import unaliased_source
+from torch_kvoffload.ops._hook_registry import sync_copies
 from torch_kvoffload.ops._registry import (
     OpInfo,
     format_registered_ops,
@@ -76,5 +78,7 @@ __all__ = [
     "scatter_copy_sparse_mla_attention",
     "sparse_attention",
     "sparse_mla_attention",
+    "sync_copies",
     "triton_kernel",
+    "unaliased_source",
 ]

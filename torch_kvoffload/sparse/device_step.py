@@ -208,7 +208,7 @@ class DeviceStep:
 
     def _copy_and_attend(self, layer, q_nope, q_pe, scale, bt, hot_kv, hot_pe, offset, res, out, lse):
         """Steps 5–7 with the unchecked Copy-SFA launch; returns the rows copied (an int64 device scalar)."""
-        from torch_kvoffload.ops._checks import unaliased_source
+        from torch_kvoffload.ops import unaliased_source
         from torch_kvoffload.ops.triton.sparse_attention import launch_scatter_copy_sparse_mla_attention
 
         miss_slots, slots = res.miss_slots, res.slots

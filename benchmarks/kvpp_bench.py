@@ -19,7 +19,7 @@
 The compute workload is a plain stand-in for attention, not a model: per layer, each request gathers its
 cached rows through its block table and the hidden state goes through a few matmuls with them
 (``--compute-reps`` sets how much compute a layer has to hide a broadcast behind). The KVPP runtime is
-driven directly (``KVPPConfig.build_runtime``, ``begin_forward`` / ``wait_layer`` /
+driven directly (``build_kvpp_runtime``, ``begin_forward`` / ``wait_layer`` /
 ``end_forward``). Prints tables and writes ``benchmarks/results/kvpp_bench.json``.
 """
 
@@ -44,6 +44,7 @@ from torch_kvoffload.kvpp import (
     KVPPPlan,
     assign_owners,
     block_runs,
+    build_kvpp_runtime,
     create_kvpp_group,
 )
 
@@ -173,7 +174,7 @@ def _traffic_worker(
     group = create_kvpp_group(dp=1, pp=1, pcp=1, tp=world, device=torch.device("cpu"))
     cfg = KVPPConfig(enable_kvpp=True, tp_size=world, attention="sfa", wait_timeout_s=120)
     spec = BundleSpec.mla(16, 512, 64, torch.bfloat16, index_dim=128, index_dtype=torch.bfloat16)
-    rt = cfg.build_runtime(group, dict.fromkeys(range(num_layers), spec), num_blocks=num_blocks)
+    rt = build_kvpp_runtime(cfg, group, dict.fromkeys(range(num_layers), spec), num_blocks=num_blocks)
     sched = rt.scheduler
     hidden = 512  # = kv_lora_rank: the stand-in works in latent space
     weights = [

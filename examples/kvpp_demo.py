@@ -4,7 +4,7 @@
     python examples/kvpp_demo.py --tp 4     # TP 4 (4 processes)
     python examples/kvpp_demo.py --tp 2 --pp 2
 
-Each rank builds its KVPP runtime with ``KVPPConfig.build_runtime``: it owns a contiguous range of its
+Each rank builds its KVPP runtime with ``build_kvpp_runtime``: it owns a contiguous range of its
 pipeline stage's layers, keeps only those (plus the local MTP layer) persistently, and receives the others
 into two scratch buffers. It then serves a script of prefill / decode / chunked-prefill steps: before
 every layer of a forward with history the layer's owner broadcasts the blocks the forward reads (the
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from torch_kvoffload._utils import free_port
-from torch_kvoffload.kvpp import BundleSpec, KVPPConfig, create_kvpp_group
+from torch_kvoffload.kvpp import BundleSpec, KVPPConfig, build_kvpp_runtime, create_kvpp_group
 from torch_kvoffload.ops import kvpp_wait_layer
 
 BLOCK_SIZE = 4
@@ -132,7 +132,8 @@ def worker(
         wait_timeout_s=60,
     )
     name = f"kvpp-demo-{rank}"
-    rt = cfg.build_runtime(
+    rt = build_kvpp_runtime(
+        cfg,
         group,
         dict.fromkeys(layers, SPEC),
         num_blocks=num_blocks_needed(batches) + spare,

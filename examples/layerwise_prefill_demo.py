@@ -19,6 +19,7 @@ from torch_kvoffload.layerwise import (
     LayerwiseConfig,
     TensorSpec,
     allocate_layer_buffers,
+    build_layerwise_runtime,
     plan_layer_buffers,
 )
 
@@ -77,7 +78,7 @@ def main() -> None:
         model_id="toy-mla",
     )
     model = ToyMLA()
-    rt = cfg.build_runtime(model.specs(), device="cpu")
+    rt = build_layerwise_runtime(cfg, model.specs(), device="cpu")
     plan, bufs = rt.plan, rt.buffers
 
     g = torch.Generator().manual_seed(1)

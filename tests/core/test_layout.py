@@ -90,6 +90,29 @@ def test_no_private_name_is_imported_across_packages(path: Path) -> None:
     )
 
 
+def _config_methods_building_runtimes(path: Path) -> list[str]:
+    """Methods of the configuration models in ``path`` (classes based on ``ConfigModel``) that build a
+    runtime: named ``build*`` or ``*runtime*``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef) and any(getattr(b, "id", "") == "ConfigModel" for b in node.bases):
+            found += [
+                f"{node.name}.{f.name}"
+                for f in node.body
+                if isinstance(f, ast.FunctionDef) and (f.name.startswith("build") or "runtime" in f.name)
+            ]
+    return found
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_configs_are_data(path: Path) -> None:
+    """A configuration describes; the feature's package builds its runtime from it."""
+    assert not _config_methods_building_runtimes(path), (
+        f"{path.relative_to(ROOT)}: {_config_methods_building_runtimes(path)} build runtimes; a config is data "
+        "(build the runtime in the feature's package, e.g. build_layerwise_runtime(config, ...))"
+    )
+
+
 def _layout_entries() -> set[str]:
     """The paths the README's Layout section names under ``torch_kvoffload/``."""
     readme = (ROOT / "README.md").read_text()

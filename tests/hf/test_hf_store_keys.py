@@ -14,10 +14,11 @@ pytest.importorskip("transformers")
 from support.hf_models import build_model, left_padded_batch
 
 import torch_kvoffload
+from torch_kvoffload.core.backends import layerwise as layerwise_backend
 from torch_kvoffload.core.spec import weights_fingerprint
 from torch_kvoffload.integrations.hf import session_of
 from torch_kvoffload.integrations.hf.inspect import inspect_model
-from torch_kvoffload.store import LocalKVStore, StoreConfig, parse_layer_block_key
+from torch_kvoffload.store import LocalKVStore, parse_layer_block_key
 
 BS = 8
 NEW = 6
@@ -31,7 +32,7 @@ def _generate(model, ids, new=NEW):
 def shared_store(monkeypatch):
     """One LocalKVStore every session of the test builds its store as (a pool several models share)."""
     store = LocalKVStore(64 << 20)
-    monkeypatch.setattr(StoreConfig, "build", lambda self: store)
+    monkeypatch.setattr(layerwise_backend, "build_store", lambda config: store)
     return store
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from torch_kvoffload._utils import round_up
-from torch_kvoffload.kvpp import BundleSpec, KVPPConfig, KVPPGroup
+from torch_kvoffload.kvpp import BundleSpec, KVPPConfig, KVPPGroup, build_kvpp_runtime
 from torch_kvoffload.ops.kvpp import runtimes
 
 
@@ -117,7 +117,7 @@ def test_more_bad_combinations(fields: dict, message: str) -> None:
         KVPPConfig(enable_kvpp=True, tp_size=2, **fields)
 
 
-# -------------------------------------------------------------------------------------- build_runtime
+# --------------------------------------------------------------------------------- build_kvpp_runtime
 
 MIB2 = 2 * 1024 * 1024
 
@@ -229,7 +229,7 @@ def test_build_runtime_refuses_what_it_cannot_build(cfg, group, kwargs, error, m
     args = {"bundles": dict.fromkeys(range(3), _spec()), "available_bytes": 8 * MIB2, **kwargs}
     names = runtimes.names()
     with pytest.raises(error, match=message):
-        cfg.build_runtime(group, args.pop("bundles"), args.pop("available_bytes"), name="never", **args)
+        build_kvpp_runtime(cfg, group, args.pop("bundles"), args.pop("available_bytes"), name="never", **args)
     assert runtimes.names() == names
 
 
@@ -255,8 +255,8 @@ def test_build_runtime_consumes_every_field(rank: int) -> None:
     spec = _spec(index=True)
     bundle = 4 * (16 + 8 + 8) * 4  # block_size x (c_kv + k_pe + index_k) x fp32
     available = 12 * MIB2 + 12345
-    rt = cfg.build_runtime(
-        _group(2, rank), dict.fromkeys(range(5), spec), available, draft_bundles={5: spec}, name="cfg-rt"
+    rt = build_kvpp_runtime(
+        cfg, _group(2, rank), dict.fromkeys(range(5), spec), available, draft_bundles={5: spec}, name="cfg-rt"
     )
     try:
         assert runtimes.get("cfg-rt") is rt.scheduler and rt.name == "cfg-rt"
@@ -268,10 +268,12 @@ def test_build_runtime_consumes_every_field(rank: int) -> None:
         assert rt.scheduler.wait_timeout == 7.5 and rt.scheduler.max_runs == 3
         assert [t.shape for t in rt.caches(4)] == [(expected, 4, 16), (expected, 4, 8), (expected, 4, 8)]
         with pytest.raises(ValueError, match="'cfg-rt' is already registered"):
-            cfg.build_runtime(_group(2, rank), dict.fromkeys(range(5), spec), num_blocks=2, name="cfg-rt")
+            build_kvpp_runtime(
+                cfg, _group(2, rank), dict.fromkeys(range(5), spec), num_blocks=2, name="cfg-rt"
+            )
     finally:
         rt.close()
     assert "cfg-rt" not in runtimes.names()
-    rt = cfg.build_runtime(_group(2, rank), dict.fromkeys(range(5), spec), num_blocks=9)
+    rt = build_kvpp_runtime(cfg, _group(2, rank), dict.fromkeys(range(5), spec), num_blocks=9)
     assert rt.allocation.num_blocks == 9 and rt.name is None
     rt.close()

@@ -10,6 +10,7 @@ from torch_kvoffload.layerwise import (
     LayerwiseConfig,
     TensorSpec,
     allocate_layer_buffers,
+    build_layerwise_runtime,
     plan_layer_buffers,
 )
 
@@ -241,7 +242,7 @@ def test_config_defaults_and_parse() -> None:
 
 def test_config_builds_a_runtime() -> None:
     cfg = LayerwiseConfig(num_shared_buffers=2, independent_layers=[0, -1], store={"capacity_bytes": 1 << 20})
-    rt = cfg.build_runtime([_spec() for _ in range(6)], device="cpu")
+    rt = build_layerwise_runtime(cfg, [_spec() for _ in range(6)], device="cpu")
     try:
         assert rt.plan.num_physical_buffers == 4 and rt.plan.independent_layers == (0, 5)
         assert rt.store.capacity_bytes == 1 << 20 and rt.prefetch_depth == 2
@@ -249,7 +250,7 @@ def test_config_builds_a_runtime() -> None:
     finally:
         rt.close()
     with pytest.raises(ValueError, match="independent_layers"):
-        LayerwiseConfig(independent_layers=[9]).build_runtime([_spec()] * 4, device="cpu")
+        build_layerwise_runtime(LayerwiseConfig(independent_layers=[9]), [_spec()] * 4, device="cpu")
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,8 @@ import torch
 from support.memcache_fake import memcache_store
 from support.mooncake import mooncake_client, mooncake_missing
 
-from torch_kvoffload.store import KVStore, LocalKVStore, RecordLayout, StoreConfig
+from torch_kvoffload.core.backends import layerwise as layerwise_backend
+from torch_kvoffload.store import KVStore, LocalKVStore, RecordLayout
 from torch_kvoffload.store.integrity import TRAILER_BYTES
 
 _MOONCAKE_MISSING = mooncake_missing()
@@ -285,7 +286,7 @@ def test_hf_damaged_local_records_are_recomputed(hf, monkeypatch):
     import torch_kvoffload
 
     shared = LocalKVStore(64 << 20)
-    monkeypatch.setattr(StoreConfig, "build", lambda self: shared)
+    monkeypatch.setattr(layerwise_backend, "build_store", lambda config: shared)
     prompt, _ = hf.left_padded_batch([29], seed=11)  # 3 full blocks looked up on a second request
     want = _generate(hf.build_model("deepseek_v3"), prompt)
     model = torch_kvoffload.offload(hf.build_model("deepseek_v3"), {"layerwise": {}, "block_size": BS})
@@ -315,7 +316,7 @@ def test_hf_failed_lookup_is_a_miss_counted_in_stats(hf, monkeypatch):
     from torch_kvoffload.store import StoreError
 
     shared = LocalKVStore(64 << 20)
-    monkeypatch.setattr(StoreConfig, "build", lambda self: shared)
+    monkeypatch.setattr(layerwise_backend, "build_store", lambda config: shared)
     prompt, _ = hf.left_padded_batch([29], seed=14)
     want = _generate(hf.build_model("deepseek_v32"), prompt)
     model = torch_kvoffload.offload(hf.build_model("deepseek_v32"), {"layerwise": {}, "block_size": BS})
@@ -347,7 +348,7 @@ def test_hf_remote_store_failure_and_damage_are_recomputed(hf, fake, monkeypatch
     import torch_kvoffload
 
     remote = memcache_store(64 << 20)
-    monkeypatch.setattr(StoreConfig, "build", lambda self: remote)
+    monkeypatch.setattr(layerwise_backend, "build_store", lambda config: remote)
     prompt, _ = hf.left_padded_batch([29], seed=12)
     want = _generate(hf.build_model("deepseek_v3"), prompt)
     model = torch_kvoffload.offload(hf.build_model("deepseek_v3"), {"layerwise": {}, "block_size": BS})

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from support.kvpp_helpers import small_spec as spec
-from torch_kvoffload.kvpp import KVPPConfig, create_kvpp_group
+from torch_kvoffload.kvpp import KVPPConfig, build_kvpp_runtime, create_kvpp_group
 from torch_kvoffload.ops.kvpp import kvpp_prefetch_layer, kvpp_wait_layer
 
 BLOCK_SIZE = 4
@@ -204,7 +204,8 @@ def kvpp_worker(rank: int, world: int, tp: int, pp: int, num_layers: int, out: s
         wait_timeout_s=60,
     )
     name = f"kvpp-test-{rank}"
-    rt = cfg.build_runtime(
+    rt = build_kvpp_runtime(
+        cfg,
         group,
         dict.fromkeys(layers, spec()),
         num_blocks=NUM_BLOCKS,
@@ -256,8 +257,8 @@ def kvpp_worker(rank: int, world: int, tp: int, pp: int, num_layers: int, out: s
 
     if extra:
         # ranks that disagree on the block count refuse to run, naming what differs
-        bad = cfg.build_runtime(
-            group, dict.fromkeys(layers, spec()), num_blocks=NUM_BLOCKS + group.local_rank
+        bad = build_kvpp_runtime(
+            cfg, group, dict.fromkeys(layers, spec()), num_blocks=NUM_BLOCKS + group.local_rank
         )
         try:
             bad.scheduler.begin_forward(False)
@@ -332,8 +333,8 @@ def _good_forward(rt, name: str, tables: list[list[int]]) -> list[str]:
 def _agreement_runtime(group, rank: int, wait_timeout: float, tag: str):
     cfg = KVPPConfig(enable_kvpp=True, tp_size=group.size, attention="sfa", wait_timeout_s=wait_timeout)
     name = f"kvpp-{tag}-{rank}"
-    rt = cfg.build_runtime(
-        group, dict.fromkeys(range(AGREEMENT_LAYERS), spec()), num_blocks=NUM_BLOCKS, name=name
+    rt = build_kvpp_runtime(
+        cfg, group, dict.fromkeys(range(AGREEMENT_LAYERS), spec()), num_blocks=NUM_BLOCKS, name=name
     )
     for layer in rt.plan.owned:
         for n, v in rt.views(layer).items():

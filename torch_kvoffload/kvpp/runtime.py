@@ -1,4 +1,4 @@
-"""A rank's KVPP runtime: its plan, allocation and scheduler, assembled by :meth:`KVPPConfig.build_runtime`."""
+"""A rank's KVPP runtime: its plan, allocation and scheduler, assembled by :func:`~torch_kvoffload.kvpp.build.build_kvpp_runtime`."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def assemble_runtime(
 ) -> KVPPRuntime:
     """Plan, allocate and schedule one rank's runtime.
 
-    The arguments are those :meth:`~torch_kvoffload.kvpp.KVPPConfig.build_runtime` checked (call that:
+    The arguments are those :func:`~torch_kvoffload.kvpp.build.build_kvpp_runtime` checked (call that:
     it validates them against the config first); ``max_runs`` and ``wait_timeout`` are the config's
     ``max_broadcast_runs`` and ``wait_timeout_s``.
     """
@@ -92,7 +92,7 @@ def assemble_runtime(
         num_blocks = plan.group_num_blocks(available_bytes, group.size)
         if num_blocks < 1:
             raise ValueError(
-                f"KVPPConfig.build_runtime: available_bytes={available_bytes} holds no block "
+                f"build_kvpp_runtime: available_bytes={available_bytes} holds no block "
                 f"({plan.bytes_per_block} bytes per block on this rank, plus 2 MiB-aligned scratch)"
             )
     allocation = KVPPAllocation(plan, bundles, num_blocks, device, draft_bundles)

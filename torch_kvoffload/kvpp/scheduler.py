@@ -71,7 +71,7 @@ class KVPPScheduler:
     transport : broadcasts over the group (:class:`BroadcastTransport` or anything with its interface:
         ``group``, ``device``, ``broadcast``, ``all_gather_object``, ``exchange``, ``close``). Its
         ``device`` says what a wait does: host blocking on CPU, a compute-stream wait on an accelerator.
-        It bounds its own collectives (``BroadcastTransport(timeout=...)``; :meth:`KVPPConfig.build_runtime`
+        It bounds its own collectives (``BroadcastTransport(timeout=...)``; :func:`~torch_kvoffload.kvpp.build.build_kvpp_runtime`
         passes ``wait_timeout_s``).
     name : if given, register in :data:`torch_kvoffload.ops.kvpp.runtimes` under this name for
         ``torch.ops.kvoffload.kvpp_*``; unregistered by :meth:`close`.

@@ -5,6 +5,7 @@ registered by name in :data:`torch_kvoffload.ops.layer_hooks.runtimes`.
 """
 
 from torch_kvoffload.layerwise.allocation import LayerBuffers, allocate_layer_buffers
+from torch_kvoffload.layerwise.build import build_layerwise_runtime
 from torch_kvoffload.layerwise.config import LayerwiseConfig
 from torch_kvoffload.layerwise.planner import LayerBufferPlan, LayerCacheSpec, TensorSpec, plan_layer_buffers
 from torch_kvoffload.layerwise.runtime import (
@@ -27,5 +28,6 @@ __all__ = [
     "StoreMissError",
     "TensorSpec",
     "allocate_layer_buffers",
+    "build_layerwise_runtime",
     "plan_layer_buffers",
 ]

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-import torch
 from pydantic import Field, StrictInt, field_validator
 
 from torch_kvoffload.config import ConfigModel
-from torch_kvoffload.store.base import KVStore
 from torch_kvoffload.store.factory import StoreConfig
-
-if TYPE_CHECKING:
-    from torch_kvoffload.layerwise.planner import LayerCacheSpec
-    from torch_kvoffload.layerwise.runtime import LayerwiseOffloadRuntime
 
 __all__ = ["LayerwiseConfig"]
 
@@ -48,26 +41,3 @@ class LayerwiseConfig(ConfigModel):
         if isinstance(v, list) and len(set(v)) != len(v):
             raise ValueError(f"independent_layers: layers must be distinct, got {v}")
         return v
-
-    def build_runtime(
-        self,
-        specs: Sequence[LayerCacheSpec],
-        *,
-        device: torch.device | str | None = None,
-        store: KVStore | None = None,
-    ) -> LayerwiseOffloadRuntime:
-        """Plan, allocate and start a runtime for ``specs``; the store is built from ``self.store``
-        unless one is given."""
-        from torch_kvoffload.layerwise.allocation import allocate_layer_buffers
-        from torch_kvoffload.layerwise.planner import plan_layer_buffers
-        from torch_kvoffload.layerwise.runtime import LayerwiseOffloadRuntime
-
-        plan = plan_layer_buffers(specs, self.num_shared_buffers, self.independent_layers)
-        buffers = allocate_layer_buffers(plan, device)
-        return LayerwiseOffloadRuntime(
-            plan,
-            buffers,
-            store if store is not None else self.store.build(),
-            prefetch_depth=self.prefetch_depth,
-            model_id=self.model_id,
-        )

@@ -103,9 +103,6 @@ class StoreConfig(ConfigModel):
             check_host_bytes("StoreConfig", "local_buffer_size", self.local_buffer_size)
         return self
 
-    def build(self) -> KVStore:
-        return build_store(self)
-
 
 def build_store(config: StoreConfig) -> KVStore:
     """Instantiate the store ``config`` describes (optional packages are imported only here)."""

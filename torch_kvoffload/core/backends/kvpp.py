@@ -21,7 +21,7 @@ from torch_kvoffload.core.layout import KVLayout
 from torch_kvoffload.core.requests import Request
 from torch_kvoffload.core.spec import ModelSpec
 from torch_kvoffload.core.totals import RuntimeTotals
-from torch_kvoffload.kvpp import BundleSpec, KVPPConfig, KVPPRuntime, create_kvpp_group
+from torch_kvoffload.kvpp import BundleSpec, KVPPConfig, KVPPRuntime, build_kvpp_runtime, create_kvpp_group
 
 __all__ = ["KVPPBackend"]
 
@@ -93,8 +93,8 @@ class KVPPBackend(KVBackend):
             self.block_size, spec.kv_lora_rank, spec.rope_dim, spec.dtype,
             index_dim=spec.index_head_dim if spec.has_indexer else 0, index_dtype=spec.dtype,
         )  # fmt: skip
-        self.runtime = self.config.build_runtime(
-            self.group, dict.fromkeys(range(spec.num_layers), bundle), num_blocks=layout.num_blocks,
+        self.runtime = build_kvpp_runtime(
+            self.config, self.group, dict.fromkeys(range(spec.num_layers), bundle), num_blocks=layout.num_blocks,
             device=spec.device, name=self.runtime_name,
         )  # fmt: skip
         self._layout = layout

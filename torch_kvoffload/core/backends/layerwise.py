@@ -52,7 +52,9 @@ from torch_kvoffload.layerwise import (
     LayerwiseOffloadRuntime,
     PrefixEvictedError,
     TensorSpec,
+    build_layerwise_runtime,
 )
+from torch_kvoffload.store import build_store
 from torch_kvoffload.store.base import KVStore
 
 logger = logging.getLogger(__name__)
@@ -116,7 +118,7 @@ class LayerwiseBackend(KVBackend):
         self.indexed = indexed
         self.components = 3 if indexed else 2
         self._factory = build_runtime
-        self.store: KVStore = config.store.build()
+        self.store: KVStore = build_store(config.store)
         self.runtime: LayerwiseOffloadRuntime | None = None
         self._tails: list[tuple[torch.Tensor, ...]] = []
         self._layout: KVLayout | None = None
@@ -167,7 +169,9 @@ class LayerwiseBackend(KVBackend):
         )
         lw = self.config.model_copy(update={"model_id": "/".join(p for p in parts if p)})
         rt = self._factory(lw, specs, self.store) if self._factory is not None else None
-        self.runtime = rt if rt is not None else lw.build_runtime(specs, device=spec.device, store=self.store)
+        self.runtime = (
+            rt if rt is not None else build_layerwise_runtime(lw, specs, device=spec.device, store=self.store)
+        )
 
     def _tail_rows(self, layout: KVLayout) -> int:
         """Rows per request of a tail: a partial block, never more than a request's tokens."""

@@ -165,7 +165,7 @@ class PrefillRole(PDRole):
     def build_layerwise_runtime(
         self, lw: LayerwiseConfig, specs: Sequence[LayerCacheSpec], *, store: KVStore
     ) -> LayerwiseOffloadRuntime:
-        """What ``LayerwiseConfig.build_runtime`` does, with the buffers exported through a fresh
+        """What ``build_layerwise_runtime`` does, with the buffers exported through a fresh
         transport and a :class:`PrefillSender` over them registered as completion provider."""
         from torch_kvoffload.layerwise.allocation import allocate_layer_buffers
         from torch_kvoffload.layerwise.planner import plan_layer_buffers
@@ -176,6 +176,7 @@ class PrefillRole(PDRole):
             make_transport,
             register_layer_buffers,
         )
+        from torch_kvoffload.store import build_store
 
         self.stop()
         self._close_transport()
@@ -190,7 +191,7 @@ class PrefillRole(PDRole):
                     allocate_layer_buffers(plan, self.session.spec.device), transport
                 )
             rt = LayerwiseOffloadRuntime(
-                plan, buffers, store if store is not None else lw.store.build(),
+                plan, buffers, store if store is not None else build_store(lw.store),
                 prefetch_depth=lw.prefetch_depth, model_id=lw.model_id,
             )  # fmt: skip
             compat = _compatibility(self.session, buffers.layer_main(0), buffers.layer_indexer(0) or ())

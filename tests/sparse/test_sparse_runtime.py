@@ -232,7 +232,10 @@ def test_row_map_assigns_on_first_sight_and_frees_on_release() -> None:
     assert again.rows == [1, 0, 2] and not again.new and not again.contiguous()
     with pytest.raises(ValueError, match="needs 2 new residency rows but only 1 of max_rows=4"):
         rows.plan("step", [8, 9])
+    assert rows.plan("step", [3, 7, 7]).rows == [1, 0, 2]  # the same step again (the next layer's)
     assert rows.release(7) == [0, 2] and rows.release(7) == []
+    # after the release the same request ids are planned anew: 7's rows are free, it gets new ones
+    assert rows.plan("step", [3, 7, 7]).new == {(7, 0): 0, (7, 1): 2}
     plan = rows.plan("step", [9, 3])
     assert plan.rows == [0, 1] and plan.contiguous()
 

@@ -38,6 +38,9 @@ class RowMap:
         self.max_rows = max_rows
         self._rows: dict[int, list[int]] = {}  # request id -> its rows, by ordinal
         self._free: list[int] = list(range(max_rows))  # a heap: the lowest free row first
+        # the last plan that assigned nothing, and its request ids: every later layer of a forward steps the
+        # same rows, until a commit or a release changes the map
+        self._last: tuple[list[int], RowPlan] | None = None
 
     @property
     def alive(self) -> int:
@@ -53,6 +56,9 @@ class RowMap:
 
         Raises ``ValueError`` naming ``where`` when more rows would be alive than ``max_rows``.
         """
+        last = self._last
+        if last is not None and last[0] == request_ids:
+            return last[1]
         ordinal: dict[int, int] = {}
         keys = []
         for rid in request_ids:
@@ -68,12 +74,16 @@ class RowMap:
             )
         new = dict(zip(fresh, heapq.nsmallest(len(fresh), self._free), strict=True))
         rows = [new[rid, k] if (rid, k) in new else self._rows[rid][k] for rid, k in keys]
-        return RowPlan(rows, new)
+        plan = RowPlan(rows, new)
+        if not new:
+            self._last = (list(request_ids), plan)
+        return plan
 
     def commit(self, plan: RowPlan) -> None:
         """Record the keys ``plan`` assigned (after the step succeeded)."""
         if not plan.new:
             return
+        self._last = None
         taken = set(plan.new.values())
         self._free = [r for r in self._free if r not in taken]
         heapq.heapify(self._free)
@@ -84,6 +94,7 @@ class RowMap:
 
     def release(self, request_id: int) -> list[int]:
         """Free every row of ``request_id``; return them (empty for an unknown request)."""
+        self._last = None
         rows = self._rows.pop(request_id, [])
         for row in rows:
             heapq.heappush(self._free, row)

@@ -109,6 +109,50 @@ def visible_padding(new_mask: torch.Tensor, old_len: Sequence[int]) -> tuple[tor
     return flat, seen.reshape(-1)[flat]
 
 
+def _assemble(
+    requests: Sequence[Request],
+    old_len: Sequence[int],
+    n_new: Sequence[int],
+    layout: KVLayout,
+    sel: torch.Tensor,
+    row: torch.Tensor,
+    pos: torch.Tensor,
+    *,
+    shape: tuple[int, int],
+    packed: bool,
+    decode: bool,
+    layerwise: bool,
+    device: torch.device,
+    pad_sel: torch.Tensor | None = None,
+    pad_len: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> ForwardPlan:
+    """The plan of a forward whose real positions are ``sel`` (flat over ``shape``) of batch row / request
+    ``row`` at logical positions ``pos`` (host int64 ``[N]`` each, request-major; ``n_new[r]`` of request
+    ``r``), with its padding queries ``pad_sel`` / ``pad_len`` (``None``: none): the paged caches' tables
+    and rows of every request, the indexer's cumulative lengths, everything moved to ``device``."""
+    bs, M = layout.block_size, layout.blocks_per_request
+    page, pages = layout.page
+    slots = torch.tensor([r.slot for r in requests], dtype=torch.int64)
+    new_len = [o + n for o, n in zip(old_len, n_new, strict=True)]
+    cu = torch.tensor([0, *itertools.accumulate(n_new)], dtype=torch.int32)
+    table = (slots[:, None] * M + torch.arange(M)[None, :]).to(torch.int32)
+    index_table = (slots[:, None] * pages + torch.arange(pages)[None, :]).to(torch.int32)
+    if pad_sel is None or pad_len is None:
+        pad_sel = pad_len = torch.zeros(0, dtype=torch.int64)
+    slot_of = slots[row]
+    return ForwardPlan(
+        B=len(requests), S=shape[1], requests=list(requests), decode=decode, layerwise=layerwise,
+        old_len=list(old_len), new_len=new_len, sel=sel.to(device), pos=pos.to(device), row=row.to(device),
+        phys=(slot_of * (M * bs) + pos).to(device), block_table=table.to(device),
+        index_table=index_table.to(device), index_phys=(slot_of * (pages * page) + pos).to(device),
+        cu_seqlens_q=cu.to(device), seq_lens_k=torch.tensor(new_len, dtype=torch.int32).to(device),
+        pad_sel=pad_sel.to(device), pad_row=(pad_sel // shape[1]).to(device),
+        pad_len=pad_len.to(torch.int32).to(device), n_pad=int(pad_sel.numel()), bias=bias, packed=packed,
+        shape=shape,
+    )  # fmt: skip
+
+
 def plan_forward(
     requests: Sequence[Request],
     old_len: Sequence[int],
@@ -126,9 +170,6 @@ def plan_forward(
     the caller discards the padding positions' outputs, so none attends (all get zero). ``bias``: see
     :func:`check_bias`."""
     B, S = new_mask.shape
-    bs, M = layout.block_size, layout.blocks_per_request
-    page, pages = layout.page
-    slots = torch.tensor([r.slot for r in requests], dtype=torch.int64)
     old = torch.tensor(list(old_len), dtype=torch.int64)
     packed = bool(new_mask.all())
     if packed:  # every position real (a decode step, an unpadded batch): no search for them
@@ -142,26 +183,14 @@ def plan_forward(
         rank = torch.cumsum(new_mask.int(), dim=1) - 1  # index among the row's new tokens
         pos = old[row] + rank.reshape(-1)[sel].to(torch.int64)
         n_new = new_mask.sum(dim=1).tolist()
-    new_len = [o + n for o, n in zip(old_len, n_new, strict=True)]
     if bias is not None:  # checked by the caller before anything changed (check_bias)
         bias = bias.to(device=device, dtype=torch.float32).reshape(B * S, -1)
-    cu = torch.tensor([0, *itertools.accumulate(n_new)], dtype=torch.int32)
-    table = (slots[:, None] * M + torch.arange(M)[None, :]).to(torch.int32)
-    index_table = (slots[:, None] * pages + torch.arange(pages)[None, :]).to(torch.int32)
+    pad_sel = pad_len = None
     if padding_queries and not packed:
         pad_sel, pad_len = visible_padding(new_mask, old_len)
-    else:
-        pad_sel = pad_len = torch.zeros(0, dtype=torch.int64)
-    slot_of = slots[row]
-    return ForwardPlan(
-        B=B, S=S, requests=list(requests), decode=decode, layerwise=layerwise, old_len=list(old_len),
-        new_len=new_len, sel=sel.to(device), pos=pos.to(device), row=row.to(device),
-        phys=(slot_of * (M * bs) + pos).to(device), block_table=table.to(device),
-        index_table=index_table.to(device), index_phys=(slot_of * (pages * page) + pos).to(device),
-        cu_seqlens_q=cu.to(device), seq_lens_k=torch.tensor(new_len, dtype=torch.int32).to(device),
-        pad_sel=pad_sel.to(device), pad_row=(pad_sel // S).to(device),
-        pad_len=pad_len.to(torch.int32).to(device), n_pad=int(pad_sel.numel()), bias=bias, packed=packed,
-        shape=(B, S),
+    return _assemble(
+        requests, old_len, n_new, layout, sel, row, pos, shape=(B, S), packed=packed, decode=decode,
+        layerwise=layerwise, device=device, pad_sel=pad_sel, pad_len=pad_len, bias=bias,
     )  # fmt: skip
 
 
@@ -181,33 +210,17 @@ def plan_packed(
     one after the other in one row ``[1, N]`` (``N = sum(n_new)``), request-major; a request may have none.
     Its positions are all real: no padding queries, no bias. ``rows_at`` (a part of a mixed forward): the
     rows' places in a packed row of ``width`` tokens that holds other requests' rows too."""
-    R, N = len(requests), sum(n_new)
-    bs, M = layout.block_size, layout.blocks_per_request
-    page, pages = layout.page
-    slots = torch.tensor([r.slot for r in requests], dtype=torch.int64)
+    N = sum(n_new)
     counts = torch.tensor(list(n_new), dtype=torch.int64)
     starts = torch.cumsum(counts, 0) - counts  # each request's first row
-    sel = torch.arange(N)
-    row = torch.repeat_interleave(torch.arange(R), counts, output_size=N)
-    pos = torch.tensor(list(old_len), dtype=torch.int64)[row] + sel - starts[row]
-    new_len = [o + n for o, n in zip(old_len, n_new, strict=True)]
-    cu = torch.tensor([0, *itertools.accumulate(n_new)], dtype=torch.int32)
-    table = (slots[:, None] * M + torch.arange(M)[None, :]).to(torch.int32)
-    index_table = (slots[:, None] * pages + torch.arange(pages)[None, :]).to(torch.int32)
-    none = torch.zeros(0, dtype=torch.int64, device=device)
-    slot_of = slots[row]
-    plan = ForwardPlan(
-        B=R, S=N, requests=list(requests), decode=decode, layerwise=layerwise, old_len=list(old_len),
-        new_len=new_len, sel=sel.to(device), pos=pos.to(device), row=row.to(device),
-        phys=(slot_of * (M * bs) + pos).to(device), block_table=table.to(device),
-        index_table=index_table.to(device), index_phys=(slot_of * (pages * page) + pos).to(device),
-        cu_seqlens_q=cu.to(device), seq_lens_k=torch.tensor(new_len, dtype=torch.int32).to(device),
-        pad_sel=none, pad_row=none, pad_len=none.to(torch.int32), n_pad=0, packed=rows_at is None,
-        shape=(1, N if width is None else width),
+    index = torch.arange(N)
+    row = torch.repeat_interleave(torch.arange(len(requests)), counts, output_size=N)
+    pos = torch.tensor(list(old_len), dtype=torch.int64)[row] + index - starts[row]
+    sel = index if rows_at is None else torch.tensor(list(rows_at), dtype=torch.int64)
+    return _assemble(
+        requests, old_len, n_new, layout, sel, row, pos, shape=(1, N if width is None else width),
+        packed=rows_at is None, decode=decode, layerwise=layerwise, device=device,
     )  # fmt: skip
-    if rows_at is not None:
-        plan.sel = torch.tensor(list(rows_at), dtype=torch.int64).to(device)
-    return plan
 
 
 def plan_mixed(

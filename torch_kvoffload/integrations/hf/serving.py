@@ -424,19 +424,14 @@ class ServingRequests:
         which is returned."""
         core, device = self.session.core, self.session.spec.device
         packed = layout.take(ids)  # [1, n]: the segments' tokens, in segment order
-        lengths = torch.tensor(layout.lengths, dtype=torch.int64)
         tokens = [t.tolist() for t in packed[0].split(layout.lengths)]
-        seg = torch.repeat_interleave(torch.arange(len(requests)), lengths)
-        starts = torch.cumsum(lengths, 0) - lengths
-        past = torch.tensor([r.length for r in requests], dtype=torch.int64)
-        pos = (
-            past[seg] + torch.arange(packed.shape[1]) - starts[seg]
-        )  # each segment at its request's positions
-        keep = starts + lengths - 1  # each segment's last token: only its logits are needed
-        core.begin_forward(requests, tokens)
+        plan = core.begin_forward(requests, tokens)
+        # the requests continue at their lengths: the model's positions are the plan's logical positions
+        pos = plan.pos[None, :]
+        keep = plan.cu_seqlens_q[1:].long() - 1  # each segment's last token: only its logits are needed
         try:
             out = model._kvoffload_originals["forward"](
-                input_ids=packed.to(device), position_ids=pos[None, :].to(device), use_cache=False,
+                input_ids=packed.to(device), position_ids=pos.to(device), use_cache=False,
                 logits_to_keep=keep.to(device),
             ).logits  # fmt: skip
         except BaseException:

@@ -84,8 +84,9 @@ def _private_imports(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_private_name_is_imported_across_packages(path: Path) -> None:
-    assert not _private_imports(path), (
-        f"{path.relative_to(ROOT)} imports private names of another package: {_private_imports(path)}; "
+    found = _private_imports(path)
+    assert not found, (
+        f"{path.relative_to(ROOT)} imports private names of another package: {found}; "
         "that package exports what others use"
     )
 
@@ -107,8 +108,9 @@ def _config_methods_building_runtimes(path: Path) -> list[str]:
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_configs_are_data(path: Path) -> None:
     """A configuration describes; the feature's package builds its runtime from it."""
-    assert not _config_methods_building_runtimes(path), (
-        f"{path.relative_to(ROOT)}: {_config_methods_building_runtimes(path)} build runtimes; a config is data "
+    found = _config_methods_building_runtimes(path)
+    assert not found, (
+        f"{path.relative_to(ROOT)}: {found} build runtimes; a config is data "
         "(build the runtime in the feature's package, e.g. build_layerwise_runtime(config, ...))"
     )
 

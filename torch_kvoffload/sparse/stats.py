@@ -26,6 +26,12 @@ TOTAL_ONLY = ("fork_shared_blocks", "cow_copies")
 _TALLY_NAMES = ("hits", "misses", "evictions", "rows_h2d")
 
 
+def _counts(topk: torch.Tensor, miss_count: torch.Tensor, evictions: torch.Tensor) -> list[torch.Tensor]:
+    """``int64`` scalars of a tally: the valid entries of ``topk`` (hits are those that did not miss,
+    derived when folded), the misses and the evictions (of one step, or of several concatenated)."""
+    return [(topk >= 0).sum(), miss_count.sum(dtype=torch.int64), evictions.sum(dtype=torch.int64)]
+
+
 class StepCounters:
     """:data:`COUNTER_NAMES` per layer (:attr:`layers`) and over every layer (:attr:`total`); those of
     :data:`TOTAL_ONLY` (``fork_shared_blocks``: host-pool blocks forks shared instead of copying,
@@ -90,12 +96,7 @@ class StepCounters:
                 if len(pending) >= DEFERRED_STEPS or self._pending_entries[layer] >= DEFERRED_ENTRIES:
                     self._count_pending(layer)
             return
-        # the valid top-k entries (hits are those that did not miss: derived in fold()), misses, evictions
-        parts = [
-            (topk >= 0).sum(),
-            res.miss_count.sum(dtype=torch.int64),
-            res.evictions.sum(dtype=torch.int64),
-        ]
+        parts = _counts(topk, res.miss_count, res.evictions)
         tally = self._tally[layer]
         if isinstance(copied, torch.Tensor):
             parts.append(copied.to(torch.int64))
@@ -117,11 +118,8 @@ class StepCounters:
         if not pending:
             return
         topk, misses, evictions, copied = zip(*pending, strict=True)
-        entries = (torch.cat([t.reshape(-1) for t in topk]) >= 0).sum()
-        step = torch.stack(
-            [entries, torch.cat(misses).sum(dtype=torch.int64), torch.cat(evictions).sum(dtype=torch.int64)]
-        )
-        self._tally[layer][:3].add_(step)
+        step = _counts(torch.cat([t.reshape(-1) for t in topk]), torch.cat(misses), torch.cat(evictions))
+        self._tally[layer][:3].add_(torch.stack(step))
         for c in copied:
             self._copied[layer] += int(c)
 

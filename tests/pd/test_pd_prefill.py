@@ -455,7 +455,7 @@ def two_dp(tmp_path):
 
     def make(*, decode_cls=(None, None)):
         cfg_kw = dict(
-            transport="shm", prefill_tp_size=1, decode_tp_size=1, decode_dp_size=2, kv_port=free_port()
+            transport="shm", prefill_tp_size=1, decode_tp_size=1, decode_dp_size=2, kv_port=h.free_port_run(2)
         )
         rdv = str(tmp_path / "rdv")
         ranks = [

@@ -465,12 +465,14 @@ def run_pair(
     """Spawn a decode and a prefill process on loopback; return their result dicts (``{}`` if none came).
     Both sides wait :func:`verdict_s` of the configuration for the library's verdicts (decode
     ``decode_wait_s`` if given), the pair :func:`pair_deadline_s` in all."""
-    from torch_kvoffload._utils import free_port
-
     ctx = mp_context()
     rdv = str(tmp_path / "rendezvous")
     cfg_kw = dict(
-        transport=transport, prefill_tp_size=p_tp, decode_tp_size=d_tp, kv_port=free_port(), **cfg_extra
+        transport=transport,
+        prefill_tp_size=p_tp,
+        decode_tp_size=d_tp,
+        kv_port=free_port_run(d_tp * cfg_extra.get("decode_dp_size", 1)),  # every decode endpoint
+        **cfg_extra,
     )
     cfg = config("decode", **cfg_kw)
     wait_s = verdict_s(cfg, L, layer_sleep)

@@ -16,6 +16,8 @@ def test_unknown_names_raise_and_create_nothing() -> None:
         c.add("hit")
     with pytest.raises(KeyError, match="unknown counter 'bytes_hd2'"):
         c.get("bytes_hd2")
+    with pytest.raises(KeyError, match="unknown counter 'hit'"):  # the known names untouched either
+        c.add_many({"hits": 1, "hit": 1})
     assert c.snapshot() == {"hits": 0, "bytes_h2d": 0}
 
 
@@ -27,8 +29,9 @@ def test_numbers_and_tensors_add_up() -> None:
     c.add("hits", torch.tensor([2], dtype=torch.int32))
     c.add("seconds", 0.25)
     c.add("seconds", torch.tensor(0.5, dtype=torch.float64))
+    c.add_many({"hits": 3, "seconds": 0.125})
     snap = c.snapshot()
-    assert snap == {"hits": 14, "seconds": 0.75} and isinstance(snap["hits"], int)
+    assert snap == {"hits": 17, "seconds": 0.875} and isinstance(snap["hits"], int)
     with pytest.raises(ValueError, match="one-element tensor"):
         c.add("hits", torch.ones(2))
     c.reset()

@@ -486,4 +486,6 @@ def test_inline_submit_runs_on_the_caller_only_when_the_stream_is_idle() -> None
         with pytest.raises(TransferError):
             failed.wait(1)
         assert stream.submit(lambda: order.append("again"), inline=True).succeeded()
-        assert stream.counters.snapshot()["inline"] == 3
+        snap = stream.counters.snapshot()
+        assert snap["inline"] == 3 and snap["failed"] == 1
+        assert snap["submitted"] == snap["completed"] + snap["failed"] == 6

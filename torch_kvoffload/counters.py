@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -57,6 +57,16 @@ class Counters:
                 return
         with self._lock:
             self._values[name] = self._values[name] + amount
+
+    def add_many(self, amounts: Mapping[str, float]) -> None:
+        """:meth:`add` of several numbers (not tensors) under one lock; nothing is added if a name is
+        unknown."""
+        for name in amounts:
+            self._check(name)
+        with self._lock:
+            values = self._values
+            for name, amount in amounts.items():
+                values[name] = values[name] + amount
 
     def _fold(self) -> None:
         """Move the pending device sums into the host values (a device sync; call with the lock)."""

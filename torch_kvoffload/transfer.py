@@ -167,6 +167,11 @@ class TransferEvent:
             torch.accelerator.current_stream().wait_event(self._device_event)
 
 
+# One finished event for what is done when asked (CPU compute, synchronous on the caller's thread; inline
+# work that succeeded): a finished event never changes, its first outcome stays
+_FINISHED = TransferEvent.completed()
+
+
 def record_compute_event() -> TransferEvent:
     """An event marking everything submitted to the compute stream so far.
 
@@ -174,7 +179,7 @@ def record_compute_event() -> TransferEvent:
     or writes its buffers. On CPU compute is synchronous on the caller's thread, so it is already done.
     """
     if accelerator_type() == "cpu":
-        return TransferEvent.completed()
+        return _FINISHED
     ev = torch.Event(default_device())
     ev.record(torch.accelerator.current_stream())
     return TransferEvent.issued(ev)
@@ -287,22 +292,35 @@ class TransferStream:
         """
         if self._closed:
             raise RuntimeError(f"transfer stream {self.name!r} is closed")
-        self.counters.add("submitted")
-        call = functools.partial(fn, *args, **kwargs) if kwargs else (lambda: fn(*args))
-        event = TransferEvent()
         with self._lock:
             now = inline and self._stream is None and self._in_flight == 0 and all(d.query() for d in after)
             self._in_flight += 1
         if now:
-            try:
-                with self._order:
-                    self.counters.add("inline")
-                    self._run(call, event, tuple(after))
-            finally:
-                with self._lock:
-                    self._in_flight -= 1
-            return event
+            return self._run_inline(fn, args, kwargs)
+        self.counters.add("submitted")
+        call = functools.partial(fn, *args, **kwargs) if kwargs else (lambda: fn(*args))
+        event = TransferEvent()
         self._queue.put((call, event, tuple(after), wake_delay if self._stream is None else 0.0))
+        return event
+
+    def _run_inline(self, fn: Callable[..., None], args: tuple, kwargs: dict[str, Any]) -> TransferEvent:
+        """``fn(*args, **kwargs)`` on the calling thread (CPU stream, nothing in flight, ``after`` done;
+        counted in flight by the caller): a decode step's host copies take this path once per layer, so
+        it makes no event or closure unless ``fn`` fails."""
+        start = time.perf_counter()
+        try:
+            with self._order:
+                fn(*args, **kwargs)
+        except BaseException as exc:  # delivered to waiters, as from the worker
+            logger.debug("transfer on %s failed: %s", self.name, exc)
+            outcome, event = "failed", TransferEvent.failed(exc)
+        else:
+            outcome, event = "completed", _FINISHED
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+        self.counters.add_many({"submitted": 1, "inline": 1, outcome: 1,
+                                "busy_seconds": time.perf_counter() - start})  # fmt: skip
         return event
 
     def synchronize(self) -> None:

@@ -343,6 +343,58 @@ def test_cpu_append_with_an_idle_stream_runs_inline_and_in_order_behind_work_in_
         assert host.counters.get("inline") == inline + 1
 
 
+def test_rows_placed_once_append_to_every_layer_as_append_does_and_go_stale() -> None:
+    """``place_rows`` once, ``append_placed`` per layer: the pool holds what per-layer ``append`` calls
+    write (a fork's shared block copied on write at placing, for every layer); placed rows are refused
+    once a request was reserved, released, forked or truncated, and bad rows are refused untouched."""
+    g = torch.Generator().manual_seed(5)
+    with _cpu_runtime() as placed_rt, _cpu_runtime() as plain_rt:
+        for rt in (placed_rt, plain_rt):
+            rt.reserve(0, 8)
+            for layer in range(2):
+                rt.pool.kv_c(layer).zero_()
+                rt.pool.k_pe(layer).zero_()
+            rt.append(0, [0] * 4, torch.arange(4), *(torch.ones(4, d) for d in (DC, DR)))
+            rt.reserve(1, 8)
+            rt.fork(0, 1, 4)  # request 1 shares request 0's first block (positions 0..3)
+        ids, pos = [0, 1, 1], torch.tensor([4, 3, 5])  # request 1 rewrites position 3: copy on write
+        placed = placed_rt.place_rows(ids, pos)
+        assert placed.request_ids == ids and placed.n == 3
+        pos[0] = 7  # the placement is its own: changing the positions tensor afterwards moves nothing
+        for layer in range(2):
+            kv, pe = torch.randn(3, DC, generator=g), torch.randn(3, DR, generator=g)
+            assert placed_rt.append_placed(layer, placed, kv, pe).query()
+            plain_rt.append(layer, ids, torch.tensor([4, 3, 5]), kv, pe)
+        for layer in range(2):
+            assert torch.equal(placed_rt.pool.kv_c(layer), plain_rt.pool.kv_c(layer))
+            assert torch.equal(placed_rt.pool.k_pe(layer), plain_rt.pool.k_pe(layer))
+        assert placed_rt.pool.blocks_of(1)[0] != placed_rt.pool.blocks_of(0)[0]  # copied on write
+        assert placed_rt.pool.blocks_of(1) == plain_rt.pool.blocks_of(1)
+
+        kv, pe = torch.randn(3, DC, generator=g), torch.randn(3, DR, generator=g)
+        before = [placed_rt.pool.kv_c(layer).clone() for layer in range(2)]
+        for bad, exc, needle in (
+            (lambda: placed_rt.append_placed(0, (ids, pos), kv, pe), TypeError, "must be PlacedRows"),
+            (lambda: placed_rt.append_placed(2, placed, kv, pe), ValueError, "layer must be <= 1"),
+            (
+                lambda: placed_rt.append_placed(0, placed, kv[:2], pe),
+                ValueError,
+                r"'kv_c' must have shape \[3",
+            ),
+            (lambda: placed_rt.place_rows([0, 9], pos[:2]), ValueError, "request 9 has no host-pool blocks"),
+            (lambda: placed_rt.place_rows([0], pos), ValueError, "must hold 3 entries"),
+        ):
+            with pytest.raises(exc, match=needle):
+                bad()
+        placed_rt.reserve(2, 4)
+        with pytest.raises(ValueError, match="stale"):
+            placed_rt.append_placed(0, placed, kv, pe)
+        assert all(torch.equal(placed_rt.pool.kv_c(layer), b) for layer, b in enumerate(before))
+        again = placed_rt.place_rows(ids, torch.tensor([4, 3, 5]))  # placed again: appended
+        assert placed_rt.append_placed(1, again, kv, pe).query()
+        assert placed_rt.place_rows([], torch.empty(0, dtype=torch.int64)).n == 0
+
+
 def test_cpu_unfused_miss_copy_runs_inline() -> None:
     """The unfused step's miss copy (host pool -> hot buffers, both host memory on CPU) runs on the calling
     thread and fills the hot buffer with the pool's rows."""
@@ -431,6 +483,28 @@ def test_rows_checked_once_per_forward_give_the_per_layer_results_and_go_stale()
         with pytest.raises(ValueError, match="stable_len entries must be >= 0"):
             rt.check_rows(DecodeRows([0], torch.tensor([-1]), bt), cu, lens)
         checked = rt.check_rows(DecodeRows([0], torch.tensor([8]), bt), cu, lens)
+        # after a layer passed with these rows, a later layer's inputs are still checked: each fault alone
+        rt.attend(0, *q, 0.25, idx, checked)
+        for layer, q_nope, q_pe, scale, index, needle in (
+            (1, q[0][..., :-1], q[1], 0.25, idx, r"'q_nope' must have shape"),
+            (1, q[0].double(), q[1], 0.25, idx, r"'q_nope' must have dtype"),
+            (1, q[0], q[1][:, :1], 0.25, idx, r"'q_pe' must have shape"),
+            (2, *q, 0.25, idx, "layer must be <= 1"),
+            (True, *q, 0.25, idx, "layer"),
+            (1, *q, float("nan"), idx, "'scale' must be a finite float"),
+            (
+                1,
+                *q,
+                0.25,
+                IndexerInputs(**{**idx.__dict__, "weights": torch.ones(1, 3)}),
+                "'indexer.weights'",
+            ),
+            (1, *q, 0.25, IndexerInputs(**{**idx.__dict__, "k_cache": None}), "needs indexer.k_cache"),
+            (1, *q, 0.25, idx.__dict__, "must be IndexerInputs"),
+        ):
+            with pytest.raises((ValueError, TypeError), match=needle):
+                rt.attend(layer, q_nope, q_pe, scale, index, checked)
+        rt.attend(1, *q, 0.25, idx, checked)  # and the good inputs pass again
         other = IndexerInputs(**{**idx.__dict__, "seq_lens_k": lens.clone()})
         with pytest.raises(ValueError, match=r"other indexer\.cu_seqlens_q / seq_lens_k"):
             rt.attend(0, *q, 0.25, other, checked)
@@ -441,7 +515,7 @@ def test_rows_checked_once_per_forward_give_the_per_layer_results_and_go_stale()
         rt.reserve(1, 4)
         with pytest.raises(ValueError, match="stale"):
             rt.attend(0, *q, 0.25, idx, checked)
-        assert rt.counters.get("hits") == rt.counters.get("misses") == 0  # nothing ran
+        assert rt.counters.get("hits") + rt.counters.get("misses") == 2 * 2  # the two good steps (top-k 2)
 
 
 def test_step_counters_read_lazily_equal_each_steps_counts() -> None:

@@ -6,12 +6,19 @@ Residency policy studies (reuse traces, Belady's optimum) live in ``tools/reside
 from torch_kvoffload.sparse.config import SparseDecodeConfig
 from torch_kvoffload.sparse.host_pool import HostKVPool
 from torch_kvoffload.sparse.residency import ResidencyTable
-from torch_kvoffload.sparse.runtime import DecodeRows, IndexerInputs, SparseDecodeOffload, StepResult
+from torch_kvoffload.sparse.runtime import (
+    DecodeRows,
+    IndexerInputs,
+    PlacedRows,
+    SparseDecodeOffload,
+    StepResult,
+)
 
 __all__ = [
     "DecodeRows",
     "HostKVPool",
     "IndexerInputs",
+    "PlacedRows",
     "ResidencyTable",
     "SparseDecodeConfig",
     "SparseDecodeOffload",

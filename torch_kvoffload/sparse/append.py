@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -34,7 +35,28 @@ from torch_kvoffload.sparse.stats import StepCounters
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RowAppender"]
+__all__ = ["PlacedRows", "RowAppender"]
+
+
+@dataclass(frozen=True)
+class PlacedRows:
+    """New token rows placed in the host pool once for the appends of every layer of a forward, from
+    :meth:`~torch_kvoffload.sparse.SparseDecodeOffload.place_rows`.
+
+    ``request_ids`` (``n`` ints) and ``dst int64 [n]``: row ``i`` goes to pool row ``dst[i]`` of each layer
+    (blocks shared with a fork were copied on write when placed). Valid while the pool's block tables
+    are unchanged (``tables_version``): a reserve, release, fork or truncate after placing makes
+    :meth:`~torch_kvoffload.sparse.SparseDecodeOffload.append_placed` refuse them.
+    """
+
+    request_ids: list[int]
+    dst: torch.Tensor
+    src: torch.Tensor  # int64 [n]: 0..n-1, the rows of each layer's kv_c / k_pe in order
+    tables_version: int
+
+    @property
+    def n(self) -> int:
+        return len(self.request_ids)
 
 
 class RowAppender:
@@ -75,6 +97,7 @@ class RowAppender:
         # version, dst). A forward appends the same rows to every layer (a mixed forward: two sets): its later
         # layers reuse the first one's pool rows
         self._placed: dict[int, tuple[list[int], Unchanged, int, torch.Tensor]] = {}
+        self._src: dict[int, torch.Tensor] = {}  # arange(n) by n: the source rows of an append of n rows
 
     def append(
         self,
@@ -89,24 +112,77 @@ class RowAppender:
         layer = check_layer(where, layer, self.pool.num_layers)
         positions = check_tensor(where, "positions", positions, dim=1, dtypes=(torch.int32, torch.int64))
         n = positions.shape[0]
-        Dc, Dr = self.pool.kv_lora_rank, self.pool.rope_dim
-        floating = (torch.float32, torch.bfloat16, torch.float16)
-        kv_c = check_tensor(where, "kv_c", kv_c, shape=(n, Dc), dtypes=floating)
-        k_pe = check_tensor(where, "k_pe", k_pe, shape=(n, Dr), dtypes=floating, devices=(kv_c.device,))
+        kv_c, k_pe = self._check_rows(where, n, kv_c, k_pe)
         ids = host_ints(where, "request_ids", request_ids, n)
         if n == 0:
             return kv_transfer.TransferEvent.completed()
+        return self._write(layer, self._place(where, ids, positions), kv_c, k_pe)
+
+    def place(self, request_ids: Sequence[int] | torch.Tensor, positions: torch.Tensor) -> PlacedRows:
+        """See :meth:`torch_kvoffload.sparse.SparseDecodeOffload.place_rows`."""
+        where = "SparseDecodeOffload.place_rows"
+        positions = check_tensor(where, "positions", positions, dim=1, dtypes=(torch.int32, torch.int64))
+        ids = host_ints(where, "request_ids", request_ids, positions.shape[0])
+        if not ids:
+            empty = torch.empty(0, dtype=torch.int64)
+            return PlacedRows([], empty, empty, self.pool.block_tables.version)
+        return self._place(where, ids, positions)
+
+    def append_placed(
+        self, layer: int, placed: PlacedRows, kv_c: torch.Tensor, k_pe: torch.Tensor
+    ) -> kv_transfer.TransferEvent:
+        """See :meth:`torch_kvoffload.sparse.SparseDecodeOffload.append_placed`."""
+        where = "SparseDecodeOffload.append_placed"
+        layer = check_layer(where, layer, self.pool.num_layers)
+        if not isinstance(placed, PlacedRows):
+            raise TypeError(
+                f"{where}: 'placed' must be PlacedRows (place_rows()), got {type(placed).__name__}"
+            )
+        if placed.tables_version != self.pool.block_tables.version:
+            raise ValueError(
+                f"{where}: the placed rows are stale (a request was reserved, released, forked or truncated "
+                "since place_rows()); place them again"
+            )
+        kv_c, k_pe = self._check_rows(where, placed.n, kv_c, k_pe)
+        if placed.n == 0:
+            return kv_transfer.TransferEvent.completed()
+        return self._write(layer, placed, kv_c, k_pe)
+
+    def _check_rows(
+        self, where: str, n: int, kv_c: object, k_pe: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv_c [n, Dc]`` and ``k_pe [n, Dr]``: floating, on one device."""
+        floating = (torch.float32, torch.bfloat16, torch.float16)
+        kv_c = check_tensor(where, "kv_c", kv_c, shape=(n, self.pool.kv_lora_rank), dtypes=floating)
+        k_pe = check_tensor(
+            where, "k_pe", k_pe, shape=(n, self.pool.rope_dim), dtypes=floating, devices=(kv_c.device,)
+        )
+        return kv_c, k_pe
+
+    def _place(self, where: str, ids: list[int], positions: torch.Tensor) -> PlacedRows:
         dst = self._placed_rows(where, ids, positions)
+        src = self._src.get(len(ids))
+        if src is None:
+            if len(self._src) >= 8:
+                self._src.clear()
+            src = self._src[len(ids)] = torch.arange(len(ids), dtype=torch.int64)
+        return PlacedRows(ids, dst, src, self.pool.block_tables.version)
+
+    def _write(
+        self, layer: int, placed: PlacedRows, kv_c: torch.Tensor, k_pe: torch.Tensor
+    ) -> kv_transfer.TransferEvent:
+        """Copy checked rows ``kv_c [n, Dc]`` / ``k_pe [n, Dr]`` of ``layer`` to their placed pool rows."""
         self._seq[layer] += 1
         if not self.writer:
             return kv_transfer.TransferEvent.completed()
         seq = self._seq[layer]
         host_kv, host_pe = self.pool.kv_c(layer), self.pool.k_pe(layer)
-        src = torch.arange(n, dtype=torch.int64)
+        n, src, dst = placed.n, placed.src, placed.dst
         kv_src, pe_src = kv_c.to(self.dtype), k_pe.to(self.dtype)
         if self.device_path and kv_src.device == self.device:
             event = self._append_device(layer, seq, kv_src, pe_src, dst)
-            self._pending[layer].append(event)
+            if not event.succeeded():  # a launch run to completion here (the interpreter) leaves no wait
+                self._pending[layer].append(event)
             return event
 
         def write(kv_rows: torch.Tensor, pe_rows: torch.Tensor) -> None:
@@ -124,8 +200,8 @@ class RowAppender:
                 write, kv_src, pe_src, after=[kv_transfer.record_compute_event()], inline=True
             )
         else:
-            stage_kv = kv_device.empty_host((n, Dc), self.dtype)
-            stage_pe = kv_device.empty_host((n, Dr), self.dtype)
+            stage_kv = kv_device.empty_host((n, self.pool.kv_lora_rank), self.dtype)
+            stage_pe = kv_device.empty_host((n, self.pool.rope_dim), self.dtype)
 
             def stage() -> None:
                 stage_kv.copy_(kv_src, non_blocking=True)
@@ -138,7 +214,10 @@ class RowAppender:
             # the host copy reads the staging only after the D2H copy's event (the worker waits on it);
             # the device sources stay referenced until then
             event = self.host.submit(unstage, (kv_src, pe_src), after=[staged])
-        self._pending[layer].append(event)
+        if (
+            not event.succeeded()
+        ):  # an append done when it returned (inline on CPU) leaves nothing to wait for
+            self._pending[layer].append(event)
         return event
 
     def _append_device(

@@ -42,7 +42,7 @@ from torch_kvoffload import transfer as kv_transfer
 from torch_kvoffload._utils import check_int
 from torch_kvoffload.counters import Counters
 from torch_kvoffload.sparse._checks import check_layer
-from torch_kvoffload.sparse.append import RowAppender
+from torch_kvoffload.sparse.append import PlacedRows, RowAppender
 from torch_kvoffload.sparse.config import SparseDecodeConfig
 from torch_kvoffload.sparse.device_step import DeviceStep
 from torch_kvoffload.sparse.host_pool import HostKVPool
@@ -64,7 +64,15 @@ from torch_kvoffload.sparse.step_path import check_device_capacity, resolve_step
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COUNTER_NAMES", "CheckedRows", "DecodeRows", "IndexerInputs", "SparseDecodeOffload", "StepResult"]
+__all__ = [
+    "COUNTER_NAMES",
+    "CheckedRows",
+    "DecodeRows",
+    "IndexerInputs",
+    "PlacedRows",
+    "SparseDecodeOffload",
+    "StepResult",
+]
 
 
 class SparseDecodeOffload:
@@ -341,6 +349,20 @@ class SparseDecodeOffload:
         anything is queued.
         """
         return self._appender.append(layer, request_ids, positions, kv_c, k_pe)
+
+    def place_rows(self, request_ids: Sequence[int] | torch.Tensor, positions: torch.Tensor) -> PlacedRows:
+        """Check and place the rows ``(request_ids[i], positions[i])`` (as :meth:`append` does) once, for
+        :meth:`append_placed` of every layer: a forward appends the same rows to each. Blocks a row's
+        request shares with a fork are copied on write now, for every layer."""
+        return self._appender.place(request_ids, positions)
+
+    def append_placed(
+        self, layer: int, placed: PlacedRows, kv_c: torch.Tensor, k_pe: torch.Tensor
+    ) -> kv_transfer.TransferEvent:
+        """:meth:`append` of rows placed by :meth:`place_rows`; ``kv_c [n, Dc]`` / ``k_pe [n, Dr]`` hold
+        them in that order. ``ValueError`` when a request was reserved, released, forked or truncated
+        since they were placed."""
+        return self._appender.append_placed(layer, placed, kv_c, k_pe)
 
     def sync(self) -> None:
         """Wait for every pending append, its fence and its counts (raises if one failed)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -66,7 +66,7 @@ class DecodeRows:
     host_block_table: torch.Tensor
 
 
-@dataclass(frozen=True)
+@dataclass
 class CheckedRows:
     """:class:`DecodeRows` checked once for the steps of one forward (every layer), from
     :meth:`~torch_kvoffload.sparse.SparseDecodeOffload.check_rows`.
@@ -84,6 +84,9 @@ class CheckedRows:
     seq_lens_k: torch.Tensor
     epoch: int
     watched: tuple[Unchanged, ...]  # the four tensors above, as checked
+    # the per-layer inputs' layout (shapes, dtypes, devices) last checked with these rows: a later layer's
+    # inputs of the same layout pass the per-layer checks without running them again
+    layer_inputs: tuple | None = field(default=None, compare=False)
 
     def unchanged(self) -> bool:
         """Whether the four tensors are unmodified since they were checked."""
@@ -176,14 +179,31 @@ def check_step_checked(
 ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """:func:`check_step` for rows checked by :func:`check_rows`: the per-layer checks, and that ``rows``
     still describe these steps (same ``T``, the indexer's ``cu_seqlens_q`` / ``seq_lens_k`` the tensors
-    they were checked with, unmodified, no request reserved or released since: ``epoch``)."""
-    T = _check_queries(where, layer, q_nope, q_pe, scale, pool=pool, max_rows=max_rows, dtype=dtype,
-                       device=device)  # fmt: skip
-    if not isinstance(indexer, IndexerInputs):
-        raise TypeError(f"{where}: 'indexer' must be IndexerInputs, got {type(indexer).__name__}")
-    if len(rows.request_ids) != T:
-        raise ValueError(f"{where}: the checked rows hold {len(rows.request_ids)} rows, q_nope {T}")
-    cu, lens = _check_indexer(where, indexer, T, device, int8_indexer)
+    they were checked with, unmodified, no request reserved or released since: ``epoch``).
+
+    The per-layer checks run in full once per layout of the queries and the indexer's tensors: a later
+    layer whose inputs have the shapes, dtypes and devices of ones that passed with these rows skips them
+    (the next layers of a forward)."""
+    layout = _layer_inputs(q_nope, q_pe, indexer)
+    if layout is not None:  # what the checks compare the inputs with: the runtime's, as well
+        layout = (id(pool), max_rows, dtype, device, int8_indexer, layout)
+    if (
+        layout is None
+        or layout != rows.layer_inputs
+        or not (type(layer) is int and 0 <= layer < pool.num_layers)
+    ):
+        T = _check_queries(where, layer, q_nope, q_pe, scale, pool=pool, max_rows=max_rows, dtype=dtype,
+                           device=device)  # fmt: skip
+        if not isinstance(indexer, IndexerInputs):
+            raise TypeError(f"{where}: 'indexer' must be IndexerInputs, got {type(indexer).__name__}")
+        if len(rows.request_ids) != T:
+            raise ValueError(f"{where}: the checked rows hold {len(rows.request_ids)} rows, q_nope {T}")
+        _check_indexer(where, indexer, T, device, int8_indexer)
+        rows.layer_inputs = layout
+    else:
+        check_scale(where, scale)
+    assert isinstance(indexer, IndexerInputs)
+    cu, lens = indexer.cu_seqlens_q, indexer.seq_lens_k
     if cu is not rows.cu_seqlens_q or lens is not rows.seq_lens_k:
         raise ValueError(
             f"{where}: the checked rows were checked with other indexer.cu_seqlens_q / seq_lens_k tensors; "
@@ -195,6 +215,23 @@ def check_step_checked(
             "were modified since check_rows()); check them again"
         )
     return rows.request_ids, rows.stable_len, rows.host_block_table
+
+
+def _layer_inputs(q_nope: object, q_pe: object, indexer: object) -> tuple | None:
+    """The layout (shape, dtype, device of each tensor) of one layer's queries and indexer inputs; None
+    when one of them is not a plain tensor (the full checks then say what is wrong)."""
+    if type(indexer) is not IndexerInputs:
+        return None
+    layout: list[object] = []
+    for t in (q_nope, q_pe, indexer.q, indexer.weights, indexer.block_table, indexer.cu_seqlens_q,
+              indexer.seq_lens_k, indexer.k_cache, indexer.k_int8_cache, indexer.k_scale_cache):  # fmt: skip
+        if t is None:
+            layout.append(None)
+        elif type(t) is torch.Tensor:
+            layout.append((t.shape, t.dtype, t.device))
+        else:
+            return None
+    return tuple(layout)
 
 
 def _check_queries(

@@ -46,6 +46,7 @@ from torch_kvoffload.sparse import (
     DecodeRows,
     HostKVPool,
     IndexerInputs,
+    PlacedRows,
     SparseDecodeConfig,
     SparseDecodeOffload,
     StepResult,
@@ -79,7 +80,7 @@ class SparseOffloadBackend(KVBackend):
         self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # this forward's rows per layer
         # per forward (the plan they were made for): the request id of each new row, and a decode
         # forward's request ids, lengths and host block table, checked once for every layer
-        self._write_ids: tuple[ForwardPlan, list[int]] | None = None
+        self._placed: dict[int, tuple[ForwardPlan, PlacedRows]] = {}  # by id of the forward (part)
         self._decode_rows: tuple[ForwardPlan, CheckedRows] | None = None
         # the last decode step's (layer, plan, result): the rows it read, for attended()
         self._last_step: tuple[int, ForwardPlan, StepResult] | None = None
@@ -178,11 +179,13 @@ class SparseOffloadBackend(KVBackend):
     # ------------------------------------------------------------------------------ forwards
     def begin_forward(self, fwd: ForwardPlan) -> None:
         self._rows = {}
-        self._decode_rows = self._write_ids = self._last_step = None
+        self._decode_rows = self._last_step = None
+        self._placed = {}
 
     def end_forward(self, fwd: ForwardPlan) -> None:
         self._rows = {}
-        self._decode_rows = self._write_ids = self._last_step = None
+        self._decode_rows = self._last_step = None
+        self._placed = {}
 
     # ------------------------------------------------------------------------------ per layer
     def layer_caches(self, layer: int) -> list[torch.Tensor]:
@@ -194,9 +197,11 @@ class SparseOffloadBackend(KVBackend):
     def write(self, layer: int, fwd: ForwardPlan, rows: NewRows) -> None:
         rt = self.runtime
         assert rt is not None and rows.index_k is not None
-        if self._write_ids is None or self._write_ids[0] is not fwd:
-            self._write_ids = (fwd, [fwd.requests[r].id for r in fwd.row.tolist()])
-        rt.append(layer, self._write_ids[1], fwd.pos, rows.kv_c, rows.k_pe)
+        placed = self._placed.get(id(fwd))
+        if placed is None or placed[0] is not fwd:  # once per forward part: each layer appends the same rows
+            ids = [fwd.requests[r].id for r in fwd.row.tolist()]
+            placed = self._placed[id(fwd)] = (fwd, rt.place_rows(ids, fwd.pos))
+        rt.append_placed(layer, placed[1], rows.kv_c, rows.k_pe)
         self.index.write_keys(layer, fwd.index_phys, rows.index_k)
         if not fwd.decode and not fwd.layerwise:
             self._rows[layer] = (rows.kv_c, rows.k_pe)

@@ -284,6 +284,7 @@ def test_matches_model_on_random_traces(kernel: str, trace) -> None:
     _check_trace(kernel, trace)
 
 
+@pytest.mark.slow  # the Triton interpreter over five random traces
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=traces())
 def test_triton_matches_model_on_random_traces(trace) -> None:

@@ -65,9 +65,20 @@ CASES = {
 }
 
 
+# the Triton interpreter takes seconds per case: the inner loop (make test-fast) runs one case per order
+# and the int8 indexer, make test all of them
+_FAST = {("lru", "in_order"), ("int8", "shuffled")}
+
+
 @needs_interpreter
-@pytest.mark.parametrize("order_name", list(ORDERS))
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    ("case", "order_name"),
+    [
+        pytest.param(c, o, id=f"{c}-{o}", marks=() if (c, o) in _FAST else pytest.mark.slow)
+        for c in CASES
+        for o in ORDERS
+    ],
+)
 def test_device_step_equals_host_step_and_dense(case: str, order_name: str) -> None:
     order = ORDERS[order_name]
     cfg = config(**CASES[case])
@@ -161,7 +172,10 @@ class _SyncGuard:
 
 
 @needs_interpreter
-@pytest.mark.parametrize("case", ["lru", "score", "int8"])
+@pytest.mark.parametrize(
+    "case",
+    ["lru", pytest.param("score", marks=pytest.mark.slow), pytest.param("int8", marks=pytest.mark.slow)],
+)
 def test_device_step_reads_nothing_back(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """append's launch and attend after its host checks make no host sync, in order and shuffled."""
     cfg = config(**CASES[case])

@@ -237,6 +237,31 @@ def test_kvpp_pass_waits_then_prefetches_next_layer(captured):
     assert _calls(gm, "layer_wait") == []
 
 
+def test_a_runtime_that_runs_the_hooks_gets_them_only_around_layers_it_does_not_write(captured):
+    """``runtime_runs_hooks`` (the library's KV core runs each layer's layerwise and KVPP steps in
+    ``mla_cache_write``): no hook op around an absorbed layer; a graph absorb did not rewrite (the model's
+    own cache appends) still gets them around each layer's appends."""
+    _, _, _, graphs = captured
+    ctx = PassContext(
+        runtime="passes-test", num_caches=lambda layer: 2, layerwise_runtime="lw", kvpp_scheduler="pp",
+        num_layers=LAYERS, runtime_runs_hooks=True,
+    )  # fmt: skip
+    gm = _copy(graphs[-1][0])
+    report = OffloadPassManager()(gm, ctx)
+    assert len(_calls(gm, "mla_cache_write")) == LAYERS
+    for hook in ("layer_wait", "layer_prefetch", "layer_save", "kvpp_wait_layer", "kvpp_prefetch_layer"):
+        assert _calls(gm, hook) == [], hook
+    assert not [r for r in report.records if r.action == "inserted"]
+    unabsorbed = _copy(graphs[-1][0])
+    OffloadPassManager([LayerwiseHooksPass(), KVPPHooksPass()])(unabsorbed, ctx)
+    for layer in range(LAYERS):
+        assert (
+            len(_calls(unabsorbed, "layer_wait", layer))
+            == len(_calls(unabsorbed, "kvpp_wait_layer", layer))
+            == 1
+        )
+
+
 def test_context_rejects_bad_values():
     with pytest.raises(ValueError, match="runtime"):
         PassContext(runtime="", num_caches=lambda layer: 1)

@@ -179,16 +179,8 @@ class CoreDriver:
         Hi, Di = max(spec.index_n_heads, 1), max(spec.index_head_dim, 1)
         kv_c, k_pe = self._rand(B, S, Dc), self._rand(B, S, Dr)
         index_k = self._index_rand(B, S, Di) if self.draw_index else None
-        caches, hooks, kvpp = core.layer_caches(layer), core.backends.layerwise, core.backends.kvpp
-        if hooks is not None:  # what the layer_wait / layer_prefetch / layer_save ops call
-            hooks.wait_layer(layer, caches)
-            hooks.prefetch_layer(layer, caches)
-        if kvpp is not None:  # what the kvpp_wait_layer / kvpp_prefetch_layer ops call
-            kvpp.runtime.scheduler.wait_layer(layer, caches)
-            kvpp.runtime.scheduler.prefetch_layer(layer, caches)
+        # the core runs the layer's layerwise loads / saves and KVPP broadcast waits itself
         core.cache_write(layer, kv_c, k_pe, index_k if spec.has_indexer else None)
-        if hooks is not None:
-            hooks.save_layer(layer, caches)
         qn, qp = self._rand(B, S, H, Dc), self._rand(B, S, H, Dr)
         iq = self._index_rand(B, S, Hi, Di) if self.draw_index else None
         iw = self._rand(B, S, Hi).abs() if self.draw_index else None

@@ -452,7 +452,9 @@ class KVCore:
         self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor, index_k: torch.Tensor | None
     ) -> None:
         """Keep ``layer``'s new rows of the running forward (``kv_c [B,S,Dc]``, ``k_pe [B,S,Dr]``,
-        ``index_k [B,S,Di]`` or ``None``) in every backend that takes part."""
+        ``index_k [B,S,Di]`` or ``None``) in every backend that takes part: first each one's
+        ``before_write`` (layerwise: wait for the layer's loads, issue the next ones; KVPP: wait for the
+        layer's broadcast), then the writes, then each one's ``after_write`` (layerwise: save)."""
         f = self._running("cache_write", layer)
         check_write(f, self.spec, kv_c, k_pe, index_k)
         layer_step.write_rows(layer, f, self.spec, self._taking_part, kv_c, k_pe, index_k)

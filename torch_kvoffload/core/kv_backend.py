@@ -164,8 +164,15 @@ class KVBackend:
         """The device tensors of ``layer`` every op of the layer takes (declared mutated by the ops)."""
         return []
 
+    def before_write(self, layer: int, fwd: ForwardPlan) -> None:
+        """Before ``layer``'s rows of ``fwd`` are written (after its projections): wait until the layer's
+        KV may be used (a load, a broadcast) and start what the next layers need."""
+
     def write(self, layer: int, fwd: ForwardPlan, rows: NewRows) -> None:
         """Keep ``layer``'s new rows of ``fwd``."""
+
+    def after_write(self, layer: int, fwd: ForwardPlan) -> None:
+        """After ``layer``'s rows of ``fwd`` were written by every backend (start saving them)."""
 
     def keys(self, layer: int, fwd: ForwardPlan) -> KeyRows | None:
         """The rows ``layer``'s attention of ``fwd`` reads, if this backend holds them."""

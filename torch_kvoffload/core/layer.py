@@ -45,7 +45,12 @@ def write_rows(
     index_k: torch.Tensor | None,
 ) -> None:
     """Keep ``layer``'s new rows (``kv_c [.., Dc]``, ``k_pe [.., Dr]``, ``index_k [.., Di]`` or ``None``) in
-    the backends taking part in each part of ``fwd``, in the model's dtype."""
+    the backends taking part in each part of ``fwd``, in the model's dtype: each one's ``before_write``
+    first, then the writes, then each one's ``after_write`` (a layerwise load waited for before the rows
+    land in its buffer, their save started after)."""
+    before, after = _write_hooks(fwd, taking)
+    for part, b in before:
+        b.before_write(layer, part)
     for part in parts_of(fwd):
         rows = NewRows(
             _rows(kv_c, part, spec.kv_lora_rank).to(spec.dtype),
@@ -54,6 +59,21 @@ def write_rows(
         )
         for b in taking(part):
             b.write(layer, part, rows)
+    for part, b in after:
+        b.after_write(layer, part)
+
+
+def _write_hooks(fwd: ForwardPlan, taking: Taking) -> tuple[list, list]:
+    """``(part, backend)`` of the backends taking part in ``fwd`` that have a ``before_write`` / an
+    ``after_write`` of their own, once per forward (most have neither)."""
+    hooks = fwd.memo.get("write_hooks")
+    if hooks is None:
+        engaged = [(part, b) for part in parts_of(fwd) for b in taking(part)]
+        hooks = fwd.memo["write_hooks"] = tuple(
+            [(part, b) for part, b in engaged if getattr(type(b), name) is not getattr(KVBackend, name)]
+            for name in ("before_write", "after_write")
+        )
+    return hooks
 
 
 def attend_queries(

@@ -184,6 +184,8 @@ def insert_layer_hooks(
     pass_name: str,
     marker: object,
     insert: Callable[[int, fx.Node, fx.Node, int | None], tuple[list[fx.Node], str]],
+    *,
+    runtime_runs_hooks: bool = False,
 ) -> list[PassRecord]:
     """Insert hook nodes around each layer's KV accesses, once per layer.
 
@@ -191,12 +193,19 @@ def insert_layer_hooks(
     ``insert(layer, first, last, next_layer)`` adds the layer's nodes (``next_layer``: the next layer with
     KV accesses, ``None`` for the last) and returns them with the record's detail. The new nodes get
     ``first``'s meta, each layer one ``"inserted"`` record; the graph is finished when anything changed.
+    ``runtime_runs_hooks``: a layer whose KV is written by ``mla_cache_write`` gets nothing (its runtime
+    runs the layer's hooks itself).
     """
+    from torch_kvoffload.passes._ops import op
+
     accesses = layer_kv_accesses(gm)
     layers = list(accesses)
+    write = op("mla_cache_write")
     done = []
     for i, layer in enumerate(layers):
         if op_nodes(gm.graph, marker, layer):
+            continue
+        if runtime_runs_hooks and accesses[layer][0].target is write:
             continue
         first, last = accesses[layer]
         new, detail = insert(layer, first, last, layers[i + 1] if i + 1 < len(layers) else None)

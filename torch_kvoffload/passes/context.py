@@ -28,6 +28,10 @@ class PassContext:
         Name of the registered KVPP scheduler (``kvpp_wait_layer`` / ``kvpp_prefetch_layer``); ``None``: off.
     num_layers : int or None
         The session's layer count; layers the graph shows beyond it are an error.
+    runtime_runs_hooks : bool
+        Whether the ``runtime`` runs the layerwise and KVPP steps of each layer it writes (the library's
+        KV core does, in ``cache_write``): the hook passes then wrap only the layers whose KV accesses are
+        not its ``mla_cache_write`` (a layer the absorb pass left to the model's own cache).
     """
 
     runtime: str
@@ -35,6 +39,7 @@ class PassContext:
     layerwise_runtime: str | None = None
     kvpp_scheduler: str | None = None
     num_layers: int | None = None
+    runtime_runs_hooks: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.runtime, str) or not self.runtime:

@@ -42,4 +42,4 @@ class KVPPHooksPass:
             what = "kvpp_wait_layer" + (f" + kvpp_prefetch_layer({nxt})" if nxt is not None else "")
             return new, f"{what} before {first.name} (scheduler {ctx.kvpp_scheduler!r})"
 
-        return g.insert_layer_hooks(gm, self.name, wait, insert)
+        return g.insert_layer_hooks(gm, self.name, wait, insert, runtime_runs_hooks=ctx.runtime_runs_hooks)

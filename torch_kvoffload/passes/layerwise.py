@@ -46,4 +46,4 @@ class LayerwiseHooksPass:
             )
             return new, detail
 
-        return g.insert_layer_hooks(gm, self.name, wait, insert)
+        return g.insert_layer_hooks(gm, self.name, wait, insert, runtime_runs_hooks=ctx.runtime_runs_hooks)

@@ -137,6 +137,11 @@ class KVPPBackend(KVBackend):
         if self.runtime is not None:
             self.runtime.scheduler.end_forward()
 
+    def before_write(self, layer: int, fwd: ForwardPlan) -> None:
+        """The owner's broadcast of the layer landed (which starts the next layer's)."""
+        assert self.runtime is not None
+        self.runtime.scheduler.wait_layer(layer)
+
     def layer_caches(self, layer: int) -> list[torch.Tensor]:
         return [] if self.runtime is None else self.runtime.caches(layer)
 

@@ -346,6 +346,15 @@ class LayerwiseBackend(KVBackend):
         self._hook("save_layer", layer, caches)
 
     # ------------------------------------------------------------------------------ per layer
+    def before_write(self, layer: int, fwd: ForwardPlan) -> None:
+        """The layer's buffer free and its cached prefix loaded; the next layers' loads issued."""
+        self.wait_layer(layer)
+        self.prefetch_layer(layer)
+
+    def after_write(self, layer: int, fwd: ForwardPlan) -> None:
+        """The layer's new full blocks saved to the store, asynchronously."""
+        self.save_layer(layer)
+
     def layer_caches(self, layer: int) -> list[torch.Tensor]:
         return [] if self.runtime is None else list(self.runtime.layer_caches(layer))
 

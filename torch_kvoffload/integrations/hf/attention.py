@@ -273,35 +273,18 @@ def mla_attention_forward(
     q_nope = torch.matmul(q_pass, w[:, :nope]).transpose(1, 2)
     q_pe = q_rot.transpose(1, 2)
 
-    ops = torch.ops.kvoffload
+    # the core runs the layer's KV pipeline in cache_write (layerwise loads and saves, KVPP broadcasts)
     core = session.core
-    traced = torch.compiler.is_compiling()
-    lw, kv = session.layerwise_runtime, session.kvpp_runtime
-    running = core.forward
-    if not traced and running is not None and not running.layerwise:
-        lw = None  # the layerwise hooks do nothing in a forward without the layerwise pipeline (decode steps)
-    # the hooks and the graph-boundary ops take the layer's caches (declared mutated, for graph order)
-    caches = session.layer_caches(layer) if lw is not None or kv is not None or traced else []
-    if lw is not None:
-        ops.layer_wait(lw, layer, caches)
-        ops.layer_prefetch(lw, layer, caches)
-    if kv is not None:
-        # the owner's broadcast of this layer lands before the first KV access; the next one overlaps it
-        ops.kvpp_wait_layer(kv, layer, caches)
-        if layer + 1 < session.spec.num_layers:
-            ops.kvpp_prefetch_layer(kv, layer + 1, session.layer_caches(layer + 1))
     out = q_nope.new_empty(B, S, H, Dc)
-    if traced:  # a graph keeps the ops as nodes; their kernels call the same core methods
+    traced = torch.compiler.is_compiling()
+    if traced:  # a graph keeps the ops as nodes (the caches declared mutated order them); their kernels
+        caches = session.layer_caches(layer)  # call the same core methods
         mla_runtime.mla_cache_write(session.name, layer, kv_c, k_pe, index_k, caches)
-    else:
-        core.cache_write(layer, kv_c, k_pe, index_k)
-    if lw is not None:
-        ops.layer_save(lw, layer, caches)
-    if traced:
         mla_runtime.mla_cache_attention(
             session.name, layer, q_nope, q_pe, index_q, index_w, float(self.scaling), out, caches
         )
     else:
+        core.cache_write(layer, kv_c, k_pe, index_k)
         core.cache_attention(layer, q_nope, q_pe, index_q, index_w, float(self.scaling), out)
     out_v = (
         torch.matmul(out.transpose(1, 2), w[:, nope:].transpose(1, 2)).transpose(1, 2).reshape(B, S, H * v)

@@ -77,6 +77,7 @@ class _SessionHooks:
             layerwise_runtime=session.layerwise_runtime,
             kvpp_scheduler=session.kvpp_runtime,
             num_layers=session.spec.num_layers,
+            runtime_runs_hooks=True,  # the session's KV core, in cache_write
         )
 
     def layer_caches(self, session: Any, layer: int) -> list[torch.Tensor]:

@@ -376,6 +376,7 @@ def test_rows_placed_once_append_to_every_layer_as_append_does_and_go_stale() ->
         for bad, exc, needle in (
             (lambda: placed_rt.append_placed(0, (ids, pos), kv, pe), TypeError, "must be PlacedRows"),
             (lambda: placed_rt.append_placed(2, placed, kv, pe), ValueError, "layer must be <= 1"),
+            (lambda: plain_rt.append_placed(0, placed, kv, pe), ValueError, "placed by another runtime"),
             (
                 lambda: placed_rt.append_placed(0, placed, kv[:2], pe),
                 ValueError,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,15 +44,17 @@ class PlacedRows:
     :meth:`~torch_kvoffload.sparse.SparseDecodeOffload.place_rows`.
 
     ``request_ids`` (``n`` ints) and ``dst int64 [n]``: row ``i`` goes to pool row ``dst[i]`` of each layer
-    (blocks shared with a fork were copied on write when placed). Valid while the pool's block tables
-    are unchanged (``tables_version``): a reserve, release, fork or truncate after placing makes
-    :meth:`~torch_kvoffload.sparse.SparseDecodeOffload.append_placed` refuse them.
+    (blocks shared with a fork were copied on write when placed). Valid for the runtime that placed them
+    (``pool``) while its block tables are unchanged (``tables_version``): a reserve, release, fork or
+    truncate after placing makes :meth:`~torch_kvoffload.sparse.SparseDecodeOffload.append_placed` refuse
+    them.
     """
 
     request_ids: list[int]
     dst: torch.Tensor
     src: torch.Tensor  # int64 [n]: 0..n-1, the rows of each layer's kv_c / k_pe in order
     tables_version: int
+    pool: HostKVPool = field(repr=False, compare=False)
 
     @property
     def n(self) -> int:
@@ -125,7 +127,7 @@ class RowAppender:
         ids = host_ints(where, "request_ids", request_ids, positions.shape[0])
         if not ids:
             empty = torch.empty(0, dtype=torch.int64)
-            return PlacedRows([], empty, empty, self.pool.block_tables.version)
+            return PlacedRows([], empty, empty, self.pool.block_tables.version, self.pool)
         return self._place(where, ids, positions)
 
     def append_placed(
@@ -138,6 +140,8 @@ class RowAppender:
             raise TypeError(
                 f"{where}: 'placed' must be PlacedRows (place_rows()), got {type(placed).__name__}"
             )
+        if placed.pool is not self.pool:
+            raise ValueError(f"{where}: the placed rows were placed by another runtime (another host pool)")
         if placed.tables_version != self.pool.block_tables.version:
             raise ValueError(
                 f"{where}: the placed rows are stale (a request was reserved, released, forked or truncated "
@@ -166,7 +170,7 @@ class RowAppender:
             if len(self._src) >= 8:
                 self._src.clear()
             src = self._src[len(ids)] = torch.arange(len(ids), dtype=torch.int64)
-        return PlacedRows(ids, dst, src, self.pool.block_tables.version)
+        return PlacedRows(ids, dst, src, self.pool.block_tables.version, self.pool)
 
     def _write(
         self, layer: int, placed: PlacedRows, kv_c: torch.Tensor, k_pe: torch.Tensor

@@ -27,7 +27,6 @@ import torch
 
 from torch_kvoffload import device as kv_device
 from torch_kvoffload import transfer as kv_transfer
-from torch_kvoffload._utils import Unchanged
 from torch_kvoffload.ops import copy_rows
 from torch_kvoffload.sparse._checks import check_layer, check_tensor, host_ints
 from torch_kvoffload.sparse.host_pool import HostKVPool
@@ -95,11 +94,6 @@ class RowAppender:
         self._keep: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self._pending_publish: list[kv_transfer.TransferEvent] = []  # device path: fence + bytes_d2h
         self._seq = [0] * num_layers  # appends issued per layer (writer and readers alike)
-        # recent appends' placements by positions tensor: (request ids, the positions as watched, tables
-        # version, dst). A forward appends the same rows to every layer (a mixed forward: two sets): its later
-        # layers reuse the first one's pool rows
-        self._placed: dict[int, tuple[list[int], Unchanged, int, torch.Tensor]] = {}
-        self._src: dict[int, torch.Tensor] = {}  # arange(n) by n: the source rows of an append of n rows
 
     def append(
         self,
@@ -164,12 +158,13 @@ class RowAppender:
         return kv_c, k_pe
 
     def _place(self, where: str, ids: list[int], positions: torch.Tensor) -> PlacedRows:
-        dst = self._placed_rows(where, ids, positions)
-        src = self._src.get(len(ids))
-        if src is None:
-            if len(self._src) >= 8:
-                self._src.clear()
-            src = self._src[len(ids)] = torch.arange(len(ids), dtype=torch.int64)
+        """The rows ``(ids[i], positions[i])`` placed: their pool rows, their blocks made writable first
+        (:meth:`_pool_slots`, :meth:`_copy_on_write`)."""
+        dst, copies = self._pool_slots(where, ids, positions.to("cpu", torch.int64))
+        if copies and self.writer:
+            self.counters.count_total("cow_copies", len(copies))
+            self._copy_on_write(copies)
+        src = torch.arange(len(ids), dtype=torch.int64)
         return PlacedRows(ids, dst, src, self.pool.block_tables.version, self.pool)
 
     def _write(
@@ -218,9 +213,8 @@ class RowAppender:
             # the host copy reads the staging only after the D2H copy's event (the worker waits on it);
             # the device sources stay referenced until then
             event = self.host.submit(unstage, (kv_src, pe_src), after=[staged])
-        if (
-            not event.succeeded()
-        ):  # an append done when it returned (inline on CPU) leaves nothing to wait for
+        # an append done when it returned (inline on CPU) leaves nothing to wait for
+        if not event.succeeded():
             self._pending[layer].append(event)
         return event
 
@@ -281,24 +275,6 @@ class RowAppender:
         # keep the unfinished and the failed (sync() raises those); finished ones need nothing more
         self._pending_publish = [ev for ev in self._pending_publish if not ev.succeeded()]
         self._pending_publish.append(self.host.submit(finished, after=[event]))
-
-    def _placed_rows(self, where: str, ids: list[int], positions: torch.Tensor) -> torch.Tensor:
-        """Pool rows ``int64 [n]`` of the rows ``(ids[i], positions[i])``, their blocks made writable
-        first (:meth:`_pool_slots`, :meth:`_copy_on_write`); the last placement again when the same ids
-        and the same unmodified positions tensor come with unchanged block tables (the next layers of a
-        forward: nothing to check or copy again)."""
-        tables = self.pool.block_tables
-        last = self._placed.get(id(positions))
-        if last is not None and last[2] == tables.version and last[0] == ids and last[1].holds(positions):
-            return last[3]
-        dst, copies = self._pool_slots(where, ids, positions.to("cpu", torch.int64))
-        if copies and self.writer:
-            self.counters.count_total("cow_copies", len(copies))
-            self._copy_on_write(copies)
-        if len(self._placed) >= 4:
-            self._placed.clear()
-        self._placed[id(positions)] = (ids, Unchanged(positions), tables.version, dst)
-        return dst
 
     def _pool_slots(self, where: str, ids: list[int], pos: torch.Tensor) -> tuple[torch.Tensor, list]:
         """Pool rows ``int64 [n]`` of ``(ids[i], pos[i])`` and the ``(old, new)`` blocks to copy first;

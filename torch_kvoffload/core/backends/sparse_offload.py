@@ -46,7 +46,6 @@ from torch_kvoffload.sparse import (
     DecodeRows,
     HostKVPool,
     IndexerInputs,
-    PlacedRows,
     SparseDecodeConfig,
     SparseDecodeOffload,
     StepResult,
@@ -78,9 +77,8 @@ class SparseOffloadBackend(KVBackend):
         self._configured = (0, 0)  # (top_k, hot capacity) of the configuration, before clipping to a layout
         self._reserved: list[int] = []  # request ids holding host-pool blocks
         self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # this forward's rows per layer
-        # per forward (the plan they were made for): the request id of each new row, and a decode
-        # forward's request ids, lengths and host block table, checked once for every layer
-        self._placed: dict[int, tuple[ForwardPlan, PlacedRows]] = {}  # by id of the forward (part)
+        # per forward (the plan they were made for): a decode forward's request ids, lengths and host block
+        # table, checked once for every layer (its new rows' placement lives in the plan's memo)
         self._decode_rows: tuple[ForwardPlan, CheckedRows] | None = None
         # the last decode step's (layer, plan, result): the rows it read, for attended()
         self._last_step: tuple[int, ForwardPlan, StepResult] | None = None
@@ -180,12 +178,10 @@ class SparseOffloadBackend(KVBackend):
     def begin_forward(self, fwd: ForwardPlan) -> None:
         self._rows = {}
         self._decode_rows = self._last_step = None
-        self._placed = {}
 
     def end_forward(self, fwd: ForwardPlan) -> None:
         self._rows = {}
         self._decode_rows = self._last_step = None
-        self._placed = {}
 
     # ------------------------------------------------------------------------------ per layer
     def layer_caches(self, layer: int) -> list[torch.Tensor]:
@@ -197,11 +193,11 @@ class SparseOffloadBackend(KVBackend):
     def write(self, layer: int, fwd: ForwardPlan, rows: NewRows) -> None:
         rt = self.runtime
         assert rt is not None and rows.index_k is not None
-        placed = self._placed.get(id(fwd))
-        if placed is None or placed[0] is not fwd:  # once per forward part: each layer appends the same rows
+        placed = fwd.memo.get("sparse_placed")
+        if placed is None:  # once per forward part: each layer appends the same rows
             ids = [fwd.requests[r].id for r in fwd.row.tolist()]
-            placed = self._placed[id(fwd)] = (fwd, rt.place_rows(ids, fwd.pos))
-        rt.append_placed(layer, placed[1], rows.kv_c, rows.k_pe)
+            placed = fwd.memo["sparse_placed"] = rt.place_rows(ids, fwd.pos)
+        rt.append_placed(layer, placed, rows.kv_c, rows.k_pe)
         self.index.write_keys(layer, fwd.index_phys, rows.index_k)
         if not fwd.decode and not fwd.layerwise:
             self._rows[layer] = (rows.kv_c, rows.k_pe)

@@ -50,7 +50,6 @@ from torch_kvoffload.sparse import (
     SparseDecodeOffload,
     StepResult,
 )
-from torch_kvoffload.sparse.step_inputs import CheckedRows
 
 __all__ = ["FENCE_TIMEOUT_S", "SparseOffloadBackend"]
 
@@ -77,9 +76,8 @@ class SparseOffloadBackend(KVBackend):
         self._configured = (0, 0)  # (top_k, hot capacity) of the configuration, before clipping to a layout
         self._reserved: list[int] = []  # request ids holding host-pool blocks
         self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # this forward's rows per layer
-        # per forward (the plan they were made for): a decode forward's request ids, lengths and host block
-        # table, checked once for every layer (its new rows' placement lives in the plan's memo)
-        self._decode_rows: tuple[ForwardPlan, CheckedRows] | None = None
+        # per forward, in the plan's memo: its new rows placed in the pool, and a decode forward's rows
+        # (request ids, lengths, host block table) checked once for every layer
         # the last decode step's (layer, plan, result): the rows it read, for attended()
         self._last_step: tuple[int, ForwardPlan, StepResult] | None = None
         self.counters = Counters(("prefill_host_bytes_h2d",))
@@ -177,11 +175,11 @@ class SparseOffloadBackend(KVBackend):
     # ------------------------------------------------------------------------------ forwards
     def begin_forward(self, fwd: ForwardPlan) -> None:
         self._rows = {}
-        self._decode_rows = self._last_step = None
+        self._last_step = None
 
     def end_forward(self, fwd: ForwardPlan) -> None:
         self._rows = {}
-        self._decode_rows = self._last_step = None
+        self._last_step = None
 
     # ------------------------------------------------------------------------------ per layer
     def layer_caches(self, layer: int) -> list[torch.Tensor]:
@@ -278,16 +276,15 @@ class SparseOffloadBackend(KVBackend):
         else:
             common["q"] = q.index_q.to(cache[0].dtype)
             indexer = IndexerInputs(**common, k_cache=cache[0])
-        stale = self._decode_rows is None or self._decode_rows[0] is not fwd
-        if stale or self._decode_rows[1].epoch != rt.epoch:  # e.g. a copy-on-write changed a block table
+        rows = fwd.memo.get("sparse_rows")
+        if rows is None or rows.epoch != rt.epoch:  # e.g. a copy-on-write changed a block table
             ids = fwd.request_ids
             decode_rows = DecodeRows(
                 request_ids=torch.tensor(ids, dtype=torch.int64),
                 stable_len=torch.tensor(fwd.new_len, dtype=torch.int64),
                 host_block_table=rt.pool.block_table(ids, max_blocks=layout.blocks_per_request),
             )
-            self._decode_rows = (fwd, rt.check_rows(decode_rows, fwd.cu_seqlens_q, fwd.seq_lens_k))
-        rows = self._decode_rows[1]
+            rows = fwd.memo["sparse_rows"] = rt.check_rows(decode_rows, fwd.cu_seqlens_q, fwd.seq_lens_k)
         step = rt.attend(layer, q.q_nope.contiguous(), q.q_pe.contiguous(), q.scale, indexer, rows)
         self._last_step = (layer, fwd, step)
         return step.out

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from torch_kvoffload.core.config import DEFAULT_BLOCK_SIZE, OffloadConfig, SparseOptions
+from torch_kvoffload.core.config import DEFAULT_BLOCK_SIZE, OffloadConfig
+from torch_kvoffload.sparse.config import SparseOptions
 
 if TYPE_CHECKING:
     import torch

@@ -21,7 +21,7 @@ from support.core_driver import CORE_CONFIGS, TOY_SCALE, CoreDriver, toy_spec
 
 from torch_kvoffload.core.config import OffloadConfig
 from torch_kvoffload.core.kv import KVCore
-from torch_kvoffload.core.spec import ModelSpec
+from torch_kvoffload.kv.spec import ModelSpec
 
 BS = 4
 SCALE = TOY_SCALE

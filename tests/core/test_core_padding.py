@@ -13,9 +13,9 @@ import torch
 from support.core_driver import CORE_CONFIGS, TOY_SCALE, CoreDriver, toy_spec
 
 from torch_kvoffload.core.config import OffloadConfig
-from torch_kvoffload.core.forward import visible_padding
 from torch_kvoffload.core.kv import KVCore
-from torch_kvoffload.core.spec import ModelSpec
+from torch_kvoffload.kv.forward import visible_padding
+from torch_kvoffload.kv.spec import ModelSpec
 
 BS, TOPK = 4, 5
 SCALE = TOY_SCALE
@@ -114,9 +114,9 @@ def test_rows_without_new_tokens_in_layerwise_forwards(name):
 
 
 def test_padding_queries_off_plans_no_padding_attention() -> None:
-    from torch_kvoffload.core.forward import plan_forward
-    from torch_kvoffload.core.layout import KVLayout
-    from torch_kvoffload.core.requests import Request
+    from torch_kvoffload.kv.forward import plan_forward
+    from torch_kvoffload.kv.layout import KVLayout
+    from torch_kvoffload.kv.requests import Request
 
     layout = KVLayout(2, 16, 4)
     reqs = [Request(0, 0, [1, 2]), Request(1, 1)]

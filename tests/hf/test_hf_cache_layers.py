@@ -21,7 +21,7 @@ from support.hf_models import SMALL, build_model, left_padded_batch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import torch_kvoffload
-from torch_kvoffload.core.kv_backend import PDRole
+from torch_kvoffload.core.pd_role import PDRole
 from torch_kvoffload.integrations.hf import session_of
 
 LENGTHS = [9, 13]

@@ -235,46 +235,56 @@ def test_kvpp_two_tp_ranks_compiled_tokens_and_bytes(two_ranks, case):
 
 def test_kvpp_partial_config_is_resolved_against_the_model_and_group():
     from torch_kvoffload.integrations.hf import inspect_model
+    from torch_kvoffload.kvpp.config import resolve_kvpp_config
 
     v3 = inspect_model(build_model("deepseek_v3", num_hidden_layers=2))
     v32 = inspect_model(build_model("deepseek_v32", num_hidden_layers=2))
     cfg = OffloadConfig(kvpp={})
     assert cfg.kvpp_requested
-    got = cfg.kvpp_config(v3, world_size=4)
+    got = resolve_kvpp_config(cfg.kvpp, v3, world_size=4)
     assert (got.enable_kvpp, got.tp_size, got.pcp_size, got.attention) == (True, 4, 1, "mla")
-    assert cfg.kvpp_config(v32, world_size=2).attention == "sfa"
-    got = OffloadConfig(kvpp={"tp_size": 2, "max_broadcast_runs": 3}).kvpp_config(v32, world_size=4)
+    assert resolve_kvpp_config(cfg.kvpp, v32, world_size=2).attention == "sfa"
+    got = resolve_kvpp_config(
+        OffloadConfig(kvpp={"tp_size": 2, "max_broadcast_runs": 3}).kvpp, v32, world_size=4
+    )
     assert (got.tp_size, got.max_broadcast_runs) == (2, 3)
-    assert OffloadConfig(kvpp={"pcp_size": 2}).kvpp_config(v3, world_size=4).tp_size == 2
+    assert resolve_kvpp_config(OffloadConfig(kvpp={"pcp_size": 2}).kvpp, v3, world_size=4).tp_size == 2
     with pytest.raises(ValueError, match=r"attention='mla'.*DeepseekV32ForCausalLM.*'sfa'"):
-        OffloadConfig(kvpp={"attention": "mla"}).kvpp_config(v32, world_size=2)
+        resolve_kvpp_config(OffloadConfig(kvpp={"attention": "mla"}).kvpp, v32, world_size=2)
     with pytest.raises(ValueError, match="at least 2 ranks"):
-        cfg.kvpp_config(v3, world_size=1)
+        resolve_kvpp_config(cfg.kvpp, v3, world_size=1)
     with pytest.raises(ValueError, match="cannot be split"):
-        OffloadConfig(kvpp={"tp_size": 2}).kvpp_config(v3, world_size=3)
+        resolve_kvpp_config(OffloadConfig(kvpp={"tp_size": 2}).kvpp, v3, world_size=3)
     with pytest.raises(ValueError, match="KVPP is off"):
-        OffloadConfig(layerwise={}, kvpp={"enable_kvpp": False}).kvpp_config(v3, world_size=2)
+        resolve_kvpp_config(OffloadConfig(layerwise={}, kvpp={"enable_kvpp": False}).kvpp, v3, world_size=2)
 
 
 def test_kvpp_group_of_a_tensor_parallel_model_is_its_tp_group():
     import dataclasses
 
-    from torch_kvoffload.core.backends.kvpp import _check_tensor_parallel
-    from torch_kvoffload.core.spec import TensorParallel
     from torch_kvoffload.integrations.hf import inspect_model
+    from torch_kvoffload.kv.spec import TensorParallel
+    from torch_kvoffload.kvpp.backend import _check_tensor_parallel
+    from torch_kvoffload.kvpp.config import resolve_kvpp_config
 
     spec = inspect_model(build_model("deepseek_v32", num_hidden_layers=2))
     assert spec.tp is None and spec.tp_size == 1 and spec.num_heads == spec.total_heads == 4
     tp = dataclasses.replace(spec, tp=TensorParallel(size=2, rank=0, ranks=(0, 1), group=None), num_heads=2)
     # tp_size defaults to the model's TP size, not the world's (here 4 ranks: 2 TP groups)
-    got = OffloadConfig(kvpp={}).kvpp_config(tp, world_size=4)
+    got = resolve_kvpp_config(OffloadConfig(kvpp={}).kvpp, tp, world_size=4)
     assert (got.tp_size, got.pcp_size) == (2, 1)
     _check_tensor_parallel(tp, got)
     with pytest.raises(ValueError, match=r"tensor-parallel group of 2 ranks.*tp_size \* pcp_size = 4 \* 1"):
-        _check_tensor_parallel(tp, OffloadConfig(kvpp={"tp_size": 4}).kvpp_config(tp, world_size=4))
+        _check_tensor_parallel(
+            tp, resolve_kvpp_config(OffloadConfig(kvpp={"tp_size": 4}).kvpp, tp, world_size=4)
+        )
     with pytest.raises(ValueError, match=r"2 \* 2; .*pcp_size at 1"):
-        _check_tensor_parallel(tp, OffloadConfig(kvpp={"pcp_size": 2}).kvpp_config(tp, world_size=4))
-    _check_tensor_parallel(spec, OffloadConfig(kvpp={"tp_size": 4}).kvpp_config(spec, world_size=4))
+        _check_tensor_parallel(
+            tp, resolve_kvpp_config(OffloadConfig(kvpp={"pcp_size": 2}).kvpp, tp, world_size=4)
+        )
+    _check_tensor_parallel(
+        spec, resolve_kvpp_config(OffloadConfig(kvpp={"tp_size": 4}).kvpp, spec, world_size=4)
+    )
 
 
 def test_kvpp_rejections_leave_nothing_registered():

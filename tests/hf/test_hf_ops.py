@@ -14,6 +14,7 @@ from support.hf_models import build_model
 from torch_kvoffload import OffloadConfig
 from torch_kvoffload.integrations.hf import OffloadSession, inspect_model
 from torch_kvoffload.ops import mla_runtime
+from torch_kvoffload.sparse.config import resolve_sparse_config
 
 
 def _session(family="deepseek_v3", **cfg):
@@ -184,7 +185,7 @@ def test_offload_config_forms_and_errors():
     assert OffloadConfig.model_validate_json(cfg.model_dump_json(exclude_unset=True)) == cfg
     assert cfg.resolved_block_size == 128
     spec = inspect_model(build_model("deepseek_v32", num_hidden_layers=2))
-    full = cfg.sparse_config(spec, host_pool_blocks=10)
+    full = resolve_sparse_config(cfg.sparse, spec, block_size=cfg.resolved_block_size, host_pool_blocks=10)
     assert (full.top_k, full.capacity, full.host_pool_blocks, full.kv_dtype) == (
         spec.index_topk,
         64,

@@ -14,10 +14,10 @@ pytest.importorskip("transformers")
 from support.hf_models import build_model, left_padded_batch
 
 import torch_kvoffload
-from torch_kvoffload.core.backends import layerwise as layerwise_backend
-from torch_kvoffload.core.spec import weights_fingerprint
 from torch_kvoffload.integrations.hf import session_of
 from torch_kvoffload.integrations.hf.inspect import inspect_model
+from torch_kvoffload.kv.spec import weights_fingerprint
+from torch_kvoffload.layerwise import backend as layerwise_backend
 from torch_kvoffload.store import LocalKVStore, parse_layer_block_key
 
 BS = 8

@@ -25,7 +25,7 @@ from support.kvpp_helpers import spawn_gloo
 from support.tp_helpers import load_tp, save_tiny
 
 import torch_kvoffload
-from torch_kvoffload.core.backends.sparse_offload import FENCE_TIMEOUT_S
+from torch_kvoffload.sparse.backend import FENCE_TIMEOUT_S
 
 BS = 4  # tokens per block: the prompts span several blocks (beams share their full ones)
 OVERRIDES = {"num_hidden_layers": 2}  # 4 attention heads (divisible by 2 and 4), 32 indexer heads
@@ -178,7 +178,7 @@ def _fault_on_rank_1(run: str, rank: int):
 def _failed_attach(model, session) -> dict:
     """The readers cannot attach the pool TP rank 0 created for a new sequence: every rank raises (no rank
     waits for the others), TP rank 0 removes its file, and the next sequence works again."""
-    from torch_kvoffload.core.backends import sparse_offload
+    from torch_kvoffload.sparse import backend as sparse_offload
 
     real = sparse_offload.HostKVPool.attach
 

@@ -14,7 +14,7 @@ import torch
 from support.memcache_fake import memcache_store
 from support.mooncake import mooncake_client, mooncake_missing
 
-from torch_kvoffload.core.backends import layerwise as layerwise_backend
+from torch_kvoffload.layerwise import backend as layerwise_backend
 from torch_kvoffload.store import KVStore, LocalKVStore, RecordLayout
 from torch_kvoffload.store.integrity import TRAILER_BYTES
 

@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 
 from torch_kvoffload.core.kv import KVCore
-from torch_kvoffload.core.spec import ModelSpec
+from torch_kvoffload.kv.spec import ModelSpec
 
 #: The toy model of the core tests: latent 16, rope 8, 2 heads, indexer keys of 8, 2 layers.
 TOY_SCALE = (16 + 8) ** -0.5

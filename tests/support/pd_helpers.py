@@ -853,8 +853,8 @@ def wait_agreement_rank(rank: int, world: int, out_q) -> None:
 
     import torch.distributed as dist
 
-    from torch_kvoffload.core.spec import TensorParallel
     from torch_kvoffload.integrations.hf.pd import DecodeRole
+    from torch_kvoffload.kv.spec import TensorParallel
     from torch_kvoffload.pd import PDConfig, PDTransferError
 
     tp = TensorParallel(world, rank, tuple(range(world)), group=dist.group.WORLD)

@@ -17,7 +17,7 @@ that see real tokens (``pad=True``: query ``i`` of batch row ``fwd.pad_row[i]`` 
 ``0 .. fwd.pad_len[i] - 1``; the indexer runs them as one-query pseudo-requests reusing their request's
 block-table row).
 
-Shapes as in :mod:`torch_kvoffload.core.kv_backend`; outputs ``[N, H, Dc]`` (``[P, H, Dc]`` for the padding
+Shapes as in :mod:`torch_kvoffload.kv.backend`; outputs ``[N, H, Dc]`` (``[P, H, Dc]`` for the padding
 queries) in the queries' dtype; probabilities fp32 ``[N, H, width]`` (``[P, H, width]``), entry ``p`` the
 query's weight on its request's logical position ``p`` (0 where it attends to nothing).
 """
@@ -29,8 +29,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from torch_kvoffload.core.forward import ForwardPlan
-from torch_kvoffload.core.kv_backend import IndexerView, KeyRows, KVBackend, Queries, SelectedRows
+from torch_kvoffload.kv.backend import IndexerView, KeyRows, KVBackend, Queries, SelectedRows
+from torch_kvoffload.kv.forward import ForwardPlan
 from torch_kvoffload.ops.indexer import hadamard_quant_int8, lightning_indexer, quant_lightning_indexer
 from torch_kvoffload.ops.indexer_reference import float_logits, quant_logits, score_matrix
 from torch_kvoffload.ops.sparse_attention import sparse_mla_attention

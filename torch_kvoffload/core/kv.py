@@ -1,6 +1,6 @@
 """``KVCore``: the request-level KV of one model, independent of any model library.
 
-It owns the :class:`~torch_kvoffload.core.requests.RequestTable`, the :class:`~torch_kvoffload.core.layout.
+It owns the :class:`~torch_kvoffload.kv.requests.RequestTable`, the :class:`~torch_kvoffload.kv.layout.
 KVLayout` every device cache is sized for, and the backends the configuration enables
 (:func:`~torch_kvoffload.core.backends.build_backends`), and dispatches to them:
 
@@ -23,7 +23,7 @@ the next :meth:`size` (unless :attr:`keep_prefill_buffers`: continuous batching 
 
 Padding (a batch row's positions that are not real tokens) may be anywhere in any forward, and a row may
 have no real token in a forward. Padding keeps no KV, but its query still attends as the Hugging Face
-model's does: over the request's real tokens before it (:mod:`torch_kvoffload.core.forward`, ``pad_*``),
+model's does: over the request's real tokens before it (:mod:`torch_kvoffload.kv.forward`, ``pad_*``),
 through the backends' keys (never the sparse-offload decode step: a forward with such queries is not a
 decode step). A padding query that sees no real token (left padding before a request's first token) gets
 zero: what ``sdpa`` gives for a fully masked query on torch >= 2.5 (the eager implementation averages over
@@ -41,7 +41,10 @@ import torch
 from torch_kvoffload.core import layer as layer_step
 from torch_kvoffload.core.backends import Backends, build_backends
 from torch_kvoffload.core.config import OffloadConfig
-from torch_kvoffload.core.forward import (
+from torch_kvoffload.core.pd_role import PDRole
+from torch_kvoffload.counters import Counters
+from torch_kvoffload.kv.backend import KVBackend
+from torch_kvoffload.kv.forward import (
     ForwardPlan,
     check_bias,
     check_queries,
@@ -50,11 +53,9 @@ from torch_kvoffload.core.forward import (
     plan_mixed,
     plan_packed,
 )  # fmt: skip
-from torch_kvoffload.core.kv_backend import KVBackend, PDRole
-from torch_kvoffload.core.layout import KVLayout
-from torch_kvoffload.core.requests import Request, RequestTable
-from torch_kvoffload.core.spec import ModelSpec
-from torch_kvoffload.counters import Counters
+from torch_kvoffload.kv.layout import KVLayout
+from torch_kvoffload.kv.requests import Request, RequestTable
+from torch_kvoffload.kv.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class KVCore:
         #: where nothing is attended); a second pass over the rows the attention read, only when set
         self.attention_probs: dict[int, torch.Tensor] | None = None
         #: set by the caller for the next forward it begins (e.g. a custom 4-D mask): the additive bias its
-        #: attention and indexer use instead of the causal rule (:func:`~torch_kvoffload.core.forward.check_bias`)
+        #: attention and indexer use instead of the causal rule (:func:`~torch_kvoffload.kv.forward.check_bias`)
         self.attention_bias: torch.Tensor | None = None
         self.counters = Counters(_COUNTERS)
 
@@ -290,7 +291,7 @@ class KVCore:
     def serves_mixed(self) -> bool:
         """Whether one packed forward may hold decode tokens (one new token after earlier ones) beside other
         rows: without a sparse backend every row takes the same path; with one such a forward is planned
-        in two parts (:func:`~torch_kvoffload.core.forward.plan_mixed`: the decode tokens take its decode
+        in two parts (:func:`~torch_kvoffload.kv.forward.plan_mixed`: the decode tokens take its decode
         path), which KVPP and a P/D role (they plan whole forwards) do not take."""
         b = self.backends
         return b.sparse is None or (b.kvpp is None and b.role is None)
@@ -316,7 +317,7 @@ class KVCore:
     ) -> ForwardPlan:
         """Begin a forward of live ``requests`` holding ``new_tokens[r]`` each; return its plan. ``new_mask
         None``: a packed forward, the layers' inputs are the new tokens one after the other in one row ``[1,
-        N]``, request-major (:func:`~torch_kvoffload.core.forward.plan_packed`). Else one batch row per request
+        N]``, request-major (:func:`~torch_kvoffload.kv.forward.plan_packed`). Else one batch row per request
         whose real new positions are ``new_mask bool [B, S]`` (host, padding anywhere;
         ``padding_queries=False``: the padding positions' outputs are discarded by the caller, none
         attends). ``positions[r]``: the model (rotary) positions the model computes ``new_tokens[r]`` at

@@ -2,7 +2,7 @@
 
 :func:`write_rows` and :func:`attend_queries` take the layer's inputs in the forward's layout
 (:attr:`ForwardPlan.shape`: ``[B, S, ...]`` batched, ``[1, N, ...]`` packed), already checked by the core
-(:func:`~torch_kvoffload.core.forward.check_write`, :func:`~torch_kvoffload.core.forward.check_queries`).
+(:func:`~torch_kvoffload.kv.forward.check_write`, :func:`~torch_kvoffload.kv.forward.check_queries`).
 Each part of the forward (:attr:`ForwardPlan.parts`: a mixed forward's decode tokens and its other rows;
 else the forward itself) takes its rows at its ``sel`` and runs through the backends taking part in it.
 """
@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from torch_kvoffload.core import attention
-from torch_kvoffload.core.forward import ForwardPlan
-from torch_kvoffload.core.kv_backend import KVBackend, NewRows, Queries
-from torch_kvoffload.core.spec import ModelSpec
+from torch_kvoffload.kv.backend import KVBackend, NewRows, Queries
+from torch_kvoffload.kv.forward import ForwardPlan
+from torch_kvoffload.kv.spec import ModelSpec
 
 __all__ = ["attend_queries", "parts_of", "write_rows"]
 

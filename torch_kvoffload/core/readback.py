@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import torch
 
 from torch_kvoffload.core.kv import KVCore
-from torch_kvoffload.core.kv_backend import ROW_PARTS
-from torch_kvoffload.core.requests import Request
+from torch_kvoffload.kv.backend import ROW_PARTS
+from torch_kvoffload.kv.requests import Request
 
 __all__ = ["read_rows"]
 

@@ -9,13 +9,17 @@ checks the rest against the group and the layer bundles it is given, then builds
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, field_validator, model_validator
 
+from torch_kvoffload._utils import check_int
 from torch_kvoffload.config import ConfigModel, parse_lax_bool
 
-__all__ = ["INDEXER_COMPONENT", "KVPPConfig"]
+if TYPE_CHECKING:
+    from torch_kvoffload.kv.spec import ModelSpec
+
+__all__ = ["INDEXER_COMPONENT", "KVPPConfig", "resolve_kvpp_config"]
 
 _GRAPH_MODES_OK = ("eager", "piecewise")
 _ATTENTION_OK = ("mla", "sfa")
@@ -137,3 +141,41 @@ class KVPPConfig(ConfigModel):
     def active(self) -> bool:
         """Whether KVPP actually shards the cache (enabled and a group larger than one rank)."""
         return self.size > 1
+
+
+def resolve_kvpp_config(options: KVPPConfig, spec: ModelSpec, *, world_size: int) -> KVPPConfig:
+    """The full :class:`KVPPConfig` of ``options`` for ``spec`` in a process group of ``world_size`` ranks.
+
+    Unset fields: ``enable_kvpp=True``, ``tp_size`` = the model's tensor-parallel size (``spec.tp``) or
+    else ``world_size // pcp_size``, ``attention`` = ``"sfa"`` for a model with a lightning indexer, else
+    ``"mla"``. ``ValueError`` if ``options`` turn KVPP off (``enable_kvpp=False``), the group cannot be
+    split into KVPP groups of ``tp_size * pcp_size`` ranks, the group size is 1 (KVPP off), or
+    ``attention`` contradicts the model.
+    """
+    if not options.enable_kvpp and "enable_kvpp" in options.model_fields_set:
+        raise ValueError("resolve_kvpp_config: KVPP is off (enable_kvpp=False)")
+    world_size = check_int("resolve_kvpp_config", "world_size", world_size, minimum=1)
+    fields = options.model_dump(exclude_unset=True)
+    fields["enable_kvpp"] = True
+    pcp = int(fields.get("pcp_size", 1))
+    fields.setdefault("tp_size", spec.tp_size if spec.tp is not None else max(1, world_size // pcp))
+    model_attention = "sfa" if spec.has_indexer else "mla"
+    attention = str(fields.setdefault("attention", model_attention)).strip().lower()
+    if attention != model_attention:
+        raise ValueError(
+            f"kvpp.attention={attention!r} but {spec.model_class} is {model_attention!r} "
+            f"({'with' if spec.has_indexer else 'without'} a lightning indexer)"
+        )
+    cfg = KVPPConfig.model_validate(fields)
+    size = cfg.tp_size * cfg.pcp_size
+    if size < 2:
+        raise ValueError(
+            f"KVPP needs a group of at least 2 ranks; tp_size * pcp_size = {cfg.tp_size} * {cfg.pcp_size} "
+            f"with a process group of {world_size} rank(s)"
+        )
+    if world_size % size:
+        raise ValueError(
+            f"KVPP: the process group of {world_size} ranks cannot be split into groups of "
+            f"tp_size * pcp_size = {cfg.tp_size} * {cfg.pcp_size} = {size} ranks"
+        )
+    return cfg

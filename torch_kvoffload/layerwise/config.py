@@ -24,7 +24,7 @@ class LayerwiseConfig(ConfigModel):
     the cache layout (:func:`~torch_kvoffload.store.keys.cache_layout_fingerprint`), so models with
     different layouts never share entries even when ``model_id`` is empty. The Hugging Face integration
     (``torch_kvoffload.offload`` / ``compile``) also adds a fingerprint of the model's weights
-    (:func:`~torch_kvoffload.core.spec.weights_fingerprint`), so fine-tunes of one
+    (:func:`~torch_kvoffload.kv.spec.weights_fingerprint`), so fine-tunes of one
     architecture never share entries; a runtime built directly from this config keys by ``model_id`` and
     layout only: give each set of weights its own ``model_id`` there.
     """

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from pydantic import Field, StrictInt, field_validator, model_validator
+from pydantic import Field, StrictBool, StrictInt, field_validator, model_validator
 
 from torch_kvoffload._utils import dtype_name, parse_dtype
 from torch_kvoffload.config import ConfigModel, parse_lax_bool
+from torch_kvoffload.store.sizes import check_host_bytes
+
+if TYPE_CHECKING:
+    from torch_kvoffload.kv.spec import ModelSpec
 
 __all__ = [
     "MAIN_KV_DTYPES",
@@ -17,6 +21,8 @@ __all__ = [
     "MAX_POOL_ROWS",
     "MAX_TOP_K",
     "SparseDecodeConfig",
+    "SparseOptions",
+    "resolve_sparse_config",
 ]
 
 #: Main-KV dtypes the sparse ops (``sparse_mla_attention``, Copy-SFA) run: bf16 in production, fp32 for
@@ -141,3 +147,102 @@ class SparseDecodeConfig(ConfigModel):
         """``capacity`` with its default applied."""
         assert self.capacity is not None
         return self.capacity
+
+
+# SparseDecodeConfig fields that only sparse decode offload (host pool + hot buffers) has
+_OFFLOAD_ONLY = ("capacity", "host_pool_blocks", "policy", "fused")
+
+
+class SparseOptions(ConfigModel):
+    """Sparse attention over the lightning indexer's top-k (models with an indexer).
+
+    ``offload``: ``True`` (default) keeps the whole main (latent) KV in a host pool and only per-layer hot
+    top-k buffers on the device (sparse decode offload); ``False`` keeps the whole latent KV resident on
+    the device and attends over the top-k rows in place (absorbed sparse MLA attention without offload:
+    what a server runs when the KV fits, and the baseline offload is measured against). With
+    ``offload=False`` the host-pool and hot-buffer fields (``capacity``, ``host_pool_blocks``, ``policy``,
+    ``fused``) are refused, and ``kv_dtype`` must be the model's dtype (checked when the session is built).
+
+    The other fields are those of :class:`~torch_kvoffload.sparse.config.SparseDecodeConfig` to set; the
+    ones left ``None`` are resolved when the session is built (``top_k`` from the model's ``index_topk``,
+    ``host_pool_blocks`` from the generation, ``kv_dtype`` from the model's dtype). The given ones are
+    validated at construction with SparseDecodeConfig's own rules.
+    """
+
+    offload: StrictBool = True
+    top_k: StrictInt | None = None
+    capacity: StrictInt | None = None
+    host_pool_blocks: StrictInt | None = None
+    block_size: StrictInt | None = None
+    policy: Literal["lru", "score"] | None = None
+    indexer_dtype: Literal["bf16", "int8"] | None = None
+    kv_dtype: str | None = None
+    fused: bool | None = None
+    context_parallel_size: StrictInt | None = None
+    pipeline_parallel_size: StrictInt | None = None
+    hybrid_kv_layout: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _given_fields(cls, value: Any) -> Any:
+        if isinstance(value, SparseDecodeConfig):
+            value = value.model_dump(exclude_unset=True)
+        if not isinstance(value, dict):
+            return value
+        known = set(SparseDecodeConfig.model_fields) | {"offload"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"sparse: unknown fields {unknown}; expected fields of SparseDecodeConfig "
+                f"{sorted(SparseDecodeConfig.model_fields)} or 'offload'"
+            )
+        fields = dict(value)
+        if "offload" in fields:
+            fields["offload"] = parse_lax_bool("sparse.offload", fields["offload"])
+        if fields.get("offload") is False:
+            host_only = sorted(k for k in _OFFLOAD_ONLY if fields.get(k) is not None)
+            if host_only:
+                raise ValueError(
+                    f"sparse: {host_only} configure the host pool and hot buffers of sparse decode offload; "
+                    "offload=False keeps the whole main KV on the device and has neither"
+                )
+        # validate the given fields now (placeholders for the ones the model determines); the common
+        # OffloadConfig.block_size is checked with the pool in resolve_sparse_config
+        trial = {k: v for k, v in fields.items() if k != "offload"}
+        trial.setdefault("top_k", trial.get("capacity") or 1)
+        trial.setdefault("host_pool_blocks", 1)
+        trial.setdefault("block_size", 1)
+        SparseDecodeConfig.model_validate(trial)
+        return fields
+
+    def given(self) -> dict[str, Any]:
+        """The SparseDecodeConfig fields set here (``offload`` and ``None`` left out)."""
+        return {
+            k: v
+            for k, v in self.model_dump(exclude={"offload"}).items()
+            if v is not None and k in SparseDecodeConfig.model_fields
+        }
+
+
+def resolve_sparse_config(
+    options: SparseOptions, spec: ModelSpec, *, block_size: int, host_pool_blocks: int
+) -> SparseDecodeConfig:
+    """The full :class:`SparseDecodeConfig` of ``options`` for ``spec``: ``top_k`` defaults to the model's
+    ``index_topk``, ``kv_dtype`` to its dtype; ``block_size`` is the session's (every cache is paged alike).
+
+    ``ValueError`` if a field is out of bounds, or the host pool it sizes (``spec``'s layers x
+    ``host_pool_blocks`` x ``block_size`` rows of the main KV) exceeds this machine's physical memory
+    (naming ``host_pool_blocks``).
+    """
+    fields = {
+        "top_k": spec.index_topk,
+        "host_pool_blocks": host_pool_blocks,
+        "kv_dtype": dtype_name(spec.dtype),
+        **options.given(),
+        "block_size": block_size,
+    }
+    cfg = SparseDecodeConfig.model_validate(fields)
+    row_bytes = (spec.kv_lora_rank + spec.rope_dim) * cfg.torch_kv_dtype.itemsize
+    pool = spec.num_layers * cfg.host_pool_blocks * cfg.block_size * row_bytes
+    check_host_bytes(f"sparse decode offload of {spec.model_class}", "host_pool_blocks (the host pool)", pool)
+    return cfg

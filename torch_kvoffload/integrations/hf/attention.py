@@ -30,8 +30,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from torch_kvoffload.core.spec import local_shard
 from torch_kvoffload.integrations.hf.output_attentions import attention_weights
+from torch_kvoffload.kv.spec import local_shard
 from torch_kvoffload.ops import mla_runtime
 
 __all__ = [

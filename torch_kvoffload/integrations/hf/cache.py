@@ -45,8 +45,8 @@ from torch_kvoffload.core.readback import read_rows
 
 if TYPE_CHECKING:
     from torch_kvoffload.core.kv import KVCore
-    from torch_kvoffload.core.spec import ModelSpec
     from torch_kvoffload.integrations.hf.sequence import HFSequence
+    from torch_kvoffload.kv.spec import ModelSpec
 
 __all__ = ["is_offload_cache", "new_offload_cache"]
 

@@ -1,5 +1,5 @@
 """Find the MLA / SFA attention of a Hugging Face model by structure and describe it
-(:class:`~torch_kvoffload.core.spec.ModelSpec`).
+(:class:`~torch_kvoffload.kv.spec.ModelSpec`).
 
 An attention module is MLA when it has ``kv_a_proj_with_mqa``, ``kv_a_layernorm`` and ``kv_b_proj`` and the
 model config gives ``kv_lora_rank``, ``qk_rope_head_dim``, ``qk_nope_head_dim`` and ``v_head_dim``; it has a
@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from torch_kvoffload.core.spec import ModelSpec, TensorParallel, local_shard
+from torch_kvoffload.kv.spec import ModelSpec, TensorParallel, local_shard
 
 __all__ = ["HFModelSpec", "inspect_model"]
 
 
 @dataclass(frozen=True)
 class HFModelSpec(ModelSpec):
-    """The :class:`~torch_kvoffload.core.spec.ModelSpec` of a Hugging Face model, with its attention modules
+    """The :class:`~torch_kvoffload.kv.spec.ModelSpec` of a Hugging Face model, with its attention modules
     (``attention_modules[i]``: layer ``i``'s), which only the integration uses (the KV core never sees a
     model's modules)."""
 

@@ -2,7 +2,7 @@
 
 ``OffloadConfig(pd=PDConfig(role=...))`` gives the session a role, reachable as ``session.pd``
 (:func:`prefill_role` / :func:`decode_role` check and return it). A role is a
-:class:`~torch_kvoffload.core.kv_backend.PDRole` of the session's KV core (forward hooks, the layerwise
+:class:`~torch_kvoffload.kv.backend.PDRole` of the session's KV core (forward hooks, the layerwise
 runtime over exported buffers) and drives the session through its public methods only:
 
 * :class:`PrefillRole` (``role="prefill"``, layerwise offload on): the session's layer buffers are
@@ -42,13 +42,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torch_kvoffload.core.group_outcomes import exchange_outcomes
-from torch_kvoffload.core.kv_backend import PDRole
+from torch_kvoffload.core.pd_role import PDRole
 from torch_kvoffload.integrations.hf.session import OffloadSession, session_of
+from torch_kvoffload.kv.group_outcomes import exchange_outcomes
 from torch_kvoffload.pd.config import PDConfig
 
 if TYPE_CHECKING:
-    from torch_kvoffload.core.forward import ForwardPlan
+    from torch_kvoffload.kv.forward import ForwardPlan
     from torch_kvoffload.layerwise import LayerCacheSpec, LayerwiseConfig, LayerwiseOffloadRuntime
     from torch_kvoffload.pd import DecodeReceiver, PrefillSender, TransferTicket
     from torch_kvoffload.store.base import KVStore

@@ -26,8 +26,8 @@ import torch
 
 from torch_kvoffload._utils import check_int
 from torch_kvoffload.core.kv import KVCore
-from torch_kvoffload.core.requests import Request
 from torch_kvoffload.integrations.hf.inputs import forward_shape, model_positions, new_positions
+from torch_kvoffload.kv.requests import Request
 
 __all__ = ["HFSequence"]
 

@@ -11,7 +11,7 @@ cancellation, failure, a reset). A step (:meth:`run_step`) is cut into its segme
 as one packed forward of the library's attention (the segments' tokens one after the other in one row, no
 padding computed) whose decode tokens take the sparse decode path (indexer, residency, only the misses
 copied) and whose prompt chunks the prefill path (layerwise offload when configured; a later chunk attends
-over its request's earlier rows): :func:`~torch_kvoffload.core.forward.plan_mixed`. With KVPP or a P/D role
+over its request's earlier rows): :func:`~torch_kvoffload.kv.forward.plan_mixed`. With KVPP or a P/D role
 (which plan whole forwards) the decode tokens and the chunks run as two packed forwards instead. The logits of each request's last token of the step are placed where the step's
 ``logits_indices`` read them.
 
@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torch_kvoffload.core.group_outcomes import exchange_outcomes
-from torch_kvoffload.core.requests import Request
 from torch_kvoffload.integrations.hf.packed import PackedRows
+from torch_kvoffload.kv.group_outcomes import exchange_outcomes
+from torch_kvoffload.kv.requests import Request
 
 if TYPE_CHECKING:
     from torch_kvoffload.integrations.hf.session import OffloadSession

@@ -1,6 +1,6 @@
 """``OffloadSession``: the Hugging Face adapter over a model's request-level KV core.
 
-A session is built from a :class:`~torch_kvoffload.core.spec.ModelSpec` and an
+A session is built from a :class:`~torch_kvoffload.kv.spec.ModelSpec` and an
 :class:`~torch_kvoffload.core.config.OffloadConfig`. The KV itself is a
 :class:`~torch_kvoffload.core.kv.KVCore` with one backend per enabled feature (layerwise, sparse offload,
 resident sparse, KVPP, P/D role: see :mod:`torch_kvoffload.core.backends`); the session maps Hugging Face
@@ -43,11 +43,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from torch_kvoffload.backend import SESSION_ATTR
-from torch_kvoffload.core.backends import SparseOffloadBackend
 from torch_kvoffload.core.kv import KVCore
-from torch_kvoffload.core.kv_backend import PDRole
+from torch_kvoffload.core.pd_role import PDRole
 from torch_kvoffload.integrations.hf.sequence import HFSequence
 from torch_kvoffload.ops import layer_hooks, mla_runtime
+from torch_kvoffload.sparse.backend import SparseOffloadBackend
 
 if TYPE_CHECKING:
     from torch_kvoffload.core.config import OffloadConfig

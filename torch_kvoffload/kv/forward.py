@@ -12,7 +12,7 @@ A batched forward feeds ``S`` positions of ``B`` requests (one per batch row). R
 positions where ``new_mask[b]`` is true (padding may be anywhere: left, right, between real tokens, in any
 forward of a request, and a row may have no real token at all); they take the request's logical positions
 ``old_len[b] .. new_len[b] - 1``. Every paged cache is addressed through the request's device slot (see
-:mod:`torch_kvoffload.core.requests`).
+:mod:`torch_kvoffload.kv.requests`).
 
 Padding positions keep no KV, but a Hugging Face model still computes their attention: the query at a
 padding position ``s`` of row ``b`` sees the request's real tokens before it, ``old_len[b]`` plus the real
@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from torch_kvoffload.core.layout import KVLayout
-from torch_kvoffload.core.requests import Request
-from torch_kvoffload.core.spec import ModelSpec
+from torch_kvoffload.kv.layout import KVLayout
+from torch_kvoffload.kv.requests import Request
+from torch_kvoffload.kv.spec import ModelSpec
 
 __all__ = [
     "ForwardPlan", "check_bias", "check_queries", "check_write", "plan_forward", "plan_mixed", "plan_packed",

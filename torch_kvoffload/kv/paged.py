@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from torch_kvoffload.core.layout import KVLayout
-from torch_kvoffload.core.requests import Request
+from torch_kvoffload.kv.layout import KVLayout
+from torch_kvoffload.kv.requests import Request
 
 __all__ = ["SlotPages"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torch_kvoffload.core.requests import RequestTable
+from torch_kvoffload.kv.requests import RequestTable
 
 
 def test_admission_takes_the_lowest_free_slots_and_finish_frees_one():

@@ -40,20 +40,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from torch_kvoffload.core.forward import ForwardPlan
-from torch_kvoffload.core.kv_backend import ROW_PARTS, IndexerView, KeyRows, KVBackend, NewRows
-from torch_kvoffload.core.layout import KVLayout
-from torch_kvoffload.core.requests import Request
-from torch_kvoffload.core.spec import ModelSpec
-from torch_kvoffload.core.totals import RuntimeTotals
-from torch_kvoffload.layerwise import (
-    LayerCacheSpec,
-    LayerwiseConfig,
-    LayerwiseOffloadRuntime,
-    PrefixEvictedError,
-    TensorSpec,
-    build_layerwise_runtime,
-)
+from torch_kvoffload.kv.backend import ROW_PARTS, IndexerView, KeyRows, KVBackend, NewRows
+from torch_kvoffload.kv.forward import ForwardPlan
+from torch_kvoffload.kv.layout import KVLayout
+from torch_kvoffload.kv.requests import Request
+from torch_kvoffload.kv.spec import ModelSpec
+from torch_kvoffload.kv.totals import RuntimeTotals
+from torch_kvoffload.layerwise.build import build_layerwise_runtime
+from torch_kvoffload.layerwise.config import LayerwiseConfig
+from torch_kvoffload.layerwise.planner import LayerCacheSpec, TensorSpec
+from torch_kvoffload.layerwise.runtime import LayerwiseOffloadRuntime, PrefixEvictedError
 from torch_kvoffload.store import build_store
 from torch_kvoffload.store.base import KVStore
 

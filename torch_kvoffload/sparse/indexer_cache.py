@@ -1,6 +1,6 @@
 """``IndexerCache``: the device indexer cache of the sparse backends (offloaded and resident).
 
-Per layer, in the per-request paging of :class:`~torch_kvoffload.core.paged.SlotPages`: the indexer keys
+Per layer, in the per-request paging of :class:`~torch_kvoffload.kv.paged.SlotPages`: the indexer keys
 ``[pages, page, Di]`` in the model's dtype, or (``int8``) Hadamard-rotated int8 keys and their fp32 dequant
 scales ``[pages, page]`` (DESIGN §7, "LIC8").
 """
@@ -11,11 +11,11 @@ from collections.abc import Sequence
 
 import torch
 
-from torch_kvoffload.core.forward import ForwardPlan
-from torch_kvoffload.core.kv_backend import IndexerView
-from torch_kvoffload.core.paged import SlotPages
-from torch_kvoffload.core.requests import Request
-from torch_kvoffload.core.spec import ModelSpec
+from torch_kvoffload.kv.backend import IndexerView
+from torch_kvoffload.kv.forward import ForwardPlan
+from torch_kvoffload.kv.paged import SlotPages
+from torch_kvoffload.kv.requests import Request
+from torch_kvoffload.kv.spec import ModelSpec
 from torch_kvoffload.ops.indexer import hadamard_quant_int8
 
 __all__ = ["IndexerCache"]

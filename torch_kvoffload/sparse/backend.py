@@ -1,7 +1,7 @@
 """``SparseOffloadBackend``: sparse decode offload as a KV backend (DESIGN §7).
 
 Every new row goes to the host pool (:meth:`SparseDecodeOffload.append`); the indexer keys go to the device
-:class:`~torch_kvoffload.core.backends.indexer_cache.IndexerCache`. A decode step (one new token per request)
+:class:`~torch_kvoffload.sparse.indexer_cache.IndexerCache`. A decode step (one new token per request)
 runs the fused indexer + residency + Copy-SFA path (:meth:`SparseDecodeOffload.attend`); a multi-token
 forward without the layerwise pipeline attends over its own rows plus, for a chunked prefill, the
 requests' earlier rows read from the host pool for that layer only, on the runtime's ``h2d`` transfer
@@ -32,24 +32,18 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from torch_kvoffload.core.backends.indexer_cache import IndexerCache
-from torch_kvoffload.core.config import OffloadConfig
-from torch_kvoffload.core.forward import ForwardPlan
-from torch_kvoffload.core.group_outcomes import exchange_outcomes
-from torch_kvoffload.core.kv_backend import IndexerView, KeyRows, KVBackend, NewRows, Queries, SelectedRows
-from torch_kvoffload.core.layout import KVLayout
-from torch_kvoffload.core.requests import Request
-from torch_kvoffload.core.spec import ModelSpec, TensorParallel
-from torch_kvoffload.core.totals import RuntimeTotals
 from torch_kvoffload.counters import Counters
-from torch_kvoffload.sparse import (
-    DecodeRows,
-    HostKVPool,
-    IndexerInputs,
-    SparseDecodeConfig,
-    SparseDecodeOffload,
-    StepResult,
-)
+from torch_kvoffload.kv.backend import IndexerView, KeyRows, KVBackend, NewRows, Queries, SelectedRows
+from torch_kvoffload.kv.forward import ForwardPlan
+from torch_kvoffload.kv.group_outcomes import exchange_outcomes
+from torch_kvoffload.kv.layout import KVLayout
+from torch_kvoffload.kv.requests import Request
+from torch_kvoffload.kv.spec import ModelSpec, TensorParallel
+from torch_kvoffload.kv.totals import RuntimeTotals
+from torch_kvoffload.sparse.config import SparseDecodeConfig, SparseOptions, resolve_sparse_config
+from torch_kvoffload.sparse.host_pool import HostKVPool
+from torch_kvoffload.sparse.indexer_cache import IndexerCache
+from torch_kvoffload.sparse.runtime import DecodeRows, IndexerInputs, SparseDecodeOffload, StepResult
 
 __all__ = ["FENCE_TIMEOUT_S", "SparseOffloadBackend"]
 
@@ -62,16 +56,17 @@ _TOTALS = ("bytes_h2d", "bytes_d2h", "hits", "misses", "evictions", "fork_shared
 
 
 class SparseOffloadBackend(KVBackend):
-    """Sparse decode offload of ``spec``'s KV under ``config.sparse`` (see the module docstring)."""
+    """Sparse decode offload of ``spec``'s KV under ``options``, paged in blocks of ``block_size`` tokens
+    (see the module docstring)."""
 
     name = "sparse"
 
-    def __init__(self, spec: ModelSpec, config: OffloadConfig) -> None:
-        assert config.sparse is not None and config.sparse.offload
-        self.spec, self.config = spec, config
+    def __init__(self, spec: ModelSpec, options: SparseOptions, *, block_size: int) -> None:
+        assert options.offload
+        self.spec, self.options, self.block_size = spec, options, block_size
         self.runtime: SparseDecodeOffload | None = None
         self._attached: HostKVPool | None = None  # a TP reader's mapping of TP rank 0's pool
-        self.index = IndexerCache(spec, int8=config.sparse.indexer_dtype == "int8")
+        self.index = IndexerCache(spec, int8=options.indexer_dtype == "int8")
         self._layout: KVLayout | None = None
         self._configured = (0, 0)  # (top_k, hot capacity) of the configuration, before clipping to a layout
         self._reserved: list[int] = []  # request ids holding host-pool blocks
@@ -108,7 +103,9 @@ class SparseOffloadBackend(KVBackend):
             return
         self.free()
         spec = self.spec
-        scfg = self.config.sparse_config(spec, host_pool_blocks=layout.num_blocks)
+        scfg = resolve_sparse_config(
+            self.options, spec, block_size=self.block_size, host_pool_blocks=layout.num_blocks
+        )
         self._configured = (scfg.top_k, scfg.hot_capacity)
         k, cap = self._hot_sizes(layout, scfg.top_k, scfg.hot_capacity)
         scfg = scfg.model_copy(update={"top_k": k, "capacity": cap})

@@ -16,20 +16,20 @@ from collections.abc import Sequence
 import torch
 
 from torch_kvoffload._utils import dtype_name, parse_dtype
-from torch_kvoffload.core.backends.indexer_cache import IndexerCache
-from torch_kvoffload.core.config import OffloadConfig
-from torch_kvoffload.core.forward import ForwardPlan
-from torch_kvoffload.core.kv_backend import IndexerView, KeyRows, KVBackend, NewRows
-from torch_kvoffload.core.layout import KVLayout
-from torch_kvoffload.core.paged import SlotPages
-from torch_kvoffload.core.requests import Request
-from torch_kvoffload.core.spec import ModelSpec
+from torch_kvoffload.kv.backend import IndexerView, KeyRows, KVBackend, NewRows
+from torch_kvoffload.kv.forward import ForwardPlan
+from torch_kvoffload.kv.layout import KVLayout
+from torch_kvoffload.kv.paged import SlotPages
+from torch_kvoffload.kv.requests import Request
+from torch_kvoffload.kv.spec import ModelSpec
+from torch_kvoffload.sparse.config import SparseOptions
+from torch_kvoffload.sparse.indexer_cache import IndexerCache
 
 __all__ = ["ResidentSparseBackend"]
 
 
 class ResidentSparseBackend(KVBackend):
-    """Resident sparse attention over ``spec``'s KV under ``config.sparse`` (see the module docstring).
+    """Resident sparse attention over ``spec``'s KV under ``options`` (see the module docstring).
 
     ``ValueError`` when ``sparse.kv_dtype`` names another dtype than the model's (the resident KV is the
     model's own rows).
@@ -37,9 +37,9 @@ class ResidentSparseBackend(KVBackend):
 
     name = "resident sparse"
 
-    def __init__(self, spec: ModelSpec, config: OffloadConfig) -> None:
-        sparse = config.sparse
-        assert sparse is not None and not sparse.offload
+    def __init__(self, spec: ModelSpec, options: SparseOptions) -> None:
+        sparse = options
+        assert not sparse.offload
         want = sparse.kv_dtype
         if want is not None and parse_dtype("sparse.kv_dtype", want) != spec.dtype:
             raise ValueError(

@@ -14,24 +14,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch_kvoffload.core.backends.kvpp import KVPPBackend
-from torch_kvoffload.core.backends.layerwise import LayerwiseBackend
-from torch_kvoffload.core.backends.sparse_offload import SparseOffloadBackend
-from torch_kvoffload.core.backends.sparse_resident import ResidentSparseBackend
-from torch_kvoffload.core.config import OffloadConfig, SparseOptions
-from torch_kvoffload.core.kv_backend import KVBackend, PDRole
-from torch_kvoffload.core.spec import ModelSpec
+from torch_kvoffload.core.config import OffloadConfig
+from torch_kvoffload.core.pd_role import PDRole
+from torch_kvoffload.kv.backend import KVBackend
+from torch_kvoffload.kv.spec import ModelSpec
 from torch_kvoffload.kvpp import KVPPConfig
+from torch_kvoffload.kvpp.backend import KVPPBackend
 from torch_kvoffload.layerwise import LayerwiseConfig
+from torch_kvoffload.layerwise.backend import LayerwiseBackend
+from torch_kvoffload.sparse.backend import SparseOffloadBackend
+from torch_kvoffload.sparse.config import SparseOptions
+from torch_kvoffload.sparse.resident_backend import ResidentSparseBackend
 
-__all__ = [
-    "Backends",
-    "KVPPBackend",
-    "LayerwiseBackend",
-    "ResidentSparseBackend",
-    "SparseOffloadBackend",
-    "build_backends",
-]
+__all__ = ["Backends", "build_backends"]
 
 
 @dataclass
@@ -94,13 +89,13 @@ def _layerwise(ctx: _Context, cfg: LayerwiseConfig) -> LayerwiseBackend:
 
 
 def _kvpp(ctx: _Context, cfg: KVPPConfig) -> KVPPBackend:
-    return KVPPBackend(ctx.spec, ctx.config, block_size=ctx.block_size, name=ctx.kvpp_name)
+    return KVPPBackend(ctx.spec, cfg, block_size=ctx.block_size, name=ctx.kvpp_name)
 
 
 def _sparse(ctx: _Context, cfg: SparseOptions) -> SparseOffloadBackend | ResidentSparseBackend:
     if cfg.offload:
-        return SparseOffloadBackend(ctx.spec, ctx.config)
-    return ResidentSparseBackend(ctx.spec, ctx.config)
+        return SparseOffloadBackend(ctx.spec, cfg, block_size=ctx.block_size)
+    return ResidentSparseBackend(ctx.spec, cfg)
 
 
 _BUILDERS: dict[type, Callable[[_Context, Any], KVBackend]] = {

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from support.kvpp_helpers import spawn_gloo
 
-from torch_kvoffload.core.group_outcomes import exchange_outcomes
-from torch_kvoffload.core.spec import TensorParallel
+from torch_kvoffload.kv.group_outcomes import exchange_outcomes
+from torch_kvoffload.kv.spec import TensorParallel
 
 
 def test_without_a_group_the_step_runs_alone():

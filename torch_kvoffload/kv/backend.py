@@ -19,14 +19,12 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     import torch
 
-    from torch_kvoffload.core.forward import ForwardPlan
-    from torch_kvoffload.core.layout import KVLayout
-    from torch_kvoffload.core.requests import Request
-    from torch_kvoffload.layerwise import LayerCacheSpec, LayerwiseConfig, LayerwiseOffloadRuntime
-    from torch_kvoffload.store.base import KVStore
+    from torch_kvoffload.kv.forward import ForwardPlan
+    from torch_kvoffload.kv.layout import KVLayout
+    from torch_kvoffload.kv.requests import Request
 
 __all__ = [
-    "ROW_PARTS", "IndexerView", "KVBackend", "KeyRows", "NewRows", "PDRole", "Queries", "SelectedRows",
+    "ROW_PARTS", "IndexerView", "KVBackend", "KeyRows", "NewRows", "Queries", "SelectedRows",
 ]  # fmt: skip
 
 #: The components of a layer's rows :meth:`KVBackend.read` gives back: the latent, the rotary key, the
@@ -213,30 +211,3 @@ class KVBackend:
     def close(self) -> None:
         """Release everything (idempotent)."""
         self.free()
-
-
-class PDRole(KVBackend):
-    """A node's role in a disaggregated deployment, as the KV core sees it: a backend (forward hooks, no
-    KV of its own) that may supply the layerwise runtime over buffers its transport exports.
-
-    :meth:`stop` closes the endpoints before the core closes its backends (outstanding transfers fail
-    instead of holding the buffers); :meth:`close` afterwards.
-    """
-
-    name = "P/D"
-
-    def can_grow(self, layout: KVLayout, live: Sequence[Request]) -> bool:
-        return False  # the peer was told the requests' blocks: sizes are fixed per sequence
-
-    def build_layerwise_runtime(
-        self, config: LayerwiseConfig, specs: Sequence[LayerCacheSpec], *, store: KVStore
-    ) -> LayerwiseOffloadRuntime | None:
-        """The layerwise runtime over this role's layer buffers; ``None``: the layerwise backend allocates
-        its own."""
-        return None
-
-    def stop(self) -> None:
-        """Close the role's endpoints."""
-
-    def close(self) -> None:
-        self.stop()

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torch_kvoffload.core.spec import TensorParallel
+from torch_kvoffload.kv.spec import TensorParallel
 
 __all__ = ["GroupOutcomes", "exchange_outcomes"]
 

@@ -14,14 +14,17 @@ from collections.abc import Sequence
 
 import torch
 
-from torch_kvoffload.core.config import OffloadConfig
-from torch_kvoffload.core.forward import ForwardPlan
-from torch_kvoffload.core.kv_backend import IndexerView, KeyRows, KVBackend, NewRows
-from torch_kvoffload.core.layout import KVLayout
-from torch_kvoffload.core.requests import Request
-from torch_kvoffload.core.spec import ModelSpec
-from torch_kvoffload.core.totals import RuntimeTotals
-from torch_kvoffload.kvpp import BundleSpec, KVPPConfig, KVPPRuntime, build_kvpp_runtime, create_kvpp_group
+from torch_kvoffload.kv.backend import IndexerView, KeyRows, KVBackend, NewRows
+from torch_kvoffload.kv.forward import ForwardPlan
+from torch_kvoffload.kv.layout import KVLayout
+from torch_kvoffload.kv.requests import Request
+from torch_kvoffload.kv.spec import ModelSpec
+from torch_kvoffload.kv.totals import RuntimeTotals
+from torch_kvoffload.kvpp.build import build_kvpp_runtime
+from torch_kvoffload.kvpp.config import KVPPConfig, resolve_kvpp_config
+from torch_kvoffload.kvpp.groups import create_kvpp_group
+from torch_kvoffload.kvpp.layout import BundleSpec
+from torch_kvoffload.kvpp.runtime import KVPPRuntime
 
 __all__ = ["KVPPBackend"]
 
@@ -59,9 +62,9 @@ class KVPPBackend(KVBackend):
 
     name = "KVPP"
 
-    def __init__(self, spec: ModelSpec, config: OffloadConfig, *, block_size: int, name: str) -> None:
+    def __init__(self, spec: ModelSpec, options: KVPPConfig, *, block_size: int, name: str) -> None:
         try:
-            self.config: KVPPConfig = config.kvpp_config(spec, world_size=_world_size())
+            self.config: KVPPConfig = resolve_kvpp_config(options, spec, world_size=_world_size())
             _check_tensor_parallel(spec, self.config)
         except ValueError as exc:
             raise ValueError(f"torch_kvoffload cannot offload {spec.model_class}: {exc}") from exc

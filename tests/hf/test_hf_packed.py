@@ -67,6 +67,39 @@ def test_packed_rows_are_independent_segments(pair):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=ATOL)
 
 
+@pytest.mark.parametrize("config", [{"layerwise": {}, "sparse": {}}, {"sparse": {"offload": False}}])
+@torch.no_grad()
+def test_an_offloaded_model_runs_packed_rows_as_one_unpadded_forward_of_the_core(config):
+    """No padding is computed: the model's forward gets the segments' tokens one after the other ``[1, n]``,
+    each segment a request of the KV core; after it no request is held (nothing continues a forward
+    without a cache), and a generate of another shape follows with the unmodified model's tokens."""
+    ref = build_model("deepseek_v32")
+    model = torch_kvoffload.offload(build_model("deepseek_v32"), config)
+    shapes = []
+    original = model._kvoffload_originals["forward"]
+
+    def spy(*args, **kwargs):
+        given = kwargs.get("input_ids")
+        shapes.append(tuple((given if given is not None else kwargs["inputs_embeds"]).shape[:2]))
+        return original(*args, **kwargs)
+
+    model._kvoffload_originals["forward"] = spy
+    segments = [[3, 6, 2], [7, 4]]
+    ids = torch.randint(3, 1000, (2, 11), generator=torch.Generator().manual_seed(9))
+    pos = _positions(segments)
+    want = _separately(ref, ids, segments)
+    got = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=ATOL)
+    emb = ref.get_input_embeddings()(ids)
+    got = model(inputs_embeds=emb, position_ids=pos, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=ATOL)
+    assert shapes == [(1, 22), (1, 22)]
+    assert torch_kvoffload.stats(model)["reserved_requests"] == 0
+    prompt = ids[:1, :6]
+    kw = dict(max_new_tokens=4, do_sample=False)
+    assert torch.equal(model.generate(prompt, **kw), ref.generate(prompt, **kw))
+
+
 @torch.no_grad()
 def test_one_row_of_positions_serves_every_row(pair):
     """``position_ids [1, T]`` with a batch of rows: transformers expands them to every row."""

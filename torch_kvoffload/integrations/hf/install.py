@@ -47,7 +47,12 @@ from torch_kvoffload.integrations.hf.exclusive import exclusive
 from torch_kvoffload.integrations.hf.inspect import inspect_model
 from torch_kvoffload.integrations.hf.no_backward import autograd_anchor, without_autograd
 from torch_kvoffload.integrations.hf.output_attentions import collect_attentions, output_attentions_requested
-from torch_kvoffload.integrations.hf.packed import PackedRows, packed_forward, packed_segments
+from torch_kvoffload.integrations.hf.packed import (
+    PackedRows,
+    packed_core_forward,
+    packed_forward,
+    packed_segments,
+)
 from torch_kvoffload.integrations.hf.pd import make_role
 from torch_kvoffload.integrations.hf.session import OffloadSession, session_of
 
@@ -195,7 +200,12 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         _check_custom_mask(name, session, attentions)
     # transformers uses a 4-D mask as given: no packed-sequence detection then
     layout = None if custom else packed_segments(name, model, kwargs, int(rows), int(width))
-    if layout is not None:  # several independent sequences in a row: run them as a batch of requests
+    if layout is not None and not attentions and _eager_attention(session):
+        # several independent sequences in a row: one packed forward of the core, a request each
+        body = model._kvoffload_originals["forward"]
+        with exclusive(session, name):
+            return packed_core_forward(model, body, layout, args, kwargs, session.run_packed)
+    if layout is not None:  # compiled graphs, or the attention probabilities: a batch of the segments
 
         def segments(**kw: Any) -> Any:
             out = _forward(model, **kw)
@@ -247,6 +257,12 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             )  # fmt: skip
         cache.seen_tokens = past + width
     return _strip_cache(out, cache) if private else out
+
+
+def _eager_attention(session: OffloadSession) -> bool:
+    """Whether the model's attention modules run the library's eager attention (:func:`offload`), which
+    follows the core's packed forwards; a compiled model's graphs were captured for batches."""
+    return all(hasattr(m, "_kvoffload_original_forward") for m in session.spec.attention_modules)
 
 
 def _packed_attentions(layout: PackedRows, batch: torch.Tensor) -> torch.Tensor:

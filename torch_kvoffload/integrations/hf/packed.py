@@ -8,14 +8,16 @@ flattened ``[1, T]`` row) say the same explicitly; transformers' continuous batc
 way (decode tokens of some requests and prompt chunks of others in one row).
 
 The library's attention follows requests, not masks: each segment is one request. :class:`PackedRows` is the
-layout, built once for both callers. The continuous-batching step
+layout, built once for every caller. The continuous-batching step
 (:meth:`~torch_kvoffload.integrations.hf.serving.ServingRequests.run_step`, each segment continuing its
-request) runs its segments as one packed forward of the KV core (:meth:`PackedRows.take`: the segments'
-tokens one after the other; :meth:`PackedRows.scatter_last`: each segment's last logits back).
-:func:`packed_forward` (a packed forward of the model, no cache) runs them as the right-padded batch
-``[segments, longest]`` of the model's batched path (:meth:`PackedRows.gather`, :meth:`PackedRows.scatter`),
-which also serves ``output_attentions``; it returns ``logits`` and ``hidden_states`` packed, and a ``loss``
-computed from the packed logits and ``labels`` with the model's own loss function.
+request) and a packed forward of an offloaded model (:func:`packed_core_forward`, no cache, each segment a
+new request) run their segments as one packed forward of the KV core (:meth:`PackedRows.take`: the
+segments' tokens one after the other, no padding computed; :meth:`PackedRows.unpack` /
+:meth:`PackedRows.scatter_last`: the outputs back). Where the model's forward is a graph compiled for
+batches, or the attention probabilities are asked for (``output_attentions``, in the batched model's
+layout), :func:`packed_forward` runs the segments as the right-padded batch ``[segments, longest]``
+(:meth:`PackedRows.gather`, :meth:`PackedRows.scatter`). Both return ``logits`` and ``hidden_states``
+packed, and a ``loss`` computed from the packed logits and ``labels`` with the model's own loss function.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PackedRows", "packed_forward", "packed_segments"]
+__all__ = ["PackedRows", "packed_core_forward", "packed_forward", "packed_segments"]
 
 _CU_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -131,6 +133,14 @@ class PackedRows:
         out[row, tok] = batch[seg, col]
         return out
 
+    def unpack(self, flat: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`take`: ``flat [1, n, ...]`` (the segments' tokens one after the other) in the
+        packed layout ``[rows, width, ...]`` (zeros at positions of no segment)."""
+        out = flat.new_zeros(self.rows, self.width, *flat.shape[2:])
+        _, _, row, tok = self._index(flat.device)
+        out[row, tok] = flat[0]
+        return out
+
     def scatter_last(self, last: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Each segment's last-token output ``last [segments, ...]`` into its packed position of ``out [rows,
         width, ...]``, which is returned."""
@@ -183,18 +193,10 @@ def packed_segments(
     return PackedRows.from_lengths(lengths, width)
 
 
-def packed_forward(
-    name: str,
-    model: torch.nn.Module,
-    forward: Callable[..., Any],
-    layout: PackedRows,
-    args: tuple,
-    kwargs: dict[str, Any],
-) -> Any:
-    """Run the packed forward of ``kwargs`` (``input_ids int64 [B, T]`` or ``inputs_embeds [B, T, h]``,
-    ``position_ids [B, T]`` or ``[1, T]``, cut into ``layout``'s segments) through ``forward`` (the offloaded
-    model's) as one right-padded batch of its segments, and pack ``logits [B, T', V]`` and
-    ``hidden_states`` back."""
+def _packed_inputs(layout: PackedRows, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The packed forward's inputs from the caller's ``args`` / ``kwargs``: ``ids`` or ``embeds`` (one of
+    them ``None``), ``pos int64 [rows | 1, width]``, the ``labels`` / ``keep`` / ``return_dict`` the outputs
+    are finished with, and the ``rest`` of the keywords for the model (no mask, no cache)."""
     kwargs = dict(kwargs)
     if args:
         kwargs.setdefault("input_ids", args[0])
@@ -207,32 +209,98 @@ def packed_forward(
         pos = torch.cat([torch.arange(n) for n in layout.lengths])[None, :]
     pos = pos.to(device=source.device, dtype=torch.long)
     for key in ("use_cache", "attention_mask", "cache", "past_key_values"):
-        kwargs.pop(key, None)  # packed: no mask and no cache; the batch of segments gets its own mask
-    labels = kwargs.pop("labels", None)
-    keep = kwargs.pop("logits_to_keep", 0)
-    return_dict = kwargs.pop("return_dict", None)
-    batch = layout.gather(source)
-    inputs = {"input_ids": batch} if ids is not None else {"inputs_embeds": batch}
-    out = forward(
-        **inputs,
-        attention_mask=layout.mask(source.device).long(),
-        position_ids=layout.gather(pos.view(-1, layout.width)),
-        use_cache=False,
-        return_dict=True,
-        **kwargs,
-    )
-    logits = layout.scatter(out.logits)
-    fields = dict(out.items())
-    fields["logits"] = logits
-    if out.hidden_states is not None:
-        fields["hidden_states"] = tuple(layout.scatter(h) for h in out.hidden_states)
-    if labels is not None:
-        fields["loss"] = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size)
+        kwargs.pop(key, None)  # packed: no mask and no cache
+    return dict(
+        ids=ids, embeds=embeds, source=source, pos=pos, labels=kwargs.pop("labels", None),
+        keep=kwargs.pop("logits_to_keep", 0), return_dict=kwargs.pop("return_dict", None), rest=kwargs,
+    )  # fmt: skip
+
+
+def _finish(model: torch.nn.Module, out: Any, fields: dict[str, Any], inputs: dict[str, Any]) -> Any:
+    """``out``'s type with ``fields`` (``logits [rows, width, V]`` packed), the loss from the packed logits
+    and ``labels`` (the model's own loss function), ``logits_to_keep`` and ``return_dict`` applied."""
+    logits = fields["logits"]
+    if inputs["labels"] is not None:
+        fields["loss"] = model.loss_function(
+            logits=logits, labels=inputs["labels"], vocab_size=model.config.vocab_size
+        )
+    keep = inputs["keep"]
     if isinstance(keep, int) and keep > 0:
         fields["logits"] = logits[:, -keep:]
     elif isinstance(keep, torch.Tensor):
         fields["logits"] = logits[:, keep]
     result = type(out)(**fields)
+    return_dict = inputs["return_dict"]
     if return_dict is False or (return_dict is None and not getattr(model.config, "use_return_dict", True)):
         return result.to_tuple()
     return result
+
+
+def packed_core_forward(
+    model: torch.nn.Module,
+    forward: Callable[..., Any],
+    layout: PackedRows,
+    args: tuple,
+    kwargs: dict[str, Any],
+    run_packed: Callable[..., Any],
+) -> Any:
+    """Run the packed forward of ``kwargs`` (``input_ids int64 [B, T]`` or ``inputs_embeds [B, T, h]``,
+    ``position_ids [B, T]`` or ``[1, T]``, cut into ``layout``'s segments) as one packed forward of the KV
+    core: ``forward`` (the model's own, with the library's attention) over the segments' tokens one after
+    the other ``[1, n]``, each segment a request of its own (``run_packed``:
+    :meth:`~torch_kvoffload.integrations.hf.session.OffloadSession.run_packed`); ``logits`` and
+    ``hidden_states`` come back in the input's ``[B, T, ...]`` layout."""
+    inputs = _packed_inputs(layout, args, kwargs)
+    ids, pos = inputs["ids"], inputs["pos"]
+    flat_pos = layout.take(pos.expand(layout.rows, -1))  # [1, n]
+    starts = list(itertools.accumulate(layout.lengths, initial=0))
+    seg_pos = flat_pos[0].tolist()
+    positions = [seg_pos[a:b] for a, b in itertools.pairwise(starts)]
+    if ids is not None:
+        flat_ids = layout.take(ids)
+        tokens = [t.tolist() for t in flat_ids[0].cpu().split(layout.lengths)]
+        model_in = {"input_ids": flat_ids}
+    else:
+        tokens = [[-1] * n for n in layout.lengths]
+        model_in = {"inputs_embeds": layout.take(inputs["embeds"])}
+
+    def body() -> Any:
+        return forward(**model_in, position_ids=flat_pos, use_cache=False, return_dict=True, **inputs["rest"])
+
+    out = run_packed(body, tokens, positions, unkeyed=ids is None)
+    fields = dict(out.items())
+    fields["logits"] = layout.unpack(out.logits)
+    if out.hidden_states is not None:
+        fields["hidden_states"] = tuple(layout.unpack(h) for h in out.hidden_states)
+    return _finish(model, out, fields, inputs)
+
+
+def packed_forward(
+    name: str,
+    model: torch.nn.Module,
+    forward: Callable[..., Any],
+    layout: PackedRows,
+    args: tuple,
+    kwargs: dict[str, Any],
+) -> Any:
+    """Run the packed forward of ``kwargs`` (as :func:`packed_core_forward`) through ``forward`` as one
+    right-padded batch of its segments ``[segments, longest]``, and pack ``logits [B, T', V]`` and
+    ``hidden_states`` back: the path of graphs compiled for batches, and of ``output_attentions`` (the
+    probabilities in the batched model's layout)."""
+    inputs = _packed_inputs(layout, args, kwargs)
+    source = inputs["source"]
+    batch = layout.gather(source)
+    model_in = {"input_ids": batch} if inputs["ids"] is not None else {"inputs_embeds": batch}
+    out = forward(
+        **model_in,
+        attention_mask=layout.mask(source.device).long(),
+        position_ids=layout.gather(inputs["pos"].view(-1, layout.width)),
+        use_cache=False,
+        return_dict=True,
+        **inputs["rest"],
+    )
+    fields = dict(out.items())
+    fields["logits"] = layout.scatter(out.logits)
+    if out.hidden_states is not None:
+        fields["hidden_states"] = tuple(layout.scatter(h) for h in out.hidden_states)
+    return _finish(model, out, fields, inputs)

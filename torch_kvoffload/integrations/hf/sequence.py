@@ -187,6 +187,39 @@ class HFSequence:
         self._pending_seen = past + S
         self._pending_mask = new_mask
 
+    def run_packed(
+        self,
+        body: Callable[[], T],
+        tokens: list[list[int]],
+        positions: list[list[int]] | None,
+        unkeyed: bool,
+    ) -> T:
+        """See :meth:`OffloadSession.run_packed`."""
+        where = "OffloadSession.run_packed"
+        if self.core.forward is not None:
+            raise RuntimeError(f"{where}: a forward is running; call end_forward()")
+        if not tokens or min(len(t) for t in tokens) < 1:
+            raise ValueError(
+                f"{where}: every segment needs at least one token, got lengths {[len(t) for t in tokens]}"
+            )
+        self.end()  # a packed forward starts sequences of its own, as any forward from position 0
+        self.core.size(len(tokens), max(len(t) for t in tokens))
+        self._start(len(tokens), None)
+        if unkeyed:
+            for r in self.requests:
+                r.keyed = False
+            self.unkeyed_requests += len(self.requests)
+        try:
+            self.core.begin_forward(self.requests, tokens, None, positions=positions)
+        except BaseException:
+            self.fail()
+            raise
+        self._pending_seen, self._pending_mask = 0, torch.zeros(len(tokens), 0, dtype=torch.bool)
+        try:
+            return self.run_forward(body)
+        finally:
+            self.end()  # nothing continues a forward without a cache
+
     def _check_continuation(self, B: int, past: int, owner: Any) -> None:
         where = "OffloadSession.begin_forward"
         if self.broken:

@@ -301,6 +301,25 @@ class OffloadSession:
         )  # fmt: skip
         return self._seq.run_forward(body)
 
+    def run_packed(
+        self,
+        body: Callable[[], T],
+        tokens: list[list[int]],
+        positions: list[list[int]] | None = None,
+        *,
+        unkeyed: bool = False,
+    ) -> T:
+        """One packed forward of independent sequences, without a cache: ``tokens[i]`` is segment ``i``'s,
+        a new request each, and ``body()`` runs the model over their tokens one after the other in one row
+        ``[1, n]`` (no padding computed); the requests are released after it. Ends the running sequence,
+        as a forward from position 0 does. ``positions[i]``: the model positions of segment ``i``'s tokens
+        (``None``: ``0 ..``), which the layerwise store keys its blocks by; ``unkeyed``: the tokens are not
+        the forward's inputs (embeddings), no block is keyed. A layerwise prefix that cannot be loaded runs
+        the forward again with the prefixes cut (see :meth:`run_forward`)."""
+        if self._closed:
+            raise RuntimeError("OffloadSession.run_packed: the session is closed")
+        return self._seq.run_packed(body, tokens, positions, unkeyed)
+
     def end_forward(self) -> None:
         """Finish the forward: wait for its transfers (raising the first failure)."""
         self._seq.end_forward()

@@ -200,12 +200,12 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         _check_custom_mask(name, session, attentions)
     # transformers uses a 4-D mask as given: no packed-sequence detection then
     layout = None if custom else packed_segments(name, model, kwargs, int(rows), int(width))
-    if layout is not None and not attentions and _eager_attention(session):
+    if layout is not None and not attentions and session.pd is None and _eager_attention(session):
         # several independent sequences in a row: one packed forward of the core, a request each
         body = model._kvoffload_originals["forward"]
         with exclusive(session, name):
             return packed_core_forward(model, body, layout, args, kwargs, session.run_packed)
-    if layout is not None:  # compiled graphs, or the attention probabilities: a batch of the segments
+    if layout is not None:  # compiled graphs, the attention probabilities, a P/D node: a batch of segments
 
         def segments(**kw: Any) -> Any:
             out = _forward(model, **kw)

@@ -194,7 +194,13 @@ class HFSequence:
         positions: list[list[int]] | None,
         unkeyed: bool,
     ) -> T:
-        """See :meth:`OffloadSession.run_packed`."""
+        """One packed forward of independent sequences without a cache: ``tokens[i]`` is segment ``i``'s, a
+        new request each; ``body()`` runs the model over their tokens one after the other in one row ``[1,
+        n]`` (no padding computed); the requests are released after it. Ends the running sequence first, as
+        a forward from position 0 does. ``positions[i]``: the model positions of segment ``i``'s tokens
+        (``None``: ``0 ..``), which the layerwise store keys its blocks by; ``unkeyed``: the forward is fed
+        embeddings, no block is keyed. A layerwise prefix that cannot be loaded runs the forward again with
+        the prefixes cut (:meth:`run_forward`)."""
         where = "OffloadSession.run_packed"
         if self.core.forward is not None:
             raise RuntimeError(f"{where}: a forward is running; call end_forward()")

@@ -309,13 +309,8 @@ class OffloadSession:
         *,
         unkeyed: bool = False,
     ) -> T:
-        """One packed forward of independent sequences, without a cache: ``tokens[i]`` is segment ``i``'s,
-        a new request each, and ``body()`` runs the model over their tokens one after the other in one row
-        ``[1, n]`` (no padding computed); the requests are released after it. Ends the running sequence,
-        as a forward from position 0 does. ``positions[i]``: the model positions of segment ``i``'s tokens
-        (``None``: ``0 ..``), which the layerwise store keys its blocks by; ``unkeyed``: the tokens are not
-        the forward's inputs (embeddings), no block is keyed. A layerwise prefix that cannot be loaded runs
-        the forward again with the prefixes cut (see :meth:`run_forward`)."""
+        """``body()`` over segments ``tokens[i]`` one after the other ``[1, n]``, no cache, a request each
+        (released after; the running sequence ends first): see :meth:`HFSequence.run_packed`."""
         if self._closed:
             raise RuntimeError("OffloadSession.run_packed: the session is closed")
         return self._seq.run_packed(body, tokens, positions, unkeyed)

@@ -292,7 +292,8 @@ class KVCore:
         """Whether one packed forward may hold decode tokens (one new token after earlier ones) beside other
         rows: without a sparse backend every row takes the same path; with one such a forward is planned
         in two parts (:func:`~torch_kvoffload.kv.forward.plan_mixed`: the decode tokens take its decode
-        path), which KVPP and a P/D role (they plan whole forwards) do not take."""
+        path), which a P/D role (it plans whole forwards) does not take; KVPP runs without sparse
+        attention, so its forwards take one path."""
         b = self.backends
         return b.sparse is None or (b.kvpp is None and b.role is None)
 

@@ -108,6 +108,8 @@ class HostKVPool:
         self._k_pe = (
             storage[off : off + pe_bytes].view(dtype).view(num_layers, num_blocks, block_size, rope_dim)
         )
+        # per-layer views made once: an append and a step of every layer read them
+        self._kv_c_layers, self._k_pe_layers = self._kv_c.unbind(0), self._k_pe.unbind(0)
         self.block_tables = BlockTables(num_blocks, block_size)
         self._registered_ptr: int | None = None
         self._closed = False
@@ -279,11 +281,11 @@ class HostKVPool:
     # -------------------------------------------------------------------------------------- storage
     def kv_c(self, layer: int) -> torch.Tensor:
         """``[num_blocks, block_size, kv_lora_rank]`` view of layer ``layer``."""
-        return self._kv_c[layer]
+        return self._kv_c_layers[layer]
 
     def k_pe(self, layer: int) -> torch.Tensor:
         """``[num_blocks, block_size, rope_dim]`` view of layer ``layer``."""
-        return self._k_pe[layer]
+        return self._k_pe_layers[layer]
 
     @property
     def nbytes(self) -> int:

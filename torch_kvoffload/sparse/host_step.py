@@ -109,7 +109,8 @@ class HostStep:
             residency_update(*state, topk, ids, stable, scores, policy, res)
 
     def _copy_and_attend(self, layer, plan: RowPlan, rows_t, q_nope, q_pe, scale, host_bt, res, out, lse):
-        """Steps 5–7 into ``out`` / ``lse``; returns the rows copied host→device (int or device tensor)."""
+        """Steps 5–7 into ``out`` / ``lse``; returns the rows copied host→device (an int, or a tensor of
+        per-row counts to sum)."""
         host_kv, host_pe = self.pool.kv_c(layer), self.pool.k_pe(layer)
         hot_kv, hot_pe = self.hot.kv_c[layer], self.hot.k_pe[layer]
         T, C = q_nope.shape[0], self.hot.capacity
@@ -119,8 +120,8 @@ class HostStep:
                 q_nope, q_pe, host_kv, host_pe, host_bt.to(self.device, non_blocking=True), hot_kv[a : a + T],
                 hot_pe[a : a + T], res.miss_tokens, res.miss_slots, res.miss_count, res.slots, scale, out, lse,
             )  # fmt: skip
-            # Copy-SFA copies the first miss_count[r] entries of each row's miss list
-            return res.miss_count.sum(dtype=torch.int64)
+            # Copy-SFA copies the first miss_count[r] entries of each row's miss list (summed when counted)
+            return res.miss_count
         copied = self._copy_misses(host_kv, host_pe, hot_kv, hot_pe, host_bt, res, rows_t)
         indices = torch.where(res.slots >= 0, res.slots + (rows_t[:, None] * C).to(torch.int32), -1)
         o, s = sparse_mla_attention(

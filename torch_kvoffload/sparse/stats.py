@@ -83,7 +83,8 @@ class StepCounters:
     def record(
         self, layer: int, topk: torch.Tensor, res: ResidencyOutputs, copied: int | torch.Tensor
     ) -> None:
-        """Count a committed step of ``int32 topk [T, K]`` that copied ``copied`` rows host→device.
+        """Count a committed step of ``int32 topk [T, K]`` that copied ``copied`` rows host→device (an int,
+        or an integer tensor whose sum it is).
 
         ``deferred`` (steps whose outputs are new tensors every step, the CPU host step): the step's
         tensors are kept and counted together, by :meth:`fold` or once :data:`DEFERRED_STEPS` steps (or
@@ -99,7 +100,7 @@ class StepCounters:
         parts = _counts(topk, res.miss_count, res.evictions)
         tally = self._tally[layer]
         if isinstance(copied, torch.Tensor):
-            parts.append(copied.to(torch.int64))
+            parts.append(copied.to(torch.int64).sum())
             copied = 0
         step = torch.stack(parts)
         if self._on_device:  # in place on the device (a CUDA graph replay adds to them too)
@@ -121,7 +122,7 @@ class StepCounters:
         step = _counts(torch.cat([t.reshape(-1) for t in topk]), torch.cat(misses), torch.cat(evictions))
         self._tally[layer][:3].add_(torch.stack(step))
         for c in copied:
-            self._copied[layer] += int(c)
+            self._copied[layer] += int(c.sum()) if isinstance(c, torch.Tensor) else int(c)
 
     def fold(self) -> None:
         """Move the tallies into the counters (on the device path a device synchronisation: only when

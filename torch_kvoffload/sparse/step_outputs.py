@@ -38,7 +38,7 @@ class PreparedStep:
     ``rows_t int64 [T]``: the residency rows on the device; ``state``: scratch ``(slot_to_token [T, C],
     lru_order [T, C], row_request [T])`` to commit once the step succeeded; ``out`` / ``lse`` / ``topk``
     / ``res``: the step's outputs. ``copy_and_attend()`` runs steps 5–7 into ``out`` / ``lse`` and
-    returns the rows copied host→device (an int, or an int64 device scalar).
+    returns the rows copied host→device (an int, or an integer tensor whose sum it is).
     """
 
     rows_t: torch.Tensor
@@ -68,10 +68,13 @@ class StepOutputs:
         """``out [T, H, Dc]`` in ``dtype``, ``lse fp32 [T, H]``, ``topk int32 [T, K]`` and residency
         outputs of ``T`` rows and top-k ``K``."""
         Dc, dev = self.kv_lora_rank, self.device
-        if self.fresh:
+        if self.fresh:  # the int32 outputs as views of one allocation (a step makes three, not eight)
             out = torch.empty(T, H, Dc, dtype=dtype)
             lse = torch.empty(T, H, dtype=torch.float32)
-            return out, lse, torch.empty(T, K, dtype=torch.int32), new_residency_outputs(T, K)
+            ints = torch.empty(4 * T * K + 2 * T, dtype=torch.int32)
+            topk, *per_k, miss_count, evictions = ints.split([T * K] * 4 + [T, T])
+            res = ResidencyOutputs(*(t.view(T, K) for t in per_k), miss_count, evictions)
+            return out, lse, topk.view(T, K), res
         key = (layer, H)
         if key not in self._buffers:
             R = self.max_rows

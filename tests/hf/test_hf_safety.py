@@ -59,6 +59,23 @@ def test_compiled_models_of_one_class_in_one_process_give_the_unmodified_tokens(
         assert len(model._kvoffload_compile_reports) == 2, f"model {i} ran without its two graphs"
 
 
+def test_compiled_models_of_other_widths_in_one_process_give_the_unmodified_tokens():
+    """Every MLA family calls transformers' one attention function with its own scale: once a model of other
+    head widths was compiled, Dynamo would see the scale as a symbolic float and the passes could not fold
+    it (the graph was refused). A compiled forward keeps floats constant, and the caller's Dynamo settings
+    are back after each call."""
+    config = torch._dynamo.config
+    before = (config.specialize_float, config.fake_tensor_cache_enabled)
+    ids, mask = left_padded_batch(LENGTHS, seed=4)
+    # V3 then V3.2 (whose attention reuses V3's code), of other widths and so other scales
+    for family, widths in (("deepseek_v3", {}), ("deepseek_v32", {"qk_nope_head_dim": 24, "v_head_dim": 24})):
+        model = build_model(family, **{**SMALL, **widths})
+        ref = copy.deepcopy(model)
+        model = torch_kvoffload.compile(model)
+        assert torch.equal(_gen(model, ids, mask, new=3), _gen(ref, ids, mask, new=3)), family
+        assert (config.specialize_float, config.fake_tensor_cache_enabled) == before
+
+
 def test_a_fallback_to_eager_raises_instead_of_generating():
     """Past its recompile limit Dynamo runs the model eagerly: the model's own attention then reads the
     library's cache, which holds no KV, and raises. (``set_stance("force_eager")`` runs the library's eager

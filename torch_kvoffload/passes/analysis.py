@@ -321,7 +321,11 @@ def _layer_sites(
     if scale is None:
         scale = qk_dim**-0.5
     if m.python_number(scale) is None:
-        return f"attention scale {scale!r} is not a constant"
+        return (
+            f"attention scale {scale!r} is not a constant (a float Dynamo made symbolic, e.g. after a model of "
+            "other head widths was compiled: torch._dynamo.config.specialize_float=True keeps it constant, as "
+            "torch_kvoffload.compile does)"
+        )
     sites = LayerSites(
         layer=_layer_index(scope, order),
         scope=scope,

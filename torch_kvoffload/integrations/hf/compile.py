@@ -46,6 +46,7 @@ from torch_kvoffload.backend import (
 )
 from torch_kvoffload.integrations.hf.cache import is_offload_cache
 from torch_kvoffload.integrations.hf.custom_mask import is_custom_mask
+from torch_kvoffload.integrations.hf.dynamo_settings import tracing_settings
 from torch_kvoffload.integrations.hf.exclusive import exclusive
 from torch_kvoffload.integrations.hf.install import (
     attach,
@@ -296,7 +297,8 @@ def _compiled_forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     _mark_token_dims(kwargs)
     if args and isinstance(args[0], torch.Tensor):
         _mark_dynamic(args[0], 0, 1)  # input_ids given positionally
-    return compiled.fn(*args, **kwargs)
+    with tracing_settings:  # what Dynamo reads when this call traces (see dynamo_settings)
+        return compiled.fn(*args, **kwargs)
 
 
 def compile(model: torch.nn.Module, config: Any = None, **torch_compile_kwargs: Any) -> torch.nn.Module:

@@ -27,7 +27,6 @@ import torch
 
 from torch_kvoffload import device as kv_device
 from torch_kvoffload import transfer as kv_transfer
-from torch_kvoffload.ops import copy_rows
 from torch_kvoffload.sparse._checks import check_layer, check_tensor, host_ints
 from torch_kvoffload.sparse.host_pool import HostKVPool
 from torch_kvoffload.sparse.stats import StepCounters
@@ -51,7 +50,6 @@ class PlacedRows:
 
     request_ids: list[int]
     dst: torch.Tensor
-    src: torch.Tensor  # int64 [n]: 0..n-1, the rows of each layer's kv_c / k_pe in order
     tables_version: int
     pool: HostKVPool = field(repr=False, compare=False)
 
@@ -94,6 +92,12 @@ class RowAppender:
         self._keep: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self._pending_publish: list[kv_transfer.TransferEvent] = []  # device path: fence + bytes_d2h
         self._seq = [0] * num_layers  # appends issued per layer (writer and readers alike)
+        # each layer's pool rows as [rows, D] views, and a row's bytes: made once, every append uses them
+        self._flat = [
+            (pool.kv_c(i).view(-1, pool.kv_lora_rank), pool.k_pe(i).view(-1, pool.rope_dim))
+            for i in range(num_layers)
+        ]
+        self._row_bytes = pool.row_bytes
 
     def append(
         self,
@@ -120,8 +124,9 @@ class RowAppender:
         positions = check_tensor(where, "positions", positions, dim=1, dtypes=(torch.int32, torch.int64))
         ids = host_ints(where, "request_ids", request_ids, positions.shape[0])
         if not ids:
-            empty = torch.empty(0, dtype=torch.int64)
-            return PlacedRows([], empty, empty, self.pool.block_tables.version, self.pool)
+            return PlacedRows(
+                [], torch.empty(0, dtype=torch.int64), self.pool.block_tables.version, self.pool
+            )
         return self._place(where, ids, positions)
 
     def append_placed(
@@ -146,6 +151,16 @@ class RowAppender:
             return kv_transfer.TransferEvent.completed()
         return self._write(layer, placed, kv_c, k_pe)
 
+    def append_validated(
+        self, layer: int, placed: PlacedRows, kv_c: torch.Tensor, k_pe: torch.Tensor
+    ) -> kv_transfer.TransferEvent:
+        """See :meth:`torch_kvoffload.sparse.SparseDecodeOffload.append_validated`."""
+        if placed.pool is not self.pool or placed.tables_version != self.pool.block_tables.version:
+            return self.append_placed(layer, placed, kv_c, k_pe)  # it names what is wrong
+        if placed.n == 0:
+            return kv_transfer.TransferEvent.completed()
+        return self._write(layer, placed, kv_c, k_pe)
+
     def _check_rows(
         self, where: str, n: int, kv_c: object, k_pe: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,8 +179,7 @@ class RowAppender:
         if copies and self.writer:
             self.counters.count_total("cow_copies", len(copies))
             self._copy_on_write(copies)
-        src = torch.arange(len(ids), dtype=torch.int64)
-        return PlacedRows(ids, dst, src, self.pool.block_tables.version, self.pool)
+        return PlacedRows(ids, dst, self.pool.block_tables.version, self.pool)
 
     def _write(
         self, layer: int, placed: PlacedRows, kv_c: torch.Tensor, k_pe: torch.Tensor
@@ -175,8 +189,8 @@ class RowAppender:
         if not self.writer:
             return kv_transfer.TransferEvent.completed()
         seq = self._seq[layer]
-        host_kv, host_pe = self.pool.kv_c(layer), self.pool.k_pe(layer)
-        n, src, dst = placed.n, placed.src, placed.dst
+        host_kv, host_pe = self._flat[layer]
+        n, dst = placed.n, placed.dst
         kv_src, pe_src = kv_c.to(self.dtype), k_pe.to(self.dtype)
         if self.device_path and kv_src.device == self.device:
             event = self._append_device(layer, seq, kv_src, pe_src, dst)
@@ -185,14 +199,14 @@ class RowAppender:
             return event
 
         def write(kv_rows: torch.Tensor, pe_rows: torch.Tensor) -> None:
-            try:
-                copy_rows(kv_rows.unsqueeze(1), host_kv, src, dst)
-                copy_rows(pe_rows.unsqueeze(1), host_pe, src, dst)
+            try:  # rows i of kv_rows / pe_rows to pool rows dst[i] (host to host: one index_copy_ each)
+                host_kv.index_copy_(0, dst, kv_rows)
+                host_pe.index_copy_(0, dst, pe_rows)
             except BaseException:
                 self.pool.mark_failed(layer)  # readers must not take later appends for complete rows
                 raise
             self.pool.publish(layer, seq)
-            self.counters.count(layer, "bytes_d2h", dst.numel() * self.pool.row_bytes)
+            self.counters.count(layer, "bytes_d2h", n * self._row_bytes)
 
         if kv_src.device.type == "cpu":
             event = self.host.submit(

@@ -192,7 +192,7 @@ class SparseOffloadBackend(KVBackend):
         if placed is None:  # once per forward part: each layer appends the same rows
             ids = [fwd.requests[r].id for r in fwd.row.tolist()]
             placed = fwd.memo["sparse_placed"] = rt.place_rows(ids, fwd.pos)
-        rt.append_placed(layer, placed, rows.kv_c, rows.k_pe)
+        rt.append_validated(layer, placed, rows.kv_c, rows.k_pe)  # the core checked the rows
         self.index.write_keys(layer, fwd.index_phys, rows.index_k)
         if not fwd.decode and not fwd.layerwise:
             self._rows[layer] = (rows.kv_c, rows.k_pe)

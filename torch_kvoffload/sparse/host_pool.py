@@ -421,8 +421,9 @@ class HostKVPool:
 
         A layer marked failed (:meth:`mark_failed`) stays failed.
         """
-        layer = check_layer("HostKVPool.publish", layer, self.num_layers)
-        seq = check_int("HostKVPool.publish", "seq", seq, minimum=0)
+        if not (type(layer) is int and 0 <= layer < self.num_layers and type(seq) is int and seq >= 0):
+            layer = check_layer("HostKVPool.publish", layer, self.num_layers)  # raises, naming what is wrong
+            seq = check_int("HostKVPool.publish", "seq", seq, minimum=0)
         if int(self._fence_np[layer]) != _FAILED:
             self._fence_np[layer] = seq
 

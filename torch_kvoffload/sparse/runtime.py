@@ -364,6 +364,14 @@ class SparseDecodeOffload:
         since they were placed."""
         return self._appender.append_placed(layer, placed, kv_c, k_pe)
 
+    def append_validated(
+        self, layer: int, placed: PlacedRows, kv_c: torch.Tensor, k_pe: torch.Tensor
+    ) -> kv_transfer.TransferEvent:
+        """:meth:`append_placed` for a caller that validated ``layer`` and the rows' shapes, dtypes and
+        device where they entered it (the KV core's cache write): only that ``placed`` is current (this
+        runtime's, no table change since) is checked here, once per layer of a decode forward."""
+        return self._appender.append_validated(layer, placed, kv_c, k_pe)
+
     def sync(self) -> None:
         """Wait for every pending append, its fence and its counts (raises if one failed)."""
         self._appender.sync()

@@ -344,8 +344,8 @@ def test_cpu_append_with_an_idle_stream_runs_inline_and_in_order_behind_work_in_
 
 
 def test_rows_placed_once_append_to_every_layer_as_append_does_and_go_stale() -> None:
-    """``place_rows`` once, ``append_placed`` per layer: the pool holds what per-layer ``append`` calls
-    write (a fork's shared block copied on write at placing, for every layer); placed rows are refused
+    """``place_rows`` once, ``append_placed`` (or ``append_validated``) per layer: the pool holds what
+    per-layer ``append`` calls write (a fork's shared block copied on write at placing, for every layer); placed rows are refused
     once a request was reserved, released, forked or truncated, and bad rows are refused untouched."""
     g = torch.Generator().manual_seed(5)
     with _cpu_runtime() as placed_rt, _cpu_runtime() as plain_rt:
@@ -363,7 +363,9 @@ def test_rows_placed_once_append_to_every_layer_as_append_does_and_go_stale() ->
         pos[0] = 7  # the placement is its own: changing the positions tensor afterwards moves nothing
         for layer in range(2):
             kv, pe = torch.randn(3, DC, generator=g), torch.randn(3, DR, generator=g)
-            assert placed_rt.append_placed(layer, placed, kv, pe).query()
+            # the checking append, then the one for rows validated by the caller: the same writes
+            append = placed_rt.append_placed if layer == 0 else placed_rt.append_validated
+            assert append(layer, placed, kv, pe).query()
             plain_rt.append(layer, ids, torch.tensor([4, 3, 5]), kv, pe)
         for layer in range(2):
             assert torch.equal(placed_rt.pool.kv_c(layer), plain_rt.pool.kv_c(layer))
@@ -387,9 +389,12 @@ def test_rows_placed_once_append_to_every_layer_as_append_does_and_go_stale() ->
         ):
             with pytest.raises(exc, match=needle):
                 bad()
+        with pytest.raises(ValueError, match="placed by another runtime"):
+            plain_rt.append_validated(0, placed, kv, pe)
         placed_rt.reserve(2, 4)
-        with pytest.raises(ValueError, match="stale"):
-            placed_rt.append_placed(0, placed, kv, pe)
+        for append in (placed_rt.append_placed, placed_rt.append_validated):
+            with pytest.raises(ValueError, match="stale"):
+                append(0, placed, kv, pe)
         assert all(torch.equal(placed_rt.pool.kv_c(layer), b) for layer, b in enumerate(before))
         again = placed_rt.place_rows(ids, torch.tensor([4, 3, 5]))  # placed again: appended
         assert placed_rt.append_placed(1, again, kv, pe).query()

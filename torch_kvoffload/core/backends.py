@@ -1,11 +1,14 @@
-"""The KV backends, one per feature, and :func:`build_backends`, which picks them from the configuration.
+""":func:`build_backends`: the KV backends of one model, one per enabled feature, picked from the
+configuration.
 
-Dispatch is on the type of each configured feature (as torchao dispatches on its config types):
-:class:`~torch_kvoffload.layerwise.LayerwiseConfig` → :class:`LayerwiseBackend`,
-:class:`~torch_kvoffload.kvpp.KVPPConfig` (requested) → :class:`KVPPBackend`,
-:class:`~torch_kvoffload.core.config.SparseOptions` → :class:`SparseOffloadBackend` (``offload=True``) or
-:class:`ResidentSparseBackend` (``offload=False``); a P/D role (built by the integration from the
-:class:`~torch_kvoffload.pd.PDConfig`) comes first.
+Dispatch is on the type of each configured feature (as torchao dispatches on its config types); each
+backend lives in its feature's package and is given only its feature's config (data):
+:class:`~torch_kvoffload.layerwise.LayerwiseConfig` → :class:`~torch_kvoffload.layerwise.backend.LayerwiseBackend`,
+:class:`~torch_kvoffload.kvpp.KVPPConfig` (requested) → :class:`~torch_kvoffload.kvpp.backend.KVPPBackend`,
+:class:`~torch_kvoffload.sparse.config.SparseOptions` → :class:`~torch_kvoffload.sparse.backend.SparseOffloadBackend`
+(``offload=True``) or :class:`~torch_kvoffload.sparse.resident_backend.ResidentSparseBackend`
+(``offload=False``); a P/D role (built by the integration from the :class:`~torch_kvoffload.pd.PDConfig`)
+comes first.
 """
 
 from __future__ import annotations

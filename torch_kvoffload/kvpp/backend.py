@@ -3,9 +3,10 @@
 Every rank of the group runs the same model replica and the same forwards. Each layer's bundle (``c_kv``,
 ``k_pe`` [, indexer key]) is paged ``[num_blocks, block_size, D]`` in the KVPP runtime's views: an owned
 layer's persistent buffer, another layer's scratch buffer. ``begin_forward`` schedules the forward with the
-blocks holding each request's earlier tokens; the ``kvpp_wait_layer`` / ``kvpp_prefetch_layer`` ops before
-each layer's first KV access bring the owner's broadcast; every rank writes the new rows itself and attends
-over the view; ``end_forward`` completes the forward. Sizes are fixed per sequence (no growth in place).
+blocks holding each request's earlier tokens; :meth:`KVPPBackend.before_write`, which the core calls before
+each layer's write, waits for the owner's broadcast of the layer (which starts the next layer's; in a graph
+whose attention the core does not drive, the ``kvpp_wait_layer`` / ``kvpp_prefetch_layer`` ops do); every
+rank writes the new rows itself and attends over the view; ``end_forward`` completes the forward. Sizes are fixed per sequence (no growth in place).
 """
 
 from __future__ import annotations

@@ -9,9 +9,11 @@ a layer's write its partial block is copied into the tail, and the next forward 
 buffer. A prompt prefix found in the store is loaded instead of written: the model still computes its
 projections, its attention reads the loaded KV.
 
-The backend is also the layer-hook object the ``layer_wait`` / ``layer_prefetch`` / ``layer_save`` ops
-reach (``wait_layer`` / ``prefetch_layer`` / ``save_layer``): during a forward it takes part in they run the
-runtime's hooks, otherwise nothing.
+The core calls :meth:`LayerwiseBackend.before_write` before each layer's write (wait for the layer's loads,
+issue the next ones) and :meth:`LayerwiseBackend.after_write` after it (save). The backend is also the
+layer-hook object the ``layer_wait`` / ``layer_prefetch`` / ``layer_save`` ops reach in graphs whose
+attention the core does not drive (``wait_layer`` / ``prefetch_layer`` / ``save_layer``): during a forward
+it takes part in they run the runtime's hooks, otherwise nothing.
 
 A forward whose stored prefix cannot be loaded when its layer needs it (:class:`PrefixEvictedError`) may be
 run again with each request's prefix cut at its first bad block: :meth:`retry_caps` / :meth:`restart`.

@@ -299,7 +299,7 @@ class KVCore:
 
     def _engaged(self, fwd: ForwardPlan) -> list[tuple[ForwardPlan, KVBackend]]:
         """``(part, backend)`` of every backend taking part in each part of ``fwd``, in call order."""
-        return [(part, b) for part in layer_step.parts_of(fwd) for b in self._taking_part(part)]
+        return layer_step.engaged(fwd, self._taking_part)
 
     def _taking_part(self, fwd: ForwardPlan) -> list[KVBackend]:
         parts = fwd.memo.get("backends")

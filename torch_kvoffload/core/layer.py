@@ -18,7 +18,7 @@ from torch_kvoffload.kv.backend import KVBackend, NewRows, Queries
 from torch_kvoffload.kv.forward import ForwardPlan
 from torch_kvoffload.kv.spec import ModelSpec
 
-__all__ = ["attend_queries", "parts_of", "write_rows"]
+__all__ = ["attend_queries", "engaged", "parts_of", "write_rows"]
 
 #: the backends taking part in a plan (the core's, memoized per plan)
 Taking = Callable[[ForwardPlan], Sequence[KVBackend]]
@@ -68,12 +68,17 @@ def _write_hooks(fwd: ForwardPlan, taking: Taking) -> tuple[list, list]:
     ``after_write`` of their own, once per forward (most have neither)."""
     hooks = fwd.memo.get("write_hooks")
     if hooks is None:
-        engaged = [(part, b) for part in parts_of(fwd) for b in taking(part)]
+        pairs = engaged(fwd, taking)
         hooks = fwd.memo["write_hooks"] = tuple(
-            [(part, b) for part, b in engaged if getattr(type(b), name) is not getattr(KVBackend, name)]
+            [(part, b) for part, b in pairs if getattr(type(b), name) is not getattr(KVBackend, name)]
             for name in ("before_write", "after_write")
         )
     return hooks
+
+
+def engaged(fwd: ForwardPlan, taking: Taking) -> list[tuple[ForwardPlan, KVBackend]]:
+    """``(part, backend)`` of every backend taking part in each part of ``fwd``, in call order."""
+    return [(part, b) for part in parts_of(fwd) for b in taking(part)]
 
 
 def attend_queries(

@@ -92,12 +92,7 @@ class RowAppender:
         self._keep: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self._pending_publish: list[kv_transfer.TransferEvent] = []  # device path: fence + bytes_d2h
         self._seq = [0] * num_layers  # appends issued per layer (writer and readers alike)
-        # each layer's pool rows as [rows, D] views, and a row's bytes: made once, every append uses them
-        self._flat = [
-            (pool.kv_c(i).view(-1, pool.kv_lora_rank), pool.k_pe(i).view(-1, pool.rope_dim))
-            for i in range(num_layers)
-        ]
-        self._row_bytes = pool.row_bytes
+        self._row_bytes = pool.row_bytes  # every append counts its bytes
 
     def append(
         self,
@@ -139,6 +134,19 @@ class RowAppender:
             raise TypeError(
                 f"{where}: 'placed' must be PlacedRows (place_rows()), got {type(placed).__name__}"
             )
+        self._check_current(where, placed)
+        kv_c, k_pe = self._check_rows(where, placed.n, kv_c, k_pe)
+        return self._write(layer, placed, kv_c, k_pe)
+
+    def append_validated(
+        self, layer: int, placed: PlacedRows, kv_c: torch.Tensor, k_pe: torch.Tensor
+    ) -> kv_transfer.TransferEvent:
+        """See :meth:`torch_kvoffload.sparse.SparseDecodeOffload.append_validated`."""
+        self._check_current("SparseDecodeOffload.append_validated", placed)
+        return self._write(layer, placed, kv_c, k_pe)
+
+    def _check_current(self, where: str, placed: PlacedRows) -> None:
+        """``placed`` was placed in this pool and no block table changed since."""
         if placed.pool is not self.pool:
             raise ValueError(f"{where}: the placed rows were placed by another runtime (another host pool)")
         if placed.tables_version != self.pool.block_tables.version:
@@ -146,20 +154,6 @@ class RowAppender:
                 f"{where}: the placed rows are stale (a request was reserved, released, forked or truncated "
                 "since place_rows()); place them again"
             )
-        kv_c, k_pe = self._check_rows(where, placed.n, kv_c, k_pe)
-        if placed.n == 0:
-            return kv_transfer.TransferEvent.completed()
-        return self._write(layer, placed, kv_c, k_pe)
-
-    def append_validated(
-        self, layer: int, placed: PlacedRows, kv_c: torch.Tensor, k_pe: torch.Tensor
-    ) -> kv_transfer.TransferEvent:
-        """See :meth:`torch_kvoffload.sparse.SparseDecodeOffload.append_validated`."""
-        if placed.pool is not self.pool or placed.tables_version != self.pool.block_tables.version:
-            return self.append_placed(layer, placed, kv_c, k_pe)  # it names what is wrong
-        if placed.n == 0:
-            return kv_transfer.TransferEvent.completed()
-        return self._write(layer, placed, kv_c, k_pe)
 
     def _check_rows(
         self, where: str, n: int, kv_c: object, k_pe: object
@@ -185,11 +179,13 @@ class RowAppender:
         self, layer: int, placed: PlacedRows, kv_c: torch.Tensor, k_pe: torch.Tensor
     ) -> kv_transfer.TransferEvent:
         """Copy checked rows ``kv_c [n, Dc]`` / ``k_pe [n, Dr]`` of ``layer`` to their placed pool rows."""
+        if placed.n == 0:
+            return kv_transfer.TransferEvent.completed()
         self._seq[layer] += 1
         if not self.writer:
             return kv_transfer.TransferEvent.completed()
         seq = self._seq[layer]
-        host_kv, host_pe = self._flat[layer]
+        host_kv, host_pe = self.pool.rows(layer)
         n, dst = placed.n, placed.dst
         kv_src, pe_src = kv_c.to(self.dtype), k_pe.to(self.dtype)
         if self.device_path and kv_src.device == self.device:

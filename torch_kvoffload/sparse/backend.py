@@ -209,8 +209,7 @@ class SparseOffloadBackend(KVBackend):
             return KeyRows(rows_c, rows_pe, [0, *itertools.accumulate(n_new)][:-1])
         rt.wait_rows(layer)  # the appends so far are in the pool (a TP reader: the writer published them)
         pool = rt.pool
-        host_c = pool.kv_c(layer).reshape(-1, spec.kv_lora_rank)
-        host_pe = pool.k_pe(layer).reshape(-1, spec.rope_dim)
+        host_c, host_pe = pool.rows(layer)
         earlier: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def read() -> None:
@@ -249,8 +248,7 @@ class SparseOffloadBackend(KVBackend):
                 f"{spec.dtype}: its rows do not give the model's values back exactly"
             )
         rt.wait_rows(layer)  # the appends so far are in the pool (a TP reader: the writer published them)
-        paged = pool.kv_c(layer) if part == "kv_c" else pool.k_pe(layer)
-        host = paged.reshape(-1, paged.shape[-1])
+        host = pool.rows(layer)[0 if part == "kv_c" else 1]
         out: list[torch.Tensor] = []
 
         def copy() -> None:  # indexing gathers into a new tensor: the pool is never handed out

@@ -108,8 +108,12 @@ class HostKVPool:
         self._k_pe = (
             storage[off : off + pe_bytes].view(dtype).view(num_layers, num_blocks, block_size, rope_dim)
         )
-        # per-layer views made once: an append and a step of every layer read them
+        # per-layer views made once (paged, and one row per slot): an append and a step of every layer read them
         self._kv_c_layers, self._k_pe_layers = self._kv_c.unbind(0), self._k_pe.unbind(0)
+        self._rows = [
+            (kv.view(-1, kv_lora_rank), pe.view(-1, rope_dim))
+            for kv, pe in zip(self._kv_c_layers, self._k_pe_layers, strict=True)
+        ]
         self.block_tables = BlockTables(num_blocks, block_size)
         self._registered_ptr: int | None = None
         self._closed = False
@@ -286,6 +290,11 @@ class HostKVPool:
     def k_pe(self, layer: int) -> torch.Tensor:
         """``[num_blocks, block_size, rope_dim]`` view of layer ``layer``."""
         return self._k_pe_layers[layer]
+
+    def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s ``kv_c [num_blocks * block_size, kv_lora_rank]`` and ``k_pe [.., rope_dim]``
+        views: one row per pool slot (``block * block_size + offset``, what :meth:`slots` gives)."""
+        return self._rows[layer]
 
     @property
     def nbytes(self) -> int:

@@ -253,9 +253,6 @@ def packed_core_forward(
     inputs = _packed_inputs(layout, args, kwargs)
     ids, pos = inputs["ids"], inputs["pos"]
     flat_pos = layout.take(pos.expand(layout.rows, -1))  # [1, n]
-    starts = list(itertools.accumulate(layout.lengths, initial=0))
-    seg_pos = flat_pos[0].tolist()
-    positions = [seg_pos[a:b] for a, b in itertools.pairwise(starts)]
     if ids is not None:
         flat_ids = layout.take(ids)
         tokens = [t.tolist() for t in flat_ids[0].cpu().split(layout.lengths)]
@@ -267,7 +264,7 @@ def packed_core_forward(
     def body() -> Any:
         return forward(**model_in, position_ids=flat_pos, use_cache=False, return_dict=True, **inputs["rest"])
 
-    out = run_packed(body, tokens, positions, unkeyed=ids is None)
+    out = run_packed(body, tokens, flat_pos[0], unkeyed=ids is None)
     fields = dict(out.items())
     fields["logits"] = layout.unpack(out.logits)
     if out.hidden_states is not None:

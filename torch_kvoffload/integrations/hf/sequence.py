@@ -174,7 +174,20 @@ class HFSequence:
             self._start(B, owner)
         elif longest > self.core.reserved_tokens:
             self._grow(longest)
-        if unkeyed_as is not None:
+        self._begin(new_tokens, new_mask, positions, unkeyed_as is not None, past + S)
+
+    def _begin(
+        self,
+        new_tokens: list[list[int]],
+        new_mask: torch.Tensor | None,
+        positions: list[list[int]] | None,
+        unkeyed: bool,
+        seen: int,
+    ) -> None:
+        """Begin the core's forward of the sequence's requests (``new_mask None``: packed), their rows
+        unkeyed first when ``unkeyed``; a failure ends the sequence. :meth:`end_forward` then records
+        ``seen`` positions and the new mask."""
+        if unkeyed:
             for r in self.requests:
                 if r.keyed:
                     r.keyed = False
@@ -184,43 +197,39 @@ class HFSequence:
         except BaseException:
             self.fail()
             raise
-        self._pending_seen = past + S
-        self._pending_mask = new_mask
+        self._pending_seen = seen
+        self._pending_mask = (
+            new_mask if new_mask is not None else torch.zeros(len(new_tokens), 0, dtype=torch.bool)
+        )
 
     def run_packed(
         self,
         body: Callable[[], T],
         tokens: list[list[int]],
-        positions: list[list[int]] | None,
+        positions: torch.Tensor | None,
         unkeyed: bool,
     ) -> T:
         """One packed forward of independent sequences without a cache: ``tokens[i]`` is segment ``i``'s, a
         new request each; ``body()`` runs the model over their tokens one after the other in one row ``[1,
         n]`` (no padding computed); the requests are released after it. Ends the running sequence first, as
-        a forward from position 0 does. ``positions[i]``: the model positions of segment ``i``'s tokens
-        (``None``: ``0 ..``), which the layerwise store keys its blocks by; ``unkeyed``: the forward is fed
-        embeddings, no block is keyed. A layerwise prefix that cannot be loaded runs the forward again with
-        the prefixes cut (:meth:`run_forward`)."""
+        a forward from position 0 does. ``positions int64 [n]``: the model positions of the segments'
+        tokens, one after the other (``None``: ``0 ..`` each), which the layerwise store keys its blocks by
+        (read only then: reading them waits for the device); ``unkeyed``: the forward is fed embeddings,
+        no block is keyed. A layerwise prefix that cannot be loaded runs the forward again with the
+        prefixes cut (:meth:`run_forward`)."""
         where = "OffloadSession.run_packed"
         if self.core.forward is not None:
             raise RuntimeError(f"{where}: a forward is running; call end_forward()")
-        if not tokens or min(len(t) for t in tokens) < 1:
-            raise ValueError(
-                f"{where}: every segment needs at least one token, got lengths {[len(t) for t in tokens]}"
-            )
+        lengths = [len(t) for t in tokens]
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"{where}: every segment needs at least one token, got lengths {lengths}")
+        keys = None
+        if positions is not None and self.core.backends.layerwise is not None:
+            keys = [p.tolist() for p in positions.to("cpu").split(lengths)]
         self.end()  # a packed forward starts sequences of its own, as any forward from position 0
-        self.core.size(len(tokens), max(len(t) for t in tokens))
+        self.core.size(len(tokens), max(lengths))
         self._start(len(tokens), None)
-        if unkeyed:
-            for r in self.requests:
-                r.keyed = False
-            self.unkeyed_requests += len(self.requests)
-        try:
-            self.core.begin_forward(self.requests, tokens, None, positions=positions)
-        except BaseException:
-            self.fail()
-            raise
-        self._pending_seen, self._pending_mask = 0, torch.zeros(len(tokens), 0, dtype=torch.bool)
+        self._begin(tokens, None, keys, unkeyed, 0)
         try:
             return self.run_forward(body)
         finally:

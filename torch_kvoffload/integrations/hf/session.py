@@ -305,7 +305,7 @@ class OffloadSession:
         self,
         body: Callable[[], T],
         tokens: list[list[int]],
-        positions: list[list[int]] | None = None,
+        positions: torch.Tensor | None = None,
         *,
         unkeyed: bool = False,
     ) -> T:

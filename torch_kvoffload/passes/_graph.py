@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from torch_kvoffload.passes import _match as m
+from torch_kvoffload.passes._ops import op
 
 CACHE_INPUTS_KEY = "kvoffload_cache_inputs"
 RECORDS_KEY = "kvoffload_records"
@@ -162,7 +163,6 @@ def layer_kv_accesses(gm: fx.GraphModule) -> dict[int, tuple[fx.Node, fx.Node]]:
     After the absorb pass these are the layer's ``mla_cache_write`` nodes; in a graph it did not
     rewrite, the layer's cache appends found by the analysis.
     """
-    from torch_kvoffload.passes._ops import op
     from torch_kvoffload.passes.analysis import analyze_graph
 
     out: dict[int, tuple[fx.Node, fx.Node]] = {}
@@ -196,8 +196,6 @@ def insert_layer_hooks(
     ``runtime_runs_hooks``: a layer whose KV is written by ``mla_cache_write`` gets nothing (its runtime
     runs the layer's hooks itself).
     """
-    from torch_kvoffload.passes._ops import op
-
     accesses = layer_kv_accesses(gm)
     layers = list(accesses)
     write = op("mla_cache_write")

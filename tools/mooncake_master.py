@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from torch_kvoffload._utils import free_port
+from torch_kvoffload._utils import free_ports
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +101,17 @@ class MooncakeMaster:
         startup_timeout: float = 30.0,
     ) -> None:
         self.host = host
-        self.rpc_port = rpc_port or free_port(host)
-        self.metadata_port = metadata_port or free_port(host)
-        self.metrics_port = metrics_port or free_port(host)
+        # picked together: ports picked one by one can repeat, and the master's RPC port would then be the
+        # metadata server's (the master fails to bind, yet its port answers)
+        picked = iter(free_ports(3, host))
+        self.rpc_port = rpc_port or next(picked)
+        self.metadata_port = metadata_port or next(picked)
+        self.metrics_port = metrics_port or next(picked)
+        ports = (self.rpc_port, self.metadata_port, self.metrics_port)
+        if len(set(ports)) != len(ports):
+            raise ValueError(
+                f"MooncakeMaster: rpc_port, metadata_port and metrics_port must differ, got {ports}"
+            )
         self.lease_ttl_ms = lease_ttl_ms
         self.extra_args = tuple(extra_args)
         self.startup_timeout = startup_timeout

@@ -9,7 +9,16 @@ import socket
 
 import torch
 
-__all__ = ["DTYPE_ALIASES", "Unchanged", "check_int", "dtype_name", "free_port", "parse_dtype", "round_up"]
+__all__ = [
+    "DTYPE_ALIASES",
+    "Unchanged",
+    "check_int",
+    "dtype_name",
+    "free_port",
+    "free_ports",
+    "parse_dtype",
+    "round_up",
+]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -17,6 +26,25 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct TCP ports on ``host`` that were free when asked.
+
+    All sockets stay bound until every port is picked: calling :func:`free_port` ``count`` times may give
+    the same port twice (the OS can hand out a port again as soon as its socket is closed).
+    """
+    check_int("free_ports", "count", count, minimum=1)
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def round_up(n: int, alignment: int) -> int:

@@ -5,7 +5,6 @@ tokens must equal a single-process ``generate`` of the unmodified model."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import queue
 import time
 import traceback
@@ -18,7 +17,7 @@ pytest.importorskip("zmq")
 pytest.importorskip("msgpack")
 
 from support.hf_models import build_model, indexer_boundary_ties, left_padded_batch
-from support.pd_helpers import process_s, verdict_s
+from support.pd_helpers import hf_context, process_s, verdict_s
 
 import torch_kvoffload
 from torch_kvoffload import OffloadConfig
@@ -104,7 +103,7 @@ def pd_runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
     for a side waiting on the other, a cold process start (:func:`pd_helpers.process_s`), both sides' work
     (``WORK_FACTOR`` times the unmodified model's build + generate of the case, timed here) and the verdict.
     """
-    ctx = mp.get_context("spawn")
+    ctx = hf_context()  # both sides fork from a server that imported torch and transformers once
     rdv = str(tmp_path_factory.mktemp("rendezvous"))
     start_s = process_s(("torch", "transformers", "torch_kvoffload", "support.hf_models"))
     cases = []

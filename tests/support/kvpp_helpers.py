@@ -160,15 +160,21 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, args: tuple
 
 
 def spawn_gloo(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0) -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes joined by gloo on 127.0.0.1.
+    """Run ``fn(rank, world, *args)`` on ``world`` processes joined by gloo on 127.0.0.1.
 
-    Raises the first failing rank's error (with its traceback); terminates every process and raises
-    ``TimeoutError`` when they are not done within ``timeout`` seconds.
+    The processes fork from the test session's forkserver, which imported torch, transformers and the
+    package once (:func:`support.pd_helpers.hf_context`): a rank starts in milliseconds instead of importing
+    for seconds, and inherits no thread of the test process. Raises the first failing rank's error (with its
+    traceback); terminates every process and raises ``TimeoutError`` when they are not done within
+    ``timeout`` seconds.
     """
     import torch.multiprocessing as mp
 
+    from support.pd_helpers import hf_context
+
+    hf_context()  # the forkserver's preload, set before the server starts
     ctx = mp.start_processes(
-        _entry, args=(fn, world, free_port(), args), nprocs=world, join=False, start_method="spawn"
+        _entry, args=(fn, world, free_port(), args), nprocs=world, join=False, start_method="forkserver"
     )
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):

@@ -336,7 +336,8 @@ class KVCore:
             check_bias(bias, new_mask, [o + n for o, n in zip(old_len, n_new, strict=True)])
         # with earlier tokens every padding position sees them: a padded forward is never a decode step
         decode = self.backends.sparse is not None and bias is None and all(old_len)
-        decode = decode and all(n == 1 for n in n_new) and (new_mask is None or bool(new_mask.all()))
+        all_real = new_mask is None or bool(new_mask.all())  # no padding
+        decode = decode and all_real and all(n == 1 for n in n_new)
         if decode and not self.keep_prefill_buffers:
             self.drop_prefill_buffers()  # prefill is over: decode runs on the sparse backend alone
         lw = self.backends.layerwise
@@ -355,6 +356,7 @@ class KVCore:
             self.requests.extend(r.id, toks)
             r.add_positions(old_len[b], None if positions is None else positions[b])
         where = dict(decode=decode, layerwise=layerwise, device=self.spec.device)
+        batched = dict(padding_queries=padding_queries, bias=bias, all_real=all_real)
         mixed = None
         if new_mask is None and self.backends.sparse is not None and self.serves_mixed:
             mixed = plan_mixed(
@@ -365,9 +367,7 @@ class KVCore:
         elif new_mask is None:
             fwd = plan_packed(requests, old_len, n_new, self.layout, **where)
         else:
-            fwd = plan_forward(
-                requests, old_len, new_mask, self.layout, **where, padding_queries=padding_queries, bias=bias
-            )
+            fwd = plan_forward(requests, old_len, new_mask, self.layout, **where, **batched)
         self.counters.add("forwards")
         self.counters.add(
             "mixed_forwards" if fwd.parts else "decode_forwards" if decode else "prefill_forwards"

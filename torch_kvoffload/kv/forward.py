@@ -23,6 +23,7 @@ request's first token) is fully masked and its attention output is zero.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -109,14 +110,42 @@ def visible_padding(new_mask: torch.Tensor, old_len: Sequence[int]) -> tuple[tor
     return flat, seen.reshape(-1)[flat]
 
 
+#: Up to this many real positions a plan's per-position indices are computed from Python ints (a decode
+#: step of a batch): a few tensor ops on tiny tensors cost more than the arithmetic.
+_FEW_ROWS = 64
+
+
+@functools.lru_cache(maxsize=32)
+def _tables(
+    slots: tuple[int, ...], M: int, pages: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(block_table int32 [B, M], index_table int32 [B, pages])`` of requests in device ``slots``: a slot's
+    blocks and pages are its own contiguous range. Kept for the next forward of the same slots (every decode
+    step of a batch); the tables are only read."""
+    with torch.inference_mode(False):  # kept across forwards: never an inference tensor (autograd reads it)
+        s = torch.tensor(slots, dtype=torch.int64)[:, None]
+        table = (s * M + torch.arange(M)).to(device=device, dtype=torch.int32)
+        index_table = (s * pages + torch.arange(pages)).to(device=device, dtype=torch.int32)
+    return table, index_table
+
+
+@functools.lru_cache(maxsize=8)
+def _no_padding(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(int64 [0], int32 [0])`` on ``device``: a plan without padding queries (read only)."""
+    with torch.inference_mode(False):
+        return torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(
+            0, dtype=torch.int32, device=device
+        )
+
+
 def _assemble(
     requests: Sequence[Request],
     old_len: Sequence[int],
     n_new: Sequence[int],
     layout: KVLayout,
-    sel: torch.Tensor,
-    row: torch.Tensor,
-    pos: torch.Tensor,
+    sel: torch.Tensor | list[int],
+    row: torch.Tensor | list[int],
+    pos: torch.Tensor | list[int],
     *,
     shape: tuple[int, int],
     packed: bool,
@@ -128,28 +157,41 @@ def _assemble(
     bias: torch.Tensor | None = None,
 ) -> ForwardPlan:
     """The plan of a forward whose real positions are ``sel`` (flat over ``shape``) of batch row / request
-    ``row`` at logical positions ``pos`` (host int64 ``[N]`` each, request-major; ``n_new[r]`` of request
-    ``r``), with its padding queries ``pad_sel`` / ``pad_len`` (``None``: none): the paged caches' tables
-    and rows of every request, the indexer's cumulative lengths, everything moved to ``device``."""
+    ``row`` at logical positions ``pos`` (host int64 ``[N]`` each, or lists of ints for a few positions;
+    request-major, ``n_new[r]`` of request ``r``), with its padding queries ``pad_sel`` / ``pad_len``
+    (``None``: none): the paged caches' tables and rows of every request, the indexer's cumulative lengths,
+    everything moved to ``device`` (the per-position indices in one copy, the lengths in another)."""
     bs, M = layout.block_size, layout.blocks_per_request
     page, pages = layout.page
-    slots = torch.tensor([r.slot for r in requests], dtype=torch.int64)
+    slots = tuple(r.slot for r in requests)
+    B = len(slots)
     new_len = [o + n for o, n in zip(old_len, n_new, strict=True)]
-    cu = torch.tensor([0, *itertools.accumulate(n_new)], dtype=torch.int32)
-    table = (slots[:, None] * M + torch.arange(M)[None, :]).to(torch.int32)
-    index_table = (slots[:, None] * pages + torch.arange(pages)[None, :]).to(torch.int32)
+    table, index_table = _tables(slots, M, pages, torch.device(device))
+    if isinstance(sel, list):
+        assert isinstance(row, list) and isinstance(pos, list)
+        phys = [slots[r] * (M * bs) + p for r, p in zip(row, pos, strict=True)]
+        index_phys = [slots[r] * (pages * page) + p for r, p in zip(row, pos, strict=True)]
+        flat = torch.tensor([*sel, *pos, *row, *phys, *index_phys], dtype=torch.int64)
+    else:
+        assert isinstance(row, torch.Tensor) and isinstance(pos, torch.Tensor)
+        slot_of = torch.tensor(slots, dtype=torch.int64)[row]
+        flat = torch.cat([sel, pos, row, slot_of * (M * bs) + pos, slot_of * (pages * page) + pos])
+    N = flat.numel() // 5
+    sel_d, pos_d, row_d, phys_d, index_phys_d = flat.to(device).split_with_sizes([N] * 5)
+    lengths = torch.tensor([0, *itertools.accumulate(n_new), *new_len], dtype=torch.int32).to(device)
+    cu, seq_lens_k = lengths.split_with_sizes([B + 1, B])
     if pad_sel is None or pad_len is None:
-        pad_sel = pad_len = torch.zeros(0, dtype=torch.int64)
-    slot_of = slots[row]
+        pad_sel_d = pad_row_d = _no_padding(torch.device(device))[0]
+        pad_len_d = _no_padding(torch.device(device))[1]
+    else:
+        pad_sel_d, pad_row_d = pad_sel.to(device), (pad_sel // shape[1]).to(device)
+        pad_len_d = pad_len.to(torch.int32).to(device)
     return ForwardPlan(
-        B=len(requests), S=shape[1], requests=list(requests), decode=decode, layerwise=layerwise,
-        old_len=list(old_len), new_len=new_len, sel=sel.to(device), pos=pos.to(device), row=row.to(device),
-        phys=(slot_of * (M * bs) + pos).to(device), block_table=table.to(device),
-        index_table=index_table.to(device), index_phys=(slot_of * (pages * page) + pos).to(device),
-        cu_seqlens_q=cu.to(device), seq_lens_k=torch.tensor(new_len, dtype=torch.int32).to(device),
-        pad_sel=pad_sel.to(device), pad_row=(pad_sel // shape[1]).to(device),
-        pad_len=pad_len.to(torch.int32).to(device), n_pad=int(pad_sel.numel()), bias=bias, packed=packed,
-        shape=shape,
+        B=B, S=shape[1], requests=list(requests), decode=decode, layerwise=layerwise, old_len=list(old_len),
+        new_len=new_len, sel=sel_d, pos=pos_d, row=row_d, phys=phys_d, block_table=table,
+        index_table=index_table, index_phys=index_phys_d, cu_seqlens_q=cu, seq_lens_k=seq_lens_k,
+        pad_sel=pad_sel_d, pad_row=pad_row_d, pad_len=pad_len_d, n_pad=int(pad_sel_d.numel()), bias=bias,
+        packed=packed, shape=shape,
     )  # fmt: skip
 
 
@@ -164,20 +206,26 @@ def plan_forward(
     device: torch.device,
     padding_queries: bool = True,
     bias: torch.Tensor | None = None,
+    all_real: bool | None = None,
 ) -> ForwardPlan:
     """The plan of a forward of ``requests`` (batch rows) whose real new positions are ``new_mask bool [B,
     S]`` (host, padding anywhere), ``old_len[b]`` tokens of request ``b`` before it. ``padding_queries=False``:
     the caller discards the padding positions' outputs, so none attends (all get zero). ``bias``: see
-    :func:`check_bias`."""
+    :func:`check_bias`. ``all_real``: ``bool(new_mask.all())`` when the caller knows it."""
     B, S = new_mask.shape
-    old = torch.tensor(list(old_len), dtype=torch.int64)
-    packed = bool(new_mask.all())
-    if packed:  # every position real (a decode step, an unpadded batch): no search for them
+    packed = bool(new_mask.all()) if all_real is None else all_real
+    if packed and S == 1 and B <= _FEW_ROWS:  # a decode step: one token per request after its earlier ones
+        sel = row = list(range(B))
+        pos = list(old_len)
+        n_new = [1] * B
+    elif packed:  # every position real (an unpadded batch): no search for them
+        old = torch.tensor(list(old_len), dtype=torch.int64)
         sel = torch.arange(B * S)
         row = sel if S == 1 else sel // S
         pos = old if S == 1 else old[row] + sel % S
         n_new = [S] * B
     else:
+        old = torch.tensor(list(old_len), dtype=torch.int64)
         sel = torch.nonzero(new_mask.reshape(-1)).reshape(-1)
         row = sel // S
         rank = torch.cumsum(new_mask.int(), dim=1) - 1  # index among the row's new tokens
@@ -211,6 +259,14 @@ def plan_packed(
     Its positions are all real: no padding queries, no bias. ``rows_at`` (a part of a mixed forward): the
     rows' places in a packed row of ``width`` tokens that holds other requests' rows too."""
     N = sum(n_new)
+    if N <= _FEW_ROWS:  # a decode step of a batch, a few chunk tokens: Python ints
+        row_l = [r for r, n in enumerate(n_new) for _ in range(n)]
+        pos_l = [o + i for o, n in zip(old_len, n_new, strict=True) for i in range(n)]
+        return _assemble(
+            requests, old_len, n_new, layout, list(range(N)) if rows_at is None else list(rows_at), row_l,
+            pos_l, shape=(1, N if width is None else width), packed=rows_at is None, decode=decode,
+            layerwise=layerwise, device=device,
+        )  # fmt: skip
     counts = torch.tensor(list(n_new), dtype=torch.int64)
     starts = torch.cumsum(counts, 0) - counts  # each request's first row
     index = torch.arange(N)

@@ -161,6 +161,8 @@ class HFSequence:
         )
         if input_ids is None:
             new_tokens = [[-1] * int(n) for n in new_mask.sum(dim=1).tolist()]
+        elif bool(new_mask.all()):  # no padding (every decode step): the rows as they are
+            new_tokens = input_ids.to("cpu").tolist()
         else:
             ids_cpu = input_ids.to("cpu")
             new_tokens = [ids_cpu[b][new_mask[b]].tolist() for b in range(B)]

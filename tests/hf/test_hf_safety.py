@@ -20,7 +20,6 @@ from torch_kvoffload.integrations.hf import session_of
 
 LENGTHS = [9, 13]
 NEW = 6
-MODES = ("offload", "compile")
 FALLBACK = "the model's attention ran without the library's"
 
 
@@ -115,14 +114,13 @@ def test_the_models_own_attention_over_the_librarys_cache_raises(family):
     assert cache.get_seq_length() == 0  # what generate asks is right: nothing seen yet
 
 
-# compiled: V3.2 only (its graphs without a cache trace what V3's do, and the indexer besides)
-@pytest.mark.parametrize(
-    ("mode", "family"),
-    [("offload", "deepseek_v3"), ("offload", "deepseek_v32"), ("compile", "deepseek_v32")],
-)
-def test_use_cache_false_gives_the_unmodified_results(mode, family):
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32"])
+def test_use_cache_false_gives_the_unmodified_results(family):
+    _check_use_cache_false(*_pair(family, "offload"))
+
+
+def _check_use_cache_false(model, ref):
     ids, mask = left_padded_batch(LENGTHS, seed=3)
-    model, ref = _pair(family, mode)
     want = _gen(ref, ids, mask, use_cache=False)
     assert torch.equal(_gen(model, ids, mask, use_cache=False), want)
 
@@ -136,10 +134,12 @@ def test_use_cache_false_gives_the_unmodified_results(mode, family):
     assert torch.equal(_gen(model, ids2, mask2), _gen(ref, ids2, mask2))
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_deepcopy_gives_an_independent_model(mode):
+def test_deepcopy_gives_an_independent_model():
+    _check_deepcopy(*_pair("deepseek_v32", "offload"), "offload")
+
+
+def _check_deepcopy(model, ref, mode):
     ids, mask = left_padded_batch(LENGTHS, seed=5)
-    model, ref = _pair("deepseek_v32", mode)
     want = _gen(ref, ids, mask)
     assert torch.equal(_gen(model, ids, mask), want)  # the original holds a sequence when copied
 
@@ -176,12 +176,14 @@ def test_deepcopy_refuses_a_forward_it_cannot_rebind():
         copy.deepcopy(model)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_forward_with_autograd_answers_and_its_backward_raises(mode):
+def test_forward_with_autograd_answers_and_its_backward_raises():
+    _check_autograd(*_pair("deepseek_v32", "offload"), "offload")
+
+
+def _check_autograd(model, ref, mode):
     """With autograd on, a forward gives the unmodified model's values, requiring grad as the unmodified
     model's do; a backward through them raises (the library's attention computes no gradients)."""
     ids, mask = left_padded_batch(LENGTHS, seed=7)
-    model, ref = _pair("deepseek_v32", mode)
     # the compiled model wraps its graphs the same way: one call spelling there (each compiles a graph)
     extra = {"output_hidden_states": True, "labels": ids} if mode == "offload" else {}
     expected = ref(ids, attention_mask=mask, **extra)
@@ -226,12 +228,14 @@ def test_entry_point_backend_forward_with_autograd_raises():
         torch.testing.assert_close(compiled(ids, attention_mask=mask).logits, want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_second_thread_gets_a_clear_error(mode):
+def test_a_second_thread_gets_a_clear_error():
+    _check_second_thread(*_pair("deepseek_v32", "offload"))
+
+
+def _check_second_thread(model, ref):
     """Thread A holds the model inside its first forward; the main thread's generate and forward raise,
     A's generate completes with the unmodified tokens, and each thread alone works afterwards."""
     ids, mask = left_padded_batch(LENGTHS, seed=9)
-    model, ref = _pair("deepseek_v32", mode)
     want = _gen(ref, ids, mask)
     session = session_of(model)
     entered, release = threading.Event(), threading.Event()
@@ -273,3 +277,14 @@ def test_a_second_thread_gets_a_clear_error(mode):
     b.start()
     b.join()
     assert isinstance(results["b"], torch.Tensor) and torch.equal(results["b"], want), results["b"]
+
+
+def test_one_compiled_model_through_use_cache_false_autograd_a_second_thread_and_deepcopy():
+    """The checks above, in one sequence on one compiled DeepseekV32 (V3.2 only: its graphs trace what V3's
+    do, and the indexer besides): each call after another reaches graphs the earlier ones compiled, or
+    compiles its own; the deep copy comes last and is checked against the original's graphs."""
+    model, ref = _pair("deepseek_v32", "compile")
+    _check_use_cache_false(model, ref)
+    _check_autograd(model, ref, "compile")
+    _check_second_thread(model, ref)
+    _check_deepcopy(model, ref, "compile")

@@ -16,8 +16,6 @@ import json
 import pickle
 import re
 import socket
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +28,7 @@ pytest.importorskip("transformers.cli.serving.model_manager")
 pytest.importorskip("openai")
 
 from support.hf_models import SMALL, build_model, indexer_boundary_ties
-from support.serving import EXIT_TIMEOUT_S, START_TIMEOUT_S, running_server, save_model_dir, words
+from support.serving import EXIT_TIMEOUT_S, START_TIMEOUT_S, run_module, running_server, save_model_dir, words
 
 from torch_kvoffload import serve
 from torch_kvoffload.integrations.hf import server
@@ -320,13 +318,12 @@ def held_port():
         yield s.getsockname()[1]
 
 
-def test_bad_config_exits_before_listening(model_dir: Path, held_port: int) -> None:
-    cmd = [sys.executable, "-m", "torch_kvoffload.serve", str(model_dir), "--port", str(held_port)]
-    cmd += ["--config", '{"block_size": 0}', "--device", "cpu"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=EXIT_TIMEOUT_S)
-    assert proc.returncode == 2, proc.stderr
-    assert "--config" in proc.stderr and "block_size" in proc.stderr, proc.stderr
-    assert "Uvicorn" not in proc.stderr and "address already in use" not in proc.stderr, proc.stderr
+def test_bad_config_exits_before_listening(model_dir: Path, held_port: int, tmp_path: Path) -> None:
+    argv = [str(model_dir), "--port", str(held_port), "--config", '{"block_size": 0}', "--device", "cpu"]
+    code, err = run_module("torch_kvoffload.serve", argv, tmp_path, EXIT_TIMEOUT_S)
+    assert code == 2, err
+    assert "--config" in err and "block_size" in err, err
+    assert "Uvicorn" not in err and "address already in use" not in err, err
 
 
 @pytest.mark.parametrize(
@@ -371,13 +368,20 @@ def test_a_serving_plan_that_cannot_hold_is_refused_by_prepare(config: dict, nee
     assert serve.prepare(good, config=SERVING_CONFIG, cb_max_batch_tokens=16) is good  # and a good plan holds
 
 
-def test_a_bad_serving_plan_exits_before_listening(model_dir: Path, held_port: int) -> None:
-    cmd = [sys.executable, "-m", "torch_kvoffload.serve", str(model_dir), "--port", str(held_port)]
-    cmd += ["--config", json.dumps(BAD_PLANS[0][0]), "--device", "cpu"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=EXIT_TIMEOUT_S)
-    assert proc.returncode == 2, proc.stderr
-    assert BAD_PLANS[0][1] in proc.stderr, proc.stderr
-    assert "Uvicorn" not in proc.stderr and "address already in use" not in proc.stderr, proc.stderr
+def test_a_bad_serving_plan_exits_before_listening(model_dir: Path, held_port: int, tmp_path: Path) -> None:
+    argv = [
+        str(model_dir),
+        "--port",
+        str(held_port),
+        "--config",
+        json.dumps(BAD_PLANS[0][0]),
+        "--device",
+        "cpu",
+    ]
+    code, err = run_module("torch_kvoffload.serve", argv, tmp_path, EXIT_TIMEOUT_S)
+    assert code == 2, err
+    assert BAD_PLANS[0][1] in err, err
+    assert "Uvicorn" not in err and "address already in use" not in err, err
 
 
 @pytest.mark.parametrize("tokens", ["0", "-3"])
@@ -444,27 +448,25 @@ def test_bad_model_dir_exits_before_listening(
 ) -> None:
     bad = tmp_path / "m"
     needle = _bad_model_dir(case, model_dir, bad)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch_kvoffload.serve",
-        str(bad),
+    argv = [str(bad), "--port", str(held_port), "--device", "cpu"]
+    code, err = run_module("torch_kvoffload.serve", argv, tmp_path, EXIT_TIMEOUT_S)
+    assert code == 2, err
+    error = err.strip().splitlines()[-1]
+    assert error.startswith("python -m torch_kvoffload.serve: error: MODEL_DIR"), err
+    assert needle in error and str(bad) in error, err
+    assert "Uvicorn" not in err and "address already in use" not in err, err
+
+
+def test_taken_port_exits_1(model_dir: Path, held_port: int, tmp_path: Path) -> None:
+    argv = [
+        str(model_dir),
         "--port",
         str(held_port),
         "--device",
         "cpu",
+        "--config",
+        json.dumps(SERVING_CONFIG),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=EXIT_TIMEOUT_S)
-    assert proc.returncode == 2, proc.stderr
-    error = proc.stderr.strip().splitlines()[-1]
-    assert error.startswith("python -m torch_kvoffload.serve: error: MODEL_DIR"), proc.stderr
-    assert needle in error and str(bad) in error, proc.stderr
-    assert "Uvicorn" not in proc.stderr and "address already in use" not in proc.stderr, proc.stderr
-
-
-def test_taken_port_exits_1(model_dir: Path, held_port: int) -> None:
-    cmd = [sys.executable, "-m", "torch_kvoffload.serve", str(model_dir), "--port", str(held_port)]
-    cmd += ["--device", "cpu", "--config", json.dumps(SERVING_CONFIG)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=START_TIMEOUT_S)
-    assert proc.returncode == 1, proc.stderr
-    assert f"could not listen on 127.0.0.1:{held_port}" in proc.stderr, proc.stderr
+    code, err = run_module("torch_kvoffload.serve", argv, tmp_path, START_TIMEOUT_S)
+    assert code == 1, err
+    assert f"could not listen on 127.0.0.1:{held_port}" in err, err

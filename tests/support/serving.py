@@ -114,3 +114,33 @@ def running_server(
                 f"the server did not stop within {EXIT_TIMEOUT_S} s of SIGTERM:\n{log.read_text()}"
             ) from None
     assert proc.returncode == 0, log_of(proc, log)
+
+
+def _run_module(module: str, argv: list[str], out_path: str) -> None:
+    """A forked process's body: ``python -m module *argv``, its stdout and stderr into ``out_path``."""
+    import runpy
+
+    fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)  # its sys.exit() is the exit code
+
+
+def run_module(module: str, argv: list[str], out_dir: Path, timeout: float) -> tuple[int, str]:
+    """``(exit code, stdout + stderr)`` of ``python -m module *argv`` in a process of its own, forked from
+    the test session's forkserver (which imported torch, transformers and the package once: what a command
+    line spends seconds importing is not what its tests check). The process is killed, and the test fails,
+    when it runs past ``timeout`` seconds."""
+    from support.pd_helpers import hf_context
+
+    out = out_dir / f"{module}.out"
+    proc = hf_context().Process(target=_run_module, args=(module, argv, str(out)), daemon=True)
+    proc.start()
+    proc.join(timeout)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+        raise AssertionError(f"python -m {module} {' '.join(argv)} still ran after {timeout} s")
+    return proc.exitcode, out.read_text(errors="replace")

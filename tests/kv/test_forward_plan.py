@@ -88,3 +88,10 @@ def test_plans_of_the_same_slots_share_tables_that_nothing_writes():
         c = plan_forward(requests[::-1], [1, 1], one, layout, decode=True, layerwise=False, device="cpu")
     assert not c.block_table.is_inference() and not c.pad_sel.is_inference()
     assert c.block_table.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # the last KEPT_TABLES sets of slots are kept, with the layout (a resized core plans with a new one)
+    cpu = torch.device("cpu")
+    for n in range(1, KVLayout.KEPT_TABLES + 3):
+        assert layout.tables((0,) * n, cpu)[0].tolist() == [[0, 1, 2, 3]] * n
+    assert len(layout._tables) == KVLayout.KEPT_TABLES and ((0,), cpu) not in layout._tables
+    other = KVLayout(slots=2, tokens=16, block_size=BS)
+    assert other == layout and other.tables((1, 0), torch.device("cpu"))[0] is not a.block_table

@@ -115,20 +115,6 @@ def visible_padding(new_mask: torch.Tensor, old_len: Sequence[int]) -> tuple[tor
 _FEW_ROWS = 64
 
 
-@functools.lru_cache(maxsize=32)
-def _tables(
-    slots: tuple[int, ...], M: int, pages: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(block_table int32 [B, M], index_table int32 [B, pages])`` of requests in device ``slots``: a slot's
-    blocks and pages are its own contiguous range. Kept for the next forward of the same slots (every decode
-    step of a batch); the tables are only read."""
-    with torch.inference_mode(False):  # kept across forwards: never an inference tensor (autograd reads it)
-        s = torch.tensor(slots, dtype=torch.int64)[:, None]
-        table = (s * M + torch.arange(M)).to(device=device, dtype=torch.int32)
-        index_table = (s * pages + torch.arange(pages)).to(device=device, dtype=torch.int32)
-    return table, index_table
-
-
 @functools.lru_cache(maxsize=8)
 def _no_padding(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(int64 [0], int32 [0])`` on ``device``: a plan without padding queries (read only)."""
@@ -166,7 +152,7 @@ def _assemble(
     slots = tuple(r.slot for r in requests)
     B = len(slots)
     new_len = [o + n for o, n in zip(old_len, n_new, strict=True)]
-    table, index_table = _tables(slots, M, pages, torch.device(device))
+    table, index_table = layout.tables(slots, torch.device(device))
     if isinstance(sel, list):
         assert isinstance(row, list) and isinstance(pos, list)
         phys = [slots[r] * (M * bs) + p for r, p in zip(row, pos, strict=True)]

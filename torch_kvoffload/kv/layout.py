@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 __all__ = ["KVLayout"]
 
@@ -17,6 +19,13 @@ class KVLayout:
     tokens: int
     block_size: int
     paged_by_block: bool = False
+    # (slots of a forward's requests, device) -> their tables, most recent last (see tables())
+    _tables: dict[tuple[tuple[int, ...], torch.device], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, compare=False, hash=False, repr=False
+    )
+
+    #: How many sets of slots keep their tables (a batch's decode steps reuse one set)
+    KEPT_TABLES = 8
 
     @property
     def blocks_per_request(self) -> int:
@@ -34,3 +43,22 @@ class KVLayout:
         if self.paged_by_block:
             return self.block_size, self.blocks_per_request
         return self.tokens, 1
+
+    def tables(self, slots: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(block_table int32 [B, M], index_table int32 [B, pages])`` of requests in device ``slots``: a
+        slot's blocks and pages are its own contiguous ranges. Read only: kept for the next forwards of the
+        same slots (every decode step of a batch), the last :attr:`KEPT_TABLES` sets, with this layout."""
+        key = (slots, device)
+        found = self._tables.pop(key, None)
+        if found is None:
+            M, pages = self.blocks_per_request, self.page[1]
+            with torch.inference_mode(False):  # kept across forwards: never an inference tensor
+                s = torch.tensor(slots, dtype=torch.int64)[:, None]
+                found = (
+                    (s * M + torch.arange(M)).to(device=device, dtype=torch.int32),
+                    (s * pages + torch.arange(pages)).to(device=device, dtype=torch.int32),
+                )
+            while len(self._tables) >= self.KEPT_TABLES:
+                self._tables.pop(next(iter(self._tables)))
+        self._tables[key] = found  # the most recent last
+        return found

@@ -136,7 +136,8 @@ def run_module(module: str, argv: list[str], out_dir: Path, timeout: float) -> t
     from support.pd_helpers import hf_context
 
     out = out_dir / f"{module}.out"
-    proc = hf_context().Process(target=_run_module, args=(module, argv, str(out)), daemon=True)
+    # not a daemon: a server from transformers 5.25 on starts its engine in a process of its own
+    proc = hf_context().Process(target=_run_module, args=(module, argv, str(out)), daemon=False)
     proc.start()
     proc.join(timeout)
     if proc.exitcode is None:

@@ -3,6 +3,7 @@ anywhere, decode steps) and packed, of few positions (computed from Python ints)
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -95,3 +96,6 @@ def test_plans_of_the_same_slots_share_tables_that_nothing_writes():
     assert len(layout._tables) == KVLayout.KEPT_TABLES and ((0,), cpu) not in layout._tables
     other = KVLayout(slots=2, tokens=16, block_size=BS)
     assert other == layout and other.tables((1, 0), torch.device("cpu"))[0] is not a.block_table
+    grown = dataclasses.replace(layout, tokens=32)  # how a core grows its layout: tables of 8 blocks
+    last = (0,) * (KVLayout.KEPT_TABLES + 2)  # kept by `layout`, not by `grown`
+    assert grown.tables(last, cpu)[0].tolist() == [list(range(8))] * len(last)

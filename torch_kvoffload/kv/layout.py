@@ -21,8 +21,8 @@ class KVLayout:
     paged_by_block: bool = False
     # (slots of a forward's requests, device) -> their tables, most recent last (see tables())
     _tables: dict[tuple[tuple[int, ...], torch.device], tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict, compare=False, hash=False, repr=False
-    )
+        default_factory=dict, init=False, compare=False, hash=False, repr=False
+    )  # not an init field: dataclasses.replace() (a resized layout) starts with none
 
     #: How many sets of slots keep their tables (a batch's decode steps reuse one set)
     KEPT_TABLES = 8

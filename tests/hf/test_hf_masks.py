@@ -187,6 +187,41 @@ def test_mask_values_and_dtypes():
     ).all()
 
 
+def test_the_sequence_mask_kept_on_a_device_follows_every_forward():
+    """A decode step compares its mask's earlier columns with the sequence's mask where the mask lives: the
+    copy kept there (here on the meta device, for its shapes) grows with each forward and is dropped when
+    the rows change (a crop, a fork)."""
+    model = build_model("deepseek_v32", **SMALL)
+    torch_kvoffload.offload(model, {"sparse": {}})
+    session = session_of(model)
+    ids = torch.randint(3, 1000, (2, 6))
+    mask = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+    cache = session.new_cache()
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=cache)
+        seq = session._seq
+        kept = seq._masks_on(torch.device("meta"))
+        assert kept.device.type == "meta" and kept.shape == seq.masks.shape == (2, 6)
+        for step in range(2):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+            model(torch.randint(3, 1000, (2, 1)), attention_mask=mask, cache=cache)
+            assert seq._device_masks is not None and seq._device_masks.shape == seq.masks.shape == (
+                2,
+                7 + step,
+            )
+        assert seq._masks_on(torch.device("cpu")) is seq.masks  # on the host: the host copy itself
+        cache.crop(-1)
+        assert seq._device_masks is None and seq.masks.shape == (2, 7)
+        # a mask whose earlier columns changed is refused, the sequence usable after it
+        bad = torch.cat([mask[:, :7], torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+        bad[1, 0] = 1
+        with pytest.raises(ValueError, match="first 7 columns must be the sequence's mask so far"):
+            model(torch.randint(3, 1000, (2, 1)), attention_mask=bad, cache=cache)
+        good = torch.cat([mask[:, :7], torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+        model(torch.randint(3, 1000, (2, 1)), attention_mask=good, cache=cache)
+        assert seq.masks.shape == (2, 8)
+
+
 # ----------------------------------------------------------------------- rows without tokens (layerwise)
 # new mask columns per forward: a row with no real token in the first forward; rows with no new token
 # after earlier ones filling whole blocks of 4 (all read back from the store) or ending in a partial block

@@ -40,8 +40,9 @@ def new_positions(
 
     ``attention_mask``: ``None`` (no padding) or a bool / integer tensor ``[B, past + S]`` of 0 (padding)
     and 1 (real token), padding anywhere. ``seen``: when given, the sequence's mask so far (``bool [B,
-    past]``, host), which the mask's first ``past`` columns must equal (a mask that hides earlier real
-    tokens, or shows earlier padding, cannot be served: the padding kept no KV). ``ValueError`` otherwise.
+    past]``, best on the mask's device), which the mask's first ``past`` columns must equal (a mask that
+    hides earlier real tokens, or shows earlier padding, cannot be served: the padding kept no KV; the
+    earlier columns' values were checked when they were new). ``ValueError`` otherwise.
     """
     if attention_mask is None:
         return torch.ones(B, S, dtype=torch.bool)
@@ -53,19 +54,20 @@ def new_positions(
     dtype = attention_mask.dtype
     if dtype.is_floating_point or dtype.is_complex:
         raise ValueError(f"{_WHERE}: 'attention_mask' must be a bool or integer tensor of 0 / 1, got {dtype}")
-    mask = attention_mask.to("cpu")
+    # the earlier columns are compared where the mask lives: only the new ones are read to the host (a
+    # decode step's mask is [B, past + 1])
+    if seen is not None and not torch.equal(attention_mask[:, :past], seen.to(attention_mask.device, dtype)):
+        raise ValueError(
+            f"{_WHERE}: the attention_mask's first {past} columns must be the sequence's mask so far "
+            "(padding keeps no KV: earlier positions cannot turn real, nor real ones into padding)"
+        )
+    mask = attention_mask[:, past:].to("cpu")
     if dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
         bad = sorted(set(mask[(mask != 0) & (mask != 1)].tolist()))[:5]
         raise ValueError(
             f"{_WHERE}: 'attention_mask' must hold 0 (padding) and 1 (real token) only, got values {bad}"
         )
-    mask = mask.bool()
-    if seen is not None and not torch.equal(mask[:, :past], seen):
-        raise ValueError(
-            f"{_WHERE}: the attention_mask's first {past} columns must be the sequence's mask so far "
-            "(padding keeps no KV: earlier positions cannot turn real, nor real ones into padding)"
-        )
-    return mask[:, past:]
+    return mask.bool()
 
 
 def model_positions(

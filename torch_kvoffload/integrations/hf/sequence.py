@@ -50,6 +50,24 @@ class HFSequence:
         self.masks = torch.zeros(0, 0, dtype=torch.bool)
         self._pending_mask = self.masks
 
+    @property
+    def masks(self) -> torch.Tensor:
+        return self._masks
+
+    @masks.setter
+    def masks(self, value: torch.Tensor) -> None:
+        self._masks = value
+        self._device_masks: torch.Tensor | None = None  # made again when a forward's mask is on a device
+
+    def _masks_on(self, device: torch.device) -> torch.Tensor:
+        """:attr:`masks` on ``device``: kept there and extended by each forward (a decode step's mask is
+        compared where it lives, not read back whole)."""
+        if device.type == "cpu":
+            return self._masks
+        if self._device_masks is None or self._device_masks.device != device:
+            self._device_masks = self._masks.to(device)
+        return self._device_masks
+
     # ------------------------------------------------------------------------------------ sizing
     def plan(self, batch: int, max_tokens: int) -> None:
         """The next sequence is a ``generate`` of ``batch`` requests of at most ``max_tokens`` tokens
@@ -152,7 +170,11 @@ class HFSequence:
                     f"{where}: a sequence started from input_ids cannot continue {unkeyed_as} with layerwise "
                     f"offload (its stored blocks are keyed by token ids); start it {unkeyed_as}"
                 )
-        new_mask = new_positions(attention_mask, B, S, past, self.masks if past > 0 else None)
+        seen = None
+        if past > 0:
+            on = attention_mask.device if isinstance(attention_mask, torch.Tensor) else torch.device("cpu")
+            seen = self._masks_on(on)
+        new_mask = new_positions(attention_mask, B, S, past, seen)
         # only the layerwise store keys read them (and reading position_ids waits for the device)
         positions = (
             model_positions(position_ids, B, S, past, new_mask)
@@ -284,9 +306,13 @@ class HFSequence:
             self.fail()
             raise
         self.seen = self._pending_seen
+        kept = self._device_masks
         self.masks = (
             torch.cat([self.masks, self._pending_mask], dim=1) if self.masks.numel() else self._pending_mask
         )
+        if kept is not None:  # extended on its device too
+            pending = self._pending_mask.to(kept.device, non_blocking=True)
+            self._device_masks = torch.cat([kept, pending], dim=1) if kept.numel() else pending
 
     def abort_forward(self) -> None:
         """Close a forward that raised and release the sequence's requests. Idempotent."""

@@ -54,8 +54,8 @@ def test_a_batched_plan_indexes_every_real_position(batch):
     slots = rng.sample(range(batch + 2), batch)
     requests = [Request(i, s) for i, s in enumerate(slots)]
     old_len = [rng.randrange(1, 30) for _ in range(batch)]
-    # a decode step (one real token each), then a chunk with padding anywhere
-    for width, density in ((1, 1.0), (5, 0.6)):
+    # a decode step (one real token each), a chunk with padding anywhere, an unpadded chunk
+    for width, density in ((1, 1.0), (5, 0.6), (4, 1.0)):
         mask = torch.rand(batch, width, generator=torch.Generator().manual_seed(batch)) < density
         real = [[s for s in range(width) if mask[b, s]] for b in range(batch)]
         n_new = [len(p) for p in real]

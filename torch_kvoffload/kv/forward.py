@@ -124,6 +124,14 @@ def _no_padding(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         )
 
 
+def _rows_of(old_len: Sequence[int], n_new: Sequence[int]) -> tuple[list[int], list[int]]:
+    """``(request row, logical position)`` of each of a few new tokens, request-major, as Python ints:
+    ``n_new[r]`` of request ``r`` after its ``old_len[r]`` earlier ones."""
+    row = [r for r, n in enumerate(n_new) for _ in range(n)]
+    pos = [o + i for o, n in zip(old_len, n_new, strict=True) for i in range(n)]
+    return row, pos
+
+
 def _assemble(
     requests: Sequence[Request],
     old_len: Sequence[int],
@@ -152,7 +160,8 @@ def _assemble(
     slots = tuple(r.slot for r in requests)
     B = len(slots)
     new_len = [o + n for o, n in zip(old_len, n_new, strict=True)]
-    table, index_table = layout.tables(slots, torch.device(device))
+    device = torch.device(device)
+    table, index_table = layout.tables(slots, device)
     if isinstance(sel, list):
         assert isinstance(row, list) and isinstance(pos, list)
         phys = [slots[r] * (M * bs) + p for r, p in zip(row, pos, strict=True)]
@@ -167,8 +176,8 @@ def _assemble(
     lengths = torch.tensor([0, *itertools.accumulate(n_new), *new_len], dtype=torch.int32).to(device)
     cu, seq_lens_k = lengths.split_with_sizes([B + 1, B])
     if pad_sel is None or pad_len is None:
-        pad_sel_d = pad_row_d = _no_padding(torch.device(device))[0]
-        pad_len_d = _no_padding(torch.device(device))[1]
+        pad_sel_d, pad_len_d = _no_padding(device)
+        pad_row_d = pad_sel_d
     else:
         pad_sel_d, pad_row_d = pad_sel.to(device), (pad_sel // shape[1]).to(device)
         pad_len_d = pad_len.to(torch.int32).to(device)
@@ -200,10 +209,10 @@ def plan_forward(
     :func:`check_bias`. ``all_real``: ``bool(new_mask.all())`` when the caller knows it."""
     B, S = new_mask.shape
     packed = bool(new_mask.all()) if all_real is None else all_real
-    if packed and S == 1 and B <= _FEW_ROWS:  # a decode step: one token per request after its earlier ones
-        sel = row = list(range(B))
-        pos = list(old_len)
-        n_new = [1] * B
+    if packed and B * S <= _FEW_ROWS:  # a decode step of a batch: Python ints
+        n_new = [S] * B
+        row, pos = _rows_of(old_len, n_new)
+        sel = list(range(B * S))
     elif packed:  # every position real (an unpadded batch): no search for them
         old = torch.tensor(list(old_len), dtype=torch.int64)
         sel = torch.arange(B * S)
@@ -246,8 +255,7 @@ def plan_packed(
     rows' places in a packed row of ``width`` tokens that holds other requests' rows too."""
     N = sum(n_new)
     if N <= _FEW_ROWS:  # a decode step of a batch, a few chunk tokens: Python ints
-        row_l = [r for r, n in enumerate(n_new) for _ in range(n)]
-        pos_l = [o + i for o, n in zip(old_len, n_new, strict=True) for i in range(n)]
+        row_l, pos_l = _rows_of(old_len, n_new)
         return _assemble(
             requests, old_len, n_new, layout, list(range(N)) if rows_at is None else list(rows_at), row_l,
             pos_l, shape=(1, N if width is None else width), packed=rows_at is None, decode=decode,

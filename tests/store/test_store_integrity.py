@@ -319,7 +319,9 @@ def test_hf_failed_lookup_is_a_miss_counted_in_stats(hf, monkeypatch):
     monkeypatch.setattr(layerwise_backend, "build_store", lambda config: shared)
     prompt, _ = hf.left_padded_batch([29], seed=14)
     want = _generate(hf.build_model("deepseek_v32"), prompt)
-    model = torch_kvoffload.offload(hf.build_model("deepseek_v32"), {"layerwise": {}, "block_size": BS})
+    # the forward's own lookup (prefix reuse would skip the cached prompt before it: test_hf_prefix_cache)
+    config = {"layerwise": {}, "block_size": BS, "prefix_cache": False}
+    model = torch_kvoffload.offload(hf.build_model("deepseek_v32"), config)
     assert torch.equal(_generate(model, prompt), want)
     cold = torch_kvoffload.stats(model)["store_hits"]  # a generate's hits with nothing of it stored before
     lease, calls = shared.lease, []
@@ -351,7 +353,9 @@ def test_hf_remote_store_failure_and_damage_are_recomputed(hf, fake, monkeypatch
     monkeypatch.setattr(layerwise_backend, "build_store", lambda config: remote)
     prompt, _ = hf.left_padded_batch([29], seed=12)
     want = _generate(hf.build_model("deepseek_v3"), prompt)
-    model = torch_kvoffload.offload(hf.build_model("deepseek_v3"), {"layerwise": {}, "block_size": BS})
+    # the forward's retry (prefix reuse computes the whole prompt instead: test_hf_prefix_cache)
+    config = {"layerwise": {}, "block_size": BS, "prefix_cache": False}
+    model = torch_kvoffload.offload(hf.build_model("deepseek_v3"), config)
     assert torch.equal(_generate(model, prompt), want)
     s0 = torch_kvoffload.stats(model)
     assert s0["forward_retries"] == 0 and s0["store_errors"] == 0

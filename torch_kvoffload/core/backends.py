@@ -78,9 +78,13 @@ class _Context:
 
 
 def _layerwise(ctx: _Context, cfg: LayerwiseConfig) -> LayerwiseBackend:
-    # the layer buffers carry the indexer keys when no sparse indexer cache exists, and on a P/D prefill
-    # node whatever else runs (the decode peer reads the indexer from them)
-    indexed = ctx.spec.has_indexer and (ctx.config.sparse is None or ctx.role is not None)
+    # the layer buffers carry the indexer keys when no sparse indexer cache exists, on a P/D prefill node
+    # whatever else runs (the decode peer reads the indexer from them), and with prefix reuse (a stored
+    # prefix without its indexer keys cannot be reused: the top-k of later tokens reads them)
+    cfg_all = ctx.config
+    indexed = ctx.spec.has_indexer and (
+        cfg_all.sparse is None or ctx.role is not None or cfg_all.prefix_cache
+    )
     factory = None
     if ctx.role is not None:
         role = ctx.role

@@ -13,7 +13,7 @@ construction.
 
 from __future__ import annotations
 
-from pydantic import Field, StrictInt, model_validator
+from pydantic import Field, StrictBool, StrictInt, model_validator
 
 from torch_kvoffload.config import ConfigModel
 from torch_kvoffload.kvpp.config import KVPPConfig
@@ -64,6 +64,11 @@ class OffloadConfig(ConfigModel):
     ``serving``: :class:`ServingOptions`, the requests held at once under continuous batching (default:
     ``ServingOptions()``).
 
+    ``prefix_cache``: a forward that starts a request skips the leading full blocks of its prompt whose KV
+    (and indexer keys) the layerwise store already holds for these weights: the model runs only the
+    uncached suffix (:mod:`torch_kvoffload.core.prefix`). On by default; only with ``layerwise`` (the
+    store); with it, a model with a lightning indexer stores its indexer keys beside the latent KV.
+
     ``block_size``: tokens per block of every cache the session pages (layer buffers, store records, host
     pool, indexer cache); default ``sparse.block_size`` if given, else 128; an int in
     ``[1, MAX_BLOCK_SIZE]`` (a bool is rejected).
@@ -81,6 +86,7 @@ class OffloadConfig(ConfigModel):
     pd: PDConfig | None = None
     serving: ServingOptions = ServingOptions()
     block_size: StrictInt | None = Field(default=None, ge=1, le=MAX_BLOCK_SIZE)
+    prefix_cache: StrictBool = True
 
     @model_validator(mode="after")
     def _check(self) -> OffloadConfig:

@@ -28,6 +28,12 @@ through the backends' keys (never the sparse-offload decode step: a forward with
 decode step). A padding query that sees no real token (left padding before a request's first token) gets
 zero: what ``sdpa`` gives for a fully masked query on torch >= 2.5 (the eager implementation averages over
 the masked keys instead; the output there is meaningless either way).
+
+:attr:`KVCore.prefix` (:class:`~torch_kvoffload.core.prefix.PrefixReuse`) looks a new request's prompt up
+in the store and adopts its cached prefix without a forward.
+
+Why one module: the core's state (layout, requests, the running forward) is read and changed by every
+method here; split, each part would reach into the others' fields.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from torch_kvoffload.core import layer as layer_step
 from torch_kvoffload.core.backends import Backends, build_backends
 from torch_kvoffload.core.config import OffloadConfig
 from torch_kvoffload.core.pd_role import PDRole
+from torch_kvoffload.core.prefix import PrefixReuse
 from torch_kvoffload.counters import Counters
 from torch_kvoffload.kv.backend import KVBackend
 from torch_kvoffload.kv.forward import (
@@ -116,6 +123,8 @@ class KVCore:
         #: attention and indexer use instead of the causal rule (:func:`~torch_kvoffload.kv.forward.check_bias`)
         self.attention_bias: torch.Tensor | None = None
         self.counters = Counters(_COUNTERS)
+        #: prefix reuse: a new request's cached prompt prefix, adopted without a forward
+        self.prefix = PrefixReuse(self)
 
     # ------------------------------------------------------------------------------------ sizing
     @property

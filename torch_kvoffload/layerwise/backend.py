@@ -50,8 +50,10 @@ from torch_kvoffload.kv.spec import ModelSpec
 from torch_kvoffload.kv.totals import RuntimeTotals
 from torch_kvoffload.layerwise.build import build_layerwise_runtime
 from torch_kvoffload.layerwise.config import LayerwiseConfig
+from torch_kvoffload.layerwise.errors import StoreMissError
 from torch_kvoffload.layerwise.planner import LayerCacheSpec, TensorSpec
 from torch_kvoffload.layerwise.runtime import LayerwiseOffloadRuntime, PrefixEvictedError
+from torch_kvoffload.layerwise.stored import stored_block, stored_spans
 from torch_kvoffload.store import build_store
 from torch_kvoffload.store.base import KVStore
 
@@ -223,24 +225,52 @@ class LayerwiseBackend(KVBackend):
     def _restore_tail(
         self, r: Request, length: int, key_tokens: Sequence[int], positions: Sequence[int] | None
     ) -> None:
-        bs = self.block_size
-        block, part = divmod(length, bs)
-        if part == 0 or block >= r.length // bs:
+        block, part = divmod(length, self.block_size)
+        if part == 0 or block >= r.length // self.block_size:
             return  # no partial block, or its rows are still in the tail
+        self._tail_from_store(r, length, key_tokens, positions, "KVCore.truncate")
+
+    def _tail_from_store(
+        self, r: Request, length: int, key_tokens: Sequence[int], positions: Sequence[int] | None, who: str
+    ) -> None:
+        """``r``'s tail gets the first ``length % block_size`` rows of stored block ``length // block_size``
+        of ``key_tokens`` (at ``positions``). ``RuntimeError`` when the store no longer holds it."""
+        block, part = divmod(length, self.block_size)
         assert self.runtime is not None
-        end = (block + 1) * bs
-        rows = self.runtime.read_block(
-            key_tokens[:end], block, None if positions is None else positions[:end]
-        )
-        if rows is None:
-            raise RuntimeError(
-                f"KVCore.truncate: the host store no longer holds block {block} of request {r.id} "
-                f"(tokens {block * bs}..{(block + 1) * bs - 1}), whose first {part} rows the request keeps; "
-                "raise the store capacity (layerwise.store.capacity_bytes)"
-            )
+        rows = stored_block(self.runtime, r.id, key_tokens, positions, block, who)
         for tails, stored in zip(self._tails, rows, strict=True):
             for t, b in zip(tails, stored, strict=True):
                 t[r.slot, :part] = b[:part].to(t.device)
+
+    # --------------------------------------------------------------------------- prefix reuse
+    def cached_prefix(self, tokens: Sequence[int], positions: Sequence[int] | None) -> int:
+        """Leading tokens of a prompt ``tokens`` (its KV computed at ``positions``; ``None``: token ``t`` at
+        ``t``) whose KV every layer has in the store: whole blocks, at least one token left to compute; 0
+        before the buffers exist."""
+        rt = self.runtime
+        return 0 if rt is None else rt.lookup(list(tokens), positions)
+
+    def adopt(self, request: Request, key_tokens: Sequence[int], positions: Sequence[int] | None) -> None:
+        """``request`` now holds its first ``request.length`` tokens without a forward (their full blocks are
+        in the store, under ``key_tokens`` at ``positions``, the request's whole prompt): the rows of a
+        partial last block go into its tail from the stored block that holds them. ``RuntimeError`` when
+        the store no longer holds it."""
+        if request.length % self.block_size:
+            self._tail_from_store(request, request.length, key_tokens, positions, "prefix reuse")
+
+    def stored_rows(
+        self,
+        requests: Sequence[Request],
+        key_tokens: Sequence[Sequence[int]],
+        positions: Sequence[Sequence[int] | None],
+        spans: Sequence[tuple[int, int]],
+    ) -> list[list[torch.Tensor]]:
+        """Per layer, per component (``kv_c``, ``k_pe``, then ``index_k`` when the buffers carry it), the
+        stored rows of tokens ``spans[r] = (start, end)`` of each request one after the other (host,
+        ``[sum of the spans, D]``), read from the blocks of ``key_tokens[r]`` at ``positions[r]`` (each
+        block read once, for every layer). ``RuntimeError`` when the store no longer holds a block."""
+        assert self.runtime is not None
+        return stored_spans(self.runtime, requests, key_tokens, positions, spans)
 
     def _key_tokens(self, r: Request) -> list[int]:
         """The tokens ``r``'s blocks are keyed by: its ids, or for an unkeyed request its random ids (drawn
@@ -281,7 +311,7 @@ class LayerwiseBackend(KVBackend):
             full_old = old // bs * bs
             if old > 0 and c < full_old:
                 rt.end_forward()
-                raise RuntimeError(
+                raise StoreMissError(
                     f"KVCore.begin_forward: the host store no longer holds blocks of request {r} ({c} of {full_old} "
                     "cached tokens found); raise the store capacity (layerwise.store.capacity_bytes)"
                 )
@@ -395,14 +425,7 @@ class LayerwiseBackend(KVBackend):
             keys, positions = self._key_tokens(r), self._key_positions(r)
             parts: list[torch.Tensor] = []
             for block in range(full):
-                end = (block + 1) * bs
-                stored = rt.read_block(keys[:end], block, None if positions is None else positions[:end])
-                if stored is None:
-                    raise RuntimeError(
-                        f"the host store no longer holds block {block} of request {r.id} (tokens {block * bs}.."
-                        f"{(block + 1) * bs - 1}): evicted, or its write failed (stats()['store_errors']); "
-                        "raise the store capacity (layerwise.store.capacity_bytes)"
-                    )
+                stored = stored_block(rt, r.id, keys, positions, block, "reading the cache")
                 parts.append(stored[layer][at].to(spec.device))
             parts.append(self._tails[layer][at][r.slot, : r.length - full * bs])
             out.append(torch.cat(parts))  # a new tensor: neither the store's nor the tail's

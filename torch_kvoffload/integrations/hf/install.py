@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import logging
 import types
 from collections.abc import Callable
 from typing import Any
@@ -54,7 +55,11 @@ from torch_kvoffload.integrations.hf.packed import (
     packed_segments,
 )
 from torch_kvoffload.integrations.hf.pd import make_role
+from torch_kvoffload.integrations.hf.prefix import skip_cached_prefix
 from torch_kvoffload.integrations.hf.session import OffloadSession, session_of
+from torch_kvoffload.layerwise.errors import StoreMissError
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "attach", "bind_method", "check_no_grad", "deepcopy_rebound", "detach", "new_session", "offload",
@@ -243,6 +248,18 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         )
     with exclusive(session, name):
         past = cache.seen_tokens
+        full = None  # the call as given, when its cached prefix is skipped (run whole if that fails)
+        if past == 0 and not custom and not attentions and input_ids is not None:
+            if args and args[0] is input_ids and len(args) == 1:
+                args, kwargs = (), {**kwargs, "input_ids": input_ids}
+            if not args:
+                full = dict(kwargs)
+                past, kwargs = skip_cached_prefix(model, session, cache, kwargs)
+                if past:
+                    input_ids, width = kwargs["input_ids"], int(width) - past
+                    cache.seen_tokens = past  # the model computes positions and masks from past on
+                else:
+                    full = None
         bias = None
         if custom:  # the 2-D mask of the positions holding KV; the 4-D one becomes the attention's bias
             mask = _custom_mask_real(name, session, cache, int(rows), int(width), past)
@@ -250,11 +267,29 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         body = functools.partial(model._kvoffload_originals["forward"], *args, **kwargs)
         if attentions:  # the attention probabilities, recomputed per layer from the latent KV
             body = functools.partial(collect_attentions, session.core, mask, past, body)
-        with attention_bias(session.core, bias):
+        try:
+            with attention_bias(session.core, bias):
+                out = session.run_forward(
+                    body, input_ids, mask, kwargs.get("cache_position"), past=past, owner=cache, shape=shape,
+                    position_ids=kwargs.get("position_ids"), unkeyed=CUSTOM_MASK if custom else None,
+                )  # fmt: skip
+        except StoreMissError as exc:
+            if full is None:
+                raise
+            # the adopted prefix could not be loaded when its layer needed it: compute the whole prompt
+            cache.seen_tokens = 0
+            session.core.prefix.counters.add("prefix_fallbacks")
+            logger.warning("prefix reuse: %s; the prompt is computed", exc)
+            body = functools.partial(model._kvoffload_originals["forward"], **full)
+            past, width = 0, int(full["input_ids"].shape[1])
             out = session.run_forward(
-                body, input_ids, mask, kwargs.get("cache_position"), past=past, owner=cache, shape=shape,
-                position_ids=kwargs.get("position_ids"), unkeyed=CUSTOM_MASK if custom else None,
+                body, full["input_ids"], mask, None, past=0, owner=cache, shape=shape,
+                position_ids=full.get("position_ids"),
             )  # fmt: skip
+        except BaseException:
+            if full is not None:
+                cache.seen_tokens = 0  # the failed sequence ended: a fresh forward may follow
+            raise
         cache.seen_tokens = past + width
     return _strip_cache(out, cache) if private else out
 

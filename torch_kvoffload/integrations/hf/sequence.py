@@ -191,10 +191,7 @@ class HFSequence:
         old_len = [r.length for r in self.requests] if past > 0 else [0] * B
         longest = max(o + len(t) for o, t in zip(old_len, new_tokens, strict=True))
         if past == 0:
-            want = longest
-            if self._planned is not None and self._planned[0] == B:
-                want = max(want, self._planned[1])
-            self.core.size(B, want)
+            self.size_fresh(B, longest)
             self._start(B, owner)
         elif longest > self.core.reserved_tokens:
             self._grow(longest)
@@ -409,6 +406,37 @@ class HFSequence:
             self.end()
         finally:
             self.broken = True
+
+    def size_fresh(self, B: int, longest: int) -> None:
+        """What a fresh forward of ``B`` rows of at most ``longest`` real tokens does first: end the running
+        sequence and size the caches (for the planned tokens when the plan is for ``B`` rows)."""
+        want = longest
+        if self._planned is not None and self._planned[0] == B:
+            want = max(want, self._planned[1])
+        self.end()
+        self.core.size(B, want)
+
+    def start_with_prefix(
+        self,
+        owner: Any,
+        masks: torch.Tensor,
+        prompts: list[list[int]],
+        positions: list[list[int] | None],
+        lengths: list[int],
+    ) -> None:
+        """Start a sequence of ``len(prompts)`` rows whose first ``masks.shape[1]`` positions (``masks bool
+        [B, P]``: which are real) hold stored KV: row ``r``'s request adopts the first ``lengths[r]`` tokens
+        of its prompt ``prompts[r]`` (at ``positions[r]``) from the store (:class:`~torch_kvoffload.core.
+        prefix.PrefixReuse`), sized as a fresh forward of the whole prompts would size it; the next forward
+        continues at ``past = P``. On failure the sequence is ended (not broken: a fresh forward follows)
+        and the error propagates. :meth:`size_fresh` first."""
+        self._start(len(prompts), owner)
+        try:
+            self.core.prefix.adopt(self.requests, prompts, positions, lengths)
+        except BaseException:
+            self.end()
+            raise
+        self.seen, self.masks = int(masks.shape[1]), masks
 
     def _start(self, B: int, owner: Any) -> None:
         self.end()

@@ -456,23 +456,19 @@ class OffloadSession:
         buffers; their sum is in ``device_kv_bytes``). Sparse decode offload: ``host_pool_bytes`` (the
         host KV pool this process allocated) and ``shared_host_pool_bytes`` (a tensor-parallel reader's
         mapping of the pool TP rank 0 allocated), so that summed over the ranks the pool counts once.
+        Prefix reuse (:mod:`torch_kvoffload.core.prefix`): ``prompt_tokens`` (real tokens of the prompts
+        of fresh forwards), ``prefix_store_tokens`` (of those, adopted from the store: not computed),
+        ``prompt_tokens_computed`` (the rest), ``prefix_lookups`` / ``prefix_lookup_seconds``,
+        ``prefix_fallbacks`` (adopted prefixes the store could no longer give: computed instead).
         """
         got = self._core.backend_stats()
         own = self._core.counters.snapshot()
         out = {"device_kv_bytes": self.device_kv_bytes(), "dense_kv_bytes": self.dense_kv_bytes()}
         out.update({k: got.get(k, 0) for k in _BACKEND_KEYS})
-        out.update(
-            {
-                k: own[k]
-                for k in (
-                    "forwards",
-                    "prefill_forwards",
-                    "decode_forwards",
-                    "mixed_forwards",
-                    "failed_forwards",
-                )
-            }
-        )
+        out.update({k: own[k] for k in ("forwards", "prefill_forwards", "decode_forwards", "mixed_forwards")})
+        out["failed_forwards"] = own["failed_forwards"]
+        prefix = self._core.prefix.counters.snapshot()
+        out.update(prefix, prompt_tokens_computed=prefix["prompt_tokens"] - prefix["prefix_store_tokens"])
         out.update(
             resizes=own["resizes"],
             reserved_tokens=self.reserved_tokens,

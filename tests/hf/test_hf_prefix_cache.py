@@ -1,0 +1,260 @@
+"""Prefix reuse on Hugging Face models: a prompt whose leading blocks the layerwise store holds is not
+recomputed; the model runs only the rest, and the tokens and logits are the cold run's and the unmodified
+model's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from support.hf_models import build_model, indexer_boundary_ties, left_padded_batch
+
+import torch_kvoffload
+from torch_kvoffload.core import prefix as prefix_mod
+from torch_kvoffload.layerwise.backend import LayerwiseBackend
+from torch_kvoffload.store.local import LocalKVStore
+
+BS = 16
+NEW = 5
+MODES = {
+    "v3-layerwise": ("deepseek_v3", {"layerwise": {}, "block_size": BS}),
+    "v32-layerwise": ("deepseek_v32", {"layerwise": {}, "block_size": BS}),
+    "v32-both": ("deepseek_v32", {"layerwise": {}, "sparse": {}, "block_size": BS}),
+    "v32-resident": ("deepseek_v32", {"layerwise": {}, "sparse": {"offload": False}, "block_size": BS}),
+    "v32-int8-indexer": ("deepseek_v32", {"layerwise": {}, "sparse": {"indexer_dtype": "int8"}, "block_size": BS}),
+}  # fmt: skip
+
+
+def _generate(model, ids, mask=None, new=NEW, **kw):
+    mask = torch.ones_like(ids) if mask is None else mask
+    with torch.no_grad():
+        return model.generate(
+            ids, attention_mask=mask, max_new_tokens=new, do_sample=False, return_dict_in_generate=True,
+            output_logits=True, **kw,
+        )  # fmt: skip
+
+
+def _prompt(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, 1000, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _delta(model, before: dict, key: str) -> float:
+    return torch_kvoffload.stats(model)[key] - before[key]
+
+
+def _check_no_ties(ref, family, out, mask):
+    if family == "deepseek_v32":
+        rows = [out.sequences[b][mask[b].bool().tolist() + [True] * NEW] for b in range(len(mask))]
+        assert indexer_boundary_ties(ref, rows) == 0
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_cached_prompt_runs_only_its_suffix_with_the_cold_runs_tokens_and_logits(mode):
+    family, config = MODES[mode]
+    model = build_model(family)
+    ref = copy.deepcopy(model)
+    model = torch_kvoffload.offload(model, config)
+    ids = _prompt(70, seed=1)
+    want = _generate(ref, ids)
+    _check_no_ties(ref, family, want, torch.ones_like(ids))
+    before = torch_kvoffload.stats(model)
+    cold = _generate(model, ids)
+    if (
+        exact := "int8" not in mode
+    ):  # the int8 indexer approximates the scores: its own cold run is the reference
+        assert torch.equal(cold.sequences, want.sequences)
+    else:
+        want = cold
+    assert _delta(model, before, "prefix_store_tokens") == 0
+    assert _delta(model, before, "prompt_tokens_computed") == 70
+
+    # the same prompt: its 4 leading blocks (64 tokens; one token at least is computed) are not computed
+    before = torch_kvoffload.stats(model)
+    warm = _generate(model, ids)
+    assert torch.equal(warm.sequences, want.sequences)
+    for got, cold_logits in zip(warm.logits, cold.logits, strict=True):
+        torch.testing.assert_close(got, cold_logits, rtol=1e-5, atol=1e-5)
+    assert _delta(model, before, "prefix_store_tokens") == 64
+    assert _delta(model, before, "prompt_tokens_computed") == 6
+    assert _delta(model, before, "prefix_lookups") == 1 and _delta(model, before, "prefix_fallbacks") == 0
+
+    # token 40 changed: blocks 0 and 1 (32 tokens) still match, the rest is computed
+    other = ids.clone()
+    other[0, 40] = 3 if int(other[0, 40]) != 3 else 4
+    want = _generate(ref, other)
+    _check_no_ties(ref, family, want, torch.ones_like(other))
+    before = torch_kvoffload.stats(model)
+    got = _generate(model, other)
+    assert _delta(model, before, "prefix_store_tokens") == 32
+    if not exact:  # against a cold run of the changed prompt, with reuse off
+        cold_model = torch_kvoffload.offload(copy.deepcopy(ref), {**config, "prefix_cache": False})
+        want = _generate(cold_model, other)
+    assert torch.equal(got.sequences, want.sequences)
+
+
+@pytest.mark.parametrize("mode", ["v3-layerwise", "v32-both"])
+def test_rows_of_a_batch_hit_different_lengths_and_spans_end_inside_blocks(mode):
+    """Row A has 64 tokens cached, row B (20 pads on the left) 48: the batch skips the 64 columns both
+    have cached, so B adopts 44 tokens (its last block partly, from the stored block). With a third row
+    that nothing was cached for (10 pads on the left), only the 10 columns before its first token are
+    skipped: 10 tokens of row A, none of row B."""
+    family, config = MODES[mode]
+    model = build_model(family)
+    ref = copy.deepcopy(model)
+    model = torch_kvoffload.offload(model, config)
+    ids, mask = left_padded_batch([70, 50], seed=3)
+    for b in range(2):  # each prompt alone first: the store holds their blocks
+        row = ids[b : b + 1, mask[b].bool()]
+        assert torch.equal(_generate(model, row).sequences, _generate(ref, row).sequences)
+    want = _generate(ref, ids, mask)
+    _check_no_ties(ref, family, want, mask)
+    before = torch_kvoffload.stats(model)
+    got = _generate(model, ids, mask)
+    assert torch.equal(got.sequences, want.sequences)
+    assert _delta(model, before, "prefix_store_tokens") == 64 + 44
+    for g, w in zip(got.logits, want.logits, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+    # a row nobody cached: nothing is skipped, the whole batch is computed
+    ids3, mask3 = left_padded_batch([70, 50, 60], seed=3)
+    ids3[2] = left_padded_batch([70, 50, 60], seed=99)[0][2]
+    want = _generate(ref, ids3, mask3)
+    _check_no_ties(ref, family, want, mask3)
+    before = torch_kvoffload.stats(model)
+    assert torch.equal(_generate(model, ids3, mask3).sequences, want.sequences)
+    assert _delta(model, before, "prefix_store_tokens") == 10
+
+
+def test_beams_and_returned_sequences_reuse_the_prefix():
+    family, config = MODES["v32-both"]
+    model = build_model(family)
+    ref = copy.deepcopy(model)
+    model = torch_kvoffload.offload(model, config)
+    ids = _prompt(60, seed=4)
+    _generate(model, ids)
+    kw = dict(num_beams=2, num_return_sequences=2)
+    want = _generate(ref, ids, **kw)
+    before = torch_kvoffload.stats(model)
+    got = _generate(model, ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert _delta(model, before, "prefix_store_tokens") == 2 * 48  # two beam rows, 3 blocks each
+
+
+def test_reuse_off_and_calls_whose_outputs_cover_the_prompt_compute_everything():
+    family, config = MODES["v32-both"]
+    ids = _prompt(50, seed=5)
+    off = torch_kvoffload.offload(build_model(family), {**config, "prefix_cache": False})
+    ref = build_model(family)
+    want = _generate(ref, ids)
+    for _ in range(2):
+        assert torch.equal(_generate(off, ids).sequences, want.sequences)
+    assert torch_kvoffload.stats(off)["prefix_store_tokens"] == 0
+
+    model = torch_kvoffload.offload(build_model(family), config)
+    _generate(model, ids)
+    before = torch_kvoffload.stats(model)
+    # hidden states of every prompt position, and a forward returning every position's logits
+    hidden = _generate(model, ids, output_hidden_states=True)
+    ref_hidden = _generate(ref, ids, output_hidden_states=True)
+    assert torch.equal(hidden.sequences, ref_hidden.sequences)
+    assert hidden.hidden_states[0][0].shape == ref_hidden.hidden_states[0][0].shape
+    with torch.no_grad():
+        logits = model(ids, attention_mask=torch.ones_like(ids)).logits
+        ref_logits = ref(ids, attention_mask=torch.ones_like(ids)).logits
+    assert logits.shape == ref_logits.shape
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert _delta(model, before, "prefix_store_tokens") == 0
+    # the next generate still reuses
+    assert torch.equal(_generate(model, ids).sequences, want.sequences)
+    assert _delta(model, before, "prefix_store_tokens") == 48
+
+
+def _shared_store(monkeypatch) -> LocalKVStore:
+    from torch_kvoffload.layerwise import backend as layerwise_backend
+
+    store = LocalKVStore(64 << 20)
+    monkeypatch.setattr(layerwise_backend, "build_store", lambda config: store)
+    return store
+
+
+def _lose_everything(store: LocalKVStore) -> None:
+    """Every record of ``store`` evicted (as another process's traffic would)."""
+    for key in list(store._index):
+        store.remove(key)
+
+
+@pytest.mark.parametrize("when", ["adopting", "loading"])
+def test_a_prefix_the_store_loses_after_the_lookup_is_computed_with_the_same_tokens(monkeypatch, when):
+    """The store empties between the lookup and the read of the adopted rows (``adopting``: the partial
+    block's and the sparse rows' read), or between the adoption and the forward's layer loads
+    (``loading``): the prompt is computed whole, counted in ``prefix_fallbacks``; the next call works."""
+    family, config = MODES["v32-both"]
+    store = _shared_store(monkeypatch)
+    model = build_model(family)
+    ref = copy.deepcopy(model)
+    model = torch_kvoffload.offload(model, config)
+    ids = _prompt(70, seed=6)
+    want = _generate(ref, ids)
+    assert torch.equal(_generate(model, ids).sequences, want.sequences)
+
+    if when == "adopting":
+        real = LayerwiseBackend.cached_prefix
+
+        def lookup_then_lose(self, tokens, positions):
+            found = real(self, tokens, positions)
+            _lose_everything(store)
+            return found
+
+        monkeypatch.setattr(LayerwiseBackend, "cached_prefix", lookup_then_lose)
+    else:
+        real = prefix_mod.PrefixReuse.adopt
+
+        def adopt_then_lose(self, *args):
+            real(self, *args)
+            _lose_everything(store)
+
+        monkeypatch.setattr(prefix_mod.PrefixReuse, "adopt", adopt_then_lose)
+    before = torch_kvoffload.stats(model)
+    assert torch.equal(_generate(model, ids).sequences, want.sequences)
+    assert _delta(model, before, "prefix_fallbacks") == 1
+    monkeypatch.undo()
+    assert torch.equal(_generate(model, ids).sequences, want.sequences)
+
+
+def test_a_damaged_stored_block_is_computed_never_adopted(monkeypatch):
+    """A block whose record fails its checksum when it is read: the forward computes from it on."""
+    family, config = MODES["v32-both"]
+    store = _shared_store(monkeypatch)
+    model = build_model(family)
+    ref = copy.deepcopy(model)
+    model = torch_kvoffload.offload(model, config)
+    ids = _prompt(70, seed=7)
+    want = _generate(ref, ids)
+    assert torch.equal(_generate(model, ids).sequences, want.sequences)
+    for e in list(store._index.values()):  # a flipped byte in every record, behind the store's back
+        store._arena[e.offset + e.nbytes // 2] ^= 0x40
+    before = torch_kvoffload.stats(model)
+    got = _generate(model, ids)
+    assert torch.equal(got.sequences, want.sequences)
+    assert torch_kvoffload.stats(model)["corrupt_records"] > before["corrupt_records"]
+
+
+@pytest.mark.slow
+def test_a_compiled_model_reuses_the_prefix_call_after_call():
+    family, config = MODES["v32-both"]
+    model = build_model(family)
+    ref = copy.deepcopy(model)
+    model = torch_kvoffload.compile(model, config)
+    for seed, n in ((8, 70), (9, 40)):
+        ids = _prompt(n, seed=seed)
+        want = _generate(ref, ids)
+        cold = _generate(model, ids)
+        before = torch_kvoffload.stats(model)
+        warm = _generate(model, ids)
+        assert torch.equal(cold.sequences, want.sequences) and torch.equal(warm.sequences, want.sequences)
+        for got, c in zip(warm.logits, cold.logits, strict=True):
+            torch.testing.assert_close(got, c, rtol=1e-5, atol=1e-5)
+        assert _delta(model, before, "prefix_store_tokens") == (n - 1) // BS * BS

@@ -1,0 +1,162 @@
+"""Prefix reuse: a new request starts with the leading tokens of its prompt whose KV the store already holds.
+
+A request's prompt is looked up once (:meth:`PrefixReuse.lookup`: the layerwise store's chained block
+hashes over the token ids and the model positions, every layer; whole blocks, at least one token left to
+compute, so the last prompt position still yields its logits). The caller then *adopts* a prefix of each
+new request no longer than what was found (:meth:`PrefixReuse.adopt`): the request holds those tokens
+without a forward. The layerwise backend reads them from the store when the next forward needs them (as it
+reads any earlier tokens), the rows of a partial last block going into its device tail now; every other
+backend that keeps a request's rows (the sparse host pool and device indexer cache, a resident KV) is
+written the stored rows layer by layer, as a forward would write them, in rounds of
+:data:`ROUND_BLOCKS` blocks per request (the host holds one round of rows at a time). The model then
+computes only the rest of the prompt.
+
+The latent KV and the indexer keys of a prefix are one unit: with prefix reuse the layerwise store keeps
+the indexer keys beside the latent KV (``core.backends``), and a store namespace without them is never
+looked up for a model with an indexer.
+
+Reuse is on with ``OffloadConfig.prefix_cache`` and a layerwise store, without KVPP, a P/D role or tensor
+parallelism (:attr:`PrefixReuse.enabled`); otherwise every lookup finds nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from torch_kvoffload.counters import Counters
+from torch_kvoffload.kv.backend import NewRows
+from torch_kvoffload.kv.forward import plan_packed
+from torch_kvoffload.kv.requests import Request
+
+__all__ = ["ROUND_BLOCKS", "PrefixReuse"]
+
+#: Blocks per request whose stored rows one round of :meth:`PrefixReuse.adopt` holds on the host.
+ROUND_BLOCKS = 32
+
+_COUNTERS = (
+    "prefix_lookups",
+    "prefix_lookup_seconds",
+    "prompt_tokens",
+    "prefix_store_tokens",
+    "prefix_fallbacks",
+)
+
+
+class PrefixReuse:
+    """The prefix reuse of ``core`` (see the module docstring). ``counters``: ``prefix_lookups`` and
+    ``prefix_lookup_seconds`` (prompts looked up, time spent), ``prompt_tokens`` (tokens of the prompts
+    looked up), ``prefix_store_tokens`` (of those, tokens adopted from the store: not computed),
+    ``prefix_fallbacks`` (adopted prefixes the store could no longer give: their prompts were computed)."""
+
+    def __init__(self, core: Any) -> None:  # a KVCore (core.kv imports this module)
+        self.core = core
+        self.counters = Counters(_COUNTERS)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether lookups may find anything: ``prefix_cache`` on, a layerwise store, no KVPP, no P/D role,
+        no tensor parallelism."""
+        core = self.core
+        b, tp = core.backends, core.spec.tp
+        return (
+            core.config.prefix_cache
+            and b.layerwise is not None
+            and b.kvpp is None
+            and b.role is None
+            and (tp is None or tp.size == 1)
+        )
+
+    def lookup(self, tokens: Sequence[int], positions: Sequence[int] | None) -> int:
+        """Leading tokens of the prompt ``tokens`` (its KV computed at ``positions``; ``None``: token ``t`` at
+        ``t``) whose KV and indexer keys every layer has in the store: whole blocks, fewer than
+        ``len(tokens)``; 0 when reuse is off. Counts the prompt's tokens."""
+        self.counters.add("prompt_tokens", len(tokens))
+        lw = self.core.backends.layerwise
+        if not self.enabled or lw is None or len(tokens) < 2:
+            return 0
+        start = time.perf_counter()
+        try:
+            return lw.cached_prefix(tokens, positions)
+        finally:
+            self.counters.add("prefix_lookups")
+            self.counters.add("prefix_lookup_seconds", time.perf_counter() - start)
+
+    def adopt(
+        self,
+        requests: Sequence[Request],
+        prompts: Sequence[Sequence[int]],
+        positions: Sequence[Sequence[int] | None],
+        lengths: Sequence[int],
+    ) -> None:
+        """Live ``requests`` holding no tokens take the first ``lengths[r]`` tokens of ``prompts[r]`` (at
+        ``positions[r]``, the whole prompt's; ``None``: logical) without a forward; ``lengths[r]`` is at
+        most what :meth:`lookup` found (any length: a partial last block is read from the stored block
+        that holds it). Between forwards only. On any failure (:class:`~torch_kvoffload.layerwise.errors.
+        StoreMissError` when the store no longer holds a block) every one of ``requests`` is finished and
+        the error propagates."""
+        core = self.core
+        lw = core.backends.layerwise
+        if core.forward is not None:
+            raise RuntimeError("PrefixReuse.adopt: a forward is running")
+        if lw is None or not self.enabled:
+            raise RuntimeError("PrefixReuse.adopt: prefix reuse is off for this model's configuration")
+        for r, prompt, n in zip(requests, prompts, lengths, strict=True):
+            if r.length or not 0 <= n < len(prompt):
+                raise ValueError(
+                    f"PrefixReuse.adopt: request {r.id} must hold no tokens and adopt fewer than its prompt's "
+                    f"{len(prompt)} tokens; it holds {r.length}, adopts {n}"
+                )
+        try:
+            for r, prompt, pos, n in zip(requests, prompts, positions, lengths, strict=True):
+                if n:
+                    core.requests.extend(r.id, prompt[:n])
+                    r.add_positions(0, None if pos is None else pos[:n])
+                    lw.adopt(r, prompt, pos)
+            self._write_stored(requests, prompts, positions, lengths)
+        except BaseException:
+            core.finish([r.id for r in requests])
+            raise
+        self.counters.add("prefix_store_tokens", sum(lengths))
+
+    def _write_stored(
+        self,
+        requests: Sequence[Request],
+        prompts: Sequence[Sequence[int]],
+        positions: Sequence[Sequence[int] | None],
+        lengths: Sequence[int],
+    ) -> None:
+        """The adopted rows into every backend but the layerwise one that takes part in a forward of them,
+        in rounds of :data:`ROUND_BLOCKS` blocks per request (packed forwards that only write)."""
+        core = self.core
+        lw, layout, spec = core.backends.layerwise, core.layout, core.spec
+        assert lw is not None and layout is not None
+        step = ROUND_BLOCKS * core.block_size
+        for start in range(0, max(lengths, default=0), step):
+            spans = [(min(start, n), min(start + step, n)) for n in lengths]
+            n_new = [e - s for s, e in spans]
+            plan = plan_packed(
+                requests, [s for s, _ in spans], n_new, layout, decode=False, layerwise=False,
+                device=spec.device,
+            )  # fmt: skip
+            writers = [b for b in core.backends.all if b is not lw and b.takes_part(plan)]
+            if not writers:
+                return
+            rows = lw.stored_rows(requests, prompts, positions, spans)
+            begun = []
+            try:
+                for b in writers:
+                    b.begin_forward(plan)
+                    begun.append(b)
+                for layer, parts in enumerate(rows):
+                    kv_c, k_pe = (p.to(spec.device) for p in parts[:2])
+                    index_k = parts[2].to(spec.device) if len(parts) > 2 and spec.has_indexer else None
+                    for b in writers:
+                        b.write(layer, plan, NewRows(kv_c, k_pe, index_k))
+            except BaseException:
+                for b in reversed(begun):
+                    b.abort_forward(plan)
+                raise
+            for b in reversed(begun):
+                b.end_forward(plan)

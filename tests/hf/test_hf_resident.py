@@ -134,7 +134,8 @@ def test_chunked_prefill_and_growth_match_one_shot(mode):
     config = model.config
     layer_buffers = 0
     if "layerwise" in mode:  # prefill is not over: 1 + num_shared_buffers (2) layer buffers and the tails
-        row = (config.kv_lora_rank + config.qk_rope_head_dim) * 4
+        # with prefix reuse (the default) the layer buffers carry the indexer keys too
+        row = (config.kv_lora_rank + config.qk_rope_head_dim + config.index_head_dim) * 4
         layer_buffers = 3 * -(-26 // BS) * BS * row + config.num_hidden_layers * BS * row
     assert s["device_kv_bytes"] == _resident_bytes(config, 1, 26) + layer_buffers
 

@@ -250,7 +250,7 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         past = cache.seen_tokens
         full = None  # the call as given, when its cached prefix is skipped (run whole if that fails)
         if past == 0 and not custom and not attentions and input_ids is not None:
-            if args and args[0] is input_ids and len(args) == 1:
+            if len(args) == 1 and args[0] is input_ids and "input_ids" not in kwargs:
                 args, kwargs = (), {**kwargs, "input_ids": input_ids}
             if not args:
                 full = dict(kwargs)

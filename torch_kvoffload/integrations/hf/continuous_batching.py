@@ -25,10 +25,13 @@ An offloaded model (``torch_kvoffload.offload``, which enables this) keeps its K
 (one element per token and layer, :meth:`MLACacheAllocator.ledger`), and on the cache instance
 ``extend_read_and_write_indices`` (records each request's place in the step), ``can_store_request_tokens``
 (admits a request only into a free library slot), ``free_blocks`` / ``free_all_requests`` (finish the
-library's requests) are wrapped; on the manager, ``add_request`` (refuses a request longer than
+library's requests) are wrapped, and with prefix reuse (``OffloadConfig.prefix_cache`` with layerwise
+offload) ``search_prefix_match`` is answered from the library's store (the scheduler's search for a new
+request's cached prefix: the request's library request adopts it, and the scheduler schedules only the rest;
+``use_prefix_sharing`` is set on the instance so that the scheduler asks); on the manager, ``add_request`` (refuses a request longer than
 ``serving.max_request_tokens``) and ``_run_generation_loop`` (closes the serving state when the loop ends).
 The step itself runs in the model's forward (``install._forward``). Asynchronous batching, CUDA graphs,
-compiled CB paths, CPU swap, prefix sharing and ``num_return_sequences > 1`` are turned off or refused for
+compiled CB paths, CPU swap, transformers' own block sharing and ``num_return_sequences > 1`` are turned off or refused for
 an offloaded model (the configuration given is copied, not changed). Requests the library cannot serve fail
 alone: ``add_request`` refuses a live id, an empty prompt and an over-long one; under ``add_requests``
 (``generate_batch``) the scheduler's ``add_waiting_request`` fails the last two as error results; a step the
@@ -108,7 +111,13 @@ TRANSFORMERS_NAMES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (
         f"{_CB}.cache",
         "PagedAttentionCache",
-        ("extend_read_and_write_indices", "can_store_request_tokens", "free_blocks", "free_all_requests"),
+        (
+            "extend_read_and_write_indices",
+            "can_store_request_tokens",
+            "free_blocks",
+            "free_all_requests",
+            "search_prefix_match",
+        ),
     ),
     (
         _CB,
@@ -358,7 +367,8 @@ def _hook_processor(processor: Any, serving: Any) -> None:
 # ------------------------------------------------------------------------------- offloaded models
 def _offload_cb_config(serving: Any, given: Any, gen: Any) -> Any:
     """A copy of the CB configuration ``given`` (or the default) an offloaded model runs with: synchronous,
-    no graphs or compiled paths, no CPU swap or prefix sharing, as many blocks as the library's slots hold
+    no graphs or compiled paths, no CPU swap or block sharing of transformers' own (the library's store
+    answers the prefix search: :func:`_hook_cache`), as many blocks as the library's slots hold
     (transformers' cache is only its ledger), and admission left to the library (no safety margin)."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -480,6 +490,9 @@ def _hook_cache(cache: Any, serving: Any) -> None:
         finally:
             serving.finish_all()
 
+    if serving.session.core.prefix.enabled:  # the scheduler asks for a new request's cached prefix
+        cache.use_prefix_sharing = True
+        cache.search_prefix_match = serving.adopt_prefix
     cache.extend_read_and_write_indices = extend_read_and_write_indices
     cache.can_store_request_tokens = can_store_request_tokens
     cache.free_blocks = free_blocks_

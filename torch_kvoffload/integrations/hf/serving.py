@@ -35,6 +35,7 @@ import torch
 from torch_kvoffload.integrations.hf.packed import PackedRows
 from torch_kvoffload.kv.group_outcomes import exchange_outcomes
 from torch_kvoffload.kv.requests import Request
+from torch_kvoffload.layerwise.errors import StoreMissError
 
 if TYPE_CHECKING:
     from torch_kvoffload.integrations.hf.session import OffloadSession
@@ -260,6 +261,28 @@ class ServingRequests:
         """``request_id`` gets a slot (idempotent)."""
         if request_id not in self._live:
             (self._live[request_id],) = self.session.core.admit(1)
+
+    def adopt_prefix(self, request_id: str, prompt: list[int]) -> int:
+        """Tokens of a new request's ``prompt`` taken over from the store before its first step (transformers'
+        scheduler asks as it first schedules the request: ``search_prefix_match``): its library request is
+        admitted now holding them (:class:`~torch_kvoffload.core.prefix.PrefixReuse`). 0, nothing admitted,
+        when nothing is cached, no slot is free, or the store no longer gives the prefix when it is read
+        (counted in ``prefix_fallbacks``: the request computes its whole prompt)."""
+        reuse = self.session.core.prefix
+        if request_id in self._live or len(self._live) >= self.slots or not reuse.enabled:
+            return 0
+        found = reuse.lookup(prompt, None)
+        if not found:
+            return 0
+        self.admit(request_id)
+        try:
+            reuse.adopt([self._live[request_id]], [list(prompt)], [None], [found])
+        except StoreMissError as exc:  # adopt finished the request
+            self._live.pop(request_id, None)
+            reuse.counters.add("prefix_fallbacks")
+            logger.warning("continuous batching: request %s computes its prompt: %s", request_id, exc)
+            return 0
+        return found
 
     def finish(self, request_id: str) -> None:
         """``request_id``'s KV is released (idempotent; unknown ids are ignored)."""

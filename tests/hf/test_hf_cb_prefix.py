@@ -1,0 +1,137 @@
+"""Prefix reuse under continuous batching: a request whose prompt extends a system prompt or an earlier
+conversation that the store holds schedules only its uncached tokens; the outputs are the unmodified
+model's per-prompt ``generate``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers.generation.continuous_batching")
+
+from support.hf_models import build_model
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+import torch_kvoffload
+from torch_kvoffload.integrations.hf.session import session_of
+
+BS = 8
+NEW = 6
+SERVING = {"max_requests": 3, "max_request_tokens": 96}
+CONFIGS = {
+    "v32-layerwise-sparse": ("deepseek_v32", {"layerwise": {}, "sparse": {}, "block_size": BS, "serving": SERVING}),
+    "v3-layerwise": ("deepseek_v3", {"layerwise": {}, "block_size": BS, "serving": SERVING}),
+}  # fmt: skip
+
+
+def _model(family: str) -> torch.nn.Module:
+    model = build_model(family)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[0].normal_()  # a zero embedding ties every indexer score
+    return model
+
+
+def _gen() -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=999_999, pad_token_id=0)
+
+
+def _cb() -> ContinuousBatchingConfig:
+    return ContinuousBatchingConfig(page_size=8, max_batch_tokens=32, max_requests_per_batch=4)
+
+
+def _reference(model, prompts) -> list[list[int]]:
+    return [
+        model.generate(torch.tensor([p]), generation_config=_gen())[0, len(p) :].tolist() for p in prompts
+    ]
+
+
+def _batch(model, prompts) -> list[list[int]]:
+    out = model.generate_batch(prompts, generation_config=_gen(), continuous_batching_config=_cb())
+    errors = [out[rid].error for rid in out if out[rid].error is not None]
+    assert not errors and len(out) == len(prompts), errors
+    order = sorted(out, key=lambda rid: int(rid.rsplit("_", 1)[1]))
+    return [list(out[rid].generated_tokens) for rid in order]
+
+
+def _steps(model) -> list[list[tuple[int, int]]]:
+    """Per step run from now on: the (past, query) of each request."""
+    serving = session_of(model).serving
+    run, steps = type(serving).run_step.__get__(serving), []
+
+    def run_step(model, kwargs):
+        steps.append([(p, q) for _, p, q in serving._step])
+        return run(model, kwargs)
+
+    serving.run_step = run_step
+    return steps
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_requests_sharing_a_system_prompt_schedule_only_their_own_tokens(name):
+    family, config = CONFIGS[name]
+    model = _model(family)
+    g = torch.Generator().manual_seed(1)
+    system = torch.randint(3, 1000, (43,), generator=g).tolist()  # 5 full blocks + 3 tokens
+    users = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (9, 4, 17, 12)]
+    prompts = [system + u for u in users]
+    reference = _reference(model, prompts)
+    torch_kvoffload.offload(model, copy.deepcopy(config))
+    session = session_of(model)
+    assert _batch(model, prompts[:1]) == reference[:1]  # the first conversation computes the system prompt
+    before = session.stats()
+    steps = _steps(model)
+    assert _batch(model, prompts[1:]) == reference[1:]
+    after = session.stats()
+    # each later request found the system prompt's 5 blocks (the first request's 6th block holds its own
+    # tokens): its first step starts at position 40
+    assert after["prefix_store_tokens"] - before["prefix_store_tokens"] == 3 * 40
+    firsts = [q for s in steps for p, q in s if p == 40]
+    assert len(firsts) == 3, steps
+    assert after["prompt_tokens_computed"] - before["prompt_tokens_computed"] == sum(
+        len(p) - 40 for p in prompts[1:]
+    )
+    assert after["reserved_requests"] == 0 and after["serving_requests"] == 0
+
+    # the same prompt again: all its full blocks are found (at least one token computed)
+    before = session.stats()
+    assert _batch(model, prompts[3:]) == reference[3:]
+    assert (
+        session.stats()["prefix_store_tokens"] - before["prefix_store_tokens"]
+        == (len(prompts[3]) - 1) // BS * BS
+    )
+
+
+def test_reuse_off_computes_every_prompt_and_a_lost_prefix_is_computed(monkeypatch):
+    family, config = CONFIGS["v32-layerwise-sparse"]
+    model = _model(family)
+    g = torch.Generator().manual_seed(2)
+    system = torch.randint(3, 1000, (32,), generator=g).tolist()
+    prompts = [system + torch.randint(3, 1000, (n,), generator=g).tolist() for n in (5, 11)]
+    reference = _reference(model, prompts)
+    off = torch_kvoffload.offload(copy.deepcopy(model), {**copy.deepcopy(config), "prefix_cache": False})
+    for _ in range(2):
+        assert _batch(off, prompts) == reference
+    assert session_of(off).stats()["prefix_store_tokens"] == 0
+
+    torch_kvoffload.offload(model, copy.deepcopy(config))
+    assert _batch(model, prompts[:1]) == reference[:1]
+    from torch_kvoffload.layerwise.backend import LayerwiseBackend
+
+    real = LayerwiseBackend.cached_prefix
+
+    def lookup_then_lose(self, tokens, positions):  # the store loses every record after the lookup
+        found = real(self, tokens, positions)
+        for key in list(self.store._index):
+            self.store.remove(key)
+        return found
+
+    monkeypatch.setattr(LayerwiseBackend, "cached_prefix", lookup_then_lose)
+    before = session_of(model).stats()
+    assert _batch(model, prompts[1:]) == reference[1:]
+    after = session_of(model).stats()
+    assert after["prefix_fallbacks"] - before["prefix_fallbacks"] == 1
+    assert after["prefix_store_tokens"] == before["prefix_store_tokens"]
+    assert after["reserved_requests"] == 0

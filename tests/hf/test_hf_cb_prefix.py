@@ -104,6 +104,25 @@ def test_requests_sharing_a_system_prompt_schedule_only_their_own_tokens(name):
     )
 
 
+def test_the_next_turn_of_a_conversation_skips_its_previous_answer_too():
+    """A finished request's decoded blocks go to the store as it ends: the next turn (prompt + answer + a
+    new message) finds the whole earlier conversation."""
+    family, config = CONFIGS["v32-layerwise-sparse"]
+    model = _model(family)
+    g = torch.Generator().manual_seed(3)
+    first = torch.randint(3, 1000, (30,), generator=g).tolist()
+    answer = _reference(model, [first])[0]
+    turn = first + answer + torch.randint(3, 1000, (7,), generator=g).tolist()  # 30 + 6 + 7 = 43 tokens
+    reference = _reference(model, [turn])
+    torch_kvoffload.offload(model, copy.deepcopy(config))
+    session = session_of(model)
+    assert _batch(model, [first]) == [answer]
+    assert session.stats()["persisted_blocks"] == 1  # 35 tokens held: block 3 was completed by decoding
+    before = session.stats()
+    assert _batch(model, [turn]) == reference
+    assert session.stats()["prefix_store_tokens"] - before["prefix_store_tokens"] == 32
+
+
 def test_reuse_off_computes_every_prompt_and_a_lost_prefix_is_computed(monkeypatch):
     family, config = CONFIGS["v32-layerwise-sparse"]
     model = _model(family)

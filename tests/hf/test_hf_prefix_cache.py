@@ -258,3 +258,24 @@ def test_a_compiled_model_reuses_the_prefix_call_after_call():
         for got, c in zip(warm.logits, cold.logits, strict=True):
             torch.testing.assert_close(got, c, rtol=1e-5, atol=1e-5)
         assert _delta(model, before, "prefix_store_tokens") == (n - 1) // BS * BS
+
+
+@pytest.mark.parametrize("mode", ["v32-both", "v32-resident", "v3-layerwise"])
+def test_the_next_turn_of_a_conversation_finds_the_blocks_its_answer_completed(mode):
+    """The blocks a generate's decode steps completed (on the sparse path: not saved by the layerwise
+    pipeline) are stored when its sequence ends, so the next turn (prompt + answer + a new message) skips
+    them too."""
+    family, config = MODES[mode]
+    model = build_model(family)
+    ref = copy.deepcopy(model)
+    model = torch_kvoffload.offload(model, config)
+    ids = _prompt(40, seed=11)
+    first = _generate(model, ids, new=30, eos_token_id=None).sequences
+    assert torch.equal(first, _generate(ref, ids, new=30, eos_token_id=None).sequences)
+    turn = torch.cat([first, _prompt(10, seed=12)], dim=1)  # 80 tokens: 69 held by the first sequence
+    want = _generate(ref, turn)
+    _check_no_ties(ref, family, want, torch.ones_like(turn))
+    before = torch_kvoffload.stats(model)
+    assert torch.equal(_generate(model, turn).sequences, want.sequences)
+    assert _delta(model, before, "prefix_store_tokens") == 64  # blocks 0-3: the prompt's 2, the answer's 2
+    assert torch_kvoffload.stats(model)["persist_failures"] == 0

@@ -21,6 +21,7 @@ parallelism (:attr:`PrefixReuse.enabled`); otherwise every lookup finds nothing.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -30,18 +31,17 @@ from torch_kvoffload.kv.backend import NewRows
 from torch_kvoffload.kv.forward import plan_packed
 from torch_kvoffload.kv.requests import Request
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["ROUND_BLOCKS", "PrefixReuse"]
 
 #: Blocks per request whose stored rows one round of :meth:`PrefixReuse.adopt` holds on the host.
 ROUND_BLOCKS = 32
 
 _COUNTERS = (
-    "prefix_lookups",
-    "prefix_lookup_seconds",
-    "prompt_tokens",
-    "prefix_store_tokens",
-    "prefix_fallbacks",
-)
+    "prefix_lookups", "prefix_lookup_seconds", "prompt_tokens", "prefix_store_tokens", "prefix_fallbacks",
+    "persisted_blocks", "persist_failures",
+)  # fmt: skip
 
 
 class PrefixReuse:
@@ -119,6 +119,45 @@ class PrefixReuse:
             core.finish([r.id for r in requests])
             raise
         self.counters.add("prefix_store_tokens", sum(lengths))
+
+    def persist(self, requests: Sequence[Request]) -> None:
+        """Store the full blocks of ``requests`` the store lacks, before they end: the blocks their decode
+        steps completed on a backend that keeps rows elsewhere (the sparse host pool, a resident KV), so
+        that a later prompt extending them (the next turn of a conversation) finds them too. Between
+        forwards. A failure is logged and counted (``persist_failures``), never raised: a block not stored
+        is only a later miss."""
+        core = self.core
+        lw = core.backends.layerwise
+        holders = [b for b in core.backends.all if b is not lw]
+        live = [r for r in requests if r.id in core.requests and r.keyed and r.length >= core.block_size]
+        if not self.enabled or lw is None or core.layout is None or core.forward is not None or not holders:
+            return
+        if not live:
+            return
+        lw.rebuild(core.layout)  # released for decode: the store's keys and record layouts come with it
+        holder, bs, spec = holders[0], core.block_size, core.spec
+        if lw.indexed and getattr(getattr(holder, "index", None), "int8", False):
+            return  # int8 indexer keys do not give the model's keys back: those blocks stay unstored
+        parts = ["kv_c", "k_pe", "index_k"][: 3 if lw.indexed else 2]
+        for r in live:
+            full = r.length // bs
+            try:
+                have = lw.stored_blocks(r)
+                if have >= full:
+                    continue
+                rows = []
+                for layer in range(spec.num_layers):
+                    read = [holder.read(layer, [r], part, start=have * bs) for part in parts]
+                    if any(x is None for x in read):
+                        return  # the holder keeps no such rows
+                    rows.append([x[0][: (full - have) * bs].to("cpu", spec.dtype) for x in read])
+                for block in range(have, full):
+                    lo = (block - have) * bs
+                    lw.write_block(r, block, [[c[lo : lo + bs] for c in layer] for layer in rows])
+                self.counters.add("persisted_blocks", full - have)
+            except Exception as exc:  # only a later miss
+                self.counters.add("persist_failures")
+                logger.warning("prefix reuse: blocks of request %d not stored: %s", r.id, exc)
 
     def _write_stored(
         self,

@@ -190,8 +190,10 @@ class KVBackend:
         no attention of its own."""
         return None
 
-    def read(self, layer: int, requests: Sequence[Request], part: str) -> list[torch.Tensor] | None:
-        """Per request, its rows ``0 .. length - 1`` of ``layer``'s component ``part`` (one of
+    def read(
+        self, layer: int, requests: Sequence[Request], part: str, start: int = 0
+    ) -> list[torch.Tensor] | None:
+        """Per request, its rows ``start .. length - 1`` of ``layer``'s component ``part`` (one of
         :data:`ROW_PARTS`: ``"kv_c" [n, Dc]``, ``"k_pe" [n, Dr]``, ``"index_k" [n, Di]``) exactly as written,
         as new tensors on the compute device in the model's dtype; ``None`` when this backend does not keep
         that component's whole history. Between forwards; it copies every row it returns. Raises

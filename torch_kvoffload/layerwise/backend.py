@@ -258,6 +258,25 @@ class LayerwiseBackend(KVBackend):
         if request.length % self.block_size:
             self._tail_from_store(request, request.length, key_tokens, positions, "prefix reuse")
 
+    def rebuild(self, layout: KVLayout) -> None:
+        """The buffers and tails for ``layout`` again after :meth:`free` released them for decode (the next
+        sizing would build them): the store's keys and record layouts come with them."""
+        if self.runtime is None:
+            self._layout = layout
+            self._build_runtime(layout)
+            self._build_tails(layout)
+
+    def stored_blocks(self, request: Request) -> int:
+        """Leading full blocks of ``request`` every layer has in the store (0 before the buffers exist)."""
+        rt = self.runtime
+        return 0 if rt is None else rt.stored_blocks(self._key_tokens(request), self._key_positions(request))
+
+    def write_block(self, request: Request, block: int, rows: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Store full block ``block`` of ``request`` from ``rows`` (per layer: ``kv_c``, ``k_pe``, then
+        ``index_k`` when the buffers carry it, host ``[block_size, D]`` in the model's dtype)."""
+        assert self.runtime is not None
+        self.runtime.write_block(self._key_tokens(request), block, self._key_positions(request), rows)
+
     def stored_rows(
         self,
         requests: Sequence[Request],
@@ -410,7 +429,9 @@ class LayerwiseBackend(KVBackend):
         rows = self._layout.blocks_per_request * self.block_size
         return KeyRows(c.view(-1, c.shape[-1]), pe.view(-1, pe.shape[-1]), [s * rows for s in fwd.slots])
 
-    def read(self, layer: int, requests: Sequence[Request], part: str) -> list[torch.Tensor] | None:
+    def read(
+        self, layer: int, requests: Sequence[Request], part: str, start: int = 0
+    ) -> list[torch.Tensor] | None:
         """The requests' full blocks from the host store (each read returns the block's record of every
         layer: the store keeps one record per layer and block) and the partial last block from the device
         tail. ``None`` once the buffers were released (decode on the sparse backend) or for the indexer
@@ -424,11 +445,12 @@ class LayerwiseBackend(KVBackend):
             full = r.length // bs
             keys, positions = self._key_tokens(r), self._key_positions(r)
             parts: list[torch.Tensor] = []
-            for block in range(full):
+            for block in range(start // bs, full):
                 stored = stored_block(rt, r.id, keys, positions, block, "reading the cache")
                 parts.append(stored[layer][at].to(spec.device))
             parts.append(self._tails[layer][at][r.slot, : r.length - full * bs])
-            out.append(torch.cat(parts))  # a new tensor: neither the store's nor the tail's
+            skip = start - start // bs * bs
+            out.append(torch.cat(parts)[skip:])  # a new tensor: neither the store's nor the tail's
         return out
 
     def indexer(self, layer: int, fwd: ForwardPlan) -> IndexerView | None:

@@ -190,6 +190,21 @@ class LayerStoreIO:
             return None
         return [[v[0] for v in self.staging_views(layer, r)] for layer, r in enumerate(records)]
 
+    def write_block(self, block_hash: str, rows: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Store ``rows`` (per layer, per component, a host ``[block_size, *row]`` tensor in the component's
+        dtype) as every layer's record of the block ``block_hash``, on the calling thread (between forwards;
+        what :meth:`read_block` reads back)."""
+        keys = [self.lookup.layer_keys([block_hash], layer)[0] for layer in range(len(self.layouts))]
+        records = []
+        for layer, comps in enumerate(rows):
+            record = torch.zeros(1, self.layouts[layer].record_bytes, dtype=torch.uint8)
+            for view, src in zip(self.staging_views(layer, record), comps, strict=True):
+                view[0].copy_(src)
+            records.append(record[0])
+        self.store.batch_put(keys, records)
+        self.counters.add("blocks_saved", len(keys))
+        self.counters.add("bytes_saved", sum(r.numel() for r in records))
+
     # ---------------------------------------------------------------------- transfer-thread work
     def staging(self, kind: str, n: int, record_bytes: int) -> tuple[Staging, torch.Tensor]:
         """The next staging buffer of direction ``kind`` and a ``uint8 [n, record_bytes]`` view of it.

@@ -232,15 +232,17 @@ class SparseOffloadBackend(KVBackend):
         assert self.runtime is not None
         return self.index.view(layer, fwd, self.runtime.top_k)
 
-    def read(self, layer: int, requests: Sequence[Request], part: str) -> list[torch.Tensor] | None:
-        """The requests' rows from the host pool (every row is appended there; copied host-to-device on
+    def read(
+        self, layer: int, requests: Sequence[Request], part: str, start: int = 0
+    ) -> list[torch.Tensor] | None:
+        """The requests' rows from ``start`` on from the host pool (every row is appended there; copied host-to-device on
         the runtime's ``h2d`` stream, after the layer's appends so far landed) or the device indexer
         cache. ``RuntimeError`` when the pool keeps the main KV in another dtype than the model's."""
         rt, spec = self.runtime, self.spec
         if rt is None:
             return None
         if part == "index_k":
-            return self.index.read_keys(layer, requests)
+            return [k[start:] for k in self.index.read_keys(layer, requests)]
         pool = rt.pool
         if pool.dtype != spec.dtype:
             raise RuntimeError(
@@ -252,7 +254,9 @@ class SparseOffloadBackend(KVBackend):
         out: list[torch.Tensor] = []
 
         def copy() -> None:  # indexing gathers into a new tensor: the pool is never handed out
-            out.extend(host[pool.slots(r.id, torch.arange(r.length))].to(spec.device) for r in requests)
+            out.extend(
+                host[pool.slots(r.id, torch.arange(start, r.length))].to(spec.device) for r in requests
+            )
 
         rt.transfer_streams["h2d"].submit(copy, inline=True).wait()
         return out

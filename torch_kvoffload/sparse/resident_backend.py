@@ -92,14 +92,16 @@ class ResidentSparseBackend(KVBackend):
         kv_c, k_pe = self.main.flat(layer)
         return KeyRows(kv_c, k_pe, [s * pages * page for s in fwd.slots])
 
-    def read(self, layer: int, requests: Sequence[Request], part: str) -> list[torch.Tensor] | None:
-        """Copies of the requests' resident rows (main KV pages, indexer cache)."""
+    def read(
+        self, layer: int, requests: Sequence[Request], part: str, start: int = 0
+    ) -> list[torch.Tensor] | None:
+        """Copies of the requests' resident rows (main KV pages, indexer cache) from ``start`` on."""
         if not self.main.built:
             return None
         if part == "index_k":
-            return self.index.read_keys(layer, requests)
+            return [k[start:] for k in self.index.read_keys(layer, requests)]
         at = 0 if part == "kv_c" else 1
-        return [parts[at] for parts in self.main.read(layer, requests)]
+        return [parts[at][start:] for parts in self.main.read(layer, requests)]
 
     def indexer(self, layer: int, fwd: ForwardPlan) -> IndexerView:
         """The configured top-k (default the model's ``index_topk``), at most the reserved tokens: a top-k

@@ -392,9 +392,12 @@ class HFSequence:
         self.seen, self.masks = keep, masks
 
     # -------------------------------------------------------------------------------- lifetime
-    def end(self) -> None:
-        """Release the sequence's requests (the caches stay sized); idempotent."""
+    def end(self, persist: bool = True) -> None:
+        """Release the sequence's requests (the caches stay sized); idempotent. With ``persist`` (not after a
+        failure) the blocks their decode steps completed go to the store first (prefix reuse)."""
         seq, self.requests = self.requests, []
+        if persist and not self.broken:
+            self.core.prefix.persist(seq)
         self.core.finish([r.id for r in seq])
         self.seen, self.owner = 0, None
         self.masks = torch.zeros(0, 0, dtype=torch.bool)
@@ -403,7 +406,7 @@ class HFSequence:
         """A forward of the sequence failed: release its requests; it cannot continue."""
         self.core.counters.add("failed_forwards")
         try:
-            self.end()
+            self.end(persist=False)
         finally:
             self.broken = True
 

@@ -288,6 +288,7 @@ class ServingRequests:
         """``request_id``'s KV is released (idempotent; unknown ids are ignored)."""
         r = self._live.pop(request_id, None)
         if r is not None:
+            self.session.core.prefix.persist([r])  # its decoded blocks, for a later turn of its conversation
             self.session.core.finish([r.id])
             if logger.isEnabledFor(logging.INFO):  # a leak shows as rows held with no request live
                 logger.info(

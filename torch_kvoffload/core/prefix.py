@@ -132,12 +132,19 @@ class PrefixReuse:
         live = [r for r in requests if r.id in core.requests and r.keyed and r.length >= core.block_size]
         if not self.enabled or lw is None or core.layout is None or core.forward is not None or not holders:
             return
-        if not live:
-            return
-        lw.rebuild(core.layout)  # released for decode: the store's keys and record layouts come with it
-        holder, bs, spec = holders[0], core.block_size, core.spec
-        if lw.indexed and getattr(getattr(holder, "index", None), "int8", False):
+        if not live or (lw.indexed and getattr(getattr(holders[0], "index", None), "int8", False)):
             return  # int8 indexer keys do not give the model's keys back: those blocks stay unstored
+        released = not lw.built
+        lw.rebuild(core.layout)  # released for decode: the store's keys and record layouts come with it
+        try:
+            self._persist(lw, holders[0], live)
+        finally:
+            if released:
+                lw.free()
+
+    def _persist(self, lw: Any, holder: Any, live: Sequence[Request]) -> None:
+        core = self.core
+        bs, spec = core.block_size, core.spec
         parts = ["kv_c", "k_pe", "index_k"][: 3 if lw.indexed else 2]
         for r in live:
             full = r.length // bs

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from torch_kvoffload.integrations.hf.inputs import model_positions
+from torch_kvoffload.layerwise.errors import StoreMissError
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,6 @@ def skip_cached_prefix(
     lengths = head.sum(dim=1).tolist()
     if not any(lengths):
         return 0, kwargs
-    from torch_kvoffload.layerwise.errors import StoreMissError
-
     try:
         session._seq.start_with_prefix(cache, head, prompts, positions, lengths)
     except StoreMissError as exc:

@@ -41,7 +41,9 @@ VARIANTS = ("recompute", "reuse")
 
 #: every user message ends with ``w5`` (the assistant's turn starts), so a conversation's next prompt starts
 #: with the tokens its previous turn held: prompt, then answer (as chat templates of real models do)
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% if m['role'] == 'user' %}w5 {% endif %}{% endfor %}"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] }} {% if m['role'] == 'user' %}w5 {% endif %}{% endfor %}"
+)
 
 
 def save_model_dir(path: Path, layers: int, positions: int) -> Path:
@@ -63,7 +65,9 @@ def chat_stream(url: str, model: str, messages: list[dict], max_tokens: int) -> 
 
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     request = urllib.request.Request(
-        f"{url}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        f"{url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
     )
     start, first, text = time.perf_counter(), None, ""
     with urllib.request.urlopen(request, timeout=600) as r:
@@ -119,7 +123,14 @@ def main() -> None:
     p.add_argument("--output-dir", type=Path, default=None)
     args = p.parse_args()
     if args.smoke:
-        args.layers, args.conversations, args.turns, args.system, args.message, args.answer = 1, 2, 3, 256, 16, 8
+        args.layers, args.conversations, args.turns, args.system, args.message, args.answer = (
+            1,
+            2,
+            3,
+            256,
+            16,
+            8,
+        )
         args.output_dir = args.output_dir or Path(tempfile.mkdtemp(prefix="multiturn_bench_"))
     out_dir = args.output_dir or RESULTS_DIR
     torch.set_num_threads(1)
@@ -140,11 +151,20 @@ def main() -> None:
         per_turn.append({"turn": t + 1, **{f"{v}_p50_s": stats[v][0] for v in VARIANTS},
                          **{f"{v}_p90_s": stats[v][1] for v in VARIANTS}, "p50_speedup": ratio})  # fmt: skip
         rows.append([t + 1, *stats["recompute"], *stats["reuse"], ratio])
-    headers = ["turn", "recompute p50 s", "recompute p90 s", "reuse p50 s", "reuse p90 s", "p50 recompute / reuse"]
+    headers = [
+        "turn",
+        "recompute p50 s",
+        "recompute p90 s",
+        "reuse p50 s",
+        "reuse p90 s",
+        "p50 recompute / reuse",
+    ]
     table = format_table(headers, rows)
     print(table)
     print(f"answers equal: {same}")
-    config = {k: getattr(args, k) for k in ("layers", "conversations", "turns", "system", "message", "answer")}
+    config = {
+        k: getattr(args, k) for k in ("layers", "conversations", "turns", "system", "message", "answer")
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"machine": machine_info(), "config": config, "per_turn": per_turn, "answers_equal": same}
     path = out_dir / "multiturn_bench.json"

@@ -68,11 +68,13 @@ class PrefixReuse:
             and (tp is None or tp.size == 1)
         )
 
-    def lookup(self, tokens: Sequence[int], positions: Sequence[int] | None) -> int:
+    def lookup(self, tokens: Sequence[int], positions: Sequence[int] | None, *, new: bool = True) -> int:
         """Leading tokens of the prompt ``tokens`` (its KV computed at ``positions``; ``None``: token ``t`` at
         ``t``) whose KV and indexer keys every layer has in the store: whole blocks, fewer than
-        ``len(tokens)``; 0 when reuse is off. Counts the prompt's tokens."""
-        self.counters.add("prompt_tokens", len(tokens))
+        ``len(tokens)``; 0 when reuse is off. Counts the prompt's tokens unless ``new`` is false (a prompt
+        looked up again: a request still waiting for its first step)."""
+        if new:
+            self.counters.add("prompt_tokens", len(tokens))
         lw = self.core.backends.layerwise
         if not self.enabled or lw is None or len(tokens) < 2:
             return 0

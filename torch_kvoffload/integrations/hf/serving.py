@@ -117,6 +117,7 @@ class ServingRequests:
         self.device_bytes_per_request = 0
         self.fixed_device_bytes = 0
         self._live: dict[str, Request] = {}
+        self._looked_up: set[str] = set()  # requests whose prompts were looked up (prefix reuse)
         self._step: list[tuple[str, int, int]] = []  # (request id, past, query) in packed order
         self._open = threading.Event()
         self.steps = 0
@@ -164,7 +165,7 @@ class ServingRequests:
         self.plan()  # refuses a running forward and ends the generate() sequence
         session.core.size(self.slots, self.max_tokens)
         session.core.keep_prefill_buffers = True
-        self._live, self._step = {}, []
+        self._live, self._step, self._looked_up = {}, [], set()
         self._open.set()
         logger.info(
             "offload session %s serves %d requests of %d tokens (device KV %d bytes)",
@@ -271,7 +272,9 @@ class ServingRequests:
         reuse = self.session.core.prefix
         if request_id in self._live or len(self._live) >= self.slots or not reuse.enabled:
             return 0
-        found = reuse.lookup(prompt, None)
+        # asked again at each step while the request waits: another request may have stored its prefix since
+        found = reuse.lookup(prompt, None, new=request_id not in self._looked_up)
+        self._looked_up.add(request_id)
         if not found:
             return 0
         self.admit(request_id)
@@ -286,6 +289,7 @@ class ServingRequests:
 
     def finish(self, request_id: str) -> None:
         """``request_id``'s KV is released (idempotent; unknown ids are ignored)."""
+        self._looked_up.discard(request_id)
         r = self._live.pop(request_id, None)
         if r is not None:
             self.session.core.prefix.persist([r])  # its decoded blocks, for a later turn of its conversation
@@ -298,6 +302,7 @@ class ServingRequests:
                 )  # fmt: skip
 
     def finish_all(self) -> None:
+        self._looked_up = set()
         ids = [r.id for r in self._live.values()]
         self._live = {}
         self.session.core.finish(ids)

@@ -84,6 +84,15 @@ class PrefixLookup:
             return 0
         return self.prefix_of(self.store.batch_exists(self.prefix_keys(hashes, cap)), cap) * self.block_size
 
+    def stored_prefix(
+        self, token_ids: Sequence[int] | torch.Tensor, positions: Sequence[int] | torch.Tensor | None = None
+    ) -> int:
+        """Leading full blocks of ``token_ids`` (at ``positions``) every layer has in the store (no cap)."""
+        hashes = self.hashes(token_ids, positions)
+        if not hashes:
+            return 0
+        return self.prefix_of(self.store.batch_exists(self.prefix_keys(hashes, len(hashes))), len(hashes))
+
     def prefix_keys(self, hashes: list[str], n: int) -> list[str]:
         """Keys of blocks ``[0, n)`` of every layer, layer-major."""
         head = hashes[:n]

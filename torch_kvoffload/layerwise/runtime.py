@@ -223,23 +223,14 @@ class LayerwiseOffloadRuntime:
         return self._io.read_block(self._lookup.hashes(token_ids, positions)[block])
 
     def write_block(
-        self,
-        token_ids: Sequence[int],
-        block: int,
-        positions: Sequence[int] | None,
-        rows: Sequence[Sequence[torch.Tensor]],
+        self, token_ids: Sequence[int], block: int, positions: Sequence[int] | None, rows
     ) -> None:
-        """Store full block ``block`` of ``token_ids`` (at ``positions``) from ``rows`` (per layer, per
-        component: main, then indexer, a host ``[block_size, D]`` tensor); between forwards."""
+        """Store block ``block`` of ``token_ids`` (at ``positions``) from ``rows`` (host, per layer and part)."""
         self._io.write_block(self._lookup.hashes(token_ids, positions)[block], rows)
 
     def stored_blocks(self, token_ids: Sequence[int], positions: Sequence[int] | None = None) -> int:
         """Leading full blocks of ``token_ids`` (at ``positions``) every layer has in the store."""
-        lookup = self._lookup
-        hashes = lookup.hashes(token_ids, positions)
-        if not hashes:
-            return 0
-        return lookup.prefix_of(self.store.batch_exists(lookup.prefix_keys(hashes, len(hashes))), len(hashes))
+        return self._lookup.stored_prefix(token_ids, positions)
 
     # -------------------------------------------------------------------------------- forward
     def begin_forward(

@@ -180,6 +180,20 @@ def _shared_store(monkeypatch) -> LocalKVStore:
     return store
 
 
+def _stored_once(monkeypatch, seed: int):
+    """``(store, model, prompt, the unmodified model's output)``: a V3.2 model offloaded with layerwise +
+    sparse on a store of its own, which its first generate of the 70-token prompt filled."""
+    family, config = MODES["v32-both"]
+    store = _shared_store(monkeypatch)
+    model = build_model(family)
+    ref = copy.deepcopy(model)
+    model = torch_kvoffload.offload(model, config)
+    ids = _prompt(70, seed=seed)
+    want = _generate(ref, ids)
+    assert torch.equal(_generate(model, ids).sequences, want.sequences)
+    return store, model, ids, want
+
+
 def _lose_everything(store: LocalKVStore) -> None:
     """Every record of ``store`` evicted (as another process's traffic would)."""
     for key in list(store._index):
@@ -191,15 +205,7 @@ def test_a_prefix_the_store_loses_after_the_lookup_is_computed_with_the_same_tok
     """The store empties between the lookup and the read of the adopted rows (``adopting``: the partial
     block's and the sparse rows' read), or between the adoption and the forward's layer loads
     (``loading``): the prompt is computed whole, counted in ``prefix_fallbacks``; the next call works."""
-    family, config = MODES["v32-both"]
-    store = _shared_store(monkeypatch)
-    model = build_model(family)
-    ref = copy.deepcopy(model)
-    model = torch_kvoffload.offload(model, config)
-    ids = _prompt(70, seed=6)
-    want = _generate(ref, ids)
-    assert torch.equal(_generate(model, ids).sequences, want.sequences)
-
+    store, model, ids, want = _stored_once(monkeypatch, seed=6)
     if when == "adopting":
         real = LayerwiseBackend.cached_prefix
 
@@ -226,14 +232,7 @@ def test_a_prefix_the_store_loses_after_the_lookup_is_computed_with_the_same_tok
 
 def test_a_damaged_stored_block_is_computed_never_adopted(monkeypatch):
     """A block whose record fails its checksum when it is read: the forward computes from it on."""
-    family, config = MODES["v32-both"]
-    store = _shared_store(monkeypatch)
-    model = build_model(family)
-    ref = copy.deepcopy(model)
-    model = torch_kvoffload.offload(model, config)
-    ids = _prompt(70, seed=7)
-    want = _generate(ref, ids)
-    assert torch.equal(_generate(model, ids).sequences, want.sequences)
+    store, model, ids, want = _stored_once(monkeypatch, seed=7)
     for e in list(store._index.values()):  # a flipped byte in every record, behind the store's back
         store._arena[e.offset + e.nbytes // 2] ^= 0x40
     before = torch_kvoffload.stats(model)

@@ -43,7 +43,8 @@ def _first_process(config: dict, ids: torch.Tensor, out) -> None:
     put into the segment the test process lends: this process lends none)."""
     model = torch_kvoffload.offload(build_model("deepseek_v32"), config)
     tokens = _generate(model, ids)
-    out.put((tokens, torch_kvoffload.stats(model)["prefix_store_tokens"]))
+    # plain values: a tensor would travel as a file descriptor this process must outlive
+    out.put((tokens.tolist(), int(torch_kvoffload.stats(model)["prefix_store_tokens"])))
     detach(model)
 
 
@@ -62,7 +63,7 @@ def test_a_second_process_computes_only_what_the_first_did_not(master):
     finally:
         if child.is_alive():
             child.kill()
-    assert child.exitcode == 0 and served == 0 and torch.equal(tokens, want)
+    assert child.exitcode == 0 and served == 0 and tokens == want.tolist()
 
     before = torch_kvoffload.stats(model)
     assert torch.equal(_generate(model, ids), want)

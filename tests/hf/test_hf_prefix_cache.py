@@ -128,7 +128,7 @@ def test_rows_of_a_batch_hit_different_lengths_and_spans_end_inside_blocks(mode)
     assert _delta(model, before, "prefix_store_tokens") == 10
 
 
-def test_beams_and_returned_sequences_reuse_the_prefix():
+def test_beams_and_returned_sequences_reuse_the_prefix(monkeypatch):
     family, config = MODES["v32-both"]
     model = build_model(family)
     ref = copy.deepcopy(model)
@@ -137,10 +137,19 @@ def test_beams_and_returned_sequences_reuse_the_prefix():
     _generate(model, ids)
     kw = dict(num_beams=2, num_return_sequences=2)
     want = _generate(ref, ids, **kw)
+    adopted = []
+    real = prefix_mod.PrefixReuse.adopt
+
+    def adopt(self, requests, *args):
+        adopted.append(len(requests))
+        return real(self, requests, *args)
+
+    monkeypatch.setattr(prefix_mod.PrefixReuse, "adopt", adopt)
     before = torch_kvoffload.stats(model)
     got = _generate(model, ids, **kw)
     assert torch.equal(got.sequences, want.sequences)
     assert _delta(model, before, "prefix_store_tokens") == 2 * 48  # two beam rows, 3 blocks each
+    assert adopted == [1]  # the second beam row is a fork of the first: their host-pool blocks are shared
 
 
 def test_reuse_off_and_calls_whose_outputs_cover_the_prompt_compute_everything():

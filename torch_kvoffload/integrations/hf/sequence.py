@@ -431,13 +431,31 @@ class HFSequence:
         [B, P]``: which are real) hold stored KV: row ``r``'s request adopts the first ``lengths[r]`` tokens
         of its prompt ``prompts[r]`` (at ``positions[r]``) from the store (:class:`~torch_kvoffload.core.
         prefix.PrefixReuse`), sized as a fresh forward of the whole prompts would size it; the next forward
-        continues at ``past = P``. On failure the sequence is ended (not broken: a fresh forward follows)
-        and the error propagates. :meth:`size_fresh` first."""
+        continues at ``past = P``. Rows with the same prompt and length (beams, ``num_return_sequences``)
+        adopt once: the others are forks of the first (:meth:`KVCore.fork`: host-pool blocks shared). On
+        failure the sequence is ended (not broken: a fresh forward follows) and the error propagates.
+        :meth:`size_fresh` first."""
         self._start(len(prompts), owner)
+        first: dict[tuple, int] = {}
+        copies: dict[int, int] = {}  # row -> the earlier row it continues
+        for b, (prompt, pos, n) in enumerate(zip(prompts, positions, lengths, strict=True)):
+            key = (n, tuple(prompt), None if pos is None else tuple(pos))
+            if n and key in first:
+                copies[b] = first[key]
+            first.setdefault(key, b)
+        own = [b for b in range(len(prompts)) if b not in copies]
+        core = self.core
         try:
-            self.core.prefix.adopt(self.requests, prompts, positions, lengths)
+            core.prefix.adopt(
+                [self.requests[b] for b in own], [prompts[b] for b in own], [positions[b] for b in own],
+                [lengths[b] for b in own],
+            )  # fmt: skip
+            for b, src in copies.items():
+                core.finish([self.requests[b].id])
+                self.requests[b] = core.fork(self.requests[src].id)
+                core.prefix.counters.add("prefix_store_tokens", lengths[b])
         except BaseException:
-            self.end()
+            self.end(persist=False)
             raise
         self.seen, self.masks = int(masks.shape[1]), masks
 

@@ -154,3 +154,29 @@ def test_reuse_off_computes_every_prompt_and_a_lost_prefix_is_computed(monkeypat
     assert after["prefix_fallbacks"] - before["prefix_fallbacks"] == 1
     assert after["prefix_store_tokens"] == before["prefix_store_tokens"]
     assert after["reserved_requests"] == 0
+
+
+def test_a_failing_adoption_fails_no_request_and_frees_its_slot(monkeypatch):
+    """Any error while a request takes its prefix over (here not the store's) leaves the scheduler's loop
+    alone: the request computes its whole prompt in its slot, the others are answered."""
+    from torch_kvoffload.core import prefix as prefix_mod
+
+    family, config = CONFIGS["v32-layerwise-sparse"]
+    model = _model(family)
+    g = torch.Generator().manual_seed(4)
+    system = torch.randint(3, 1000, (32,), generator=g).tolist()
+    prompts = [system + torch.randint(3, 1000, (n,), generator=g).tolist() for n in (5, 11, 3)]
+    reference = _reference(model, prompts)
+    torch_kvoffload.offload(model, copy.deepcopy(config))
+    assert _batch(model, prompts[:1]) == reference[:1]
+
+    def broken(self, requests, *args):
+        self.core.finish([r.id for r in requests])
+        raise OSError("injected")
+
+    monkeypatch.setattr(prefix_mod.PrefixReuse, "adopt", broken)
+    before = session_of(model).stats()
+    assert _batch(model, prompts[1:]) == reference[1:]
+    after = session_of(model).stats()
+    assert after["prefix_fallbacks"] - before["prefix_fallbacks"] == 2
+    assert after["reserved_requests"] == 0 and after["serving_requests"] == 0

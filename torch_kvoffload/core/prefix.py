@@ -48,7 +48,8 @@ class PrefixReuse:
     """The prefix reuse of ``core`` (see the module docstring). ``counters``: ``prefix_lookups`` and
     ``prefix_lookup_seconds`` (prompts looked up, time spent), ``prompt_tokens`` (tokens of the prompts
     looked up), ``prefix_store_tokens`` (of those, tokens adopted from the store: not computed),
-    ``prefix_fallbacks`` (adopted prefixes the store could no longer give: their prompts were computed)."""
+    ``prefix_fallbacks`` (prefixes found but not taken over, see :meth:`fell_back`: their prompts were
+    computed)."""
 
     def __init__(self, core: Any) -> None:  # a KVCore (core.kv imports this module)
         self.core = core
@@ -121,6 +122,12 @@ class PrefixReuse:
             core.finish([r.id for r in requests])
             raise
         self.counters.add("prefix_store_tokens", sum(lengths))
+
+    def fell_back(self, who: str, exc: BaseException) -> None:
+        """A prefix the lookup found could not be read when it was needed (``exc``, naming the block): counted
+        in ``prefix_fallbacks`` and logged; the caller computes the whole prompt instead."""
+        self.counters.add("prefix_fallbacks")
+        logger.warning("%s: %s; the prompt is computed", who, exc)
 
     def persist(self, requests: Sequence[Request]) -> None:
         """Store the full blocks of ``requests`` the store lacks, before they end: the blocks their decode

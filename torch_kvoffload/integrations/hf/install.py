@@ -29,7 +29,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import logging
 import types
 from collections.abc import Callable
 from typing import Any
@@ -58,8 +57,6 @@ from torch_kvoffload.integrations.hf.pd import make_role
 from torch_kvoffload.integrations.hf.prefix import skip_cached_prefix
 from torch_kvoffload.integrations.hf.session import OffloadSession, session_of
 from torch_kvoffload.layerwise.errors import StoreMissError
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "attach", "bind_method", "check_no_grad", "deepcopy_rebound", "detach", "new_session", "offload",
@@ -278,8 +275,7 @@ def _forward(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
                 raise
             # the adopted prefix could not be loaded when its layer needed it: compute the whole prompt
             cache.seen_tokens = 0
-            session.core.prefix.counters.add("prefix_fallbacks")
-            logger.warning("prefix reuse: %s; the prompt is computed", exc)
+            session.core.prefix.fell_back(name, exc)
             body = functools.partial(model._kvoffload_originals["forward"], **full)
             past, width = 0, int(full["input_ids"].shape[1])
             out = session.run_forward(

@@ -16,15 +16,12 @@ computes every column, as before.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 from torch_kvoffload.integrations.hf.inputs import model_positions
 from torch_kvoffload.layerwise.errors import StoreMissError
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["skip_cached_prefix"]
 
@@ -91,8 +88,7 @@ def skip_cached_prefix(
     try:
         session._seq.start_with_prefix(cache, head, prompts, positions, lengths)
     except StoreMissError as exc:
-        reuse.counters.add("prefix_fallbacks")
-        logger.warning("prefix reuse: %s; the prompt is computed", exc)
+        reuse.fell_back("prefix reuse", exc)
         return 0, kwargs
     cut = dict(kwargs)
     cut["input_ids"] = ids[:, columns:]

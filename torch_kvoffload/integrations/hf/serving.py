@@ -35,7 +35,6 @@ import torch
 from torch_kvoffload.integrations.hf.packed import PackedRows
 from torch_kvoffload.kv.group_outcomes import exchange_outcomes
 from torch_kvoffload.kv.requests import Request
-from torch_kvoffload.layerwise.errors import StoreMissError
 
 if TYPE_CHECKING:
     from torch_kvoffload.integrations.hf.session import OffloadSession
@@ -267,8 +266,9 @@ class ServingRequests:
         """Tokens of a new request's ``prompt`` taken over from the store before its first step (transformers'
         scheduler asks as it first schedules the request: ``search_prefix_match``): its library request is
         admitted now holding them (:class:`~torch_kvoffload.core.prefix.PrefixReuse`). 0, nothing admitted,
-        when nothing is cached, no slot is free, or the store no longer gives the prefix when it is read
-        (counted in ``prefix_fallbacks``: the request computes its whole prompt)."""
+        when nothing is cached, no slot is free, or the adoption fails (the store no longer gives the prefix
+        when it is read: counted in ``prefix_fallbacks``, and the request computes its whole prompt; never
+        an error in the scheduler's loop)."""
         reuse = self.session.core.prefix
         if request_id in self._live or len(self._live) >= self.slots or not reuse.enabled:
             return 0
@@ -280,10 +280,9 @@ class ServingRequests:
         self.admit(request_id)
         try:
             reuse.adopt([self._live[request_id]], [list(prompt)], [None], [found])
-        except StoreMissError as exc:  # adopt finished the request
+        except Exception as exc:  # adopt finished the request: it computes its prompt, in a free slot again
             self._live.pop(request_id, None)
-            reuse.counters.add("prefix_fallbacks")
-            logger.warning("continuous batching: request %s computes its prompt: %s", request_id, exc)
+            reuse.fell_back(f"continuous batching, request {request_id}", exc)
             return 0
         return found
 

@@ -459,7 +459,8 @@ class OffloadSession:
         Prefix reuse (:mod:`torch_kvoffload.core.prefix`): ``prompt_tokens`` (real tokens of the prompts
         of fresh forwards), ``prefix_store_tokens`` (of those, adopted from the store: not computed),
         ``prompt_tokens_computed`` (the rest), ``prefix_lookups`` / ``prefix_lookup_seconds``,
-        ``prefix_fallbacks`` (adopted prefixes the store could no longer give: computed instead).
+        ``prefix_fallbacks`` (prefixes found but not taken over: the store could no longer give them, or the
+        adoption failed; computed instead).
         """
         got = self._core.backend_stats()
         own = self._core.counters.snapshot()

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import datetime
 import io
 import multiprocessing as mp
 import multiprocessing.connection
@@ -51,6 +50,7 @@ from typing import Any
 import mktestdocs
 import pytest
 import torch
+from support.gloo import master_store
 
 from torch_kvoffload._utils import free_port
 
@@ -309,14 +309,9 @@ def _child(
         torch.set_num_threads(1)
         if process == "rank":
             import torch.distributed as dist
+            from support.gloo import init_gloo
 
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://127.0.0.1:{gloo_port}",
-                rank=rank,
-                world_size=WORLD,
-                timeout=datetime.timedelta(seconds=timeout_s),
-            )
+            init_gloo(rank, WORLD, gloo_port, timeout_s)
         try:
             run_blocks(doc, blocks, Ctx(process, rank, channels, kv_port, timeout_s))
         finally:
@@ -340,7 +335,8 @@ def run_processes(doc: str, groups: dict[str, list[tuple[int, str]]], kv_port: i
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     channels = {"tickets": ctx.Queue(), "first": ctx.Queue()}
-    gloo_port = free_port()
+    gloo = master_store(timeout_s)  # the ranks' rendezvous, served here until they are done
+    gloo_port = gloo.port
     procs = []
     for process, blocks in groups.items():
         for rank in range(WORLD if process == "rank" else 1):

@@ -143,7 +143,7 @@ def test_decode_ranks_agree_on_readiness():
     out_q = ctx.Queue()
     # the collectives' bound: the stub waits return at once, so a cold start of the ranks
     start_s = process_s(HF_PRELOAD)
-    procs = start_gloo_group(ctx, wait_agreement_rank, world, out_q, timeout_s=start_s)
+    procs, _store = start_gloo_group(ctx, wait_agreement_rank, world, out_q, timeout_s=start_s)
     outcomes = {}
     try:
         deadline = time.monotonic() + 2 * start_s

@@ -3,7 +3,6 @@ local gloo launcher."""
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import threading
@@ -14,7 +13,6 @@ from typing import Any
 
 import torch
 
-from torch_kvoffload._utils import free_port
 from torch_kvoffload.kvpp import BundleSpec, KVPPAllocation, KVPPGroup, KVPPPlan, assign_owners
 from torch_kvoffload.transfer import TransferEvent, TransferStream
 
@@ -139,10 +137,10 @@ def small_allocation(
 def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, args: tuple) -> None:
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+    from support.gloo import init_gloo
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    init_gloo(rank, world, port, 60.0)
     try:
         fn(rank, world, *args)
         # no rank tears its gloo context down while a peer still exchanges with it (an abort in gloo's
@@ -170,11 +168,13 @@ def spawn_gloo(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 
     """
     import torch.multiprocessing as mp
 
+    from support.gloo import master_store
     from support.pd_helpers import hf_context
 
     hf_context()  # the forkserver's preload, set before the server starts
+    store = master_store(timeout)  # served here until the ranks are done
     ctx = mp.start_processes(
-        _entry, args=(fn, world, free_port(), args), nprocs=world, join=False, start_method="forkserver"
+        _entry, args=(fn, world, store.port, args), nprocs=world, join=False, start_method="forkserver"
     )
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):

@@ -651,35 +651,33 @@ def free_port_run(count: int, host: str = "127.0.0.1") -> int:
 
 
 def _gloo_rank(rank: int, world: int, port: int, timeout_s: float, fn, args: tuple) -> None:
-    import datetime
-
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from support.gloo import init_gloo
+
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    init_gloo(rank, world, port, timeout_s)
     try:
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
 
 
-def start_gloo_group(ctx, fn, world: int, *args: Any, timeout_s: float) -> list:
+def start_gloo_group(ctx, fn, world: int, *args: Any, timeout_s: float) -> tuple[list, Any]:
     """Start ``world`` processes of ``ctx`` running ``fn(rank, world, *args)`` in their own gloo group on
     127.0.0.1 (the default process group of each: what ``tp_plan="auto"`` shards over); collectives time out
-    after ``timeout_s``. Returns the processes (daemons, not joined)."""
-    from torch_kvoffload._utils import free_port
+    after ``timeout_s``. Returns the processes (daemons, not joined) and the group's rendezvous store, which
+    the caller keeps until they are done (:mod:`support.gloo`)."""
+    from support.gloo import master_store
 
-    port = free_port()
+    store = master_store(timeout_s)
     procs = [
-        ctx.Process(target=_gloo_rank, args=(r, world, port, timeout_s, fn, args), daemon=True)
+        ctx.Process(target=_gloo_rank, args=(r, world, store.port, timeout_s, fn, args), daemon=True)
         for r in range(world)
     ]
     for p in procs:
         p.start()
-    return procs
+    return procs, store
 
 
 def load_hf_side(directory: str, rank: int, world: int) -> torch.nn.Module:
@@ -785,8 +783,11 @@ def run_hf_sides(case: dict, p_tp: int, d_tp: int, deadline_s: float) -> dict[tu
     deadline = time.monotonic() + deadline_s
     try:
         args = (case, tickets_q, first_q, out_q)
-        procs += start_gloo_group(ctx, hf_decode_rank, d_tp, *args, timeout_s=deadline_s)
-        procs += start_gloo_group(ctx, hf_prefill_rank, p_tp, *args, timeout_s=deadline_s)
+        stores = []
+        for fn, world in ((hf_decode_rank, d_tp), (hf_prefill_rank, p_tp)):
+            started, store = start_gloo_group(ctx, fn, world, *args, timeout_s=deadline_s)
+            procs += started
+            stores.append(store)
         while len(results) < p_tp + d_tp:
             try:
                 side, rank, out = out_q.get(timeout=max(0.01, deadline - time.monotonic()))

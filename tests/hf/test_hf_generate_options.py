@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from support.hf_models import SMALL, build_model, left_padded_batch
+from support.hf_models import ONE_LAYER, SMALL, build_model, left_padded_batch
 
 import torch_kvoffload
 from torch_kvoffload.integrations.hf import session_of
@@ -261,11 +261,11 @@ def test_compiled_model_serves_every_option_in_one_sequence():
     request run under ``fail_on_recompile`` with the unmodified model's tokens. Then every option, in one
     sequence of calls on the same model.
 
-    One compiled family: DeepseekV32 under its default config runs both runtimes (layerwise prefill and
-    sparse decode); the options are served by the core, not by the graphs (a fork, a crop, a static-cache
+    One compiled family, one layer: DeepseekV32 under its default config runs both runtimes (layerwise prefill
+    and sparse decode); the options are served by the core, not by the graphs (a fork, a crop, a static-cache
     request reach the same graphs), so DeepseekV3's compiled graphs (tests/hf/test_compile_hf.py) and its
     eager runs of every option (above) leave nothing a compiled V3 run of them would add."""
-    ref, model = _pair("deepseek_v32", None, compiled=True, **SMALL)
+    ref, model = _pair("deepseek_v32", None, compiled=True, **ONE_LAYER)
     ids, mask = _batch()
     _generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
     ids2, mask2 = left_padded_batch([9, 4], seed=2)

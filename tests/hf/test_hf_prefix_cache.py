@@ -10,7 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from support.hf_models import build_model, indexer_boundary_ties, left_padded_batch
+from support.hf_models import SMALL, build_model, indexer_boundary_ties, left_padded_batch
 
 import torch_kvoffload
 from torch_kvoffload.core import prefix as prefix_mod
@@ -253,7 +253,7 @@ def test_a_damaged_stored_block_is_computed_never_adopted(monkeypatch):
 @pytest.mark.slow
 def test_a_compiled_model_reuses_the_prefix_call_after_call():
     family, config = MODES["v32-both"]
-    model = build_model(family)
+    model = build_model(family, **SMALL)
     ref = copy.deepcopy(model)
     model = torch_kvoffload.compile(model, config)
     for seed, n in ((8, 70), (9, 40)):

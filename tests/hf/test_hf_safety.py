@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from support.hf_models import SMALL, build_model, left_padded_batch
+from support.hf_models import ONE_LAYER, SMALL, build_model, left_padded_batch
 
 import torch_kvoffload
 from torch_kvoffload.integrations.hf import session_of
@@ -28,8 +28,8 @@ def _gen(model, ids, mask, new=NEW, **kwargs):
 
 
 def _pair(family, mode, *, seed=0, config=None):
-    """``(offloaded model, unmodified deep copy taken before)``."""
-    model = build_model(family, seed=seed, **SMALL)
+    """``(offloaded model, unmodified deep copy taken before)``; a compiled model has one layer."""
+    model = build_model(family, seed=seed, **(ONE_LAYER if mode == "compile" else SMALL))
     ref = copy.deepcopy(model)
     apply = torch_kvoffload.compile if mode == "compile" else torch_kvoffload.offload
     return apply(model, config), ref
@@ -49,7 +49,7 @@ def test_compiled_models_of_one_class_in_one_process_give_the_unmodified_tokens(
     compiled with ``isolate_recompiles=False``)."""
     for i in range(2):
         ids, mask = left_padded_batch(LENGTHS, seed=i)
-        model = build_model("deepseek_v32", seed=i, **SMALL)
+        model = build_model("deepseek_v32", seed=i, **ONE_LAYER)
         ref = copy.deepcopy(model)
         model = torch_kvoffload.compile(model, recompile_limit=2)
         want = _gen(ref, ids, mask, new=4)
@@ -68,7 +68,7 @@ def test_compiled_models_of_other_widths_in_one_process_give_the_unmodified_toke
     ids, mask = left_padded_batch(LENGTHS, seed=4)
     # V3 then V3.2 (whose attention reuses V3's code), of other widths and so other scales
     for family, widths in (("deepseek_v3", {}), ("deepseek_v32", {"qk_nope_head_dim": 24, "v_head_dim": 24})):
-        model = build_model(family, **{**SMALL, **widths})
+        model = build_model(family, **{**ONE_LAYER, **widths})
         ref = copy.deepcopy(model)
         model = torch_kvoffload.compile(model)
         assert torch.equal(_gen(model, ids, mask, new=3), _gen(ref, ids, mask, new=3)), family
@@ -80,9 +80,9 @@ def test_a_fallback_to_eager_raises_instead_of_generating():
     library's cache, which holds no KV, and raises. (``set_stance("force_eager")`` runs the library's eager
     attention instead: tests/hf/test_hf_force_eager.py.)"""
     ids, mask = left_padded_batch(LENGTHS)
-    ref = build_model("deepseek_v32", **SMALL)
+    ref = build_model("deepseek_v32", **ONE_LAYER)
     # a budget of one graph: the decode step (a second graph) falls back to eager
-    model = torch_kvoffload.compile(build_model("deepseek_v32", **SMALL), recompile_limit=1)
+    model = torch_kvoffload.compile(build_model("deepseek_v32", **ONE_LAYER), recompile_limit=1)
     with pytest.raises(RuntimeError, match=FALLBACK):
         _gen(model, ids, mask)
     # the prefill graph (the one within budget) still serves a new sequence

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILIES", "build_model", "left_padded_batch", "tiny_config"]
+__all__ = ["FAMILIES", "ONE_LAYER", "SMALL", "build_model", "left_padded_batch", "tiny_config"]
 
 FAMILIES = ("deepseek_v3", "deepseek_v32")
 # Two layers (one dense, one MoE) and narrow widths: a compile takes seconds; index_topk (8) stays well
@@ -21,6 +21,10 @@ SMALL = dict(
     num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
     qk_nope_head_dim=16, v_head_dim=16,
 )  # fmt: skip
+# SMALL with one (dense) layer: Dynamo traces every layer of every graph (about 2.5 s a layer and graph here),
+# so the compiled tests whose subject is not the passage from layer to layer (options, threads, copies,
+# several models in a process) trace one
+ONE_LAYER = {**SMALL, "num_hidden_layers": 1}
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=1000,

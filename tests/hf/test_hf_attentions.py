@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from support.hf_models import SMALL, build_model, indexer_boundary_ties, left_padded_batch
+from support.hf_models import ONE_LAYER, SMALL, build_model, indexer_boundary_ties, left_padded_batch
 
 import torch_kvoffload
 from torch_kvoffload.backend import compile_reports
@@ -148,10 +148,12 @@ def test_config_flag_no_cache_and_refusals(refs, monkeypatch):
     [("deepseek_v3", None), ("deepseek_v32", {"sparse": {"capacity": 9}, "block_size": 4})],
     ids=["v3-default", "v32-sparse"],
 )
-def test_compiled_model_returns_them_eagerly_and_keeps_its_graphs(family, config, weights, refs):
+def test_compiled_model_returns_them_eagerly_and_keeps_its_graphs(family, config):
     torch._dynamo.reset()
-    ref = refs[family]
-    model = torch_kvoffload.compile(copy.deepcopy(weights[family]), config)
+    model = build_model(family, **ONE_LAYER)  # a compiled model traces one layer
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("eager")
+    model = torch_kvoffload.compile(model, config)
     ids, mask = left_padded_batch([9, 4], seed=6)
     first = _generate(model, ids, mask, 4)
     graphs = len(compile_reports(model))

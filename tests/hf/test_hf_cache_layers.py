@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from support.hf_models import SMALL, build_model, left_padded_batch
+from support.hf_models import ONE_LAYER, SMALL, build_model, left_padded_batch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import torch_kvoffload
@@ -44,8 +44,8 @@ def _no_grad():
 
 
 def _pair(family: str, config: dict, mode: str = "offload"):
-    """``(offloaded model, unmodified deep copy taken before)``."""
-    model = build_model(family, **SMALL)
+    """``(offloaded model, unmodified deep copy taken before)``; a compiled model has one layer."""
+    model = build_model(family, **(ONE_LAYER if mode == "compile" else SMALL))
     ref = copy.deepcopy(model)
     apply = torch_kvoffload.compile if mode == "compile" else torch_kvoffload.offload
     return apply(model, {**config, "block_size": BS}), ref

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from support.hf_models import SMALL, build_model, left_padded_batch
+from support.hf_models import ONE_LAYER, SMALL, build_model, left_padded_batch
 
 import torch_kvoffload
 from torch_kvoffload.integrations.hf import session_of
@@ -43,7 +43,9 @@ def _no_grad():
 
 
 def _pair(family: str, config: str, mode: str = "offload"):
-    model = build_model(family, **SMALL)
+    model = build_model(
+        family, **(ONE_LAYER if mode == "compile" else SMALL)
+    )  # a compiled one traces one layer
     ref = copy.deepcopy(model)
     return getattr(torch_kvoffload, mode)(model, CONFIGS[config]), ref
 

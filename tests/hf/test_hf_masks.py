@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from support.hf_models import SMALL, build_model, indexer_boundary_ties
+from support.hf_models import ONE_LAYER, SMALL, build_model, indexer_boundary_ties
 from transformers import DynamicCache
 
 import torch_kvoffload
@@ -150,7 +150,7 @@ def test_generate_right_and_inside_padding(family, padding):
 
 def test_compiled_inside_padding():
     """A compiled model: a padded prompt, then a decode step where a row skips its step."""
-    model = build_model("deepseek_v32", **SMALL)
+    model = build_model("deepseek_v32", **ONE_LAYER)
     ref = copy.deepcopy(model)
     model = torch_kvoffload.compile(model, {"sparse": {}, "block_size": BS})
     session = session_of(model)

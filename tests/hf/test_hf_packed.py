@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from support.hf_models import SMALL, build_model
+from support.hf_models import ONE_LAYER, build_model
 
 import torch_kvoffload
 from torch_kvoffload.integrations.hf.packed import PackedRows
@@ -21,7 +21,7 @@ from torch_kvoffload.integrations.hf.packed import PackedRows
 CASES = [
     ("deepseek_v3", "offload", {}),
     ("deepseek_v32", "offload", {}),
-    ("deepseek_v32", "compile", SMALL),
+    ("deepseek_v32", "compile", ONE_LAYER),
 ]
 ATOL = 2e-5
 

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from support.hf_models import SMALL, build_model, indexer_boundary_ties, left_padded_batch
+from support.hf_models import ONE_LAYER, build_model, indexer_boundary_ties, left_padded_batch
 
 import torch_kvoffload
 from torch_kvoffload import OffloadConfig
@@ -98,7 +98,7 @@ def test_generate_sequence_equals_unmodified_model(mode):
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_compiled_generate_sequence_equals_unmodified_model(mode):
-    model, calls = _reference_run(SMALL, CALLS[:2])
+    model, calls = _reference_run(ONE_LAYER, CALLS[:2])
     model = torch_kvoffload.compile(model, MODES[mode])
     for ids, mask, new, want in calls:
         assert torch.equal(_generate(model, ids, mask, new), want)

@@ -50,10 +50,10 @@ def test_eager_offload_serves_families_sharing_the_deepseek_attention(config_nam
 )
 def test_compile_serves_families_with_their_own_attention_code(config_name, indexer, config):
     torch._dynamo.reset()
-    # two layers (one dense, one MoE): the passes match each layer's attention alike; a layer more is a
-    # second of tracing more per graph
-    want = _generate(_model(config_name, indexer, num_hidden_layers=2))
-    model = torch_kvoffload.compile(_model(config_name, indexer, num_hidden_layers=2), config)
+    # one layer: the subject is each family's attention code, which every layer runs alike (Dynamo traces every
+    # layer of every graph, seconds each)
+    want = _generate(_model(config_name, indexer, num_hidden_layers=1))
+    model = torch_kvoffload.compile(_model(config_name, indexer, num_hidden_layers=1), config)
     got = _generate(model)
     assert torch.equal(got, want)
     assert torch_kvoffload.stats(model)["layer_saves"] > 0  # the KV really went through the host store

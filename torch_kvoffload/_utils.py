@@ -5,6 +5,7 @@ and dtype names.
 from __future__ import annotations
 
 import operator
+import random
 import socket
 
 import torch
@@ -21,26 +22,51 @@ __all__ = [
 ]
 
 
+#: Where the OS keeps the range of ports it hands to ``bind(port=0)`` and to outgoing connections (Linux).
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+#: The lowest port :func:`free_ports` picks below that range (the registered ports under it are left alone).
+_LOWEST_PICKED = 10_000
+
+
+def _picked_range() -> range | None:
+    """Ports below the OS's ephemeral range, or ``None`` where that range is unknown or leaves too few."""
+    try:
+        with open(_EPHEMERAL_RANGE) as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return range(_LOWEST_PICKED, low) if low - _LOWEST_PICKED >= 4096 else None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free when asked (the OS picks it; another process may take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port on ``host`` that was free when asked (see :func:`free_ports`)."""
+    return free_ports(1, host)[0]
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """``count`` distinct TCP ports on ``host`` that were free when asked.
 
-    All sockets stay bound until every port is picked: calling :func:`free_port` ``count`` times may give
-    the same port twice (the OS can hand out a port again as soon as its socket is closed).
+    Picked at random below the OS's ephemeral range where it is known (Linux): a port the OS picked would be
+    free only until it hands the same port to an outgoing connection made meanwhile (any process's), before
+    the caller binds it. (A random pick, from ``os.urandom``: processes forked from one parent do not repeat
+    each other's picks.) All sockets stay bound until every port is picked, so the ports are distinct.
     """
     check_int("free_ports", "count", count, minimum=1)
+    picked = _picked_range()
+    rng = random.SystemRandom()
     socks: list[socket.socket] = []
     try:
         for _ in range(count):
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             socks.append(s)
-            s.bind((host, 0))
+            for _ in range(64 if picked is not None else 0):
+                try:
+                    s.bind((host, rng.choice(picked)))
+                    break
+                except OSError:  # taken (or waiting out a closed connection): another pick
+                    continue
+            else:
+                s.bind((host, 0))
         return [int(s.getsockname()[1]) for s in socks]
     finally:
         for s in socks:

@@ -58,12 +58,13 @@ MANY_SHAPES = [
 MAX_GRAPHS = 11
 
 
-# the passage from layer to layer (the layerwise pipeline, both runtimes) in the case with the most graphs;
-# one layer elsewhere (Dynamo traces every layer of every graph)
+# two layers where the layerwise pipeline passes from layer to layer (V3.2, the graphs holding the indexer
+# too); one layer elsewhere (Dynamo traces every layer of every graph): the graph count of MANY_SHAPES depends
+# on the runtimes' input variants, not on the layers
 @pytest.mark.parametrize(
     ("family", "mode", "shapes", "widths"),
-    [("deepseek_v3", "layerwise", SHAPES, ONE_LAYER), ("deepseek_v32", "layerwise", PADDED_SHAPES, ONE_LAYER),
-     ("deepseek_v32", "sparse", PADDED_SHAPES, ONE_LAYER), ("deepseek_v32", "both", MANY_SHAPES, SMALL)],
+    [("deepseek_v3", "layerwise", SHAPES, ONE_LAYER), ("deepseek_v32", "layerwise", PADDED_SHAPES, SMALL),
+     ("deepseek_v32", "sparse", PADDED_SHAPES, ONE_LAYER), ("deepseek_v32", "both", MANY_SHAPES, ONE_LAYER)],
     ids=["v3-layerwise", "v32-layerwise", "v32-sparse", "v32-both"],
 )  # fmt: skip
 def test_compiled_generate_matches_the_model_call_after_call(family, mode, shapes, widths):

@@ -105,6 +105,7 @@ def test_batch_and_client_quota(master) -> None:
         store.close()
 
 
+@pytest.mark.slow  # the Mooncake client waits out its connection attempts (seconds)
 def test_bad_master_is_reported() -> None:
     from torch_kvoffload._utils import free_port
     from torch_kvoffload.store.mooncake import MooncakeKVStore

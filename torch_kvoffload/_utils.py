@@ -53,19 +53,18 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """
     check_int("free_ports", "count", count, minimum=1)
     picked = _picked_range()
-    rng = random.SystemRandom()
     socks: list[socket.socket] = []
     try:
         for _ in range(count):
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             socks.append(s)
-            for _ in range(64 if picked is not None else 0):
+            for port in random.SystemRandom().sample(picked, 64) if picked is not None else ():
                 try:
-                    s.bind((host, rng.choice(picked)))
+                    s.bind((host, port))
                     break
                 except OSError:  # taken (or waiting out a closed connection): another pick
                     continue
-            else:
+            else:  # no range to pick from, or 64 picks taken: the OS's pick
                 s.bind((host, 0))
         return [int(s.getsockname()[1]) for s in socks]
     finally:

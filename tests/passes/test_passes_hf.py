@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from support.hf_models import build_model
+from support.hf_models import SMALL, build_model
 
 from torch_kvoffload.ops import layer_hooks, mla_runtime
 from torch_kvoffload.passes import (
@@ -31,13 +31,8 @@ from torch_kvoffload.passes import (
 
 pytestmark = pytest.mark.slow  # captures whole Hugging Face models with Dynamo
 
-LAYERS = 2
 # Narrow widths keep the captures fast; the graph structure is the full model's.
-SMALL = dict(
-    num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4,
-    num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8,
-    qk_nope_head_dim=16, v_head_dim=16,
-)  # fmt: skip
+LAYERS = SMALL["num_hidden_layers"]
 _names = itertools.count()
 
 

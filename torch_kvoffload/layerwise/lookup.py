@@ -79,19 +79,23 @@ class PrefixLookup:
         """Tokens of ``token_ids`` (at ``positions``) whose KV every layer has in the store (a multiple of
         ``block_size``, leaving at least one token to compute)."""
         hashes = self.hashes(token_ids, positions)
-        cap = min(len(hashes), self.max_cacheable_blocks(len(token_ids)))
-        if cap == 0:
-            return 0
-        return self.prefix_of(self.store.batch_exists(self.prefix_keys(hashes, cap)), cap) * self.block_size
+        return (
+            self._stored(hashes, min(len(hashes), self.max_cacheable_blocks(len(token_ids))))
+            * self.block_size
+        )
 
     def stored_prefix(
         self, token_ids: Sequence[int] | torch.Tensor, positions: Sequence[int] | torch.Tensor | None = None
     ) -> int:
         """Leading full blocks of ``token_ids`` (at ``positions``) every layer has in the store (no cap)."""
         hashes = self.hashes(token_ids, positions)
-        if not hashes:
+        return self._stored(hashes, len(hashes))
+
+    def _stored(self, hashes: list[str], cap: int) -> int:
+        """Leading blocks of ``hashes[:cap]`` every layer has in the store (one ``batch_exists``)."""
+        if cap == 0:
             return 0
-        return self.prefix_of(self.store.batch_exists(self.prefix_keys(hashes, len(hashes))), len(hashes))
+        return self.prefix_of(self.store.batch_exists(self.prefix_keys(hashes, cap)), cap)
 
     def prefix_keys(self, hashes: list[str], n: int) -> list[str]:
         """Keys of blocks ``[0, n)`` of every layer, layer-major."""

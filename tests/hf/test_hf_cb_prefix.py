@@ -180,3 +180,84 @@ def test_a_failing_adoption_fails_no_request_and_frees_its_slot(monkeypatch):
     after = session_of(model).stats()
     assert after["prefix_fallbacks"] - before["prefix_fallbacks"] == 2
     assert after["reserved_requests"] == 0 and after["serving_requests"] == 0
+
+
+def _system_prompts(seed: int) -> list[list[int]]:
+    """Three prompts after one 43-token system prompt (5 full blocks + 3 tokens): a shared prefix of 40."""
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(3, 1000, (43,), generator=g).tolist()
+    return [system + torch.randint(3, 1000, (n,), generator=g).tolist() for n in (9, 4, 17)]
+
+
+def _class_steps(monkeypatch) -> list[list[tuple[int, int]]]:
+    """:func:`_steps` for the serving state a model's first batch creates."""
+    from torch_kvoffload.integrations.hf.serving import ServingRequests
+
+    real, steps = ServingRequests.run_step, []
+
+    def run_step(self, model, kwargs):
+        steps.append([(p, q) for _, p, q in self._step])
+        return real(self, model, kwargs)
+
+    monkeypatch.setattr(ServingRequests, "run_step", run_step)
+    return steps
+
+
+def test_requests_arriving_together_compute_their_shared_prefix_once(monkeypatch):
+    """Nothing stored yet: the first request computes the system prompt (two steps of 32 tokens), the
+    others sit out those steps and then take its 5 blocks over from the store."""
+    family, config = CONFIGS["v32-layerwise-sparse"]
+    model = _model(family)
+    prompts = _system_prompts(5)
+    reference = _reference(model, prompts)
+    torch_kvoffload.offload(model, copy.deepcopy(config))
+    session = session_of(model)
+    steps = _class_steps(monkeypatch)
+    assert _batch(model, prompts) == reference
+    stats = session.stats()
+    assert stats["prefix_store_tokens"] == 2 * 40
+    assert stats["prompt_tokens_computed"] == len(prompts[0]) + sum(len(p) - 40 for p in prompts[1:])
+    # two steps compute the first prompt (32 + 20 tokens): its first chunk takes the whole token budget, the
+    # others sit out the second (which computes the 5th block), then start at position 40
+    assert steps[0] == [(0, 32)] and steps[1] == [(32, 20)], steps[:2]
+    assert stats["prefix_waits"] == 2
+    assert sorted(q for s in steps for p, q in s if p == 40) == [len(p) - 40 for p in prompts[1:]]
+    assert stats["reserved_requests"] == 0 and stats["serving_requests"] == 0
+
+    # reuse off: no request waits, each computes its prompt
+    off = torch_kvoffload.offload(_model(family), {**copy.deepcopy(config), "prefix_cache": False})
+    assert _batch(off, prompts) == reference
+    assert session_of(off).stats()["prefix_waits"] == 0
+
+
+def test_a_request_that_fails_while_others_wait_for_its_prefix_leaves_them_to_go_on(monkeypatch):
+    """The first request's second chunk fails in the step the others sit out (its first stored 4 blocks):
+    it fails alone; the next request takes those 4 blocks over and computes the 5th, the last waits for it
+    and takes all 5 over."""
+    family, config = CONFIGS["v32-layerwise-sparse"]
+    model = _model(family)
+    prompts = _system_prompts(6)
+    reference = _reference(model, prompts)
+    torch_kvoffload.offload(model, copy.deepcopy(config))
+    session = session_of(model)
+    from torch_kvoffload.integrations.hf.serving import ServingRequests
+
+    real_forward = ServingRequests._forward
+
+    def failing(self, model, layout, requests, ids, logits):
+        first = self.request("req_0")
+        if first is not None and first.length and any(r is first for r in requests):
+            raise RuntimeError("injected failure in req_0's rows")
+        return real_forward(self, model, layout, requests, ids, logits)
+
+    monkeypatch.setattr(ServingRequests, "_forward", failing)
+    out = model.generate_batch(prompts, generation_config=_gen(), continuous_batching_config=_cb())
+    assert "injected failure in req_0's rows" in str(out["req_0"].error)
+    for i in (1, 2):
+        assert out[f"req_{i}"].error is None and list(out[f"req_{i}"].generated_tokens) == reference[i], i
+    stats = session.stats()
+    assert stats["prefix_store_tokens"] == 32 + 40
+    assert stats["prefix_waits"] == 3  # both in req_0's failed step, req_2 in req_1's first
+    assert stats["reserved_requests"] == 0 and stats["serving_requests"] == 0
+    monkeypatch.undo()
+    assert _batch(model, prompts[:1]) == reference[:1]  # and the model serves again, from the store

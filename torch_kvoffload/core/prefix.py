@@ -33,15 +33,26 @@ from torch_kvoffload.kv.requests import Request
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ROUND_BLOCKS", "PrefixReuse"]
+__all__ = ["ROUND_BLOCKS", "PrefixReuse", "shared_prefix"]
 
 #: Blocks per request whose stored rows one round of :meth:`PrefixReuse.adopt` holds on the host.
 ROUND_BLOCKS = 32
 
 _COUNTERS = (
     "prefix_lookups", "prefix_lookup_seconds", "prompt_tokens", "prefix_store_tokens", "prefix_fallbacks",
-    "persisted_blocks", "persist_failures",
+    "persisted_blocks", "persist_failures", "prefix_waits",
 )  # fmt: skip
+
+
+def shared_prefix(prompt: Sequence[int], other: Sequence[int], block_size: int) -> int:
+    """Leading tokens of ``prompt`` in whole blocks of ``block_size`` that ``other`` starts with too: the
+    prefix whose stored blocks ``other``'s forward would give ``prompt`` (at most ``len(prompt) - 1``, as
+    :meth:`PrefixReuse.lookup` finds)."""
+    limit = min(len(prompt) - 1, len(other)) // block_size * block_size
+    shared = 0
+    while shared < limit and prompt[shared : shared + block_size] == other[shared : shared + block_size]:
+        shared += block_size
+    return shared
 
 
 class PrefixReuse:
@@ -49,7 +60,8 @@ class PrefixReuse:
     ``prefix_lookup_seconds`` (prompts looked up, time spent), ``prompt_tokens`` (tokens of the prompts
     looked up), ``prefix_store_tokens`` (of those, tokens adopted from the store: not computed),
     ``prefix_fallbacks`` (prefixes found but not taken over, see :meth:`fell_back`: their prompts were
-    computed)."""
+    computed), ``prefix_waits`` (steps a new continuous-batching request sat out while another request of
+    the step computed the prefix they share, which it then adopted)."""
 
     def __init__(self, core: Any) -> None:  # a KVCore (core.kv imports this module)
         self.core = core

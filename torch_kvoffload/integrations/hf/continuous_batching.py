@@ -24,10 +24,12 @@ An offloaded model (``torch_kvoffload.offload``, which enables this) keeps its K
 (:mod:`torch_kvoffload.integrations.hf.serving`): transformers' paged cache only keeps its block ledger
 (one element per token and layer, :meth:`MLACacheAllocator.ledger`), and on the cache instance
 ``extend_read_and_write_indices`` (records each request's place in the step), ``can_store_request_tokens``
-(admits a request only into a free library slot), ``free_blocks`` / ``free_all_requests`` (finish the
-library's requests) are wrapped, and with prefix reuse (``OffloadConfig.prefix_cache`` with layerwise
-offload) ``search_prefix_match`` is answered from the library's store (the scheduler's search for a new
-request's cached prefix: the request's library request adopts it, and the scheduler schedules only the rest;
+(admits a request only into a free library slot; refuses a new one that sits out the step),
+``free_blocks`` / ``free_all_requests`` (finish the library's requests) are wrapped, and with prefix reuse
+(``OffloadConfig.prefix_cache`` with layerwise offload) ``search_prefix_match`` is answered from the
+library's store (the scheduler's search for a new request's cached prefix: the request's library request
+adopts it, and the scheduler schedules only the rest; a request whose prefix another request of the step is
+computing sits out the step instead, :mod:`~torch_kvoffload.integrations.hf.serving_prefix`;
 ``use_prefix_sharing`` is set on the instance so that the scheduler asks); on the manager, ``add_request`` (refuses a request longer than
 ``serving.max_request_tokens``) and ``_run_generation_loop`` (closes the serving state when the loop ends).
 The step itself runs in the model's forward (``install._forward``). Asynchronous batching, CUDA graphs,
@@ -471,11 +473,13 @@ def _hook_cache(cache: Any, serving: Any) -> None:
         return extend(request_id, past_length, query_length, read_index, write_index)
 
     def can_store_request_tokens(state, request_len, dry_run=False):
+        if serving.prefixes.waits(state.request_id):
+            return False
         if not serving.can_admit(state.request_id, state.current_len() + request_len):
             return False
         fits = can_store(state, request_len, dry_run)
         if fits and not dry_run:
-            serving.admit(state.request_id)
+            serving.scheduled(state.request_id)
         return fits
 
     def free_blocks_(request_id, no_cache=False):
@@ -492,7 +496,7 @@ def _hook_cache(cache: Any, serving: Any) -> None:
 
     if serving.session.core.prefix.enabled:  # the scheduler asks for a new request's cached prefix
         cache.use_prefix_sharing = True
-        cache.search_prefix_match = serving.adopt_prefix
+        cache.search_prefix_match = serving.prefixes.adopt
     cache.extend_read_and_write_indices = extend_read_and_write_indices
     cache.can_store_request_tokens = can_store_request_tokens
     cache.free_blocks = free_blocks_

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torch_kvoffload.integrations.hf.packed import PackedRows
+from torch_kvoffload.integrations.hf.serving_prefix import ServingPrefixes
 from torch_kvoffload.kv.group_outcomes import exchange_outcomes
 from torch_kvoffload.kv.requests import Request
 
@@ -116,7 +117,7 @@ class ServingRequests:
         self.device_bytes_per_request = 0
         self.fixed_device_bytes = 0
         self._live: dict[str, Request] = {}
-        self._looked_up: set[str] = set()  # requests whose prompts were looked up (prefix reuse)
+        self.prefixes = ServingPrefixes(self)
         self._step: list[tuple[str, int, int]] = []  # (request id, past, query) in packed order
         self._open = threading.Event()
         self.steps = 0
@@ -164,7 +165,8 @@ class ServingRequests:
         self.plan()  # refuses a running forward and ends the generate() sequence
         session.core.size(self.slots, self.max_tokens)
         session.core.keep_prefill_buffers = True
-        self._live, self._step, self._looked_up = {}, [], set()
+        self._live, self._step = {}, []
+        self.prefixes.reset()
         self._open.set()
         logger.info(
             "offload session %s serves %d requests of %d tokens (device KV %d bytes)",
@@ -257,38 +259,30 @@ class ServingRequests:
             return False
         return request_id in self._live or len(self._live) < self.slots
 
-    def admit(self, request_id: str) -> None:
-        """``request_id`` gets a slot (idempotent)."""
+    def admit(self, request_id: str) -> Request:
+        """``request_id`` gets a slot (idempotent); returns its library request."""
         if request_id not in self._live:
             (self._live[request_id],) = self.session.core.admit(1)
+        return self._live[request_id]
 
-    def adopt_prefix(self, request_id: str, prompt: list[int]) -> int:
-        """Tokens of a new request's ``prompt`` taken over from the store before its first step (transformers'
-        scheduler asks as it first schedules the request: ``search_prefix_match``): its library request is
-        admitted now holding them (:class:`~torch_kvoffload.core.prefix.PrefixReuse`). 0, nothing admitted,
-        when nothing is cached, no slot is free, or the adoption fails (the store no longer gives the prefix
-        when it is read: counted in ``prefix_fallbacks``, and the request computes its whole prompt; never
-        an error in the scheduler's loop)."""
-        reuse = self.session.core.prefix
-        if request_id in self._live or len(self._live) >= self.slots or not reuse.enabled:
-            return 0
-        # asked again at each step while the request waits: another request may have stored its prefix since
-        found = reuse.lookup(prompt, None, new=request_id not in self._looked_up)
-        self._looked_up.add(request_id)
-        if not found:
-            return 0
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._live
+
+    def request(self, request_id: str) -> Request | None:
+        return self._live.get(request_id)
+
+    def drop(self, request_id: str) -> None:
+        """Forget ``request_id``'s library request, which the core already finished."""
+        self._live.pop(request_id, None)
+
+    def scheduled(self, request_id: str) -> None:
+        """The scheduler takes ``request_id`` into the step being planned: it gets a slot (:meth:`admit`)."""
         self.admit(request_id)
-        try:
-            reuse.adopt([self._live[request_id]], [list(prompt)], [None], [found])
-        except Exception as exc:  # adopt finished the request: it computes its prompt, in a free slot again
-            self._live.pop(request_id, None)
-            reuse.fell_back(f"continuous batching, request {request_id}", exc)
-            return 0
-        return found
+        self.prefixes.scheduled(request_id)
 
     def finish(self, request_id: str) -> None:
         """``request_id``'s KV is released (idempotent; unknown ids are ignored)."""
-        self._looked_up.discard(request_id)
+        self.prefixes.forget(request_id)
         r = self._live.pop(request_id, None)
         if r is not None:
             self.session.core.prefix.persist([r])  # its decoded blocks, for a later turn of its conversation
@@ -301,7 +295,7 @@ class ServingRequests:
                 )  # fmt: skip
 
     def finish_all(self) -> None:
-        self._looked_up = set()
+        self.prefixes.reset()
         ids = [r.id for r in self._live.values()]
         self._live = {}
         self.session.core.finish(ids)

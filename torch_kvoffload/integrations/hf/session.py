@@ -460,7 +460,8 @@ class OffloadSession:
         of fresh forwards), ``prefix_store_tokens`` (of those, adopted from the store: not computed),
         ``prompt_tokens_computed`` (the rest), ``prefix_lookups`` / ``prefix_lookup_seconds``,
         ``prefix_fallbacks`` (prefixes found but not taken over: the store could no longer give them, or the
-        adoption failed; computed instead).
+        adoption failed; computed instead), ``persisted_blocks`` / ``persist_failures``, ``prefix_waits``
+        (steps a new continuous-batching request sat out while another computed their shared prefix).
         """
         got = self._core.backend_stats()
         own = self._core.counters.snapshot()

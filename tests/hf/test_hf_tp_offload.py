@@ -7,7 +7,9 @@ compared with the unmodified single-process model's ``generate`` (greedy, left-p
 too), a chunked prefill's logits with its one-shot forward. The shared pool is checked for real: one
 ``/dev/shm`` file of the size the layout gives, the same name on every rank, rows written by TP rank 0
 only, a new pool for a sequence of other sizes and the old one removed, a failed attach raising on every
-rank. All cases of a world size run in one spawn (process start-up dominates).
+rank. Prefix reuse: a prompt run again is taken over from every rank's store alike, in ``generate`` and
+under continuous batching; when one rank's store loses it after the lookup no rank takes it over. All cases
+of a world size run in one spawn (process start-up dominates).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ RUNS = {
     "a_again": ([20, 13], 0, 16, {}),  # the same prompts: the layerwise store holds their blocks
     "b": ([9, 17, 5], 1, 24, {}),  # other sizes: the caches (and the shared pool) are built anew
     "beam": ([20, 13], 0, 12, {"num_beams": 2}),  # forks: the beams share host-pool blocks
+    "a_lost": ([20, 13], 0, 16, {}),  # "a" again; TP rank 1's store loses the prefix after its lookup
 }
 CHUNK = (21, 5, 10)  # a prompt of 21 tokens (seed 5) fed as 10 + 11 tokens: the second reads the pool
 # continuous batching (generate_batch): prompt lengths, new tokens, 3 requests held of 64 tokens at most;
@@ -51,6 +54,7 @@ RESIDENT = {"sparse": {"offload": False}, "block_size": BS}
 LAYERWISE = {"layerwise": {}, "block_size": BS}
 BOTH = {"layerwise": {}, "sparse": {}, "block_size": BS}
 SERVING = {
+    "layerwise": {},
     "sparse": {},
     "block_size": BS,
     "serving": {"max_requests": CB_SLOTS, "max_request_tokens": CB_TOKENS},
@@ -61,9 +65,9 @@ TWO = [
     ("v32-sparse", "deepseek_v32", SPARSE, ["a", "b", "beam", "chunk", "fail", "a_again"]),
     ("v32-resident", "deepseek_v32", RESIDENT, ["a", "b"]),
     ("v32-layerwise", "deepseek_v32", LAYERWISE, ["a", "a_again"]),
-    ("v32-both", "deepseek_v32", BOTH, ["a", "b"]),
+    ("v32-both", "deepseek_v32", BOTH, ["a", "b", "a_again", "a_lost"]),
     ("v3-layerwise", "deepseek_v3", LAYERWISE, ["a", "a_again", "b"]),
-    ("v32-sparse-cb", "deepseek_v32-cb", SERVING, ["cb_diverged", "cb_failed", "cb"]),
+    ("v32-both-cb", "deepseek_v32-cb", SERVING, ["cb_diverged", "cb_failed", "cb", "cb_again"]),
 ]
 # four ranks: one attention head each, the host pool shared by four; the modes' own paths run on two
 FOUR = [
@@ -130,7 +134,10 @@ def _run(run: str, model, session) -> dict:
         return {"logits": logits, **_record(model, session)}
     if run == "fail":
         return _failed_attach(model, session)
-    if run in ("cb", "cb_diverged", "cb_failed"):
+    if run == "a_lost":
+        with _store_lost_on_rank_1(session.spec.tp.rank):
+            return {"tokens": model.generate(**_generate_kwargs(run)), **_record(model, session)}
+    if run in ("cb", "cb_diverged", "cb_failed", "cb_again"):
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         cb = ContinuousBatchingConfig(page_size=8, max_batch_tokens=16, max_requests_per_batch=4)
@@ -173,6 +180,28 @@ def _fault_on_rank_1(run: str, rank: int):
         yield
     finally:
         ServingRequests.run_step, ServingRequests._step_requests = real_run, real_check
+
+
+@contextlib.contextmanager
+def _store_lost_on_rank_1(rank: int):
+    """On TP rank 1 only, the layerwise store loses every record right after a prompt's lookup: its rank
+    cannot take the prefix over, so no rank does."""
+    from torch_kvoffload.layerwise.backend import LayerwiseBackend
+
+    real = LayerwiseBackend.cached_prefix
+
+    def lookup_then_lose(self, tokens, positions):
+        found = real(self, tokens, positions)
+        for key in list(self.store._index):
+            self.store.remove(key)
+        return found
+
+    if rank == 1:
+        LayerwiseBackend.cached_prefix = lookup_then_lose
+    try:
+        yield
+    finally:
+        LayerwiseBackend.cached_prefix = real
 
 
 def _failed_attach(model, session) -> dict:
@@ -261,7 +290,7 @@ def _layout(run: str) -> tuple[int, int]:
     reserves."""
     if run == "chunk":
         return 1, 32
-    if run == "cb":
+    if run in ("cb", "cb_again"):
         return CB_SLOTS, CB_TOKENS
     lengths, _, new, extra = RUNS[run]
     return len(lengths) * extra.get("num_beams", 1), max(lengths) + new - 1
@@ -269,13 +298,14 @@ def _layout(run: str) -> tuple[int, int]:
 
 def _rows_written(run: str) -> int | None:
     """Rows per layer a run appends to the host pool: every real token but the last generated one (its
-    KV is never computed); ``None`` for beam search (the beams' rows depend on the search)."""
+    KV is never computed); ``None`` for beam search (the beams' rows depend on the search) and for
+    "a_lost" (TP rank 0 also wrote the rows of the prefix it took over before it learnt rank 1 could not)."""
     if run == "chunk":
         return CHUNK[0]
-    if run == "cb":
+    if run in ("cb", "cb_again"):  # the prompts again: the rows taken over are written as computed ones
         return sum(n + CB_NEW - 1 for n in CB_LENGTHS)
     lengths, _, new, extra = RUNS[run]
-    return None if extra else sum(n + new - 1 for n in lengths)
+    return None if extra or run == "a_lost" else sum(n + new - 1 for n in lengths)
 
 
 def _pool_bytes(requests: int, tokens: int, layers: int, kv_lora_rank: int, rope_dim: int) -> int:
@@ -297,7 +327,7 @@ def _check_case(results: list[dict], want: dict, case: tuple) -> None:
     assert [r[name]["tp"] for r in results] == [(world, rank) for rank in range(world)]
     if "layerwise" in config:  # each rank hashes its own weight shards: its store keys are its own
         assert len({r[name]["fingerprint"] for r in results} - {""}) == world
-    prev_name, prev_d2h = None, 0
+    prev_name, prev_d2h, prev_run = None, 0, None
     for run in runs:
         got = [r[name]["runs"][run] for r in results]
         if run == "fail":
@@ -306,7 +336,7 @@ def _check_case(results: list[dict], want: dict, case: tuple) -> None:
             assert all(e.startswith("OSError: injected") for e in readers), readers
             # no rank holds a pool, TP rank 0 removed the file it created for the failed sequence
             assert got[0]["pool_files"] == set() and all(g["pool"] is None for g in got)
-            prev_name, prev_d2h = None, got[0]["backend"]["bytes_d2h"]
+            prev_name, prev_d2h, prev_run = None, got[0]["backend"]["bytes_d2h"], None
             continue
         if run in ("cb_diverged", "cb_failed"):  # the first step's requests fail on every rank, by name
             failed = [[i for i, e in enumerate(g["errors"]) if e is not None] for g in got]
@@ -324,13 +354,13 @@ def _check_case(results: list[dict], want: dict, case: tuple) -> None:
                     if i not in failed[0]:
                         assert tokens == want[family]["cb"][i], (run, i)
             assert all(g["stats"]["reserved_requests"] == 0 for g in got)
-            prev_name, prev_d2h = None, got[0]["backend"]["bytes_d2h"]
+            prev_name, prev_d2h, prev_run = None, got[0]["backend"]["bytes_d2h"], None
             continue
         for rank, g in enumerate(got):
             if run == "chunk":
                 torch.testing.assert_close(g["logits"], want[family]["chunk"], rtol=1e-4, atol=1e-5)
-            elif run == "cb":
-                assert g["tokens"] == want[family]["cb"], f"{name} rank {rank}"
+            elif run in ("cb", "cb_again"):
+                assert g["tokens"] == want[family]["cb"], f"{name} {run} rank {rank}"
             else:
                 diff = (
                     (g["tokens"] != want[family][run]).sum()
@@ -343,6 +373,25 @@ def _check_case(results: list[dict], want: dict, case: tuple) -> None:
         if run == "a_again" and "layerwise" in config:  # every rank found the prompts' blocks in its store
             assert all(g["stats"]["store_hits"] > r[name]["runs"]["a"]["stats"]["store_hits"]
                        for g, r in zip(got, results, strict=True))  # fmt: skip
+            # ... and every rank took the same prefix over instead of computing it (prefix reuse): of the
+            # left-padded rows of 20 and 13 tokens (blocks of 4), the 16 columns before row 0's last block
+            # hold 16 and 9 of their tokens
+            adopted = [
+                g["stats"]["prefix_store_tokens"] - r[name]["runs"]["a"]["stats"]["prefix_store_tokens"]
+                for g, r in zip(got, results, strict=True)
+            ]
+            assert adopted == [16 + 9] * world, adopted
+        if run == "cb_again":  # every request took its prompt's full blocks over, on every rank alike
+            before = [r[name]["runs"]["cb"]["stats"]["prefix_store_tokens"] for r in results]
+            adopted = [g["stats"]["prefix_store_tokens"] - b for g, b in zip(got, before, strict=True)]
+            assert adopted == [sum((n - 1) // BS * BS for n in CB_LENGTHS)] * world, adopted
+        if run == "a_lost":  # every rank counts the prefix it did not take over and computed the prompt
+            before = [r[name]["runs"][runs[runs.index(run) - 1]]["stats"] for r in results]
+            pairs = list(zip(got, before, strict=True))
+            assert [g["stats"]["prefix_fallbacks"] - b["prefix_fallbacks"] for g, b in pairs] == [1] * world
+            assert [g["stats"]["prefix_store_tokens"] - b["prefix_store_tokens"] for g, b in pairs] == [
+                0
+            ] * world
         backend = [g["backend"] for g in got]
         if not shared:
             assert all(
@@ -356,8 +405,9 @@ def _check_case(results: list[dict], want: dict, case: tuple) -> None:
         assert [(p["writer"], p["owner"]) for p in pools] == [(True, True)] + [(False, False)] * (world - 1)
         size = _pool_bytes(*_layout(run), layers, Dc, Dr)
         assert pools[0]["file_bytes"] == size, run
-        # a sequence of other sizes got a new pool; the previous one's file is gone
-        assert pools[0]["name"] != prev_name and got[0]["pool_files"] == {pools[0]["name"]}
+        # a sequence of other sizes got a new pool (one of the same sizes keeps it); the previous file is gone
+        assert (pools[0]["name"] == prev_name) == (prev_run is not None and _layout(prev_run) == _layout(run))
+        assert got[0]["pool_files"] == {pools[0]["name"]}
         # the host pool exists once: TP rank 0 counts its bytes, the readers count them as shared
         assert [b["host_pool_bytes"] for b in backend] == [size] + [0] * (world - 1)
         assert [b["shared_host_pool_bytes"] for b in backend] == [0] + [size] * (world - 1)
@@ -373,7 +423,7 @@ def _check_case(results: list[dict], want: dict, case: tuple) -> None:
         assert all(b["bytes_h2d"] == backend[0]["bytes_h2d"] > 0 for b in backend)
         if run == "beam":  # the beams share their prompts' full blocks on every rank alike
             assert all(b["fork_shared_blocks"] == backend[0]["fork_shared_blocks"] > 0 for b in backend)
-        prev_name, prev_d2h = pools[0]["name"], backend[0]["bytes_d2h"]
+        prev_name, prev_d2h, prev_run = pools[0]["name"], backend[0]["bytes_d2h"], run
     for rank, r in enumerate(results):
         assert r[name]["files_after_close"] == set(), f"rank {rank} left {r[name]['files_after_close']}"
 

@@ -15,20 +15,22 @@ The latent KV and the indexer keys of a prefix are one unit: with prefix reuse t
 the indexer keys beside the latent KV (``core.backends``), and a store namespace without them is never
 looked up for a model with an indexer.
 
-Reuse is on with ``OffloadConfig.prefix_cache`` and a layerwise store, without KVPP, a P/D role or tensor
-parallelism (:attr:`PrefixReuse.enabled`); otherwise every lookup finds nothing.
+Reuse is on with ``OffloadConfig.prefix_cache`` and a layerwise store, without KVPP or a P/D role
+(:attr:`PrefixReuse.enabled`); otherwise every lookup finds nothing. Under tensor parallelism the ranks
+take the same prefix over, or none does (:meth:`PrefixReuse.agree`, :meth:`PrefixReuse.together`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from torch_kvoffload.counters import Counters
 from torch_kvoffload.kv.backend import NewRows
 from torch_kvoffload.kv.forward import plan_packed
+from torch_kvoffload.kv.group_outcomes import exchange_outcomes
 from torch_kvoffload.kv.requests import Request
 
 logger = logging.getLogger(__name__)
@@ -69,17 +71,47 @@ class PrefixReuse:
 
     @property
     def enabled(self) -> bool:
-        """Whether lookups may find anything: ``prefix_cache`` on, a layerwise store, no KVPP, no P/D role,
-        no tensor parallelism."""
+        """Whether lookups may find anything: ``prefix_cache`` on, a layerwise store, no KVPP, no P/D role."""
         core = self.core
-        b, tp = core.backends, core.spec.tp
-        return (
-            core.config.prefix_cache
-            and b.layerwise is not None
-            and b.kvpp is None
-            and b.role is None
-            and (tp is None or tp.size == 1)
-        )
+        b = core.backends
+        return core.config.prefix_cache and b.layerwise is not None and b.kvpp is None and b.role is None
+
+    def agree(self, found: Sequence[int]) -> list[int]:
+        """``found`` (this rank's :meth:`lookup` of each prompt) as every rank of a tensor-parallel group
+        takes it over: each prompt's least over the group (each rank stores the KV of its own weight shards
+        under keys of its own, so the ranks' stores can differ). A collective of the group; unchanged
+        without one."""
+        tp = self.core.spec.tp
+        if tp is None or tp.size == 1:
+            return list(found)
+        outcome = exchange_outcomes(tp, lambda: list(found))
+        outcome.raise_own()
+        if outcome.failed:
+            raise RuntimeError(
+                f"prefix reuse: the ranks' lookups could not be gathered: {outcome.failures()}"
+            )
+        return [min(values) for values in zip(*outcome.values, strict=True)]
+
+    def together(
+        self, adopt: Callable[[], Any], undo: Callable[[], None], recoverable: Collection[str] | None
+    ) -> BaseException | None:
+        """``adopt()`` on every rank of a tensor-parallel group (a collective; alone without one): the ranks
+        take a prefix over together or none does. ``None`` when every rank took it over. Otherwise the ranks
+        that did ``undo()`` it, and the error is returned (this rank's own, or one naming the ranks that
+        failed) when every failure is of a type named in ``recoverable`` (``None``: any) — every rank then
+        computes the prompt — or raised on every rank."""
+        counted = self.counters.get("prefix_store_tokens")
+        outcome = exchange_outcomes(self.core.spec.tp, adopt)
+        if not outcome.failed:
+            return None
+        if outcome.error is None:
+            undo()
+            self.counters.add("prefix_store_tokens", counted - self.counters.get("prefix_store_tokens"))
+        error = outcome.error or RuntimeError(f"the prefix was not taken over on {outcome.failures()}")
+        if recoverable is None or all(kind in recoverable for kind, _ in outcome.failed.values()):
+            return error
+        outcome.raise_own()
+        raise error
 
     def lookup(self, tokens: Sequence[int], positions: Sequence[int] | None, *, new: bool = True) -> int:
         """Leading tokens of the prompt ``tokens`` (its KV computed at ``positions``; ``None``: token ``t`` at

@@ -12,6 +12,10 @@ Only where the call's outputs do not depend on the skipped columns: ``logits_to_
 uncached columns cover (``generate`` passes 1), no hidden states, attentions or labels asked for, token
 ids given, a 2-D mask or none, every row with a real token. Otherwise (and with reuse off) the forward
 computes every column, as before.
+
+Under tensor parallelism every rank skips the same columns: each row's least cached length over the group,
+and the ranks take the prefix over together or none does (a block one rank's store lost makes every rank
+compute every column).
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ from typing import Any
 import torch
 
 from torch_kvoffload.integrations.hf.inputs import model_positions
-from torch_kvoffload.layerwise.errors import StoreMissError
+from torch_kvoffload.layerwise.errors import PrefixEvictedError, StoreMissError
 
 __all__ = ["skip_cached_prefix"]
+
+#: the adoption errors after which the forward computes every column (a block lost from the store)
+_MISSES = frozenset(c.__name__ for c in (StoreMissError, PrefixEvictedError))
 
 
 def _reusable_call(model: torch.nn.Module, kwargs: dict[str, Any], width: int) -> int:
@@ -75,8 +82,8 @@ def skip_cached_prefix(
     positions = [None if p == list(range(len(p))) else p for p in model_pos]
     session._seq.size_fresh(B, max(counts))  # the store keys name the caches' layout: sized first
     columns = S - keep  # at most every column but the ones whose outputs the call returns
-    for b in range(B):
-        found = reuse.lookup(prompts[b], positions[b])
+    founds = reuse.agree([reuse.lookup(prompts[b], positions[b]) for b in range(B)])
+    for b, found in enumerate(founds):
         cols = real[b].nonzero().flatten()
         columns = min(columns, int(cols[found]) if found < len(cols) else S)
     if columns <= 0:
@@ -85,10 +92,13 @@ def skip_cached_prefix(
     lengths = head.sum(dim=1).tolist()
     if not any(lengths):
         return 0, kwargs
-    try:
-        session._seq.start_with_prefix(cache, head, prompts, positions, lengths)
-    except StoreMissError as exc:
-        reuse.fell_back("prefix reuse", exc)
+    error = reuse.together(
+        lambda: session._seq.start_with_prefix(cache, head, prompts, positions, lengths),
+        lambda: session._seq.end(persist=False),
+        _MISSES,
+    )
+    if error is not None:
+        reuse.fell_back("prefix reuse", error)
         return 0, kwargs
     cut = dict(kwargs)
     cut["input_ids"] = ids[:, columns:]

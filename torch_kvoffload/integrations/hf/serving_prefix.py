@@ -7,7 +7,8 @@ scheduler schedules only the rest. A new request whose prompt starts with full b
 taken into the same step is computing now, and the store does not hold yet, sits out that step
 (:meth:`ServingPrefixes.waits`: the cache refuses to store its tokens, so the scheduler leaves it waiting)
 and is asked again at the next one, when those blocks are stored: requests arriving together with one
-system prompt compute it once.
+system prompt compute it once. Under tensor parallelism the ranks, which schedule in lock step, agree on
+what each request takes over (:meth:`~torch_kvoffload.core.prefix.PrefixReuse.agree`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class ServingPrefixes:
         if serving.holds(request_id) or serving.live >= serving.slots or not reuse.enabled:
             return 0
         # asked again at each step while the request waits: another request may have stored its prefix since
-        found = reuse.lookup(prompt, None, new=request_id not in self._prompts)
+        (found,) = reuse.agree([reuse.lookup(prompt, None, new=request_id not in self._prompts)])
         self._prompts[request_id] = prompt = list(prompt)
         if self._computed_by_another(request_id, prompt, found):
             self._waiting_at[request_id] = serving.steps
@@ -66,11 +67,15 @@ class ServingPrefixes:
         if not found:
             return 0
         request = serving.admit(request_id)
-        try:
-            reuse.adopt([request], [prompt], [None], [found])
-        except Exception as exc:  # adopt finished the request: it computes its prompt, in a free slot again
+
+        def undo() -> None:  # another TP rank could not take it over
+            serving.session.core.finish([request.id])
+
+        # on failure adopt finished the request: it computes its prompt, in a free slot again
+        error = reuse.together(lambda: reuse.adopt([request], [prompt], [None], [found]), undo, None)
+        if error is not None:
             serving.drop(request_id)
-            reuse.fell_back(f"continuous batching, request {request_id}", exc)
+            reuse.fell_back(f"continuous batching, request {request_id}", error)
             return 0
         return found
 

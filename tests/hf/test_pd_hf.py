@@ -1,7 +1,9 @@
 """P/D end to end on the Hugging Face path: a prefill process runs the tiny DeepseekV32 prompt through
 layerwise offload and sends every layer over shm while it computes; a decode process receives the KV into
 its sparse host pool and indexer cache and continues greedy generation from ``past = prompt width``. The
-tokens must equal a single-process ``generate`` of the unmodified model."""
+tokens must equal a single-process ``generate`` of the unmodified model. The padded batch is served a second
+time by the same pair: prefill takes its cached blocks over from the store (prefix reuse) and still sends
+the whole prompt's KV."""
 
 from __future__ import annotations
 
@@ -49,14 +51,18 @@ def _prefill(cases: list[dict], tickets_q, first_q, out_q, stop) -> None:
             model = torch_kvoffload.offload(build_model("deepseek_v32"), cfg)
             role = prefill_role(model)
             ids, mask = case["ids"], case["mask"]
-            role.submit([TransferTicket.from_dict(d) for d in tickets_q.get(timeout=case["deadline_s"])])
-            # generate() of one token is exactly the prefill forward (position ids from the padding mask)
-            first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False)[
-                :, -1
-            ]
-            role.wait(timeout=case["verdict_s"])
-            first_q.put(first)
-            out_q.put({"sender": role.sender.counters.snapshot(), "layers": len(role.sender.layer_log)})
+            rounds = []
+            for _ in range(case["rounds"]):  # the same prompt again: its blocks are in the store
+                role.submit([TransferTicket.from_dict(d) for d in tickets_q.get(timeout=case["deadline_s"])])
+                # generate() of one token is exactly the prefill forward (position ids from the padding mask)
+                first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False)[
+                    :, -1
+                ]
+                role.wait(timeout=case["verdict_s"])
+                first_q.put(first)
+                rounds.append({"sender": role.sender.counters.snapshot(), "layers": len(role.sender.layer_log),
+                               "stats": torch_kvoffload.stats(model)})  # fmt: skip
+            out_q.put({**rounds[0], "rounds": rounds})
             stop.wait(case["deadline_s"])
             stop.clear()
             torch_kvoffload.integrations.hf.install.detach(model)
@@ -75,17 +81,19 @@ def _decode(cases: list[dict], tickets_q, first_q, out_q) -> None:
             role = decode_role(model)
             ids, mask = case["ids"], case["mask"]
             S = ids.shape[1]
-            tickets = role.expect(ids, mask, max_tokens=S + NEW)
-            tickets_q.put([t.to_dict() for t in tickets])
-            first = first_q.get(timeout=case["deadline_s"])
-            cache = role.wait(timeout=case["verdict_s"])
-            recv = role.receiver.counters.snapshot()
-            full = torch.cat([ids, first[:, None]], dim=1)
-            full_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            out = model.generate(input_ids=full, attention_mask=full_mask, cache=cache,
-                                 max_new_tokens=NEW - 1, do_sample=False)  # fmt: skip
-            stats = torch_kvoffload.stats(model)
-            out_q.put({"tokens": out[:, S:], "receiver": recv, "stats": stats})
+            rounds = []
+            for _ in range(case["rounds"]):
+                tickets = role.expect(ids, mask, max_tokens=S + NEW)
+                tickets_q.put([t.to_dict() for t in tickets])
+                first = first_q.get(timeout=case["deadline_s"])
+                cache = role.wait(timeout=case["verdict_s"])
+                recv = role.receiver.counters.snapshot()
+                full = torch.cat([ids, first[:, None]], dim=1)
+                full_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                out = model.generate(input_ids=full, attention_mask=full_mask, cache=cache,
+                                     max_new_tokens=NEW - 1, do_sample=False)  # fmt: skip
+                rounds.append({"tokens": out[:, S:], "receiver": recv, "stats": torch_kvoffload.stats(model)})
+            out_q.put({**rounds[0], "rounds": rounds})
             torch_kvoffload.integrations.hf.install.detach(model)
         except BaseException:
             out_q.put({"error": traceback.format_exc()})
@@ -93,6 +101,9 @@ def _decode(cases: list[dict], tickets_q, first_q, out_q) -> None:
 
 
 CASES = {"batch1": [19], "batch2-padded": [21, 10]}
+#: prompts served per session pair: the padded batch a second time, which the prefill node takes over from
+#: its store (it computes only the columns after the cached blocks) and still sends whole
+ROUNDS = {"batch1": 1, "batch2-padded": 2}
 
 
 @pytest.fixture(scope="module")
@@ -107,15 +118,16 @@ def pd_runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
     rdv = str(tmp_path_factory.mktemp("rendezvous"))
     start_s = process_s(("torch", "transformers", "torch_kvoffload", "support.hf_models"))
     cases = []
-    for i, lengths in enumerate(CASES.values()):
+    for i, (name, lengths) in enumerate(CASES.items()):
         ids, mask = left_padded_batch(lengths, seed=3 + i)
         t0 = time.monotonic()
         reference = _reference(ids, mask)
-        work_s = WORK_FACTOR * (time.monotonic() - t0)
+        work_s = WORK_FACTOR * ROUNDS[name] * (time.monotonic() - t0)
         port = free_port()
         wait_s = verdict_s(PDConfig(**_pd("decode", port, rdv)), LAYERS)
         cases.append({"ids": ids, "mask": mask, "port": port, "rdv": rdv, "reference": reference,
-                      "verdict_s": wait_s, "deadline_s": start_s + 2 * work_s + wait_s})  # fmt: skip
+                      "rounds": ROUNDS[name], "verdict_s": wait_s,
+                      "deadline_s": start_s + 2 * work_s + ROUNDS[name] * wait_s})  # fmt: skip
     tickets_q, first_q, p_q, d_q, stop = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
     dec = ctx.Process(target=_decode, args=(cases, tickets_q, first_q, d_q), daemon=True)
     pre = ctx.Process(target=_prefill, args=(cases, tickets_q, first_q, p_q, stop), daemon=True)
@@ -173,6 +185,27 @@ def test_prefill_then_decode_tokens_equal_unmodified_generate(name, pd_runs):
     assert d_out["receiver"]["bytes_received"] == n_layers * blocks * BS * row_bytes
     assert d_out["stats"]["prefill_forwards"] == 0
     assert d_out["stats"]["decode_forwards"] == NEW - 1
+    if ROUNDS[name] == 1:
+        return
+    # the prompt again: the prefill node took its cached blocks over from the store and computed only the
+    # columns after them (rows of 21 and 10 tokens, left padded, blocks of 4: row 1's 8 cached tokens end at
+    # column 19, which holds 19 of row 0's), yet sent every block of every layer again; the same tokens
+    (p1, p2), (d1, d2) = p_out["rounds"], d_out["rounds"]
+    assert torch.equal(d2["tokens"], case["reference"])
+    adopted = p2["stats"]["prefix_store_tokens"] - p1["stats"]["prefix_store_tokens"]
+    assert adopted == 19 + 8
+    assert (
+        p2["stats"]["prompt_tokens_computed"] - p1["stats"]["prompt_tokens_computed"]
+        == sum(lengths) - adopted
+    )
+    assert p1["stats"]["prefix_store_tokens"] == 0
+    assert p2["layers"] - p1["layers"] == n_layers
+    assert (
+        d2["receiver"]["bytes_received"] - d1["receiver"]["bytes_received"]
+        == n_layers * blocks * BS * row_bytes
+    )
+    assert d2["receiver"]["requests_done"] - d1["receiver"]["requests_done"] == len(lengths)
+    assert p2["sender"]["requests_done"] - p1["sender"]["requests_done"] == len(lengths)
 
 
 def test_pd_config_is_checked_with_the_offload_config():

@@ -26,6 +26,9 @@ class PDRole(KVBackend):
     """
 
     name = "P/D"
+    #: whether the node computes its requests' prompts (a prefill node: prefix reuse may skip their cached
+    #: blocks, the whole prompt's KV is still sent from the layer buffers); a decode node receives them
+    computes_prompts = False
 
     def can_grow(self, layout: KVLayout, live: Sequence[Request]) -> bool:
         return False  # the peer was told the requests' blocks: sizes are fixed per sequence

@@ -15,8 +15,10 @@ The latent KV and the indexer keys of a prefix are one unit: with prefix reuse t
 the indexer keys beside the latent KV (``core.backends``), and a store namespace without them is never
 looked up for a model with an indexer.
 
-Reuse is on with ``OffloadConfig.prefix_cache`` and a layerwise store, without KVPP or a P/D role
-(:attr:`PrefixReuse.enabled`); otherwise every lookup finds nothing. Under tensor parallelism the ranks
+Reuse is on with ``OffloadConfig.prefix_cache`` and a layerwise store, without KVPP, on a P/D prefill node
+too (it computes only the uncached suffix; the whole prompt's KV is sent from the layer buffers, which hold
+the prefix's blocks as loaded from the store) but not a decode node (:attr:`PrefixReuse.enabled`);
+otherwise every lookup finds nothing. Under tensor parallelism the ranks
 take the same prefix over, or none does (:meth:`PrefixReuse.agree`, :meth:`PrefixReuse.together`).
 """
 
@@ -71,10 +73,16 @@ class PrefixReuse:
 
     @property
     def enabled(self) -> bool:
-        """Whether lookups may find anything: ``prefix_cache`` on, a layerwise store, no KVPP, no P/D role."""
+        """Whether lookups may find anything: ``prefix_cache`` on, a layerwise store, no KVPP, no P/D role
+        but a prefill node's."""
         core = self.core
         b = core.backends
-        return core.config.prefix_cache and b.layerwise is not None and b.kvpp is None and b.role is None
+        return (
+            core.config.prefix_cache
+            and b.layerwise is not None
+            and b.kvpp is None
+            and (b.role is None or b.role.computes_prompts)
+        )
 
     def agree(self, found: Sequence[int]) -> list[int]:
         """``found`` (this rank's :meth:`lookup` of each prompt) as every rank of a tensor-parallel group

@@ -144,6 +144,7 @@ class PrefillRole(PDRole):
     """The prefill side of a session (see the module docstring). Built by the session."""
 
     name = "P/D prefill"
+    computes_prompts = True
 
     def __init__(self, session: OffloadSession, config: PDConfig) -> None:
         if session.config.layerwise is None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from support.hf_models import SMALL, build_model, indexer_boundary_ties, left_padded_batch
+from support.hf_models import ONE_LAYER, SMALL, build_model, indexer_boundary_ties, left_padded_batch
 
 import torch_kvoffload
 from torch_kvoffload.core import prefix as prefix_mod
@@ -251,9 +251,14 @@ def test_a_damaged_stored_block_is_computed_never_adopted(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_compiled_model_reuses_the_prefix_call_after_call():
-    family, config = MODES["v32-both"]
-    model = build_model(family, **SMALL)
+# V3.2 with both runtimes on two layers (the layerwise pipeline passes a reused prefix from layer to layer);
+# V3's layerwise graphs on one layer
+@pytest.mark.parametrize(
+    ("mode", "widths"), [("v32-both", SMALL), ("v3-layerwise", ONE_LAYER)], ids=["v32-both", "v3-layerwise"]
+)
+def test_a_compiled_model_reuses_the_prefix_call_after_call(mode, widths):
+    family, config = MODES[mode]
+    model = build_model(family, **widths)
     ref = copy.deepcopy(model)
     model = torch_kvoffload.compile(model, config)
     for seed, n in ((8, 70), (9, 40)):

@@ -28,19 +28,22 @@ class ServingPrefixes:
         self.reset()
 
     def reset(self) -> None:
-        #: the prompt of each request looked up; the step the scheduler last took each request into; the
-        #: step a new request sits out
+        #: the prompt of each request looked up; the step a new request sits out
         self._prompts: dict[str, list[int]] = {}
-        self._taken_at: dict[str, int] = {}
         self._waiting_at: dict[str, int] = {}
+        #: the step being planned and the requests the scheduler took into it so far
+        self._taken: tuple[int, list[str]] = (-1, [])
 
     def forget(self, request_id: str) -> None:
-        for held in (self._prompts, self._taken_at, self._waiting_at):
+        for held in (self._prompts, self._waiting_at):
             held.pop(request_id, None)
 
     def scheduled(self, request_id: str) -> None:
         """The scheduler took ``request_id`` into the step being planned."""
-        self._taken_at[request_id] = self.serving.steps
+        step, taken = self._taken
+        if step != self.serving.steps:
+            self._taken = step, taken = self.serving.steps, []
+        taken.append(request_id)
 
     def waits(self, request_id: str) -> bool:
         """Whether new request ``request_id`` sits out the step being planned (another request of the step
@@ -85,14 +88,18 @@ class ServingPrefixes:
         Each step a request waits, that request computes more of its prompt, so the wait ends."""
         serving = self.serving
         block = serving.session.config.resolved_block_size
-        for other, other_prompt in self._prompts.items():
-            r = serving.request(other)
-            if other == request_id or r is None or self._taken_at.get(other) != serving.steps:
+        if found >= (len(prompt) - 1) // block * block:  # the store holds every block it could take over
+            return False
+        step, taken = self._taken
+        for other in taken if step == serving.steps else ():
+            r, other_prompt = serving.request(other), self._prompts.get(other)
+            if other == request_id or r is None or other_prompt is None:
+                continue
+            if r.length // block >= len(other_prompt) // block:  # its prompt's blocks are computed (decoding)
                 continue
             shared = shared_prefix(prompt, other_prompt, block)
-            done = min(
-                shared, r.length // block * block
-            )  # its blocks of the prefix completed before this step
+            # its blocks of the prefix completed before this step
+            done = min(shared, r.length // block * block)
             if shared > found >= done:  # the store holds those, and it computes the next ones now
                 return True
         return False

@@ -189,6 +189,17 @@ def _system_prompts(seed: int) -> list[list[int]]:
     return [system + torch.randint(3, 1000, (n,), generator=g).tolist() for n in (9, 4, 17)]
 
 
+def _burst(seed: int):
+    """``(model, session, prompts, reference)``: a V3.2 offloaded with layerwise + sparse, and the prompts of
+    :func:`_system_prompts` with the unmodified model's tokens."""
+    family, config = CONFIGS["v32-layerwise-sparse"]
+    model = _model(family)
+    prompts = _system_prompts(seed)
+    reference = _reference(model, prompts)
+    torch_kvoffload.offload(model, copy.deepcopy(config))
+    return model, session_of(model), prompts, reference
+
+
 def _class_steps(monkeypatch) -> list[list[tuple[int, int]]]:
     """:func:`_steps` for the serving state a model's first batch creates."""
     from torch_kvoffload.integrations.hf.serving import ServingRequests
@@ -204,14 +215,10 @@ def _class_steps(monkeypatch) -> list[list[tuple[int, int]]]:
 
 
 def test_requests_arriving_together_compute_their_shared_prefix_once(monkeypatch):
-    """Nothing stored yet: the first request computes the system prompt (two steps of 32 tokens), the
-    others sit out those steps and then take its 5 blocks over from the store."""
+    """Nothing stored yet: the first request computes the system prompt (two steps), the others sit out the
+    step that completes its blocks and then take its 5 blocks over from the store."""
+    model, session, prompts, reference = _burst(5)
     family, config = CONFIGS["v32-layerwise-sparse"]
-    model = _model(family)
-    prompts = _system_prompts(5)
-    reference = _reference(model, prompts)
-    torch_kvoffload.offload(model, copy.deepcopy(config))
-    session = session_of(model)
     steps = _class_steps(monkeypatch)
     assert _batch(model, prompts) == reference
     stats = session.stats()
@@ -234,12 +241,7 @@ def test_a_request_that_fails_while_others_wait_for_its_prefix_leaves_them_to_go
     """The first request's second chunk fails in the step the others sit out (its first stored 4 blocks):
     it fails alone; the next request takes those 4 blocks over and computes the 5th, the last waits for it
     and takes all 5 over."""
-    family, config = CONFIGS["v32-layerwise-sparse"]
-    model = _model(family)
-    prompts = _system_prompts(6)
-    reference = _reference(model, prompts)
-    torch_kvoffload.offload(model, copy.deepcopy(config))
-    session = session_of(model)
+    model, session, prompts, reference = _burst(6)
     from torch_kvoffload.integrations.hf.serving import ServingRequests
 
     real_forward = ServingRequests._forward

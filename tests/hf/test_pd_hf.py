@@ -7,6 +7,7 @@ the whole prompt's KV."""
 
 from __future__ import annotations
 
+import copy
 import queue
 import time
 import traceback
@@ -268,3 +269,34 @@ def test_external_sequence_and_expect_validate_before_any_change():
     with pytest.raises(ValueError, match="max_tokens must be an int > the prompt width 3"):
         role.expect(ids, max_tokens=3)
     assert role.receiver is None  # nothing was bound or reserved
+
+
+def test_a_decode_node_serves_continuous_batching_in_one_forward_per_step():
+    """A decode node's role takes part in no forward (the KV of the prompts it is handed arrives before their
+    first forward), so its continuous-batching steps mix decode rows and prompt chunks in one forward, as
+    without a role; the tokens are the unmodified model's per-prompt ``generate``."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    ref = build_model("deepseek_v32")
+    with torch.no_grad():
+        ref.model.embed_tokens.weight[0].normal_()  # a zero embedding ties every indexer score
+    model = torch_kvoffload.offload(
+        copy.deepcopy(ref),
+        {
+            "sparse": {},
+            "block_size": BS,
+            "pd": {"role": "decode"},
+            "serving": {"max_requests": 3, "max_request_tokens": 48},
+        },
+    )
+    gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=999_999, pad_token_id=0)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (5, 23, 9, 14)]
+    want = [ref.generate(torch.tensor([p]), generation_config=gen)[0, len(p) :].tolist() for p in prompts]
+    cb = ContinuousBatchingConfig(page_size=8, max_batch_tokens=16, max_requests_per_batch=4)
+    out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+    got = [list(out[rid].generated_tokens) for rid in sorted(out, key=lambda r: int(r.rsplit("_", 1)[1]))]
+    assert got == want
+    stats = torch_kvoffload.stats(model)
+    assert stats["mixed_forwards"] > 0 and stats["reserved_requests"] == 0

@@ -301,10 +301,10 @@ class KVCore:
         """Whether one packed forward may hold decode tokens (one new token after earlier ones) beside other
         rows: without a sparse backend every row takes the same path; with one such a forward is planned
         in two parts (:func:`~torch_kvoffload.kv.forward.plan_mixed`: the decode tokens take its decode
-        path), which a P/D role (it plans whole forwards) does not take; KVPP runs without sparse
-        attention, so its forwards take one path."""
+        path), which a P/D prefill role (it publishes whole forwards) does not take; a decode role takes
+        part in no forward; KVPP runs without sparse attention, so its forwards take one path."""
         b = self.backends
-        return b.sparse is None or (b.kvpp is None and b.role is None)
+        return b.sparse is None or (b.kvpp is None and (b.role is None or not b.role.computes_prompts))
 
     def _engaged(self, fwd: ForwardPlan) -> list[tuple[ForwardPlan, KVBackend]]:
         """``(part, backend)`` of every backend taking part in each part of ``fwd``, in call order."""

@@ -27,7 +27,8 @@ class PDRole(KVBackend):
 
     name = "P/D"
     #: whether the node computes its requests' prompts (a prefill node: prefix reuse may skip their cached
-    #: blocks, the whole prompt's KV is still sent from the layer buffers); a decode node receives them
+    #: blocks, the whole prompt's KV is still sent from the layer buffers); a decode node receives them and
+    #: takes part in no forward
     computes_prompts = False
 
     def can_grow(self, layout: KVLayout, live: Sequence[Request]) -> bool:

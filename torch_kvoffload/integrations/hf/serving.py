@@ -12,8 +12,8 @@ as one packed forward of the library's attention (the segments' tokens one after
 padding computed) whose decode tokens take the sparse decode path (indexer, residency, only the misses
 copied) and whose prompt chunks the prefill path (layerwise offload when configured; a later chunk attends
 over its request's earlier rows): :func:`~torch_kvoffload.kv.forward.plan_mixed`. With sparse attention on a
-P/D node (its role plans whole forwards) the decode tokens and the chunks run as two packed forwards
-instead (:attr:`~torch_kvoffload.core.kv.KVCore.serves_mixed`). The logits of each request's last token of
+P/D prefill node (its role publishes whole forwards) the decode tokens and the chunks run as two packed
+forwards instead (:attr:`~torch_kvoffload.core.kv.KVCore.serves_mixed`). The logits of each request's last token of
 the step are placed where the step's ``logits_indices`` read them.
 
 Sizing (:meth:`plan`): every device cache is sized once for :attr:`slots` requests of

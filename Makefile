@@ -47,11 +47,13 @@ format: $(INSTALLED)
 	$(VENV)/bin/ruff format .
 
 # Two pytest workers (pytest-xdist), each taking whole files: module fixtures that spawn process groups run
-# once, and a worker waiting on its subprocesses leaves the core to the other. TEST_WORKERS=0 runs serially.
+# once, and a worker waiting on its subprocesses leaves the core to the other. The files holding slow tests
+# are handed out first (tests/conftest.py orders them; --no-loadscope-reorder keeps that order instead of
+# xdist's most-tests-first, which left long files of few tests for the end). TEST_WORKERS=0 runs serially.
 # `make test` prints the 25 slowest tests; `make test-fast` is the inner loop: the unit tier, without the tests
 # marked slow (multi-process groups, servers, the compiled-model sequences).
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: lint $(BUILT)
 	$(PYTEST) --durations=25 tests
 
@@ -110,4 +112,4 @@ $(OLDEST_INSTALLED): pyproject.toml setup.py torch_kvoffload/integrations/hf/ver
 	touch $@
 
 test-hf-oldest: $(OLDEST_INSTALLED) $(BUILT)
-	$(VENV_OLDEST)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/hf
+	$(VENV_OLDEST)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests/hf

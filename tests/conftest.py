@@ -53,3 +53,14 @@ def any_impl(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The modules holding ``slow`` tests (whole models, spawned processes, servers: the long ones) run
+    first, the others after them in collection order. ``make test`` hands each xdist worker one module at a
+    time in this order (``--dist loadfile --no-loadscope-reorder``), so the long modules start early and the
+    short unit modules fill the end, instead of a long module starting last and running alone. Runs after
+    the directory hooks that mark their tests ``slow``."""
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow)

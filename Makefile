@@ -48,8 +48,9 @@ format: $(INSTALLED)
 
 # Two pytest workers (pytest-xdist), each taking whole files: module fixtures that spawn process groups run
 # once, and a worker waiting on its subprocesses leaves the core to the other. The files holding slow tests
-# are handed out first (tests/conftest.py orders them; --no-loadscope-reorder keeps that order instead of
-# xdist's most-tests-first, which left long files of few tests for the end). TEST_WORKERS=0 runs serially.
+# are handed out first, each group by xdist's own most-tests-first (tests/conftest.py orders them;
+# --no-loadscope-reorder keeps that order: xdist alone left long files of few tests for the end).
+# TEST_WORKERS=0 runs serially.
 # `make test` prints the 25 slowest tests; `make test-fast` is the inner loop: the unit tier, without the tests
 # marked slow (multi-process groups, servers, the compiled-model sequences).
 TEST_WORKERS ?= 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 
 import torch
 
@@ -58,9 +59,11 @@ def _seed() -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The modules holding ``slow`` tests (whole models, spawned processes, servers: the long ones) run
-    first, the others after them in collection order. ``make test`` hands each xdist worker one module at a
-    time in this order (``--dist loadfile --no-loadscope-reorder``), so the long modules start early and the
-    short unit modules fill the end, instead of a long module starting last and running alone. Runs after
-    the directory hooks that mark their tests ``slow``."""
+    first, then the others; within each group the modules of more tests first (xdist's own order). ``make
+    test`` hands each xdist worker one module at a time in this order (``--dist loadfile
+    --no-loadscope-reorder``), so the long modules start early and the short ones fill the end, instead of a
+    long module of few tests starting last and running alone. Runs after the directory hooks that mark
+    their tests ``slow`` and after ``-m`` deselected any."""
     slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow)
+    tests = Counter(item.path for item in items)
+    items.sort(key=lambda item: (item.path not in slow, -tests[item.path]))

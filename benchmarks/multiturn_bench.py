@@ -1,9 +1,10 @@
 """Multi-turn chat on ``python -m torch_kvoffload.serve``: time to first token per turn, prefix reuse on vs off.
 
-A DeepseekV32 with DeepSeek's KV widths (``kv_lora_rank`` 512, rope 64, indexer 128 wide; hidden 512, 4
-heads, ``--layers`` layers, random weights) and a word-level tokenizer is saved to a temporary directory
-and served twice, one server after the other, with the library's default configuration (layerwise offload +
-sparse decode offload) and ``prefix_cache`` on (``reuse``) or off (``recompute``). ``--conversations``
+A DeepseekV32 (or DeepseekV3 with ``--family deepseek_v3``) with DeepSeek's KV widths (``kv_lora_rank``
+512, rope 64, indexer 128 wide; hidden 512, 4 heads, ``--layers`` layers, random weights) and a word-level
+tokenizer is saved to a temporary directory and served twice, one server after the other, with the
+library's default configuration (layerwise offload, + sparse decode offload for V3.2) and ``prefix_cache``
+on (``reuse``) or off (``recompute``). ``--conversations``
 clients chat at once over the OpenAI API on loopback, ``--turns`` turns each: the first message is a
 ``--system``-word system prompt plus a ``--message``-word question, every later turn appends the answer
 (``--answer`` tokens, greedy) and a new ``--message``-word question, and the whole conversation is sent
@@ -11,7 +12,7 @@ again (the chat API carries no state). Each turn is streamed; its TTFT is the ti
 token. Reported per turn and variant: TTFT p50 / p90 over the conversations, and the ratio of the p50s; the
 answers of the two variants are compared (greedy: they must be equal).
 
-Writes ``benchmarks/results/multiturn_bench.{json,md,png}``.
+Writes ``benchmarks/results/multiturn_bench.{json,md,png}`` (``multiturn_bench_v3.*`` for DeepseekV3).
 
     python benchmarks/multiturn_bench.py             # 8 conversations x 6 turns, 1024-word system prompt
     python benchmarks/multiturn_bench.py --smoke     # a check of the script (files in /tmp)
@@ -46,8 +47,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def save_model_dir(path: Path, layers: int, positions: int) -> Path:
-    model = build_model("deepseek_v32", num_hidden_layers=layers, max_position_embeddings=positions, **WIDTHS)
+def save_model_dir(path: Path, family: str, layers: int, positions: int) -> Path:
+    widths = (
+        WIDTHS if family == "deepseek_v32" else {k: v for k, v in WIDTHS.items() if not k.startswith("index")}
+    )
+    model = build_model(family, num_hidden_layers=layers, max_position_embeddings=positions, **widths)
     model.save_pretrained(path)
     save_tokenizer(path)
     config_path = path / "tokenizer_config.json"
@@ -101,7 +105,7 @@ def converse(url: str, model: str, args, c: int) -> tuple[list[float], list[str]
 def run_variant(variant: str, model_dir: Path, args) -> dict:
     tokens = args.system + args.turns * (args.message + args.answer) + 64
     config = {
-        "layerwise": {}, "sparse": {}, "prefix_cache": variant == "reuse",
+        "layerwise": {}, **({"sparse": {}} if args.family == "deepseek_v32" else {}), "prefix_cache": variant == "reuse",
         "serving": {"max_requests": args.conversations, "max_request_tokens": tokens},
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp, running_server(model_dir, Path(tmp), config) as (url, _, _):
@@ -113,6 +117,7 @@ def run_variant(variant: str, model_dir: Path, args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", default="deepseek_v32", choices=("deepseek_v32", "deepseek_v3"))
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=6)
@@ -137,7 +142,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         positions = 2 * (args.system + args.turns * (args.message + args.answer) + 64)
-        model_dir = save_model_dir(Path(tmp) / "model", args.layers, positions)
+        model_dir = save_model_dir(Path(tmp) / "model", args.family, args.layers, positions)
         results = {v: run_variant(v, model_dir, args) for v in VARIANTS}
 
     same = results["reuse"]["answers"] == results["recompute"]["answers"]
@@ -163,14 +168,17 @@ def main() -> None:
     print(table)
     print(f"answers equal: {same}")
     config = {
-        k: getattr(args, k) for k in ("layers", "conversations", "turns", "system", "message", "answer")
+        k: getattr(args, k)
+        for k in ("family", "layers", "conversations", "turns", "system", "message", "answer")
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"machine": machine_info(), "config": config, "per_turn": per_turn, "answers_equal": same}
-    path = out_dir / "multiturn_bench.json"
+    stem = "multiturn_bench" if args.family == "deepseek_v32" else "multiturn_bench_v3"
+    path = out_dir / f"{stem}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
-    title = f"multi-turn chat, {args.conversations} conversations, DeepseekV32 {args.layers} layers, CPU"
-    (out_dir / "multiturn_bench.md").write_text(
+    name = "DeepseekV32" if args.family == "deepseek_v32" else "DeepseekV3"
+    title = f"multi-turn chat, {args.conversations} conversations, {name} {args.layers} layers, CPU"
+    (out_dir / f"{stem}.md").write_text(
         f"# {title}\n\n{config}\n\n```\n{table}\n```\n\nanswers equal: {same}\n"
     )
     plt = pyplot()
@@ -184,7 +192,7 @@ def main() -> None:
         ax.set_title(title, fontsize=9)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(out_dir / "multiturn_bench.png", dpi=120)
+        fig.savefig(out_dir / f"{stem}.png", dpi=120)
     print(f"wrote {path}")
 
 

@@ -271,10 +271,13 @@ def test_external_sequence_and_expect_validate_before_any_change():
     assert role.receiver is None  # nothing was bound or reserved
 
 
-def test_a_decode_node_serves_continuous_batching_in_one_forward_per_step():
-    """A decode node's role takes part in no forward (the KV of the prompts it is handed arrives before their
-    first forward), so its continuous-batching steps mix decode rows and prompt chunks in one forward, as
-    without a role; the tokens are the unmodified model's per-prompt ``generate``."""
+@pytest.mark.parametrize(
+    ("role", "modes"), [("decode", {"sparse": {}}), ("prefill", {"layerwise": {}, "sparse": {}})]
+)
+def test_a_pd_node_serves_continuous_batching_in_one_forward_per_step(role, modes):
+    """A P/D node's continuous-batching steps mix decode rows and prompt chunks in one forward, as without a
+    role (a decode node's role takes part in no forward; a prefill node's publishes only forwards it was
+    handed tickets for); the tokens are the unmodified model's per-prompt ``generate``."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -284,9 +287,9 @@ def test_a_decode_node_serves_continuous_batching_in_one_forward_per_step():
     model = torch_kvoffload.offload(
         copy.deepcopy(ref),
         {
-            "sparse": {},
+            **modes,
             "block_size": BS,
-            "pd": {"role": "decode"},
+            "pd": {"role": role},
             "serving": {"max_requests": 3, "max_request_tokens": 48},
         },
     )

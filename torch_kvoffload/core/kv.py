@@ -296,16 +296,6 @@ class KVCore:
         r.truncate_positions(length)
 
     # ---------------------------------------------------------------------------------- forwards
-    @property
-    def serves_mixed(self) -> bool:
-        """Whether one packed forward may hold decode tokens (one new token after earlier ones) beside other
-        rows: without a sparse backend every row takes the same path; with one such a forward is planned
-        in two parts (:func:`~torch_kvoffload.kv.forward.plan_mixed`: the decode tokens take its decode
-        path), which a P/D prefill role (it publishes whole forwards) does not take; a decode role takes
-        part in no forward; KVPP runs without sparse attention, so its forwards take one path."""
-        b = self.backends
-        return b.sparse is None or (b.kvpp is None and (b.role is None or not b.role.computes_prompts))
-
     def _engaged(self, fwd: ForwardPlan) -> list[tuple[ForwardPlan, KVBackend]]:
         """``(part, backend)`` of every backend taking part in each part of ``fwd``, in call order."""
         return layer_step.engaged(fwd, self._taking_part)
@@ -367,7 +357,7 @@ class KVCore:
         where = dict(decode=decode, layerwise=layerwise, device=self.spec.device)
         batched = dict(padding_queries=padding_queries, bias=bias, all_real=all_real)
         mixed = None
-        if new_mask is None and self.backends.sparse is not None and self.serves_mixed:
+        if new_mask is None and self.backends.sparse is not None:  # decode tokens take the sparse decode path
             mixed = plan_mixed(
                 requests, old_len, n_new, self.layout, layerwise=layerwise, device=self.spec.device
             )

@@ -11,10 +11,8 @@ cancellation, failure, a reset). A step (:meth:`run_step`) is cut into its segme
 as one packed forward of the library's attention (the segments' tokens one after the other in one row, no
 padding computed) whose decode tokens take the sparse decode path (indexer, residency, only the misses
 copied) and whose prompt chunks the prefill path (layerwise offload when configured; a later chunk attends
-over its request's earlier rows): :func:`~torch_kvoffload.kv.forward.plan_mixed`. With sparse attention on a
-P/D prefill node (its role publishes whole forwards) the decode tokens and the chunks run as two packed
-forwards instead (:attr:`~torch_kvoffload.core.kv.KVCore.serves_mixed`). The logits of each request's last token of
-the step are placed where the step's ``logits_indices`` read them.
+over its request's earlier rows): :func:`~torch_kvoffload.kv.forward.plan_mixed`, on a P/D node too. The
+logits of each request's last token of the step are placed where the step's ``logits_indices`` read them.
 
 Sizing (:meth:`plan`): every device cache is sized once for :attr:`slots` requests of
 ``config.serving.max_request_tokens`` tokens; with ``device_kv_budget`` the slots are as many as fit,
@@ -317,15 +315,10 @@ class ServingRequests:
         self._step_error, self._failed = None, {}
         try:
             layout, requests = self._agree_step(step, ids, kwargs["cu_seq_lens_q"])
-            decode = [i for i, (_, past, q) in enumerate(step) if past > 0 and q == 1]
-            prefill = [i for i, (_, past, q) in enumerate(step) if not (past > 0 and q == 1)]
-            # one forward when the core serves decode tokens beside chunks (plan_mixed), else the decode
-            # tokens first (the sparse decode path), then the chunks
-            groups = [decode + prefill] if self.session.core.serves_mixed else [decode, prefill]
-            for segments in groups:
-                if segments:
-                    segments.sort()  # in the step's own order: the forward's row is the step's
-                    logits = self._forward_isolating(model, layout, segments, step, requests, ids, logits)
+            if step:  # one forward: its decode tokens take the sparse decode path inside it (plan_mixed)
+                logits = self._forward_isolating(
+                    model, layout, list(range(len(step))), step, requests, ids, None
+                )
         except (
             Exception
         ) as exc:  # the step's requests fail (update_batch, see continuous_batching); not the loop

@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("transformers.generation.continuous_batching")
 
 from support.hf_models import build_model
+from support.store_helpers import store_emptied_after_each_lookup
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -56,21 +57,23 @@ def _batch(model, prompts) -> list[list[int]]:
     return [list(out[rid].generated_tokens) for rid in order]
 
 
-def _steps(model) -> list[list[tuple[int, int]]]:
-    """Per step run from now on: the (past, query) of each request."""
-    serving = session_of(model).serving
-    run, steps = type(serving).run_step.__get__(serving), []
+def _steps(monkeypatch) -> list[list[tuple[int, int]]]:
+    """Per step run from now on (by any model's serving state, the ones batches create later too): the
+    (past, query) of each request."""
+    from torch_kvoffload.integrations.hf.serving import ServingRequests
 
-    def run_step(model, kwargs):
-        steps.append([(p, q) for _, p, q in serving._step])
-        return run(model, kwargs)
+    real, steps = ServingRequests.run_step, []
 
-    serving.run_step = run_step
+    def run_step(self, model, kwargs):
+        steps.append([(p, q) for _, p, q in self._step])
+        return real(self, model, kwargs)
+
+    monkeypatch.setattr(ServingRequests, "run_step", run_step)
     return steps
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_requests_sharing_a_system_prompt_schedule_only_their_own_tokens(name):
+def test_requests_sharing_a_system_prompt_schedule_only_their_own_tokens(name, monkeypatch):
     family, config = CONFIGS[name]
     model = _model(family)
     g = torch.Generator().manual_seed(1)
@@ -82,7 +85,7 @@ def test_requests_sharing_a_system_prompt_schedule_only_their_own_tokens(name):
     session = session_of(model)
     assert _batch(model, prompts[:1]) == reference[:1]  # the first conversation computes the system prompt
     before = session.stats()
-    steps = _steps(model)
+    steps = _steps(monkeypatch)
     assert _batch(model, prompts[1:]) == reference[1:]
     after = session.stats()
     # each later request found the system prompt's 5 blocks (the first request's 6th block holds its own
@@ -137,19 +140,9 @@ def test_reuse_off_computes_every_prompt_and_a_lost_prefix_is_computed(monkeypat
 
     torch_kvoffload.offload(model, copy.deepcopy(config))
     assert _batch(model, prompts[:1]) == reference[:1]
-    from torch_kvoffload.layerwise.backend import LayerwiseBackend
-
-    real = LayerwiseBackend.cached_prefix
-
-    def lookup_then_lose(self, tokens, positions):  # the store loses every record after the lookup
-        found = real(self, tokens, positions)
-        for key in list(self.store._index):
-            self.store.remove(key)
-        return found
-
-    monkeypatch.setattr(LayerwiseBackend, "cached_prefix", lookup_then_lose)
     before = session_of(model).stats()
-    assert _batch(model, prompts[1:]) == reference[1:]
+    with store_emptied_after_each_lookup():
+        assert _batch(model, prompts[1:]) == reference[1:]
     after = session_of(model).stats()
     assert after["prefix_fallbacks"] - before["prefix_fallbacks"] == 1
     assert after["prefix_store_tokens"] == before["prefix_store_tokens"]
@@ -200,26 +193,12 @@ def _burst(seed: int):
     return model, session_of(model), prompts, reference
 
 
-def _class_steps(monkeypatch) -> list[list[tuple[int, int]]]:
-    """:func:`_steps` for the serving state a model's first batch creates."""
-    from torch_kvoffload.integrations.hf.serving import ServingRequests
-
-    real, steps = ServingRequests.run_step, []
-
-    def run_step(self, model, kwargs):
-        steps.append([(p, q) for _, p, q in self._step])
-        return real(self, model, kwargs)
-
-    monkeypatch.setattr(ServingRequests, "run_step", run_step)
-    return steps
-
-
 def test_requests_arriving_together_compute_their_shared_prefix_once(monkeypatch):
     """Nothing stored yet: the first request computes the system prompt (two steps), the others sit out the
     step that completes its blocks and then take its 5 blocks over from the store."""
     model, session, prompts, reference = _burst(5)
     family, config = CONFIGS["v32-layerwise-sparse"]
-    steps = _class_steps(monkeypatch)
+    steps = _steps(monkeypatch)
     assert _batch(model, prompts) == reference
     stats = session.stats()
     assert stats["prefix_store_tokens"] == 2 * 40

@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("transformers")
 from support.hf_models import ONE_LAYER, SMALL, build_model, indexer_boundary_ties, left_padded_batch
+from support.store_helpers import empty_store
 
 import torch_kvoffload
 from torch_kvoffload.core import prefix as prefix_mod
@@ -203,12 +204,6 @@ def _stored_once(monkeypatch, seed: int):
     return store, model, ids, want
 
 
-def _lose_everything(store: LocalKVStore) -> None:
-    """Every record of ``store`` evicted (as another process's traffic would)."""
-    for key in list(store._index):
-        store.remove(key)
-
-
 @pytest.mark.parametrize("when", ["adopting", "loading"])
 def test_a_prefix_the_store_loses_after_the_lookup_is_computed_with_the_same_tokens(monkeypatch, when):
     """The store empties between the lookup and the read of the adopted rows (``adopting``: the partial
@@ -220,7 +215,7 @@ def test_a_prefix_the_store_loses_after_the_lookup_is_computed_with_the_same_tok
 
         def lookup_then_lose(self, tokens, positions):
             found = real(self, tokens, positions)
-            _lose_everything(store)
+            empty_store(store)
             return found
 
         monkeypatch.setattr(LayerwiseBackend, "cached_prefix", lookup_then_lose)
@@ -229,7 +224,7 @@ def test_a_prefix_the_store_loses_after_the_lookup_is_computed_with_the_same_tok
 
         def adopt_then_lose(self, *args):
             real(self, *args)
-            _lose_everything(store)
+            empty_store(store)
 
         monkeypatch.setattr(prefix_mod.PrefixReuse, "adopt", adopt_then_lose)
     before = torch_kvoffload.stats(model)

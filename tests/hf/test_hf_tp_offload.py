@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 
 from support.hf_models import build_model, left_padded_batch
 from support.kvpp_helpers import spawn_gloo
+from support.store_helpers import store_emptied_after_each_lookup
 from support.tp_helpers import load_tp, save_tiny
 
 import torch_kvoffload
@@ -135,7 +136,7 @@ def _run(run: str, model, session) -> dict:
     if run == "fail":
         return _failed_attach(model, session)
     if run == "a_lost":
-        with _store_lost_on_rank_1(session.spec.tp.rank):
+        with store_emptied_after_each_lookup(active=session.spec.tp.rank == 1):  # TP rank 1's store only
             return {"tokens": model.generate(**_generate_kwargs(run)), **_record(model, session)}
     if run in ("cb", "cb_diverged", "cb_failed", "cb_again"):
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -180,28 +181,6 @@ def _fault_on_rank_1(run: str, rank: int):
         yield
     finally:
         ServingRequests.run_step, ServingRequests._step_requests = real_run, real_check
-
-
-@contextlib.contextmanager
-def _store_lost_on_rank_1(rank: int):
-    """On TP rank 1 only, the layerwise store loses every record right after a prompt's lookup: its rank
-    cannot take the prefix over, so no rank does."""
-    from torch_kvoffload.layerwise.backend import LayerwiseBackend
-
-    real = LayerwiseBackend.cached_prefix
-
-    def lookup_then_lose(self, tokens, positions):
-        found = real(self, tokens, positions)
-        for key in list(self.store._index):
-            self.store.remove(key)
-        return found
-
-    if rank == 1:
-        LayerwiseBackend.cached_prefix = lookup_then_lose
-    try:
-        yield
-    finally:
-        LayerwiseBackend.cached_prefix = real
 
 
 def _failed_attach(model, session) -> dict:

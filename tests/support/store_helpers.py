@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 
 from torch_kvoffload.store import LocalKVStore
 from torch_kvoffload.store.base import KVStore
@@ -46,3 +48,30 @@ def check_invariants(store: LocalKVStore) -> None:
             assert i is None, "a live region is on the free list"
         assert store._stored == sum(e.nbytes for e in store._index.values())
         assert store._stored <= held <= store.capacity_bytes
+
+
+def empty_store(store: LocalKVStore) -> None:
+    """Every record of ``store`` evicted (as another process's traffic would)."""
+    for key in list(store._index):
+        store.remove(key)
+
+
+@contextlib.contextmanager
+def store_emptied_after_each_lookup(active: bool = True) -> Iterator[None]:
+    """While inside (and ``active``), the layerwise store loses every record right after each prefix lookup
+    (``LayerwiseBackend.cached_prefix``): what the lookup found is gone when it is read."""
+    from torch_kvoffload.layerwise.backend import LayerwiseBackend
+
+    real = LayerwiseBackend.cached_prefix
+
+    def lookup_then_lose(self, tokens, positions):
+        found = real(self, tokens, positions)
+        empty_store(self.store)
+        return found
+
+    if active:
+        LayerwiseBackend.cached_prefix = lookup_then_lose
+    try:
+        yield
+    finally:
+        LayerwiseBackend.cached_prefix = real

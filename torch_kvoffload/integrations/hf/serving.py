@@ -263,9 +263,6 @@ class ServingRequests:
             (self._live[request_id],) = self.session.core.admit(1)
         return self._live[request_id]
 
-    def holds(self, request_id: str) -> bool:
-        return request_id in self._live
-
     def request(self, request_id: str) -> Request | None:
         return self._live.get(request_id)
 

@@ -58,7 +58,7 @@ class ServingPrefixes:
         prompt; never an error in the scheduler's loop)."""
         serving = self.serving
         reuse = serving.session.core.prefix
-        if serving.holds(request_id) or serving.live >= serving.slots or not reuse.enabled:
+        if serving.request(request_id) is not None or serving.live >= serving.slots or not reuse.enabled:
             return 0
         # asked again at each step while the request waits: another request may have stored its prefix since
         (found,) = reuse.agree([reuse.lookup(prompt, None, new=request_id not in self._prompts)])

@@ -161,7 +161,11 @@ def test_compiled_model_returns_them_eagerly_and_keeps_its_graphs(family, config
     ids2, mask2 = left_padded_batch([3, 6, 5], seed=7)
     got = _forward(model, ids2, mask2, output_attentions=True)
     _assert_layers(got.attentions, _forward(ref, ids2, mask2, output_attentions=True).attentions)
+    assert len(compile_reports(model)) == graphs  # those calls compiled nothing
+    served = torch_kvoffload.stats(model)["prefix_store_tokens"]
     again = _generate(model, ids, mask, 4)
     assert torch.equal(again.sequences, first.sequences) and again.attentions is None
-    assert len(compile_reports(model)) == graphs  # those calls compiled nothing
+    # nor did this one, but for the prompt columns after a prefix taken over from the store (block 4: V3.2)
+    reused = torch_kvoffload.stats(model)["prefix_store_tokens"] > served
+    assert len(compile_reports(model)) == graphs + reused
     torch._dynamo.reset()

@@ -25,6 +25,8 @@ SERVING = {"max_requests": 3, "max_request_tokens": 96}
 CONFIGS = {
     "v32-layerwise-sparse": ("deepseek_v32", {"layerwise": {}, "sparse": {}, "block_size": BS, "serving": SERVING}),
     "v3-layerwise": ("deepseek_v3", {"layerwise": {}, "block_size": BS, "serving": SERVING}),
+    # no layerwise offload: each step's completed blocks go to the prefix store from the host pool
+    "v32-sparse": ("deepseek_v32", {"sparse": {}, "block_size": BS, "serving": SERVING}),
 }  # fmt: skip
 
 
@@ -182,10 +184,10 @@ def _system_prompts(seed: int) -> list[list[int]]:
     return [system + torch.randint(3, 1000, (n,), generator=g).tolist() for n in (9, 4, 17)]
 
 
-def _burst(seed: int):
-    """``(model, session, prompts, reference)``: a V3.2 offloaded with layerwise + sparse, and the prompts of
+def _burst(seed: int, name: str = "v32-layerwise-sparse"):
+    """``(model, session, prompts, reference)``: a V3.2 offloaded under ``CONFIGS[name]``, and the prompts of
     :func:`_system_prompts` with the unmodified model's tokens."""
-    family, config = CONFIGS["v32-layerwise-sparse"]
+    family, config = CONFIGS[name]
     model = _model(family)
     prompts = _system_prompts(seed)
     reference = _reference(model, prompts)
@@ -193,11 +195,12 @@ def _burst(seed: int):
     return model, session_of(model), prompts, reference
 
 
-def test_requests_arriving_together_compute_their_shared_prefix_once(monkeypatch):
+@pytest.mark.parametrize("name", ["v32-layerwise-sparse", "v32-sparse"])
+def test_requests_arriving_together_compute_their_shared_prefix_once(monkeypatch, name):
     """Nothing stored yet: the first request computes the system prompt (two steps), the others sit out the
     step that completes its blocks and then take its 5 blocks over from the store."""
-    model, session, prompts, reference = _burst(5)
-    family, config = CONFIGS["v32-layerwise-sparse"]
+    model, session, prompts, reference = _burst(5, name)
+    family, config = CONFIGS[name]
     steps = _steps(monkeypatch)
     assert _batch(model, prompts) == reference
     stats = session.stats()

@@ -1,6 +1,6 @@
-"""Prefix reuse on Hugging Face models: a prompt whose leading blocks the layerwise store holds is not
-recomputed; the model runs only the rest, and the tokens and logits are the cold run's and the unmodified
-model's."""
+"""Prefix reuse on Hugging Face models: a prompt whose leading blocks the store holds (the layerwise
+store, or the prefix store of a model without layerwise offload) is not recomputed; the model runs only
+the rest, and the tokens and logits are the cold run's and the unmodified model's."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from support.store_helpers import empty_store
 import torch_kvoffload
 from torch_kvoffload.core import prefix as prefix_mod
 from torch_kvoffload.layerwise.backend import LayerwiseBackend
+from torch_kvoffload.layerwise.prefix_store import PrefixStore
 from torch_kvoffload.store.local import LocalKVStore
 
 BS = 16
@@ -26,6 +27,9 @@ MODES = {
     "v32-both": ("deepseek_v32", {"layerwise": {}, "sparse": {}, "block_size": BS}),
     "v32-resident": ("deepseek_v32", {"layerwise": {}, "sparse": {"offload": False}, "block_size": BS}),
     "v32-int8-indexer": ("deepseek_v32", {"layerwise": {}, "sparse": {"indexer_dtype": "int8"}, "block_size": BS}),
+    # no layerwise offload: the prefix store keeps the blocks, read back from the host pool / resident KV
+    "v32-sparse": ("deepseek_v32", {"sparse": {}, "block_size": BS}),
+    "v32-resident-only": ("deepseek_v32", {"sparse": {"offload": False}, "block_size": BS}),
 }  # fmt: skip
 
 
@@ -96,7 +100,7 @@ def test_a_cached_prompt_runs_only_its_suffix_with_the_cold_runs_tokens_and_logi
     assert torch.equal(got.sequences, want.sequences)
 
 
-@pytest.mark.parametrize("mode", ["v3-layerwise", "v32-both"])
+@pytest.mark.parametrize("mode", ["v3-layerwise", "v32-both", "v32-sparse"])
 def test_rows_of_a_batch_hit_different_lengths_and_spans_end_inside_blocks(mode):
     """Row A has 64 tokens cached, row B (20 pads on the left) 48: the batch skips the 64 columns both
     have cached, so B adopts 44 tokens (its last block partly, from the stored block). With a third row
@@ -183,17 +187,21 @@ def test_reuse_off_and_calls_whose_outputs_cover_the_prompt_compute_everything()
 
 
 def _shared_store(monkeypatch) -> LocalKVStore:
+    """One store every model offloaded from now on uses (layerwise backends and prefix stores)."""
     from torch_kvoffload.layerwise import backend as layerwise_backend
+    from torch_kvoffload.layerwise import prefix_store
 
     store = LocalKVStore(64 << 20)
-    monkeypatch.setattr(layerwise_backend, "build_store", lambda config: store)
+    store.close = lambda: None  # the models share it: none closes it for the others
+    for module in (layerwise_backend, prefix_store):
+        monkeypatch.setattr(module, "build_store", lambda config: store)
     return store
 
 
-def _stored_once(monkeypatch, seed: int):
-    """``(store, model, prompt, the unmodified model's output)``: a V3.2 model offloaded with layerwise +
-    sparse on a store of its own, which its first generate of the 70-token prompt filled."""
-    family, config = MODES["v32-both"]
+def _stored_once(monkeypatch, seed: int, mode: str = "v32-both"):
+    """``(store, model, prompt, the unmodified model's output)``: a V3.2 model offloaded under ``mode`` on a
+    store of its own, which its first generate of the 70-token prompt filled."""
+    family, config = MODES[mode]
     store = _shared_store(monkeypatch)
     model = build_model(family)
     ref = copy.deepcopy(model)
@@ -204,21 +212,25 @@ def _stored_once(monkeypatch, seed: int):
     return store, model, ids, want
 
 
-@pytest.mark.parametrize("when", ["adopting", "loading"])
-def test_a_prefix_the_store_loses_after_the_lookup_is_computed_with_the_same_tokens(monkeypatch, when):
+@pytest.mark.parametrize(
+    ("when", "mode"), [("adopting", "v32-both"), ("loading", "v32-both"), ("adopting", "v32-sparse")]
+)
+def test_a_prefix_the_store_loses_after_the_lookup_is_computed_with_the_same_tokens(monkeypatch, when, mode):
     """The store empties between the lookup and the read of the adopted rows (``adopting``: the partial
     block's and the sparse rows' read), or between the adoption and the forward's layer loads
-    (``loading``): the prompt is computed whole, counted in ``prefix_fallbacks``; the next call works."""
-    store, model, ids, want = _stored_once(monkeypatch, seed=6)
+    (``loading``, layerwise only): the prompt is computed whole, counted in ``prefix_fallbacks``; the next
+    call works."""
+    store, model, ids, want = _stored_once(monkeypatch, seed=6, mode=mode)
     if when == "adopting":
-        real = LayerwiseBackend.cached_prefix
+        holder = LayerwiseBackend if "both" in mode else PrefixStore
+        real = holder.cached_prefix
 
         def lookup_then_lose(self, tokens, positions):
             found = real(self, tokens, positions)
             empty_store(store)
             return found
 
-        monkeypatch.setattr(LayerwiseBackend, "cached_prefix", lookup_then_lose)
+        monkeypatch.setattr(holder, "cached_prefix", lookup_then_lose)
     else:
         real = prefix_mod.PrefixReuse.adopt
 
@@ -234,9 +246,10 @@ def test_a_prefix_the_store_loses_after_the_lookup_is_computed_with_the_same_tok
     assert torch.equal(_generate(model, ids).sequences, want.sequences)
 
 
-def test_a_damaged_stored_block_is_computed_never_adopted(monkeypatch):
+@pytest.mark.parametrize("mode", ["v32-both", "v32-sparse"])
+def test_a_damaged_stored_block_is_computed_never_adopted(monkeypatch, mode):
     """A block whose record fails its checksum when it is read: the forward computes from it on."""
-    store, model, ids, want = _stored_once(monkeypatch, seed=7)
+    store, model, ids, want = _stored_once(monkeypatch, seed=7, mode=mode)
     for e in list(store._index.values()):  # a flipped byte in every record, behind the store's back
         store._arena[e.offset + e.nbytes // 2] ^= 0x40
     before = torch_kvoffload.stats(model)
@@ -268,7 +281,7 @@ def test_a_compiled_model_reuses_the_prefix_call_after_call(mode, widths):
         assert _delta(model, before, "prefix_store_tokens") == (n - 1) // BS * BS
 
 
-@pytest.mark.parametrize("mode", ["v32-both", "v32-resident", "v3-layerwise"])
+@pytest.mark.parametrize("mode", ["v32-both", "v32-resident", "v3-layerwise", "v32-sparse"])
 def test_the_next_turn_of_a_conversation_finds_the_blocks_its_answer_completed(mode):
     """The blocks a generate's decode steps completed (on the sparse path: not saved by the layerwise
     pipeline) are stored when its sequence ends, so the next turn (prompt + answer + a new message) skips
@@ -287,3 +300,51 @@ def test_the_next_turn_of_a_conversation_finds_the_blocks_its_answer_completed(m
     assert torch.equal(_generate(model, turn).sequences, want.sequences)
     assert _delta(model, before, "prefix_store_tokens") == 64  # blocks 0-3: the prompt's 2, the answer's 2
     assert torch_kvoffload.stats(model)["persist_failures"] == 0
+
+
+def test_models_with_and_without_layerwise_offload_find_each_others_blocks(monkeypatch):
+    """On one store and the same weights, a model with sparse offload alone (its prefix store) and one
+    with layerwise + sparse key their blocks alike: each takes over what the other stored, with the
+    unmodified model's tokens; a model of other weights finds nothing."""
+    _shared_store(monkeypatch)
+    ref = build_model("deepseek_v32")
+    sparse_only = torch_kvoffload.offload(copy.deepcopy(ref), MODES["v32-sparse"][1])
+    both = torch_kvoffload.offload(copy.deepcopy(ref), MODES["v32-both"][1])
+    other = torch_kvoffload.offload(build_model("deepseek_v32", seed=1), MODES["v32-sparse"][1])
+    for seed, (first, second) in enumerate([(sparse_only, both), (both, sparse_only)], start=20):
+        ids = _prompt(70, seed=seed)
+        want = _generate(ref, ids)
+        assert torch.equal(_generate(first, ids).sequences, want.sequences)
+        before = torch_kvoffload.stats(second)
+        assert torch.equal(_generate(second, ids).sequences, want.sequences)
+        assert _delta(second, before, "prefix_store_tokens") == 64
+        before = torch_kvoffload.stats(other)
+        _generate(other, ids)
+        assert _delta(other, before, "prefix_store_tokens") == 0
+
+
+def test_the_prefix_store_is_configured_only_where_it_serves():
+    """``prefix_store`` sizes the store of a model without layerwise offload; beside ``layerwise`` (whose
+    store serves) or with reuse off it is refused, naming why."""
+    from torch_kvoffload import OffloadConfig
+
+    cfg = OffloadConfig(sparse={}, prefix_store={"capacity_bytes": "8MiB"})
+    assert cfg.prefix_store.capacity_bytes == 8 << 20
+    with pytest.raises(ValueError, match=r"layerwise\.store is the prefix store"):
+        OffloadConfig(layerwise={}, sparse={}, prefix_store={})
+    with pytest.raises(ValueError, match="prefix_cache is off"):
+        OffloadConfig(sparse={}, prefix_cache=False, prefix_store={})
+    model = torch_kvoffload.offload(
+        build_model("deepseek_v32"), {**MODES["v32-sparse"][1], "prefix_store": cfg.prefix_store}
+    )
+    ids = _prompt(40, seed=30)
+    _generate(model, ids)
+    before = torch_kvoffload.stats(model)
+    _generate(model, ids)
+    assert _delta(model, before, "prefix_store_tokens") == 32
+    off = torch_kvoffload.offload(
+        build_model("deepseek_v32"), {**MODES["v32-sparse"][1], "prefix_cache": False}
+    )
+    _generate(off, ids)
+    _generate(off, ids)
+    assert torch_kvoffload.stats(off)["prefix_store_tokens"] == 0

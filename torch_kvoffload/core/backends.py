@@ -25,6 +25,7 @@ from torch_kvoffload.kvpp import KVPPConfig
 from torch_kvoffload.kvpp.backend import KVPPBackend
 from torch_kvoffload.layerwise import LayerwiseConfig
 from torch_kvoffload.layerwise.backend import LayerwiseBackend
+from torch_kvoffload.layerwise.prefix_store import PrefixStore
 from torch_kvoffload.sparse.backend import SparseOffloadBackend
 from torch_kvoffload.sparse.config import SparseOptions
 from torch_kvoffload.sparse.resident_backend import ResidentSparseBackend
@@ -41,6 +42,14 @@ class Backends:
     layerwise: LayerwiseBackend | None = None
     kvpp: KVPPBackend | None = None
     sparse: SparseOffloadBackend | ResidentSparseBackend | None = None
+    #: the store of prefix reuse without layerwise offload (no forward takes part in it)
+    prefix_store: PrefixStore | None = None
+
+    @property
+    def store(self) -> LayerwiseBackend | PrefixStore | None:
+        """What prefix reuse looks prompts up in and adopts from: the layerwise backend, else the prefix
+        store."""
+        return self.layerwise if self.layerwise is not None else self.prefix_store
 
     @property
     def indexer(self) -> KVBackend | None:
@@ -54,6 +63,14 @@ class Backends:
             return self.layerwise
         return None
 
+    def stats(self) -> dict[str, float]:
+        """The backends' counters and the prefix store's, summed by name."""
+        out: dict[str, float] = {}
+        for b in [*self.all, *([self.prefix_store] if self.prefix_store is not None else [])]:
+            for k, v in b.stats().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
     def close(self) -> None:
         """Close the role's endpoints first (outstanding transfers fail instead of holding the buffers),
         then the backends, then the role."""
@@ -63,6 +80,8 @@ class Backends:
             for b in self.all:
                 if b is not self.role:
                     b.close()
+            if self.prefix_store is not None:
+                self.prefix_store.close()
         finally:
             if self.role is not None:
                 self.role.close()
@@ -117,7 +136,9 @@ def build_backends(
     spec: ModelSpec, config: OffloadConfig, *, block_size: int, kvpp_name: str, role: PDRole | None = None
 ) -> Backends:
     """The backends ``config`` enables for ``spec``, in call order: the P/D ``role``, layerwise, KVPP,
-    sparse. A backend that fails to build closes the ones built before it."""
+    sparse; with prefix reuse on and sparse without layerwise, the :class:`PrefixStore` (only for a spec with
+    the weights' fingerprint, which its keys carry). A backend that fails to build closes the ones built
+    before it."""
     ctx = _Context(spec, config, block_size, kvpp_name, role)
     out = Backends(role=role)
     if role is not None:
@@ -130,6 +151,9 @@ def build_backends(
             backend = _BUILDERS[type(feature)](ctx, feature)
             setattr(out, _SLOTS[type(feature)], backend)
             out.all.append(backend)
+        # without the weights' fingerprint (a core driven directly) its blocks could pass for another model's
+        if (store := config.prefix_store_config) is not None and spec.weights_fingerprint:
+            out.prefix_store = PrefixStore(spec, store, block_size=block_size)
     except BaseException:
         for b in out.all:
             if b is not role:

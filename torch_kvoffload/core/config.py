@@ -20,6 +20,7 @@ from torch_kvoffload.kvpp.config import KVPPConfig
 from torch_kvoffload.layerwise.config import LayerwiseConfig
 from torch_kvoffload.pd.config import PDConfig
 from torch_kvoffload.sparse.config import MAX_BLOCK_SIZE, SparseOptions
+from torch_kvoffload.store.factory import StoreConfig
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "OffloadConfig", "ServingOptions"]
 
@@ -66,8 +67,15 @@ class OffloadConfig(ConfigModel):
 
     ``prefix_cache``: a forward that starts a request skips the leading full blocks of its prompt whose KV
     (and indexer keys) the layerwise store already holds for these weights: the model runs only the
-    uncached suffix (:mod:`torch_kvoffload.core.prefix`). On by default; only with ``layerwise`` (the
-    store); with it, a model with a lightning indexer stores its indexer keys beside the latent KV.
+    uncached suffix (:mod:`torch_kvoffload.core.prefix`). On by default. With ``layerwise`` its store serves;
+    with ``sparse`` alone (sparse offload or a resident KV) ``prefix_store`` does (the core stores each
+    request's full blocks there after the forwards that complete them); not with KVPP. A model with a
+    lightning indexer stores its indexer keys beside the latent KV.
+
+    ``prefix_store``: the store of prefix reuse without ``layerwise``
+    (:class:`~torch_kvoffload.store.factory.StoreConfig`; default ``StoreConfig()``, a local arena of
+    1 GiB); with ``layerwise`` set ``layerwise.store`` instead (setting both is an error), and with
+    ``prefix_cache=False`` there is nothing to store.
 
     ``block_size``: tokens per block of every cache the session pages (layer buffers, store records, host
     pool, indexer cache); default ``sparse.block_size`` if given, else 128; an int in
@@ -87,6 +95,7 @@ class OffloadConfig(ConfigModel):
     serving: ServingOptions = ServingOptions()
     block_size: StrictInt | None = Field(default=None, ge=1, le=MAX_BLOCK_SIZE)
     prefix_cache: StrictBool = True
+    prefix_store: StoreConfig | None = None
 
     @model_validator(mode="after")
     def _check(self) -> OffloadConfig:
@@ -116,6 +125,11 @@ class OffloadConfig(ConfigModel):
                 f"OffloadConfig: kvpp cannot be combined with {' and '.join(both)} offload; KVPP keeps each "
                 "rank's owned layers in a persistent device pool (use kvpp alone, or kvpp={'enable_kvpp': False})"
             )
+        if self.prefix_store is not None and (self.layerwise is not None or not self.prefix_cache):
+            why = (
+                "layerwise.store is the prefix store" if self.layerwise is not None else "prefix_cache is off"
+            )
+            raise ValueError(f"OffloadConfig: prefix_store is set but {why}; leave prefix_store unset")
         if self.layerwise is None and self.sparse is None and not self.kvpp_requested:
             raise ValueError(
                 "OffloadConfig: nothing is enabled; set layerwise, sparse and/or kvpp (use {} for the defaults) "
@@ -127,6 +141,21 @@ class OffloadConfig(ConfigModel):
     def default(cls, has_indexer: bool) -> OffloadConfig:
         """Layerwise offload, plus sparse decode offload for a model with a lightning indexer."""
         return cls(layerwise=LayerwiseConfig(), sparse={} if has_indexer else None)
+
+    @property
+    def prefix_store_config(self) -> StoreConfig | None:
+        """The store prefix reuse keeps blocks in without layerwise offload: ``prefix_store`` (default
+        ``StoreConfig()``) for sparse offload or a resident KV with ``prefix_cache`` on and no P/D role;
+        ``None`` otherwise (no reuse, or the layerwise store serves)."""
+        if not self.prefix_cache or self.layerwise is not None or self.sparse is None or self.pd is not None:
+            return None
+        return self.prefix_store if self.prefix_store is not None else StoreConfig()
+
+    @property
+    def stores_kv(self) -> bool:
+        """Whether the session keeps KV in a store keyed by the model's weights (layerwise offload, or the
+        prefix store)."""
+        return self.layerwise is not None or self.prefix_store_config is not None
 
     @property
     def kvpp_requested(self) -> bool:

@@ -384,7 +384,7 @@ class KVCore:
 
     def end_forward(self) -> None:
         """End the running forward on every backend that took part (in reverse order); raise the first
-        failure after all ended."""
+        failure after all ended; then :meth:`PrefixReuse.store_completed`."""
         fwd, self.forward = self.forward, None
         if fwd is None:
             raise RuntimeError("KVCore.end_forward: no forward is running")
@@ -396,6 +396,7 @@ class KVCore:
                 first = first or exc
         if first is not None:
             raise first
+        self.prefix.store_completed(fwd.requests)
 
     def abort_forward(self) -> None:
         """Close a forward that raised; the backends' errors are logged (the forward's own is reported)."""
@@ -487,12 +488,8 @@ class KVCore:
         return _nbytes(t for t in tensors if t.device.type == self.spec.device.type)
 
     def backend_stats(self) -> dict[str, float]:
-        """The backends' counters, summed by name."""
-        out: dict[str, float] = {}
-        for b in self.backends.all:
-            for k, v in b.stats().items():
-                out[k] = out.get(k, 0) + v
-        return out
+        """The backends' counters (and the prefix store's), summed by name."""
+        return self.backends.stats()
 
     def close(self) -> None:
         """Close the role's endpoints, the backends, the role."""

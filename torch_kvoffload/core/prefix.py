@@ -1,21 +1,26 @@
 """Prefix reuse: a new request starts with the leading tokens of its prompt whose KV the store already holds.
 
-A request's prompt is looked up once (:meth:`PrefixReuse.lookup`: the layerwise store's chained block
+A request's prompt is looked up once (:meth:`PrefixReuse.lookup`: the store's chained block
 hashes over the token ids and the model positions, every layer; whole blocks, at least one token left to
 compute, so the last prompt position still yields its logits). The caller then *adopts* a prefix of each
 new request no longer than what was found (:meth:`PrefixReuse.adopt`): the request holds those tokens
-without a forward. The layerwise backend reads them from the store when the next forward needs them (as it
+without a forward. A layerwise backend reads them from the store when the next forward needs them (as it
 reads any earlier tokens), the rows of a partial last block going into its device tail now; every other
 backend that keeps a request's rows (the sparse host pool and device indexer cache, a resident KV) is
 written the stored rows layer by layer, as a forward would write them, in rounds of
 :data:`ROUND_BLOCKS` blocks per request (the host holds one round of rows at a time). The model then
 computes only the rest of the prompt.
 
-The latent KV and the indexer keys of a prefix are one unit: with prefix reuse the layerwise store keeps
-the indexer keys beside the latent KV (``core.backends``), and a store namespace without them is never
-looked up for a model with an indexer.
+The latent KV and the indexer keys of a prefix are one unit: with prefix reuse the store keeps the indexer
+keys beside the latent KV (``core.backends``), and a store namespace without them is never looked up for a
+model with an indexer.
 
-Reuse is on with ``OffloadConfig.prefix_cache`` and a layerwise store, without KVPP, on a P/D prefill node
+The store is the layerwise backend's (its pipeline saves every full block as the layers run) or, for a
+model with sparse offload or a resident KV and no layerwise offload, the
+:class:`~torch_kvoffload.layerwise.prefix_store.PrefixStore`: after each forward the core stores the full
+blocks it completed there, read back from the backend that holds them (:meth:`PrefixReuse.store_completed`).
+
+Reuse is on with ``OffloadConfig.prefix_cache`` and a store, without KVPP, on a P/D prefill node
 too (it computes only the uncached suffix; the whole prompt's KV is sent from the layer buffers, which hold
 the prefix's blocks as loaded from the store) but not a decode node (:attr:`PrefixReuse.enabled`);
 otherwise every lookup finds nothing. Under tensor parallelism the ranks
@@ -70,16 +75,19 @@ class PrefixReuse:
     def __init__(self, core: Any) -> None:  # a KVCore (core.kv imports this module)
         self.core = core
         self.counters = Counters(_COUNTERS)
+        self._stored: dict[
+            int, int
+        ] = {}  # request id -> its full blocks when store_completed last stored them
 
     @property
     def enabled(self) -> bool:
-        """Whether lookups may find anything: ``prefix_cache`` on, a layerwise store, no KVPP, no P/D role
+        """Whether lookups may find anything: ``prefix_cache`` on, a store, no KVPP, no P/D role
         but a prefill node's."""
         core = self.core
         b = core.backends
         return (
             core.config.prefix_cache
-            and b.layerwise is not None
+            and b.store is not None
             and b.kvpp is None
             and (b.role is None or b.role.computes_prompts)
         )
@@ -128,7 +136,7 @@ class PrefixReuse:
         looked up again: a request still waiting for its first step)."""
         if new:
             self.counters.add("prompt_tokens", len(tokens))
-        lw = self.core.backends.layerwise
+        lw = self.core.backends.store
         if not self.enabled or lw is None or len(tokens) < 2:
             return 0
         start = time.perf_counter()
@@ -152,7 +160,7 @@ class PrefixReuse:
         StoreMissError` when the store no longer holds a block) every one of ``requests`` is finished and
         the error propagates."""
         core = self.core
-        lw = core.backends.layerwise
+        lw = core.backends.store
         if core.forward is not None:
             raise RuntimeError("PrefixReuse.adopt: a forward is running")
         if lw is None or not self.enabled:
@@ -188,7 +196,7 @@ class PrefixReuse:
         forwards. A failure is logged and counted (``persist_failures``), never raised: a block not stored
         is only a later miss."""
         core = self.core
-        lw = core.backends.layerwise
+        lw = core.backends.store
         holders = [b for b in core.backends.all if b is not lw]
         live = [r for r in requests if r.id in core.requests and r.keyed and r.length >= core.block_size]
         if not self.enabled or lw is None or core.layout is None or core.forward is not None or not holders:
@@ -202,6 +210,22 @@ class PrefixReuse:
         finally:
             if released:
                 lw.free()
+
+    def store_completed(self, requests: Sequence[Request]) -> None:
+        """With the :class:`~torch_kvoffload.layerwise.prefix_store.PrefixStore` (no layerwise pipeline saves
+        blocks as the layers run): :meth:`persist` the requests of a forward that just ended whose count of
+        full blocks changed since they were last stored, so that a later prompt finds the blocks of this
+        one while it still runs. Between forwards; never raises."""
+        core = self.core
+        if core.backends.prefix_store is None or not self.enabled:
+            return
+        bs = core.block_size
+        due = [r for r in requests if r.keyed and r.length // bs != self._stored.get(r.id, 0)]
+        self._stored = {rid: n for rid, n in self._stored.items() if rid in core.requests}
+        for r in due:
+            self._stored[r.id] = r.length // bs
+        if due:
+            self.persist(due)
 
     def _persist(self, lw: Any, holder: Any, live: Sequence[Request]) -> None:
         core = self.core
@@ -234,10 +258,10 @@ class PrefixReuse:
         positions: Sequence[Sequence[int] | None],
         lengths: Sequence[int],
     ) -> None:
-        """The adopted rows into every backend but the layerwise one that takes part in a forward of them,
+        """The adopted rows into every backend but the store's that takes part in a forward of them,
         in rounds of :data:`ROUND_BLOCKS` blocks per request (packed forwards that only write)."""
         core = self.core
-        lw, layout, spec = core.backends.layerwise, core.layout, core.spec
+        lw, layout, spec = core.backends.store, core.layout, core.spec
         assert lw is not None and layout is not None
         step = ROUND_BLOCKS * core.block_size
         for start in range(0, max(lengths, default=0), step):

@@ -51,7 +51,8 @@ from torch_kvoffload.kv.totals import RuntimeTotals
 from torch_kvoffload.layerwise.build import build_layerwise_runtime
 from torch_kvoffload.layerwise.config import LayerwiseConfig
 from torch_kvoffload.layerwise.errors import StoreMissError
-from torch_kvoffload.layerwise.planner import LayerCacheSpec, TensorSpec
+from torch_kvoffload.layerwise.planner import LayerCacheSpec
+from torch_kvoffload.layerwise.prefix_store import layer_cache_specs, store_namespace
 from torch_kvoffload.layerwise.runtime import LayerwiseOffloadRuntime, PrefixEvictedError
 from torch_kvoffload.layerwise.stored import stored_block, stored_spans
 from torch_kvoffload.store import build_store
@@ -155,22 +156,13 @@ class LayerwiseBackend(KVBackend):
         self._tails = []
 
     def _build_runtime(self, layout: KVLayout) -> None:
-        spec, bs, dt = self.spec, self.block_size, self.spec.dtype
-        nb = layout.num_blocks
-        idx = (TensorSpec((nb, bs, spec.index_head_dim), dt),) if self.indexed else None
-        main = (TensorSpec((nb, bs, spec.kv_lora_rank), dt), TensorSpec((nb, bs, spec.rope_dim), dt))
-        specs = [LayerCacheSpec(main, idx) for _ in range(spec.num_layers)]
-        # the architecture, the weights (fine-tunes of one architecture never share KV) and the components
-        parts = (
-            self.config.model_id,
-            spec.fingerprint,
-            spec.weights_fingerprint,
-            "i" if self.indexed else "m",
-        )
-        lw = self.config.model_copy(update={"model_id": "/".join(p for p in parts if p)})
+        specs = layer_cache_specs(self.spec, layout.num_blocks, self.block_size, self.indexed)
+        lw = store_namespace(self.config, self.spec, self.indexed)
         rt = self._factory(lw, specs, self.store) if self._factory is not None else None
         self.runtime = (
-            rt if rt is not None else build_layerwise_runtime(lw, specs, device=spec.device, store=self.store)
+            rt
+            if rt is not None
+            else build_layerwise_runtime(lw, specs, device=self.spec.device, store=self.store)
         )
 
     def _tail_rows(self, layout: KVLayout) -> int:

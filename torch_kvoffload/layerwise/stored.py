@@ -33,7 +33,7 @@ def stored_block(
         raise StoreMissError(
             f"{who}: the host store no longer holds block {block} of request {request_id} (tokens "
             f"{block * bs}..{end - 1}): evicted, damaged or its write failed; raise the store capacity "
-            "(layerwise.store.capacity_bytes)"
+            "(layerwise.store.capacity_bytes, or prefix_store's without layerwise offload)"
         )
     return rows
 

@@ -408,11 +408,11 @@ def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def new_session(model: torch.nn.Module, config: Any = None) -> OffloadSession:
     """Inspect ``model`` and build its session for ``config`` (an ``OffloadConfig``, its dict form or
-    ``None``). With layerwise offload the weights are fingerprinted here, once (every byte read): the
-    store keys carry the fingerprint."""
+    ``None``). With a store (layerwise offload, prefix reuse) the weights are fingerprinted here, once
+    (every byte read): the store keys carry the fingerprint."""
     spec = inspect_model(model)
     cfg = _resolve_config(config, spec.has_indexer)
-    if cfg.layerwise is not None:
+    if cfg.stores_kv:
         spec = spec.with_weights(model)
     return OffloadSession(spec, cfg, role_factory=make_role)
 

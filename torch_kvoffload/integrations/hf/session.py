@@ -95,8 +95,8 @@ class OffloadSession:
     ----------
     spec : HFModelSpec
         From :func:`~torch_kvoffload.integrations.hf.inspect.inspect_model` (the model's attention modules
-        with it); with layerwise offload, with the weights' fingerprint (:meth:`ModelSpec.with_weights`): the store
-        keys carry it, so models of one architecture with other weights never read each other's KV.
+        with it); with a store (``config.stores_kv``), with the weights' fingerprint
+        (:meth:`ModelSpec.with_weights`): the store keys carry it, so models of one architecture with other weights never read each other's KV.
     config : OffloadConfig
         Resolved (``None`` fields off). Sparse attention needs ``spec.has_indexer``.
     name : str, optional
@@ -114,9 +114,10 @@ class OffloadSession:
         name: str | None = None,
         role_factory: RoleFactory | None = None,
     ) -> None:
-        if config.layerwise is not None and not spec.weights_fingerprint:
+        if config.stores_kv and not spec.weights_fingerprint:
+            what = "layerwise offload" if config.layerwise is not None else "prefix reuse"
             raise ValueError(
-                f"OffloadSession: layerwise offload of {spec.model_class} keys its store by the weights, but "
+                f"OffloadSession: {what} of {spec.model_class} keys its store by the weights, but "
                 "the spec has no weights_fingerprint; pass inspect_model(model).with_weights(model)"
             )
         if config.sparse is not None and not spec.has_indexer:
@@ -460,7 +461,8 @@ class OffloadSession:
         of fresh forwards), ``prefix_store_tokens`` (of those, adopted from the store: not computed),
         ``prompt_tokens_computed`` (the rest), ``prefix_lookups`` / ``prefix_lookup_seconds``,
         ``prefix_fallbacks`` (prefixes found but not taken over: the store could no longer give them, or the
-        adoption failed; computed instead), ``persisted_blocks`` / ``persist_failures``, ``prefix_waits``
+        adoption failed; computed instead), ``persisted_blocks`` / ``persist_failures`` (blocks read back from the host pool or resident KV into
+        the store: as requests end, and after each forward with the prefix store), ``prefix_waits``
         (steps a new continuous-batching request sat out while another computed their shared prefix).
         """
         got = self._core.backend_stats()

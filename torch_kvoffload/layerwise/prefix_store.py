@@ -1,0 +1,134 @@
+"""``PrefixStore``: the layerwise store's blocks for prefix reuse when no layerwise offload runs.
+
+A model whose KV lives in the sparse host pool or a resident KV (``OffloadConfig(sparse=...)`` without
+``layerwise``) still reuses prompt prefixes (:mod:`torch_kvoffload.core.prefix`): the core stores each
+request's full blocks here after the forwards that complete them (read back from the backend that holds
+them) and adopts a new prompt's stored prefix from here. The records, keys and checksums are the layerwise
+store's (one record per layer and full block, the indexer keys beside the latent KV in the model's dtype),
+keyed by the same fingerprint, so a model with layerwise offload and one without, on the same weights and
+store (a Mooncake store shared by two servers), find each other's blocks.
+
+No layer buffers: the store is read and written between forwards, block by block, through a layerwise
+runtime over one-block host buffers (the record layouts and keys come with it; they do not depend on the
+pool size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from torch_kvoffload.kv.requests import Request
+from torch_kvoffload.kv.spec import ModelSpec
+from torch_kvoffload.layerwise.build import build_layerwise_runtime
+from torch_kvoffload.layerwise.config import LayerwiseConfig
+from torch_kvoffload.layerwise.planner import LayerCacheSpec, TensorSpec
+from torch_kvoffload.layerwise.stored import stored_spans
+from torch_kvoffload.store.base import KVStore
+from torch_kvoffload.store.factory import StoreConfig, build_store
+
+__all__ = ["PrefixStore", "store_namespace"]
+
+
+def store_namespace(config: LayerwiseConfig, spec: ModelSpec, indexed: bool) -> LayerwiseConfig:
+    """``config`` with the ``model_id`` its store keys carry: the user's, the architecture, the weights
+    (fine-tunes of one architecture never share KV) and whether the records hold the indexer keys."""
+    parts = (config.model_id, spec.fingerprint, spec.weights_fingerprint, "i" if indexed else "m")
+    return config.model_copy(update={"model_id": "/".join(p for p in parts if p)})
+
+
+def layer_cache_specs(
+    spec: ModelSpec, num_blocks: int, block_size: int, indexed: bool
+) -> list[LayerCacheSpec]:
+    """Every layer's cache components paged ``[num_blocks, block_size, D]`` in the model's dtype: ``kv_c``,
+    ``k_pe`` (main) and, when ``indexed``, ``index_k``."""
+    dt = spec.dtype
+    idx = (TensorSpec((num_blocks, block_size, spec.index_head_dim), dt),) if indexed else None
+    main = (
+        TensorSpec((num_blocks, block_size, spec.kv_lora_rank), dt),
+        TensorSpec((num_blocks, block_size, spec.rope_dim), dt),
+    )
+    return [LayerCacheSpec(main, idx) for _ in range(spec.num_layers)]
+
+
+class PrefixStore:
+    """The store of prefix reuse for ``spec``'s KV without layerwise offload (see the module docstring).
+
+    Parameters
+    ----------
+    spec : ModelSpec
+        With the weights' fingerprint: the store keys carry it.
+    store : StoreConfig
+        The host KV pool (``local`` arena, Mooncake, memcache).
+    block_size : int
+    """
+
+    name = "prefix store"
+
+    def __init__(self, spec: ModelSpec, store: StoreConfig, *, block_size: int) -> None:
+        self.spec, self.block_size = spec, block_size
+        self.indexed = spec.has_indexer
+        self.store: KVStore = build_store(store)
+        specs = layer_cache_specs(spec, 1, block_size, self.indexed)
+        config = store_namespace(LayerwiseConfig(store=store), spec, self.indexed)
+        try:
+            self.runtime = build_layerwise_runtime(config, specs, device="cpu", store=self.store)
+        except BaseException:
+            self.store.close()
+            raise
+
+    #: always built: the one-block runtime is kept (PrefixReuse rebuilds a released layerwise backend)
+    built = True
+
+    def rebuild(self, layout: object) -> None:
+        """Nothing to build again (the layerwise backend's interface)."""
+
+    def free(self) -> None:
+        """Nothing to release (the layerwise backend's interface)."""
+
+    def cached_prefix(self, tokens: Sequence[int], positions: Sequence[int] | None) -> int:
+        """Leading tokens of a prompt ``tokens`` (its KV computed at ``positions``; ``None``: token ``t`` at
+        ``t``) whose KV every layer has in the store: whole blocks, at least one token left to compute."""
+        return self.runtime.lookup(list(tokens), positions)
+
+    def adopt(self, request: Request, key_tokens: Sequence[int], positions: Sequence[int] | None) -> None:
+        """Nothing kept here: the adopted rows go to the backends that hold the request's KV."""
+
+    def stored_blocks(self, request: Request) -> int:
+        """Leading full blocks of ``request`` every layer has in the store."""
+        return self.runtime.stored_blocks(list(request.tokens), self._positions(request))
+
+    def write_block(self, request: Request, block: int, rows: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Store full block ``block`` of ``request`` (a keyed one) from ``rows`` (per layer: ``kv_c``,
+        ``k_pe`` [, ``index_k``], host ``[block_size, D]`` in the model's dtype)."""
+        self.runtime.write_block(list(request.tokens), block, self._positions(request), rows)
+
+    def stored_rows(
+        self,
+        requests: Sequence[Request],
+        key_tokens: Sequence[Sequence[int]],
+        positions: Sequence[Sequence[int] | None],
+        spans: Sequence[tuple[int, int]],
+    ) -> list[list[torch.Tensor]]:
+        """As :meth:`LayerwiseBackend.stored_rows`: per layer, per component, the stored rows of
+        ``spans[r]`` of each request one after the other (host). ``StoreMissError`` when a block is gone."""
+        return stored_spans(self.runtime, requests, key_tokens, positions, spans)
+
+    @staticmethod
+    def _positions(r: Request) -> list[int] | None:
+        return None if r.positions is None else r.positions[: r.length]
+
+    def stats(self) -> dict[str, float]:
+        """The store's figures (summed with the other backends' under the same names)."""
+        store = self.store.counters.snapshot()
+        return {
+            "corrupt_records": store.get("corrupt_records", 0),
+            "store_errors": store.get("store_errors", 0) + self.runtime.counters.get("store_errors"),
+        }
+
+    def close(self) -> None:
+        try:
+            self.runtime.close()
+        finally:
+            self.store.close()

@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 
 from support.hf_models import SMALL, build_model, left_padded_batch
 from support.kvpp_helpers import spawn_gloo
+from support.store_helpers import store_emptied_after_each_lookup
 from support.tp_helpers import load_tp, save_tiny
 
 import torch_kvoffload
@@ -68,10 +69,24 @@ def _worker(rank: int, world: int, cases: list[tuple], dirs: dict[str, str], out
                     ref(input_ids=ids[:, 5:], use_cache=False),
                 ]
             packed["want"] = torch.cat([p.logits for p in parts], dim=1)
+        again = {}
+        if not compiled:  # the batch again: each rank takes its owned layers' stored blocks over
+            before = torch_kvoffload.stats(model)["prefix_store_tokens"]
+            with torch.no_grad():
+                again["got"] = model.generate(**kwargs)
+            again["reused"] = torch_kvoffload.stats(model)["prefix_store_tokens"] - before
+            # and again with rank 1's store losing the blocks after its lookup: no rank takes them over
+            before = torch_kvoffload.stats(model)
+            with torch.no_grad(), store_emptied_after_each_lookup(active=rank == 1):
+                again["lost"] = model.generate(**kwargs)
+            after = torch_kvoffload.stats(model)
+            again["lost_stats"] = {
+                k: after[k] - before[k] for k in ("prefix_store_tokens", "prefix_fallbacks")
+            }
         results[name] = {
             "want": want, "got": got, "stats": stats, "owned": owned, "tp": session.kvpp_config.tp_size,
             "explain": explained, "packed": packed, "graphs": len(getattr(model, "_kvoffload_compile_reports", [])),
-            "stored": stored, "ref_cache": ref_cache, "heads": session.spec.num_heads,
+            "stored": stored, "ref_cache": ref_cache, "heads": session.spec.num_heads, "again": again,
             "tp_ranks": session.spec.tp.ranks, "kvpp_ranks": session.kvpp_offload.scheduler.transport.group.ranks,
         }  # fmt: skip
         session.close()
@@ -170,6 +185,20 @@ def _check(results: list[dict], name: str, family: str, overrides: dict, lengths
             torch.testing.assert_close(
                 r[name]["packed"]["got"], r[name]["packed"]["want"], rtol=1e-4, atol=1e-4
             )
+    # the batch again (eager): every rank took over the columns each row had cached in full blocks (its
+    # owned layers' rows, read back after the first generate's forwards; at least one token computed)
+    pads = [width - n for n in lengths]
+    columns = min(p + (n - 1) // BS * BS for p, n in zip(pads, lengths, strict=True))
+    adopted = sum(max(columns - p, 0) for p in pads)
+    for r in results:
+        again = r[name]["again"]
+        if again:
+            assert adopted > 0 and again["reused"] == adopted
+            assert torch.equal(again["got"], r[name]["want"])
+            # one rank could not read what it found: every rank computed the prompts (the others undid what
+            # they had taken over), the same tokens
+            assert torch.equal(again["lost"], r[name]["want"])
+            assert again["lost_stats"] == {"prefix_store_tokens": 0, "prefix_fallbacks": 1}
 
 
 EAGER = [

@@ -58,20 +58,27 @@ def empty_store(store: LocalKVStore) -> None:
 
 @contextlib.contextmanager
 def store_emptied_after_each_lookup(active: bool = True) -> Iterator[None]:
-    """While inside (and ``active``), the layerwise store loses every record right after each prefix lookup
-    (``LayerwiseBackend.cached_prefix``): what the lookup found is gone when it is read."""
+    """While inside (and ``active``), the store of prefix reuse (a layerwise backend's or a prefix store)
+    loses every record right after each prefix lookup (``cached_prefix``): what the lookup found is gone
+    when it is read."""
     from torch_kvoffload.layerwise.backend import LayerwiseBackend
+    from torch_kvoffload.layerwise.prefix_store import PrefixStore
 
-    real = LayerwiseBackend.cached_prefix
+    reals = {cls: cls.cached_prefix for cls in (LayerwiseBackend, PrefixStore)}
 
-    def lookup_then_lose(self, tokens, positions):
-        found = real(self, tokens, positions)
-        empty_store(self.store)
-        return found
+    def losing(real):
+        def lookup_then_lose(self, tokens, positions):
+            found = real(self, tokens, positions)
+            empty_store(self.store)
+            return found
+
+        return lookup_then_lose
 
     if active:
-        LayerwiseBackend.cached_prefix = lookup_then_lose
+        for cls, real in reals.items():
+            cls.cached_prefix = losing(real)
     try:
         yield
     finally:
-        LayerwiseBackend.cached_prefix = real
+        for cls, real in reals.items():
+            cls.cached_prefix = real

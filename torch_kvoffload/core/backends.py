@@ -136,8 +136,8 @@ def build_backends(
     spec: ModelSpec, config: OffloadConfig, *, block_size: int, kvpp_name: str, role: PDRole | None = None
 ) -> Backends:
     """The backends ``config`` enables for ``spec``, in call order: the P/D ``role``, layerwise, KVPP,
-    sparse; with prefix reuse on and sparse without layerwise, the :class:`PrefixStore` (only for a spec with
-    the weights' fingerprint, which its keys carry). A backend that fails to build closes the ones built
+    sparse; with prefix reuse on and sparse or KVPP without layerwise, the :class:`PrefixStore` (of a KVPP
+    rank's owned layers; only for a spec with the weights' fingerprint, which its keys carry). A backend that fails to build closes the ones built
     before it."""
     ctx = _Context(spec, config, block_size, kvpp_name, role)
     out = Backends(role=role)
@@ -152,8 +152,11 @@ def build_backends(
             setattr(out, _SLOTS[type(feature)], backend)
             out.all.append(backend)
         # without the weights' fingerprint (a core driven directly) its blocks could pass for another model's
-        if (store := config.prefix_store_config) is not None and spec.weights_fingerprint:
-            out.prefix_store = PrefixStore(spec, store, block_size=block_size)
+        # a KVPP group larger than the model's layers leaves a rank owning none: no rank stores (alike)
+        holds = out.kvpp is None or spec.num_layers >= out.kvpp.group.size
+        if (store := config.prefix_store_config) is not None and spec.weights_fingerprint and holds:
+            layers = out.kvpp.owned_layers if out.kvpp is not None else None
+            out.prefix_store = PrefixStore(spec, store, block_size=block_size, layers=layers)
     except BaseException:
         for b in out.all:
             if b is not role:

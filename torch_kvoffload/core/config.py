@@ -68,9 +68,9 @@ class OffloadConfig(ConfigModel):
     ``prefix_cache``: a forward that starts a request skips the leading full blocks of its prompt whose KV
     (and indexer keys) the layerwise store already holds for these weights: the model runs only the
     uncached suffix (:mod:`torch_kvoffload.core.prefix`). On by default. With ``layerwise`` its store serves;
-    with ``sparse`` alone (sparse offload or a resident KV) ``prefix_store`` does (the core stores each
-    request's full blocks there after the forwards that complete them); not with KVPP. A model with a
-    lightning indexer stores its indexer keys beside the latent KV.
+    with ``sparse`` alone (sparse offload or a resident KV) or KVPP ``prefix_store`` does (the core stores
+    each request's full blocks there after the forwards that complete them; a KVPP rank its owned layers').
+    A model with a lightning indexer stores its indexer keys beside the latent KV.
 
     ``prefix_store``: the store of prefix reuse without ``layerwise``
     (:class:`~torch_kvoffload.store.factory.StoreConfig`; default ``StoreConfig()``, a local arena of
@@ -145,9 +145,10 @@ class OffloadConfig(ConfigModel):
     @property
     def prefix_store_config(self) -> StoreConfig | None:
         """The store prefix reuse keeps blocks in without layerwise offload: ``prefix_store`` (default
-        ``StoreConfig()``) for sparse offload or a resident KV with ``prefix_cache`` on and no P/D role;
-        ``None`` otherwise (no reuse, or the layerwise store serves)."""
-        if not self.prefix_cache or self.layerwise is not None or self.sparse is None or self.pd is not None:
+        ``StoreConfig()``) for sparse offload, a resident KV or KVPP with ``prefix_cache`` on and no P/D
+        role; ``None`` otherwise (no reuse, or the layerwise store serves)."""
+        holds = self.sparse is not None or self.kvpp_requested
+        if not self.prefix_cache or self.layerwise is not None or not holds or self.pd is not None:
             return None
         return self.prefix_store if self.prefix_store is not None else StoreConfig()
 

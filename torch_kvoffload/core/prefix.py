@@ -16,15 +16,17 @@ keys beside the latent KV (``core.backends``), and a store namespace without the
 model with an indexer.
 
 The store is the layerwise backend's (its pipeline saves every full block as the layers run) or, for a
-model with sparse offload or a resident KV and no layerwise offload, the
+model with sparse offload, a resident KV or KVPP and no layerwise offload, the
 :class:`~torch_kvoffload.layerwise.prefix_store.PrefixStore`: after each forward the core stores the full
 blocks it completed there, read back from the backend that holds them (:meth:`PrefixReuse.store_completed`).
+A KVPP rank stores and takes over its owned layers only; the next forward's broadcasts bring the taken-over
+rows to the other ranks, as they bring any earlier rows.
 
-Reuse is on with ``OffloadConfig.prefix_cache`` and a store, without KVPP, on a P/D prefill node
-too (it computes only the uncached suffix; the whole prompt's KV is sent from the layer buffers, which hold
-the prefix's blocks as loaded from the store) but not a decode node (:attr:`PrefixReuse.enabled`);
-otherwise every lookup finds nothing. Under tensor parallelism the ranks
-take the same prefix over, or none does (:meth:`PrefixReuse.agree`, :meth:`PrefixReuse.together`).
+Reuse is on with ``OffloadConfig.prefix_cache`` and a store, on a P/D prefill node too (it computes only
+the uncached suffix; the whole prompt's KV is sent from the layer buffers, which hold the prefix's blocks
+as loaded from the store) but not a decode node (:attr:`PrefixReuse.enabled`); otherwise every lookup
+finds nothing. Under tensor parallelism or KVPP the ranks take the same prefix over, or none does
+(:meth:`PrefixReuse.agree`, :meth:`PrefixReuse.together`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from torch_kvoffload.kv.backend import NewRows
 from torch_kvoffload.kv.forward import plan_packed
 from torch_kvoffload.kv.group_outcomes import exchange_outcomes
 from torch_kvoffload.kv.requests import Request
+from torch_kvoffload.kv.spec import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -81,23 +84,31 @@ class PrefixReuse:
 
     @property
     def enabled(self) -> bool:
-        """Whether lookups may find anything: ``prefix_cache`` on, a store, no KVPP, no P/D role
-        but a prefill node's."""
+        """Whether lookups may find anything: ``prefix_cache`` on, a store, no P/D role but a prefill
+        node's."""
         core = self.core
         b = core.backends
         return (
-            core.config.prefix_cache
-            and b.store is not None
-            and b.kvpp is None
-            and (b.role is None or b.role.computes_prompts)
+            core.config.prefix_cache and b.store is not None and (b.role is None or b.role.computes_prompts)
         )
+
+    def _group(self) -> TensorParallel | None:
+        """The ranks that take a prefix over together: the tensor-parallel group, else a KVPP group (its
+        ranks replicate the model and each stores its owned layers)."""
+        core = self.core
+        kvpp = core.backends.kvpp
+        if core.spec.tp is not None or kvpp is None or kvpp.group.size == 1:
+            return core.spec.tp
+        g = kvpp.group
+        control = g.control_group if g.control_group is not None else g.process_group
+        return TensorParallel(g.size, g.local_rank, g.ranks, control)
 
     def agree(self, found: Sequence[int]) -> list[int]:
         """``found`` (this rank's :meth:`lookup` of each prompt) as every rank of a tensor-parallel group
         takes it over: each prompt's least over the group (each rank stores the KV of its own weight shards
         under keys of its own, so the ranks' stores can differ). A collective of the group; unchanged
         without one."""
-        tp = self.core.spec.tp
+        tp = self._group()
         if tp is None or tp.size == 1:
             return list(found)
         outcome = exchange_outcomes(tp, lambda: list(found))
@@ -117,7 +128,7 @@ class PrefixReuse:
         failed) when every failure is of a type named in ``recoverable`` (``None``: any) — every rank then
         computes the prompt — or raised on every rank."""
         counted = self.counters.get("prefix_store_tokens")
-        outcome = exchange_outcomes(self.core.spec.tp, adopt)
+        outcome = exchange_outcomes(self._group(), adopt)
         if not outcome.failed:
             return None
         if outcome.error is None:
@@ -238,7 +249,7 @@ class PrefixReuse:
                 if have >= full:
                     continue
                 rows = []
-                for layer in range(spec.num_layers):
+                for layer in lw.layers:
                     read = [holder.read(layer, [r], part, start=have * bs) for part in parts]
                     if any(x is None for x in read):
                         return  # the holder keeps no such rows
@@ -271,6 +282,7 @@ class PrefixReuse:
                 requests, [s for s, _ in spans], n_new, layout, decode=False, layerwise=False,
                 device=spec.device,
             )  # fmt: skip
+            plan.writes_only = True
             writers = [b for b in core.backends.all if b is not lw and b.takes_part(plan)]
             if not writers:
                 return
@@ -280,7 +292,7 @@ class PrefixReuse:
                 for b in writers:
                     b.begin_forward(plan)
                     begun.append(b)
-                for layer, parts in enumerate(rows):
+                for layer, parts in zip(lw.layers, rows, strict=True):
                     kv_c, k_pe = (p.to(spec.device) for p in parts[:2])
                     index_k = parts[2].to(spec.device) if len(parts) > 2 and spec.has_indexer else None
                     for b in writers:

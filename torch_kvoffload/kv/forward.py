@@ -78,6 +78,8 @@ class ForwardPlan:
     parts: list[ForwardPlan] = field(default_factory=list)
     # what the layers of this forward derive alike from the plan, computed by the first that needs it
     memo: dict[Any, Any] = field(default_factory=dict)
+    # rows taken over from a store, written between forwards (core.prefix): no layer runs, nothing attends
+    writes_only: bool = False
 
     @property
     def request_ids(self) -> list[int]:

@@ -25,6 +25,7 @@ from torch_kvoffload.kvpp.build import build_kvpp_runtime
 from torch_kvoffload.kvpp.config import KVPPConfig, resolve_kvpp_config
 from torch_kvoffload.kvpp.groups import create_kvpp_group
 from torch_kvoffload.kvpp.layout import BundleSpec
+from torch_kvoffload.kvpp.ownership import assign_owners
 from torch_kvoffload.kvpp.runtime import KVPPRuntime
 
 __all__ = ["KVPPBackend"]
@@ -86,6 +87,14 @@ class KVPPBackend(KVBackend):
     def built(self) -> bool:
         return self.runtime is not None
 
+    @property
+    def owned_layers(self) -> list[int]:
+        """The layers this rank keeps persistently (their owner's rows survive a forward), as the runtime's
+        plan assigns them (contiguous balanced ranges; empty on a trailing rank of a group larger than the
+        model's layers)."""
+        owners = assign_owners(range(self.spec.num_layers), self.group.size)
+        return sorted(layer for layer, owner in owners.items() if owner == self.group.local_rank)
+
     def can_grow(self, layout: KVLayout, live: Sequence[Request]) -> bool:
         return False  # every rank of the group numbers the blocks alike: fixed per sequence
 
@@ -128,8 +137,12 @@ class KVPPBackend(KVBackend):
 
     def begin_forward(self, fwd: ForwardPlan) -> None:
         """Schedule the forward with the blocks holding each request's tokens before it (``int64 [B, M]``,
-        ``-1`` padded): what a broadcast must bring (every rank writes the forward's new rows itself)."""
+        ``-1`` padded): what a broadcast must bring (every rank writes the forward's new rows itself).
+        Rows taken over from a store (``fwd.writes_only``) are written into the owned layers alone, with no
+        broadcast: the next forward's brings them to the other ranks."""
         assert self.runtime is not None and self._layout is not None
+        if fwd.writes_only:
+            return
         bs, M = self.block_size, self._layout.blocks_per_request
         table = torch.full((fwd.B, M), -1, dtype=torch.int64)
         for r, (slot, old) in enumerate(zip(fwd.slots, fwd.old_len, strict=True)):
@@ -138,7 +151,7 @@ class KVPPBackend(KVBackend):
         self.runtime.scheduler.begin_forward(any(fwd.old_len), table)
 
     def end_forward(self, fwd: ForwardPlan) -> None:
-        if self.runtime is not None:
+        if self.runtime is not None and not fwd.writes_only:
             self.runtime.scheduler.end_forward()
 
     def before_write(self, layer: int, fwd: ForwardPlan) -> None:
@@ -151,6 +164,8 @@ class KVPPBackend(KVBackend):
 
     def write(self, layer: int, fwd: ForwardPlan, rows: NewRows) -> None:
         assert self.runtime is not None
+        if fwd.writes_only and layer not in self.runtime.allocation.plan.owned:
+            return  # a scratch buffer: the owner's broadcast fills it
         news = [rows.kv_c, rows.k_pe]
         if rows.index_k is not None:
             news.append(rows.index_k.to(self.spec.dtype))
@@ -168,6 +183,21 @@ class KVPPBackend(KVBackend):
             return None
         keys = self.runtime.caches(layer)[2]
         return IndexerView((keys,), fwd.block_table, self.spec.index_topk, quantized=False)
+
+    def read(
+        self, layer: int, requests: Sequence[Request], part: str, start: int = 0
+    ) -> list[torch.Tensor] | None:
+        """Copies of the requests' rows from ``start`` on of an owned layer (``None`` for another: its
+        scratch buffer holds a later layer's rows once the forward moved on)."""
+        rt, layout = self.runtime, self._layout
+        if rt is None or layout is None or layer not in rt.allocation.plan.owned:
+            return None
+        comps = dict(zip(("kv_c", "k_pe", "index_k"), rt.caches(layer), strict=False))
+        if part not in comps:
+            return None
+        flat = comps[part].view(-1, comps[part].shape[-1])
+        rows = layout.blocks_per_request * self.block_size
+        return [flat[r.slot * rows + start : r.slot * rows + r.length].clone() for r in requests]
 
     def device_tensors(self) -> list[torch.Tensor]:
         if self.runtime is None:

@@ -131,6 +131,11 @@ class LayerwiseBackend(KVBackend):
 
     # -------------------------------------------------------------------------------- sizing
     @property
+    def layers(self) -> list[int]:
+        """The layers whose blocks the store holds, in the order of the rows of :meth:`write_block`: all."""
+        return list(range(self.spec.num_layers))
+
+    @property
     def built(self) -> bool:
         return self.runtime is not None
 

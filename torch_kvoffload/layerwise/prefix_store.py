@@ -11,6 +11,10 @@ store (a Mooncake store shared by two servers), find each other's blocks.
 No layer buffers: the store is read and written between forwards, block by block, through a layerwise
 runtime over one-block host buffers (the record layouts and keys come with it; they do not depend on the
 pool size).
+
+A KVPP rank keeps only its owned layers' KV after a forward, so its prefix store holds those layers
+(``layers``); their set is in the keys' namespace, so only a rank owning the same layers (of the same
+weights) reads them.
 """
 
 from __future__ import annotations
@@ -39,17 +43,17 @@ def store_namespace(config: LayerwiseConfig, spec: ModelSpec, indexed: bool) -> 
 
 
 def layer_cache_specs(
-    spec: ModelSpec, num_blocks: int, block_size: int, indexed: bool
+    spec: ModelSpec, num_blocks: int, block_size: int, indexed: bool, layers: int | None = None
 ) -> list[LayerCacheSpec]:
-    """Every layer's cache components paged ``[num_blocks, block_size, D]`` in the model's dtype: ``kv_c``,
-    ``k_pe`` (main) and, when ``indexed``, ``index_k``."""
+    """``layers`` (default every layer of ``spec``) layers' cache components paged ``[num_blocks, block_size,
+    D]`` in the model's dtype: ``kv_c``, ``k_pe`` (main) and, when ``indexed``, ``index_k``."""
     dt = spec.dtype
     idx = (TensorSpec((num_blocks, block_size, spec.index_head_dim), dt),) if indexed else None
     main = (
         TensorSpec((num_blocks, block_size, spec.kv_lora_rank), dt),
         TensorSpec((num_blocks, block_size, spec.rope_dim), dt),
     )
-    return [LayerCacheSpec(main, idx) for _ in range(spec.num_layers)]
+    return [LayerCacheSpec(main, idx) for _ in range(spec.num_layers if layers is None else layers)]
 
 
 class PrefixStore:
@@ -62,16 +66,28 @@ class PrefixStore:
     store : StoreConfig
         The host KV pool (``local`` arena, Mooncake, memcache).
     block_size : int
+    layers : sequence of int, optional
+        The layers whose blocks it holds (a KVPP rank's owned layers; default every layer). The rows
+        :meth:`write_block` takes and :meth:`stored_rows` returns are these layers', in this order.
     """
 
     name = "prefix store"
 
-    def __init__(self, spec: ModelSpec, store: StoreConfig, *, block_size: int) -> None:
+    def __init__(
+        self, spec: ModelSpec, store: StoreConfig, *, block_size: int, layers: Sequence[int] | None = None
+    ) -> None:
         self.spec, self.block_size = spec, block_size
         self.indexed = spec.has_indexer
-        self.store: KVStore = build_store(store)
-        specs = layer_cache_specs(spec, 1, block_size, self.indexed)
+        every = list(range(spec.num_layers))
+        self.layers: list[int] = every if layers is None else sorted(layers)
+        if not self.layers or not set(self.layers) <= set(every):
+            raise ValueError(f"PrefixStore: layers must be some of {every}, got {layers}")
         config = store_namespace(LayerwiseConfig(store=store), spec, self.indexed)
+        if self.layers != every:  # the keys of layer i below are this rank's i-th owned layer's
+            owned = "layers=" + ",".join(map(str, self.layers))
+            config = config.model_copy(update={"model_id": f"{config.model_id}/{owned}"})
+        specs = layer_cache_specs(spec, 1, block_size, self.indexed, len(self.layers))
+        self.store: KVStore = build_store(store)
         try:
             self.runtime = build_layerwise_runtime(config, specs, device="cpu", store=self.store)
         except BaseException:

@@ -30,6 +30,11 @@ CONFIGS = {
 }  # fmt: skip
 
 
+def _taken(stats: dict) -> float:
+    """Prompt tokens taken over without a forward: from the store, or from a running request's KV."""
+    return stats["prefix_store_tokens"] + stats["prefix_live_tokens"]
+
+
 def _model(family: str) -> torch.nn.Module:
     model = build_model(family)
     with torch.no_grad():
@@ -92,7 +97,13 @@ def test_requests_sharing_a_system_prompt_schedule_only_their_own_tokens(name, m
     after = session.stats()
     # each later request found the system prompt's 5 blocks (the first request's 6th block holds its own
     # tokens): its first step starts at position 40
-    assert after["prefix_store_tokens"] - before["prefix_store_tokens"] == 3 * 40
+    assert _taken(after) - _taken(before) == 3 * 40
+    # the later requests took the blocks from a running one (its host-pool blocks shared, its indexer rows
+    # copied), not from the store; layerwise offload alone keeps no request's rows: all from the store
+    live = after["prefix_live_tokens"] - before["prefix_live_tokens"]
+    assert live == (0 if name == "v3-layerwise" else 2 * 40)
+    shared = after["fork_shared_blocks"] - before["fork_shared_blocks"]
+    assert shared == (0 if name == "v3-layerwise" else 2 * 5)
     firsts = [q for s in steps for p, q in s if p == 40]
     assert len(firsts) == 3, steps
     assert after["prompt_tokens_computed"] - before["prompt_tokens_computed"] == sum(
@@ -195,6 +206,28 @@ def _burst(seed: int, name: str = "v32-layerwise-sparse"):
     return model, session_of(model), prompts, reference
 
 
+def test_blocks_the_store_cannot_keep_are_taken_from_the_request_that_holds_them(monkeypatch):
+    """Sparse offload alone with a prefix store too small for one record: nothing is ever stored, yet the
+    requests arriving with the first one take its 5 system-prompt blocks over while it runs (its host-pool
+    blocks shared): the lookup counts what a running request holds."""
+    family, config = CONFIGS["v32-sparse"]
+    model = _model(family)
+    prompts = _system_prompts(8)
+    reference = _reference(model, prompts)
+    torch_kvoffload.offload(model, {**copy.deepcopy(config), "prefix_store": {"capacity_bytes": 1024}})
+    session = session_of(model)
+    assert _batch(model, prompts) == reference
+    stats = session.stats()
+    assert stats["prefix_store_tokens"] == 0 and stats["prefix_live_tokens"] == 2 * 40
+    assert stats["fork_shared_blocks"] == 2 * 5
+    assert stats["prompt_tokens_computed"] == len(prompts[0]) + sum(len(p) - 40 for p in prompts[1:])
+    assert stats["reserved_requests"] == 0 and stats["serving_requests"] == 0
+    # one at a time nothing is running to take them from: every prompt is computed, the same tokens
+    before = session.stats()
+    assert _batch(model, prompts[:1]) == reference[:1]
+    assert _taken(session.stats()) == _taken(before)
+
+
 @pytest.mark.parametrize("name", ["v32-layerwise-sparse", "v32-sparse"])
 def test_requests_arriving_together_compute_their_shared_prefix_once(monkeypatch, name):
     """Nothing stored yet: the first request computes the system prompt (two steps), the others sit out the
@@ -204,7 +237,7 @@ def test_requests_arriving_together_compute_their_shared_prefix_once(monkeypatch
     steps = _steps(monkeypatch)
     assert _batch(model, prompts) == reference
     stats = session.stats()
-    assert stats["prefix_store_tokens"] == 2 * 40
+    assert _taken(stats) == 2 * 40
     assert stats["prompt_tokens_computed"] == len(prompts[0]) + sum(len(p) - 40 for p in prompts[1:])
     # two steps compute the first prompt (32 + 20 tokens): its first chunk takes the whole token budget, the
     # others sit out the second (which computes the 5th block), then start at position 40
@@ -240,7 +273,7 @@ def test_a_request_that_fails_while_others_wait_for_its_prefix_leaves_them_to_go
     for i in (1, 2):
         assert out[f"req_{i}"].error is None and list(out[f"req_{i}"].generated_tokens) == reference[i], i
     stats = session.stats()
-    assert stats["prefix_store_tokens"] == 32 + 40
+    assert _taken(stats) == 32 + 40
     assert stats["prefix_waits"] == 3  # both in req_0's failed step, req_2 in req_1's first
     assert stats["reserved_requests"] == 0 and stats["serving_requests"] == 0
     monkeypatch.undo()

@@ -11,6 +11,13 @@ written the stored rows layer by layer, as a forward would write them, in rounds
 :data:`ROUND_BLOCKS` blocks per request (the host holds one round of rows at a time). The model then
 computes only the rest of the prompt.
 
+A running request is a tier too: when one holds the whole blocks a new prompt starts with (at the same
+positions), the new request takes them from it (:meth:`KVBackend.fork` of that many rows: the sparse host
+pool shares the blocks copy-on-write, a resident KV or the indexer cache copies rows on the device, a KVPP
+rank its owned layers' rows) instead of reading the store; without layerwise offload, whose pipeline reads
+every prefix from the store, the lookup counts what a running request holds too, so blocks the store
+lost are still found while a request holds them.
+
 The latent KV and the indexer keys of a prefix are one unit: with prefix reuse the store keeps the indexer
 keys beside the latent KV (``core.backends``), and a store namespace without them is never looked up for a
 model with an indexer.
@@ -52,7 +59,7 @@ ROUND_BLOCKS = 32
 
 _COUNTERS = (
     "prefix_lookups", "prefix_lookup_seconds", "prompt_tokens", "prefix_store_tokens", "prefix_fallbacks",
-    "persisted_blocks", "persist_failures", "prefix_waits",
+    "persisted_blocks", "persist_failures", "prefix_waits", "prefix_live_tokens",
 )  # fmt: skip
 
 
@@ -71,6 +78,7 @@ class PrefixReuse:
     """The prefix reuse of ``core`` (see the module docstring). ``counters``: ``prefix_lookups`` and
     ``prefix_lookup_seconds`` (prompts looked up, time spent), ``prompt_tokens`` (tokens of the prompts
     looked up), ``prefix_store_tokens`` (of those, tokens adopted from the store: not computed),
+    ``prefix_live_tokens`` (tokens adopted from a running request that held them: not computed either),
     ``prefix_fallbacks`` (prefixes found but not taken over, see :meth:`fell_back`: their prompts were
     computed), ``prefix_waits`` (steps a new continuous-batching request sat out while another request of
     the step computed the prefix they share, which it then adopted)."""
@@ -127,13 +135,15 @@ class PrefixReuse:
         that did ``undo()`` it, and the error is returned (this rank's own, or one naming the ranks that
         failed) when every failure is of a type named in ``recoverable`` (``None``: any) — every rank then
         computes the prompt — or raised on every rank."""
-        counted = self.counters.get("prefix_store_tokens")
+        names = ("prefix_store_tokens", "prefix_live_tokens")
+        counted = {k: self.counters.get(k) for k in names}
         outcome = exchange_outcomes(self._group(), adopt)
         if not outcome.failed:
             return None
         if outcome.error is None:
             undo()
-            self.counters.add("prefix_store_tokens", counted - self.counters.get("prefix_store_tokens"))
+            for k in names:
+                self.counters.add(k, counted[k] - self.counters.get(k))
         error = outcome.error or RuntimeError(f"the prefix was not taken over on {outcome.failures()}")
         if recoverable is None or all(kind in recoverable for kind, _ in outcome.failed.values()):
             return error
@@ -152,7 +162,12 @@ class PrefixReuse:
             return 0
         start = time.perf_counter()
         try:
-            return lw.cached_prefix(tokens, positions)
+            found = lw.cached_prefix(tokens, positions)
+            if (
+                self.core.backends.layerwise is None
+            ):  # the layerwise pipeline reads every prefix from the store
+                found = max(found, self._live_match(tokens, positions)[1])
+            return found
         finally:
             self.counters.add("prefix_lookups")
             self.counters.add("prefix_lookup_seconds", time.perf_counter() - start)
@@ -182,17 +197,54 @@ class PrefixReuse:
                     f"PrefixReuse.adopt: request {r.id} must hold no tokens and adopt fewer than its prompt's "
                     f"{len(prompt)} tokens; it holds {r.length}, adopts {n}"
                 )
+        stored = list(lengths)
         try:
-            for r, prompt, pos, n in zip(requests, prompts, positions, lengths, strict=True):
-                if n:
-                    core.requests.extend(r.id, prompt[:n])
-                    r.add_positions(0, None if pos is None else pos[:n])
-                    lw.adopt(r, prompt, pos)
-            self._write_stored(requests, prompts, positions, lengths)
+            for i, (r, prompt, pos, n) in enumerate(zip(requests, prompts, positions, lengths, strict=True)):
+                if not n:
+                    continue
+                src, held = self._live_match(prompt, pos, requests) if n % core.block_size == 0 else (None, 0)
+                if src is not None and held >= n:  # a running request holds these rows: share / copy them
+                    for b in core.backends.all:
+                        b.fork(core.layout, src, r, n)
+                    stored[i] = 0
+                core.requests.extend(r.id, prompt[:n])
+                r.add_positions(0, None if pos is None else pos[:n])
+                lw.adopt(r, prompt, pos)
+            self._write_stored(requests, prompts, positions, stored)
         except BaseException:
             core.finish([r.id for r in requests])
             raise
-        self.counters.add("prefix_store_tokens", sum(lengths))
+        self.counters.add("prefix_store_tokens", sum(stored))
+        self.counters.add("prefix_live_tokens", sum(lengths) - sum(stored))
+
+    def _live_match(
+        self, prompt: Sequence[int], positions: Sequence[int] | None, exclude: Collection[Request] = ()
+    ) -> tuple[Request | None, int]:
+        """The running request (not in ``exclude``) whose tokens, at the same positions, start with the most
+        whole blocks of ``prompt`` (at ``positions``; ``None``: logical), and that many tokens (fewer than
+        the prompt's); ``(None, 0)`` without one. Not on a P/D node (its role cannot fork), nor with
+        layerwise offload alone (it keeps no request's rows between forwards)."""
+        core = self.core
+        b = core.backends
+        if b.role is not None or core.layout is None or all(x is b.layerwise for x in b.all):
+            return (
+                None,
+                0,
+            )  # a P/D role cannot fork; layerwise offload alone reads every prefix from the store
+        bs = core.block_size
+        skip = {r.id for r in exclude}
+        best: tuple[Request | None, int] = (None, 0)
+        for src in core.requests:
+            if src.id in skip or not src.keyed or src.length < max(bs, best[1] + bs):
+                continue
+            n = shared_prefix(prompt, src.tokens, bs)
+            if n <= best[1]:
+                continue
+            mine = list(range(n)) if positions is None else list(positions[:n])
+            theirs = list(range(n)) if src.positions is None else src.positions[:n]
+            if mine == theirs:
+                best = (src, n)
+        return best
 
     def fell_back(self, who: str, exc: BaseException) -> None:
         """A prefix the lookup found could not be read when it was needed (``exc``, naming the block): counted

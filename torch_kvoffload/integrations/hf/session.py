@@ -21,10 +21,9 @@ Sequences (:class:`~torch_kvoffload.integrations.hf.sequence.HFSequence`): batch
 one request of the core (padding dropped, wherever it is); one sequence (one ``OffloadCache``) is served at
 a time, a forward with an empty cache starts a new one, and a failed forward releases its requests at once;
 between forwards the cache may reorder, select or repeat its rows (:meth:`rebuild_rows`: beam search) and
-drop its last positions (:meth:`crop`: assisted decoding). Each
-fresh forward sizes the caches for its batch and the larger of its width and the planned tokens per
-request (``generate`` plans prompt width + ``max_new_tokens`` - 1; :meth:`reserve` plans explicitly); a
-running sequence that outgrows its size grows the device caches in place (``stats()["resizes"]``), except
+drop its last positions (:meth:`crop`: assisted decoding). Each fresh forward sizes the caches for its
+batch and the larger of its width and the planned tokens per request (``generate`` plans prompt width +
+``max_new_tokens`` - 1; :meth:`reserve` plans explicitly); a running sequence that outgrows its size grows the device caches in place (``stats()["resizes"]``), except
 that the host pool, a KVPP runtime and a P/D session keep the size of the sequence's first forward
 (outgrowing them is a ``ValueError``).
 
@@ -457,13 +456,13 @@ class OffloadSession:
         buffers; their sum is in ``device_kv_bytes``). Sparse decode offload: ``host_pool_bytes`` (the
         host KV pool this process allocated) and ``shared_host_pool_bytes`` (a tensor-parallel reader's
         mapping of the pool TP rank 0 allocated), so that summed over the ranks the pool counts once.
-        Prefix reuse (:mod:`torch_kvoffload.core.prefix`): ``prompt_tokens`` (real tokens of the prompts
-        of fresh forwards), ``prefix_store_tokens`` (of those, adopted from the store: not computed),
-        ``prompt_tokens_computed`` (the rest), ``prefix_lookups`` / ``prefix_lookup_seconds``,
-        ``prefix_fallbacks`` (prefixes found but not taken over: the store could no longer give them, or the
-        adoption failed; computed instead), ``persisted_blocks`` / ``persist_failures`` (blocks read back from the host pool or resident KV into
-        the store: as requests end, and after each forward with the prefix store), ``prefix_waits``
-        (steps a new continuous-batching request sat out while another computed their shared prefix).
+        Prefix reuse (:mod:`torch_kvoffload.core.prefix`): ``prompt_tokens`` (of the prompts of fresh
+        forwards), ``prefix_store_tokens`` / ``prefix_live_tokens`` (of those, adopted from the store / from a
+        running request holding them), ``prompt_tokens_computed`` (the rest), ``prefix_lookups`` /
+        ``prefix_lookup_seconds``, ``prefix_fallbacks`` (found but not taken over: computed),
+        ``persisted_blocks`` / ``persist_failures`` (blocks read back into the store from the host pool, a
+        resident KV or KVPP's owned layers), ``prefix_waits`` (steps a new continuous-batching request sat
+        out while another computed their shared prefix).
         """
         got = self._core.backend_stats()
         own = self._core.counters.snapshot()
@@ -472,7 +471,8 @@ class OffloadSession:
         out.update({k: own[k] for k in ("forwards", "prefill_forwards", "decode_forwards", "mixed_forwards")})
         out["failed_forwards"] = own["failed_forwards"]
         prefix = self._core.prefix.counters.snapshot()
-        out.update(prefix, prompt_tokens_computed=prefix["prompt_tokens"] - prefix["prefix_store_tokens"])
+        out.update(prefix, prompt_tokens_computed=prefix["prompt_tokens"] - prefix["prefix_store_tokens"]
+                   - prefix["prefix_live_tokens"])  # fmt: skip
         out.update(
             resizes=own["resizes"],
             reserved_tokens=self.reserved_tokens,

@@ -2,7 +2,9 @@
 
 A random DeepseekV32 (or DeepseekV3 with ``--family deepseek_v3``) with DeepSeek's KV widths
 (``kv_lora_rank`` 512, rope 64, indexer 128 wide; narrow elsewhere: hidden 512, 4 heads, ``--layers``
-layers), fp32, the library's default configuration (layerwise offload + sparse decode offload). Two
+layers), fp32, the library's default configuration (layerwise offload + sparse decode offload; ``--mode
+sparse`` / ``resident``: sparse decode offload / resident sparse attention alone, whose blocks go to the
+prefix store after each forward). Two
 sessions of the same weights: ``reuse`` (``prefix_cache`` on) and ``recompute`` (off). For each prompt
 length and cached share, a *seed* prompt whose first ``share`` of tokens the measured prompt repeats is
 generated on the ``reuse`` model first (its blocks go to the store; so they do on the ``recompute`` model,
@@ -15,6 +17,7 @@ Writes ``benchmarks/results/prefix_cache_bench.{json,md,png}``.
 
     python benchmarks/prefix_cache_bench.py                    # 2K and 8K prompts, 0/50/90/99 % cached
     python benchmarks/prefix_cache_bench.py --lengths 2048 32768
+    python benchmarks/prefix_cache_bench.py --mode sparse       # sparse decode offload alone
     python benchmarks/prefix_cache_bench.py --smoke            # a check of the script (files in /tmp)
 """
 
@@ -44,12 +47,19 @@ WIDTHS = dict(
 )  # fmt: skip
 
 
-def build(variant: str, family: str, layers: int, length: int) -> torch.nn.Module:
+MODES = {
+    "default": None,
+    "sparse": torch_kvoffload.OffloadConfig(sparse={}),
+    "resident": torch_kvoffload.OffloadConfig(sparse={"offload": False}),
+}
+
+
+def build(variant: str, family: str, layers: int, length: int, mode: str = "default") -> torch.nn.Module:
     widths = dict(WIDTHS) if family == "deepseek_v32" else {
         k: v for k, v in WIDTHS.items() if not k.startswith("index")
     }  # fmt: skip
     model = build_model(family, num_hidden_layers=layers, max_position_embeddings=2 * length, **widths)
-    config = torch_kvoffload.OffloadConfig.default(family == "deepseek_v32")
+    config = MODES[mode] or torch_kvoffload.OffloadConfig.default(family == "deepseek_v32")
     return torch_kvoffload.offload(model, config.model_copy(update={"prefix_cache": variant == "reuse"}))
 
 
@@ -67,6 +77,7 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--shares", type=float, nargs="+", default=[0.0, 0.5, 0.9, 0.99])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--mode", default="default", choices=list(MODES))
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--output-dir", type=Path, default=None)
     args = p.parse_args()
@@ -78,7 +89,7 @@ def main() -> None:
 
     rows, results = [], []
     for length in args.lengths:
-        models = {v: build(v, args.family, args.layers, length) for v in VARIANTS}
+        models = {v: build(v, args.family, args.layers, length, args.mode) for v in VARIANTS}
         first_token(models["reuse"], torch.randint(3, 1000, (1, 64), generator=gen))  # warm-up
         first_token(models["recompute"], torch.randint(3, 1000, (1, 64), generator=gen))
         for share in args.shares:
@@ -113,14 +124,15 @@ def main() -> None:
                "same token"]  # fmt: skip
     table = format_table(headers, rows)
     print(table)
-    config = {k: getattr(args, k) for k in ("family", "layers", "lengths", "shares", "rounds")}
+    config = {k: getattr(args, k) for k in ("family", "layers", "lengths", "shares", "rounds", "mode")}
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "prefix_cache_bench.json"
+    stem = "prefix_cache_bench" + ("" if args.mode == "default" else f"_{args.mode}")
+    path = out_dir / f"{stem}.json"
     path.write_text(
         json.dumps({"machine": machine_info(), "config": config, "results": results}, indent=2) + "\n"
     )
-    title = f"prefix reuse, {args.family} ({args.layers} layers, DeepSeek KV widths), CPU"
-    (out_dir / "prefix_cache_bench.md").write_text(f"# {title}\n\n{config}\n\n```\n{table}\n```\n")
+    title = f"prefix reuse, {args.family} {args.mode} ({args.layers} layers, DeepSeek KV widths), CPU"
+    (out_dir / f"{stem}.md").write_text(f"# {title}\n\n{config}\n\n```\n{table}\n```\n")
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -138,7 +150,7 @@ def main() -> None:
         ax.set_title(title, fontsize=9)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(out_dir / "prefix_cache_bench.png", dpi=120)
+        fig.savefig(out_dir / f"{stem}.png", dpi=120)
     print(f"wrote {path}")
 
 

@@ -122,6 +122,13 @@ def compile_cases(*, full: bool = False) -> list[Case]:
     merge_ptrs = {"part_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
     topk_ptrs = {"scores_ptr": "*fp32", "vis_ptr": "*i64", "out_ptr": "*i32"}
     had_ptrs = {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32"}
+
+    def fp8_q(t: str) -> dict[str, str]:
+        return {"x_ptr": t, "pe_ptr": t, "out_ptr": "*u8"}
+
+    def fp8_d(t: str) -> dict[str, str]:
+        return {"rows_ptr": "*u8", "x_ptr": t, "pe_ptr": t}
+
     cases = [
         _scores("bf16 H64 D128", "production", "bf16"),
         _scores("int8 H64 D128", "production", "i8"),
@@ -137,6 +144,13 @@ def compile_cases(*, full: bool = False) -> list[Case]:
         _copy_units("i64 1-dim BLOCK 2048", "production", "*i64", 1, 2048),
         _copy_units("i16 4-dim BLOCK 2048", "production", "*i16", 4, 2048),
         _copy_units("u8 1-dim BLOCK 16", "small", "*u8", 1, 16),
+        Case("fp8._quantize_kernel", "bf16 Dc512 Dr64", "production", fp8_q("*bf16"),
+             {"X_KIND": 1, "PE_KIND": 1, "INDEXER": False, "BLOCK_R": 16, "BLOCK_PE": 64}),
+        Case("fp8._quantize_kernel", "fp32 indexer", "small", fp8_q("*fp32"),
+             {"X_KIND": 0, "PE_KIND": 0, "INDEXER": True, "BLOCK_R": 16, "BLOCK_PE": 1}),
+        Case("fp8._dequantize_kernel", "bf16 Dr64", "production", fp8_d("*bf16"),
+             {"KIND": 1, "BLOCK_R": 16, "BLOCK_PE": 64}),
+        Case("fp8._dequantize_kernel", "fp16 Dr1", "small", fp8_d("*fp16"), {"KIND": 2, "BLOCK_R": 16, "BLOCK_PE": 1}),
         _residency("lru C512 K256", "production", 512, 256, False),
         _residency("score C512 K256", "production", 512, 256, True),
         _residency("lru C16 K16", "small", 16, 16, False),

@@ -86,9 +86,8 @@ class PrefixReuse:
     def __init__(self, core: Any) -> None:  # a KVCore (core.kv imports this module)
         self.core = core
         self.counters = Counters(_COUNTERS)
-        self._stored: dict[
-            int, int
-        ] = {}  # request id -> its full blocks when store_completed last stored them
+        # request id -> its full blocks when store_completed last stored them
+        self._stored: dict[int, int] = {}
 
     @property
     def enabled(self) -> bool:

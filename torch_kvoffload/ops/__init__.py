@@ -7,7 +7,16 @@ accelerators present (CUDA; Ascend through triton-ascend) when ``triton`` import
 
 import logging as _logging
 
-from torch_kvoffload.ops import copy, indexer, kvpp, layer_hooks, mla_runtime, residency, sparse_attention
+from torch_kvoffload.ops import (
+    copy,
+    fp8,
+    indexer,
+    kvpp,
+    layer_hooks,
+    mla_runtime,
+    residency,
+    sparse_attention,
+)
 from torch_kvoffload.ops._checks import unaliased_source
 from torch_kvoffload.ops._hook_registry import sync_copies
 from torch_kvoffload.ops._registry import (
@@ -19,6 +28,12 @@ from torch_kvoffload.ops._registry import (
     registered_ops,
 )
 from torch_kvoffload.ops.copy import copy_blocks, copy_rows
+from torch_kvoffload.ops.fp8 import (
+    dequantize_index_k_fp8,
+    dequantize_kv_fp8,
+    quantize_index_k_fp8,
+    quantize_kv_fp8,
+)
 from torch_kvoffload.ops.indexer import (
     hadamard_quant_int8,
     lightning_indexer,
@@ -52,7 +67,10 @@ __all__ = [
     "copy",
     "copy_blocks",
     "copy_rows",
+    "dequantize_index_k_fp8",
+    "dequantize_kv_fp8",
     "format_registered_ops",
+    "fp8",
     "hadamard_quant_int8",
     "has_kernel",
     "indexer",
@@ -70,6 +88,8 @@ __all__ = [
     "new_residency_outputs",
     "new_residency_state",
     "quant_lightning_indexer",
+    "quantize_index_k_fp8",
+    "quantize_kv_fp8",
     "reference_kernel",
     "register_device_kernel",
     "registered_ops",

@@ -40,7 +40,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Family modules under ``torch_kvoffload.ops.triton`` that may define ``KERNELS``.
-FAMILIES = ("copy", "indexer", "residency", "sparse_attention")
+FAMILIES = ("copy", "fp8", "indexer", "residency", "sparse_attention")
 
 _available: bool | None = None
 _kernels: dict[str, Callable[..., object]] | None = None

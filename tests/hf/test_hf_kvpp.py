@@ -75,8 +75,8 @@ def _worker(rank: int, world: int, cases: list[tuple], dirs: dict[str, str], out
             with torch.no_grad():
                 again["got"] = model.generate(**kwargs)
             again["reused"] = torch_kvoffload.stats(model)["prefix_store_tokens"] - before
-            # and again with rank 1's store losing the blocks after its lookup: no rank takes them over
-            before = torch_kvoffload.stats(model)
+        if not compiled and name == "v32":  # rank 1's store loses the blocks after its lookup: no rank
+            before = torch_kvoffload.stats(model)  # takes them over (one family: the same path on both)
             with torch.no_grad(), store_emptied_after_each_lookup(active=rank == 1):
                 again["lost"] = model.generate(**kwargs)
             after = torch_kvoffload.stats(model)
@@ -195,8 +195,8 @@ def _check(results: list[dict], name: str, family: str, overrides: dict, lengths
         if again:
             assert adopted > 0 and again["reused"] == adopted
             assert torch.equal(again["got"], r[name]["want"])
-            # one rank could not read what it found: every rank computed the prompts (the others undid what
-            # they had taken over), the same tokens
+        if "lost" in again:  # one rank could not read what it found: every rank computed the prompts (the
+            # others undid what they had taken over), the same tokens
             assert torch.equal(again["lost"], r[name]["want"])
             assert again["lost_stats"] == {"prefix_store_tokens": 0, "prefix_fallbacks": 1}
 

@@ -137,8 +137,7 @@ def build_backends(
 ) -> Backends:
     """The backends ``config`` enables for ``spec``, in call order: the P/D ``role``, layerwise, KVPP,
     sparse; with prefix reuse on and sparse or KVPP without layerwise, the :class:`PrefixStore` (of a KVPP
-    rank's owned layers; only for a spec with the weights' fingerprint, which its keys carry). A backend that fails to build closes the ones built
-    before it."""
+    rank's owned layers). A backend that fails to build closes the ones built before it."""
     ctx = _Context(spec, config, block_size, kvpp_name, role)
     out = Backends(role=role)
     if role is not None:
@@ -151,8 +150,8 @@ def build_backends(
             backend = _BUILDERS[type(feature)](ctx, feature)
             setattr(out, _SLOTS[type(feature)], backend)
             out.all.append(backend)
-        # without the weights' fingerprint (a core driven directly) its blocks could pass for another model's
-        # a KVPP group larger than the model's layers leaves a rank owning none: no rank stores (alike)
+        # none for a spec without the weights' fingerprint (a core driven directly): its keys could match
+        # another model's; none on any rank when a KVPP group outnumbers the layers (a rank would own none)
         holds = out.kvpp is None or spec.num_layers >= out.kvpp.group.size
         if (store := config.prefix_store_config) is not None and spec.weights_fingerprint and holds:
             layers = out.kvpp.owned_layers if out.kvpp is not None else None

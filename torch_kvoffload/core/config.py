@@ -66,7 +66,7 @@ class OffloadConfig(ConfigModel):
     ``ServingOptions()``).
 
     ``prefix_cache``: a forward that starts a request skips the leading full blocks of its prompt whose KV
-    (and indexer keys) the layerwise store already holds for these weights: the model runs only the
+    (and indexer keys) the store already holds for these weights: the model runs only the
     uncached suffix (:mod:`torch_kvoffload.core.prefix`). On by default. With ``layerwise`` its store serves;
     with ``sparse`` alone (sparse offload or a resident KV) or KVPP ``prefix_store`` does (the core stores
     each request's full blocks there after the forwards that complete them; a KVPP rank its owned layers').

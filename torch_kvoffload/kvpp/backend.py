@@ -118,9 +118,10 @@ class KVPPBackend(KVBackend):
             self._totals.retire(rt)
 
     def fork(self, layout: KVLayout, src: Request, dst: Request, length: int | None = None) -> None:
-        """Copy ``src``'s first ``length`` rows to ``dst``'s blocks in this rank's persistent bundles (its owned layers and
-        local draft layers). Every rank forks alike, so each owner copies its layers; a non-owned layer's
-        scratch view is filled by the owner's broadcast of ``dst``'s blocks at the next forward."""
+        """Copy ``src``'s first ``length`` rows (default all) to ``dst``'s blocks in this rank's persistent
+        bundles (its owned layers and local draft layers). Every rank forks alike, so each owner copies its
+        layers; a non-owned layer's scratch view is filled by the owner's broadcast of ``dst``'s blocks at
+        the next forward."""
         rt = self.runtime
         assert rt is not None and self._layout is not None
         rows = self._layout.blocks_per_request * self.block_size

@@ -179,7 +179,7 @@ def test_the_buffers_released_for_sparse_decode_leave_nothing_to_do(spec):
         core.drop_prefill_buffers()  # what the first decode step does
         assert not lw.built and not lw.device_tensors()
         (b,) = core.admit(1)
-        lw.fork(core.layout, a, b)  # nothing held: nothing to do, no failure
+        lw.fork(core.layout, a, b, a.length)  # nothing held: nothing to do, no failure
         lw.truncate(a, 5)
     finally:
         core.close()

@@ -267,7 +267,7 @@ class KVCore:
         (dst,) = self.admit(1)
         try:
             for b in self.backends.all:
-                b.fork(self.layout, src, dst)
+                b.fork(self.layout, src, dst, src.length)
         except BaseException:
             self.finish([dst.id])
             raise

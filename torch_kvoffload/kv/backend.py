@@ -125,12 +125,12 @@ class KVBackend:
     def release(self, request_ids: Sequence[int]) -> None:
         """Requests end; what they hold is freed."""
 
-    def fork(self, layout: KVLayout, src: Request, dst: Request, length: int | None = None) -> None:
+    def fork(self, layout: KVLayout, src: Request, dst: Request, length: int) -> None:
         """``dst`` (admitted, no tokens yet) continues ``src``: from now on it holds ``src``'s first
-        ``length`` rows (default ``src.length``) as its own (beam search, ``num_return_sequences``; a new
-        request whose prompt starts with a running one's tokens, :mod:`torch_kvoffload.core.prefix`).
-        Later writes to either do not show in the other. Called between forwards; the core then gives ``dst`` ``src``'s tokens. A
-        backend that keeps no per-request KV has nothing to do; one that cannot fork raises
+        ``length`` rows as its own (all of them: beam search, ``num_return_sequences``; fewer: a new request
+        whose prompt starts with a running one's tokens, :mod:`torch_kvoffload.core.prefix`). Later writes
+        to either do not show in the other. Called between forwards; the core then gives ``dst`` those of
+        ``src``'s tokens. A backend that keeps no per-request KV has nothing to do; one that cannot fork raises
         ``NotImplementedError`` naming the feature (nothing changed)."""
         raise NotImplementedError(
             f"{self.name}: forking a request (beam search, batch expansion) is not supported"

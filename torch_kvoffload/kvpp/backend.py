@@ -117,16 +117,15 @@ class KVPPBackend(KVBackend):
         if rt is not None:
             self._totals.retire(rt)
 
-    def fork(self, layout: KVLayout, src: Request, dst: Request, length: int | None = None) -> None:
-        """Copy ``src``'s first ``length`` rows (default all) to ``dst``'s blocks in this rank's persistent
+    def fork(self, layout: KVLayout, src: Request, dst: Request, length: int) -> None:
+        """Copy ``src``'s first ``length`` rows to ``dst``'s blocks in this rank's persistent
         bundles (its owned layers and local draft layers). Every rank forks alike, so each owner copies its
         layers; a non-owned layer's scratch view is filled by the owner's broadcast of ``dst``'s blocks at
         the next forward."""
         rt = self.runtime
         assert rt is not None and self._layout is not None
         rows = self._layout.blocks_per_request * self.block_size
-        a, b = src.slot * rows, dst.slot * rows
-        n = src.length if length is None else length
+        a, b, n = src.slot * rows, dst.slot * rows, length
         alloc = rt.allocation
         for layer in [*alloc.plan.owned, *alloc.draft]:
             for comp in rt.caches(layer):

@@ -200,22 +200,21 @@ class LayerwiseBackend(KVBackend):
         for rid in request_ids:
             self._unkeyed.pop(rid, None)
 
-    def fork(self, layout: KVLayout, src: Request, dst: Request, length: int | None = None) -> None:
+    def fork(self, layout: KVLayout, src: Request, dst: Request, length: int) -> None:
         """``dst`` shares ``src``'s stored full blocks (its tokens, or its inherited key ids, find them) and
-        gets a copy of the rows of its partial block at ``length`` (default ``src.length``) in every layer:
-        ``src``'s tail rows, or, for a shorter length inside an earlier block, the stored block's (nothing
-        to copy once the buffers are released). ``RuntimeError`` when the store no longer holds it."""
-        n = src.length if length is None else length
+        gets a copy of the rows of its partial block at ``length`` in every layer: ``src``'s tail rows, or,
+        for a shorter length inside an earlier block, the stored block's (nothing to copy once the buffers
+        are released). ``RuntimeError`` when the store no longer holds it."""
         if src.id in self._unkeyed:
-            self._unkeyed[dst.id] = list(self._unkeyed[src.id][:n])
-        if not self._tails or n % self.block_size == 0:
+            self._unkeyed[dst.id] = list(self._unkeyed[src.id][:length])
+        if not self._tails or length % self.block_size == 0:
             return
-        if n // self.block_size == src.length // self.block_size:  # src's own partial block: its tail
+        if length // self.block_size == src.length // self.block_size:  # src's own partial block: its tail
             for tails in self._tails:
                 for t in tails:
                     t[dst.slot] = t[src.slot]
         else:
-            self._tail_from_store(dst, n, self._key_tokens(src), self._key_positions(src), "KVCore.fork")
+            self._tail_from_store(dst, length, self._key_tokens(src), self._key_positions(src), "KVCore.fork")
 
     def truncate(self, request: Request, length: int) -> None:
         """``request`` continues at ``length``: the rows of its new partial block go back into its tail

@@ -153,16 +153,15 @@ class SparseOffloadBackend(KVBackend):
             for rid in gone:
                 rt.release(rid)
 
-    def fork(self, layout: KVLayout, src: Request, dst: Request, length: int | None = None) -> None:
+    def fork(self, layout: KVLayout, src: Request, dst: Request, length: int) -> None:
         """``dst`` continues ``src``'s rows: its host-pool table shares ``src``'s full blocks (copy-on-write:
         an append or a truncated beam's rewrite into a shared block copies it first) and gets a copy of
         the partial last one; the indexer-cache pages are copied. ``dst`` holds no hot-buffer rows (its
         first decode step loads what it selects)."""
         rt = self.runtime
         assert rt is not None
-        n = src.length if length is None else length
-        rt.fork(src.id, dst.id, n)
-        self.index.copy_rows(src.slot, dst.slot, n)
+        rt.fork(src.id, dst.id, length)
+        self.index.copy_rows(src.slot, dst.slot, length)
 
     def truncate(self, request: Request, length: int) -> None:
         """Forget ``request``'s hot-buffer rows of positions ``>= length`` in every layer; its pool rows

@@ -67,11 +67,10 @@ class ResidentSparseBackend(KVBackend):
         self.index.free()
         self.main.free()
 
-    def fork(self, layout: KVLayout, src: Request, dst: Request, length: int | None = None) -> None:
+    def fork(self, layout: KVLayout, src: Request, dst: Request, length: int) -> None:
         """Copy ``src``'s first ``length`` rows of every layer (main KV and indexer keys) to ``dst``'s slot."""
-        n = src.length if length is None else length
-        self.index.copy_rows(src.slot, dst.slot, n)
-        self.main.copy_rows(src.slot, dst.slot, n)
+        self.index.copy_rows(src.slot, dst.slot, length)
+        self.main.copy_rows(src.slot, dst.slot, length)
 
     def truncate(self, request: Request, length: int) -> None:
         """Nothing to drop: the indexer selects among the request's first ``seq_lens_k`` rows and attention

@@ -3,7 +3,7 @@
 * :func:`attend_layer`: a layer's attention of a forward over the backends taking part (a backend's own
   attention, else dense or top-k attention over the keys a backend holds), with its probabilities when asked.
 * :func:`select_topk`: the lightning indexer's top-k logical positions of every query over a device
-  indexer cache (floating, or Hadamard + int8 with per-row scales).
+  indexer cache (floating, Hadamard + int8 with per-row scales, or Hadamard + FP8 rows).
 * :func:`topk_attention`: sparse MLA attention over the selected rows (``kvoffload::sparse_mla_attention``).
 * :func:`dense_attention`: causal attention over every visible row, chunked over queries (models without
   an indexer).
@@ -31,6 +31,7 @@ import torch
 
 from torch_kvoffload.kv.backend import IndexerView, KeyRows, KVBackend, Queries, SelectedRows
 from torch_kvoffload.kv.forward import ForwardPlan
+from torch_kvoffload.ops.fp8_indexer import fp8_lightning_indexer, fp8_logits, hadamard_quant_fp8
 from torch_kvoffload.ops.indexer import hadamard_quant_int8, lightning_indexer, quant_lightning_indexer
 from torch_kvoffload.ops.indexer_reference import float_logits, quant_logits, score_matrix
 from torch_kvoffload.ops.sparse_attention import sparse_mla_attention
@@ -62,9 +63,12 @@ def select_topk(view: IndexerView, fwd: ForwardPlan, q: Queries, *, pad: bool = 
         args = (view.block_table[fwd.pad_row], cu, fwd.pad_len)
     else:
         args = (view.block_table, fwd.cu_seqlens_q, fwd.seq_lens_k)
-    if view.quantized:
+    if view.fmt == "int8":
         q8, qs = hadamard_quant_int8(q.index_q)
         return quant_lightning_indexer(q8, qs, q.index_weights, *view.caches, *args, view.top_k)
+    if view.fmt == "fp8_e4m3":
+        q_rows = hadamard_quant_fp8(q.index_q)
+        return fp8_lightning_indexer(q_rows, q.index_weights, *view.caches, *args, view.top_k)
     keys = view.caches[0]
     return lightning_indexer(q.index_q.to(keys.dtype), q.index_weights, keys, *args, view.top_k)
 
@@ -210,13 +214,16 @@ def topk_probabilities(
 def _biased_scores(fwd: ForwardPlan, view: IndexerView, q: Queries, req: torch.Tensor) -> torch.Tensor:
     """fp32 ``[N, W]`` indexer scores of every query (of request ``req [N]``) over its request's positions
     ``0 .. new_len - 1`` (``W = max(new_len)``; ``−inf`` past the request's length) plus ``fwd.bias``, from
-    the same cache and formula as :func:`select_topk` (for an int8 cache: the same Hadamard + int8 queries)."""
+    the same cache and formula as :func:`select_topk` (for a quantized cache: the same quantized queries)."""
     assert q.index_q is not None and q.index_weights is not None and fwd.bias is not None
     table = view.block_table
-    if view.quantized:
+    if view.fmt == "int8":
         q8, qs = hadamard_quant_int8(q.index_q)
         logits = quant_logits(q8, qs, q.index_weights, *view.caches, table)
         q_dev = q8
+    elif view.fmt == "fp8_e4m3":
+        q_dev = hadamard_quant_fp8(q.index_q)
+        logits = fp8_logits(q_dev, q.index_weights, view.caches[0], table)
     else:
         logits = float_logits(q.index_q.to(view.caches[0].dtype), q.index_weights, view.caches[0], table)
         q_dev = q.index_q

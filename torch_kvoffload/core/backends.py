@@ -155,7 +155,8 @@ def build_backends(
         holds = out.kvpp is None or spec.num_layers >= out.kvpp.group.size
         if (store := config.prefix_store_config) is not None and spec.weights_fingerprint and holds:
             layers = out.kvpp.owned_layers if out.kvpp is not None else None
-            out.prefix_store = PrefixStore(spec, store, block_size=block_size, layers=layers)
+            fp8 = config.sparse is not None and config.sparse.indexer_dtype == "fp8_e4m3"
+            out.prefix_store = PrefixStore(spec, store, block_size=block_size, layers=layers, index_fp8=fp8)
     except BaseException:
         for b in out.all:
             if b is not role:

@@ -43,6 +43,8 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+import torch
+
 from torch_kvoffload.counters import Counters
 from torch_kvoffload.kv.backend import NewRows
 from torch_kvoffload.kv.forward import plan_packed
@@ -61,6 +63,11 @@ _COUNTERS = (
     "prefix_lookups", "prefix_lookup_seconds", "prompt_tokens", "prefix_store_tokens", "prefix_fallbacks",
     "persisted_blocks", "persist_failures", "prefix_waits", "prefix_live_tokens",
 )  # fmt: skip
+
+
+def _host_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` on the host, floating ones in ``dtype`` (an FP8 indexer cache's byte rows as they are)."""
+    return rows.to("cpu", dtype) if rows.is_floating_point() else rows.to("cpu")
 
 
 def shared_prefix(prompt: Sequence[int], other: Sequence[int], block_size: int) -> int:
@@ -301,10 +308,11 @@ class PrefixReuse:
                     continue
                 rows = []
                 for layer in lw.layers:
-                    read = [holder.read(layer, [r], part, start=have * bs) for part in parts]
+                    read = [holder.read(layer, [r], part, start=have * bs, stored=True) for part in parts]
                     if any(x is None for x in read):
                         return  # the holder keeps no such rows
-                    rows.append([x[0][: (full - have) * bs].to("cpu", spec.dtype) for x in read])
+                    n = (full - have) * bs  # FP8 indexer rows stay bytes
+                    rows.append([_host_rows(x[0][:n], spec.dtype) for x in read])
                 for block in range(have, full):
                     lo = (block - have) * bs
                     lw.write_block(r, block, [[c[lo : lo + bs] for c in layer] for layer in rows])

@@ -73,13 +73,14 @@ class SelectedRows(NamedTuple):
 
 class IndexerView(NamedTuple):
     """A layer's device indexer cache as the lightning indexer reads it: ``caches`` = ``(keys [pages,
-    page, Di],)`` in a floating dtype or ``(int8 keys, fp32 scales [pages, page])`` when ``quantized``;
-    ``block_table int32 [B, pages per request]`` of the forward's requests; ``top_k`` to select."""
+    page, Di],)`` in a floating dtype (``fmt`` ``"bf16"``), ``(int8 keys, fp32 scales [pages, page])``
+    (``"int8"``) or ``(uint8 FP8 rows [pages, page, Di + 4 * Di / 128],)`` (``"fp8_e4m3"``); ``block_table
+    int32 [B, pages per request]`` of the forward's requests; ``top_k`` to select."""
 
     caches: tuple[torch.Tensor, ...]
     block_table: torch.Tensor
     top_k: int
-    quantized: bool
+    fmt: str = "bf16"
 
 
 class KVBackend:
@@ -192,14 +193,15 @@ class KVBackend:
         return None
 
     def read(
-        self, layer: int, requests: Sequence[Request], part: str, start: int = 0
+        self, layer: int, requests: Sequence[Request], part: str, start: int = 0, *, stored: bool = False
     ) -> list[torch.Tensor] | None:
         """Per request, its rows ``start .. length - 1`` of ``layer``'s component ``part`` (one of
         :data:`ROW_PARTS`: ``"kv_c" [n, Dc]``, ``"k_pe" [n, Dr]``, ``"index_k" [n, Di]``) exactly as written,
         as new tensors on the compute device in the model's dtype; ``None`` when this backend does not keep
         that component's whole history. Between forwards; it copies every row it returns. Raises
         ``RuntimeError`` naming the reason when it keeps them but cannot give them back exactly (a lossy
-        format, rows no longer held)."""
+        format, rows no longer held). ``stored``: the rows as the backend keeps them instead (an FP8
+        indexer cache's ``uint8`` rows, for a store that keeps them so)."""
         return None
 
     # ------------------------------------------------------------------------------ accounting

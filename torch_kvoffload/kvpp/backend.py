@@ -183,10 +183,10 @@ class KVPPBackend(KVBackend):
         if not self.spec.has_indexer or self.runtime is None:
             return None
         keys = self.runtime.caches(layer)[2]
-        return IndexerView((keys,), fwd.block_table, self.spec.index_topk, quantized=False)
+        return IndexerView((keys,), fwd.block_table, self.spec.index_topk)
 
     def read(
-        self, layer: int, requests: Sequence[Request], part: str, start: int = 0
+        self, layer: int, requests: Sequence[Request], part: str, start: int = 0, *, stored: bool = False
     ) -> list[torch.Tensor] | None:
         """Copies of the requests' rows from ``start`` on of an owned layer (``None`` for another: its
         scratch buffer holds a later layer's rows once the forward moved on)."""

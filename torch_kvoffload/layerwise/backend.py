@@ -434,7 +434,7 @@ class LayerwiseBackend(KVBackend):
         return KeyRows(c.view(-1, c.shape[-1]), pe.view(-1, pe.shape[-1]), [s * rows for s in fwd.slots])
 
     def read(
-        self, layer: int, requests: Sequence[Request], part: str, start: int = 0
+        self, layer: int, requests: Sequence[Request], part: str, start: int = 0, *, stored: bool = False
     ) -> list[torch.Tensor] | None:
         """The requests' full blocks from the host store (each read returns the block's record of every
         layer: the store keeps one record per layer and block) and the partial last block from the device
@@ -461,7 +461,7 @@ class LayerwiseBackend(KVBackend):
         if not self.indexed or self.runtime is None:
             return None
         keys = self.runtime.layer_caches(layer)[2]
-        return IndexerView((keys,), fwd.block_table, self.spec.index_topk, quantized=False)
+        return IndexerView((keys,), fwd.block_table, self.spec.index_topk)
 
     # ------------------------------------------------------------------------------ accounting
     def device_tensors(self) -> list[torch.Tensor]:

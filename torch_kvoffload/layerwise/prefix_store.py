@@ -4,7 +4,8 @@ A model whose KV lives in the sparse host pool or a resident KV (``OffloadConfig
 ``layerwise``) still reuses prompt prefixes (:mod:`torch_kvoffload.core.prefix`): the core stores each
 request's full blocks here after the forwards that complete them (read back from the backend that holds
 them) and adopts a new prompt's stored prefix from here. The records, keys and checksums are the layerwise
-store's (one record per layer and full block, the indexer keys beside the latent KV in the model's dtype),
+store's (one record per layer and full block, the indexer keys beside the latent KV in the model's dtype, or
+as the FP8 indexer cache keeps them, under another namespace),
 keyed by the same fingerprint, so a model with layerwise offload and one without, on the same weights and
 store (a Mooncake store shared by two servers), find each other's blocks.
 
@@ -29,26 +30,42 @@ from torch_kvoffload.layerwise.build import build_layerwise_runtime
 from torch_kvoffload.layerwise.config import LayerwiseConfig
 from torch_kvoffload.layerwise.planner import LayerCacheSpec, TensorSpec
 from torch_kvoffload.layerwise.stored import stored_spans
+from torch_kvoffload.ops.fp8 import index_row_bytes
 from torch_kvoffload.store.base import KVStore
 from torch_kvoffload.store.factory import StoreConfig, build_store
 
 __all__ = ["PrefixStore", "store_namespace"]
 
 
-def store_namespace(config: LayerwiseConfig, spec: ModelSpec, indexed: bool) -> LayerwiseConfig:
+def store_namespace(
+    config: LayerwiseConfig, spec: ModelSpec, indexed: bool, index_fp8: bool = False
+) -> LayerwiseConfig:
     """``config`` with the ``model_id`` its store keys carry: the user's, the architecture, the weights
-    (fine-tunes of one architecture never share KV) and whether the records hold the indexer keys."""
-    parts = (config.model_id, spec.fingerprint, spec.weights_fingerprint, "i" if indexed else "m")
+    (fine-tunes of one architecture never share KV) and whether the records hold the indexer keys (and in
+    which format: FP8 rows and the model's keys never mix)."""
+    indexer = ("ifp8" if index_fp8 else "i") if indexed else "m"
+    parts = (config.model_id, spec.fingerprint, spec.weights_fingerprint, indexer)
     return config.model_copy(update={"model_id": "/".join(p for p in parts if p)})
 
 
 def layer_cache_specs(
-    spec: ModelSpec, num_blocks: int, block_size: int, indexed: bool, layers: int | None = None
+    spec: ModelSpec,
+    num_blocks: int,
+    block_size: int,
+    indexed: bool,
+    layers: int | None = None,
+    index_fp8: bool = False,
 ) -> list[LayerCacheSpec]:
     """``layers`` (default every layer of ``spec``) layers' cache components paged ``[num_blocks, block_size,
-    D]`` in the model's dtype: ``kv_c``, ``k_pe`` (main) and, when ``indexed``, ``index_k``."""
+    D]`` in the model's dtype: ``kv_c``, ``k_pe`` (main) and, when ``indexed``, ``index_k`` (``index_fp8``:
+    the indexer's FP8 rows, ``uint8 [num_blocks, block_size, Di + 4 * Di / 128]``)."""
     dt = spec.dtype
-    idx = (TensorSpec((num_blocks, block_size, spec.index_head_dim), dt),) if indexed else None
+    index = (
+        TensorSpec((num_blocks, block_size, index_row_bytes(spec.index_head_dim)), torch.uint8)
+        if index_fp8
+        else TensorSpec((num_blocks, block_size, spec.index_head_dim), dt)
+    )
+    idx = (index,) if indexed else None
     main = (
         TensorSpec((num_blocks, block_size, spec.kv_lora_rank), dt),
         TensorSpec((num_blocks, block_size, spec.rope_dim), dt),
@@ -63,6 +80,9 @@ class PrefixStore:
     ----------
     spec : ModelSpec
         With the weights' fingerprint: the store keys carry it.
+    index_fp8 : bool
+        The records hold the indexer keys as FP8 rows (``sparse.indexer_dtype="fp8_e4m3"``: the rows the
+        indexer cache keeps, byte for byte), under their own namespace.
     store : StoreConfig
         The host KV pool (``local`` arena, Mooncake, memcache).
     block_size : int
@@ -74,19 +94,26 @@ class PrefixStore:
     name = "prefix store"
 
     def __init__(
-        self, spec: ModelSpec, store: StoreConfig, *, block_size: int, layers: Sequence[int] | None = None
+        self,
+        spec: ModelSpec,
+        store: StoreConfig,
+        *,
+        block_size: int,
+        layers: Sequence[int] | None = None,
+        index_fp8: bool = False,
     ) -> None:
         self.spec, self.block_size = spec, block_size
         self.indexed = spec.has_indexer
+        self.index_fp8 = index_fp8 and self.indexed
         every = list(range(spec.num_layers))
         self.layers: list[int] = every if layers is None else sorted(layers)
         if not self.layers or not set(self.layers) <= set(every):
             raise ValueError(f"PrefixStore: layers must be some of {every}, got {layers}")
-        config = store_namespace(LayerwiseConfig(store=store), spec, self.indexed)
+        config = store_namespace(LayerwiseConfig(store=store), spec, self.indexed, self.index_fp8)
         if self.layers != every:  # the keys of layer i below are this rank's i-th owned layer's
             owned = "layers=" + ",".join(map(str, self.layers))
             config = config.model_copy(update={"model_id": f"{config.model_id}/{owned}"})
-        specs = layer_cache_specs(spec, 1, block_size, self.indexed, len(self.layers))
+        specs = layer_cache_specs(spec, 1, block_size, self.indexed, len(self.layers), self.index_fp8)
         self.store: KVStore = build_store(store)
         try:
             self.runtime = build_layerwise_runtime(config, specs, device="cpu", store=self.store)
@@ -117,7 +144,8 @@ class PrefixStore:
 
     def write_block(self, request: Request, block: int, rows: Sequence[Sequence[torch.Tensor]]) -> None:
         """Store full block ``block`` of ``request`` (a keyed one) from ``rows`` (per layer: ``kv_c``,
-        ``k_pe`` [, ``index_k``], host ``[block_size, D]`` in the model's dtype)."""
+        ``k_pe`` [, ``index_k``], host ``[block_size, D]`` in the model's dtype; ``index_k`` as the indexer
+        cache keeps it with ``index_fp8``)."""
         self.runtime.write_block(list(request.tokens), block, self._positions(request), rows)
 
     def stored_rows(

@@ -42,6 +42,7 @@ __all__ = [
     "dequantize_kv_fp8",
     "index_row_bytes",
     "kv_row_bytes",
+    "quantize_index_groups",
     "quantize_index_k_fp8",
     "quantize_kv_fp8",
     "validate_dequantize_index_k_fp8",
@@ -241,10 +242,16 @@ def _quantize_index_k_fp8_fake(k: torch.Tensor) -> torch.Tensor:
 
 def _quantize_index_k_fp8_reference(k: torch.Tensor) -> torch.Tensor:
     validate_quantize_index_k_fp8(k)
-    N, D = k.shape
-    if N == 0:
+    if k.shape[0] == 0:
         return _quantize_index_k_fp8_fake(k)
-    groups = k.float().reshape(N, D // TILE, TILE)
+    return quantize_index_groups(k.float())
+
+
+def quantize_index_groups(y: torch.Tensor) -> torch.Tensor:
+    """The indexer-row quantization of fp32 ``y [N, D]`` (``D`` a multiple of 128, checked by the caller):
+    ``uint8 [N, D + 4 * D / 128]`` (see the module docstring)."""
+    N, D = y.shape
+    groups = y.reshape(N, D // TILE, TILE)
     amax = torch.clamp_min(groups.abs().amax(dim=-1), AMAX_FLOOR)
     scale = _exact_pow2_ceil(amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))
     codes = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(N, D)

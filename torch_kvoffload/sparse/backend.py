@@ -40,7 +40,12 @@ from torch_kvoffload.kv.layout import KVLayout
 from torch_kvoffload.kv.requests import Request
 from torch_kvoffload.kv.spec import ModelSpec, TensorParallel
 from torch_kvoffload.kv.totals import RuntimeTotals
-from torch_kvoffload.sparse.config import SparseDecodeConfig, SparseOptions, resolve_sparse_config
+from torch_kvoffload.sparse.config import (
+    SparseDecodeConfig,
+    SparseOptions,
+    check_indexer_format,
+    resolve_sparse_config,
+)
 from torch_kvoffload.sparse.host_pool import HostKVPool
 from torch_kvoffload.sparse.indexer_cache import IndexerCache
 from torch_kvoffload.sparse.runtime import DecodeRows, IndexerInputs, SparseDecodeOffload, StepResult
@@ -66,7 +71,8 @@ class SparseOffloadBackend(KVBackend):
         self.spec, self.options, self.block_size = spec, options, block_size
         self.runtime: SparseDecodeOffload | None = None
         self._attached: HostKVPool | None = None  # a TP reader's mapping of TP rank 0's pool
-        self.index = IndexerCache(spec, int8=options.indexer_dtype == "int8")
+        check_indexer_format(options.indexer_dtype or "bf16", spec)
+        self.index = IndexerCache(spec, options.indexer_dtype or "bf16")
         self._layout: KVLayout | None = None
         self._configured = (0, 0)  # (top_k, hot capacity) of the configuration, before clipping to a layout
         self._reserved: list[int] = []  # request ids holding host-pool blocks
@@ -233,7 +239,7 @@ class SparseOffloadBackend(KVBackend):
         return self.index.view(layer, fwd, self.runtime.top_k)
 
     def read(
-        self, layer: int, requests: Sequence[Request], part: str, start: int = 0
+        self, layer: int, requests: Sequence[Request], part: str, start: int = 0, *, stored: bool = False
     ) -> list[torch.Tensor] | None:
         """The requests' rows from ``start`` on from the host pool (every row is appended there; copied host-to-device on
         the runtime's ``h2d`` stream, after the layer's appends so far landed) or the device indexer
@@ -242,7 +248,8 @@ class SparseOffloadBackend(KVBackend):
         if rt is None:
             return None
         if part == "index_k":
-            return [k[start:] for k in self.index.read_keys(layer, requests)]
+            keys = self.index.read_stored if stored else self.index.read_keys
+            return [k[start:] for k in keys(layer, requests)]
         pool = rt.pool
         if pool.dtype != spec.dtype:
             raise RuntimeError(
@@ -270,8 +277,10 @@ class SparseOffloadBackend(KVBackend):
         cache = self.index.layers[layer]
         common = dict(q=q.index_q, weights=q.index_weights, block_table=fwd.index_table,
                       cu_seqlens_q=fwd.cu_seqlens_q, seq_lens_k=fwd.seq_lens_k)  # fmt: skip
-        if self.index.int8:
+        if self.index.fmt == "int8":
             indexer = IndexerInputs(**common, k_int8_cache=cache[0], k_scale_cache=cache[1])
+        elif self.index.fmt == "fp8_e4m3":
+            indexer = IndexerInputs(**common, k_fp8_rows=cache[0])
         else:
             common["q"] = q.index_q.to(cache[0].dtype)
             indexer = IndexerInputs(**common, k_cache=cache[0])

@@ -20,14 +20,19 @@ __all__ = [
     "MAX_CAPACITY",
     "MAX_POOL_ROWS",
     "MAX_TOP_K",
+    "IndexerDtype",
     "SparseDecodeConfig",
     "SparseOptions",
+    "check_indexer_format",
     "resolve_sparse_config",
 ]
 
 #: Main-KV dtypes the sparse ops (``sparse_mla_attention``, Copy-SFA) run: bf16 in production, fp32 for
 #: testing. fp16 is a plain floating type too, but no sparse kernel computes in it.
 MAIN_KV_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
+
+#: The indexer caches' formats: the model's floating dtype, Hadamard + int8 (LIC8), Hadamard + FP8 rows.
+IndexerDtype = Literal["bf16", "int8", "fp8_e4m3"]
 
 #: Largest tokens per block of any paged cache (a block is the unit of every transfer and allocation).
 MAX_BLOCK_SIZE = 1 << 16
@@ -46,14 +51,16 @@ class SparseDecodeConfig(ConfigModel):
     ``capacity`` is the hot-buffer rows per decode row and layer (default ``2 * top_k``); ``host_pool_blocks``
     the number of ``block_size``-token blocks of the host pool (per layer); ``policy`` the residency
     eviction policy (``"lru"`` or ``"score"``); ``indexer_dtype`` selects the floating (``"bf16"``: the
-    indexer cache's own floating dtype, bf16 in production) or the Hadamard + int8 (``"int8"``) indexer
-    path; ``fused`` uses the fused manage op and Copy-SFA (default) instead of separate ops.
+    indexer cache's own floating dtype, bf16 in production), the Hadamard + int8 (``"int8"``) or
+    DeepSeek's Hadamard + FP8 (``"fp8_e4m3"``: 132-byte rows for a 128-wide head, scores from FP8 queries
+    and keys; ``index_head_dim`` a power of two of at least 128) indexer path; ``fused`` uses the fused
+    manage op and Copy-SFA (default) instead of separate ops.
 
     ``kv_dtype`` is the main KV's dtype: ``"bf16"`` or ``"fp32"`` (any alias of ``_utils.DTYPE_ALIASES``
     or a torch dtype; stored as the short name).
 
     Rejected at construction, each with its own ``ValueError``: ``capacity < top_k``; ``policy="score"``
-    with ``indexer_dtype="int8"`` (the int8 indexer returns no scores); a main KV dtype that
+    with a quantized ``indexer_dtype`` (the int8 and FP8 indexers return no scores); a main KV dtype that
     is not a plain floating type (packed / quantised main caches such as int8, fp8, C8, TQ4) or that no
     sparse op runs (fp16);
     ``context_parallel_size > 1``; ``pipeline_parallel_size > 1``; ``hybrid_kv_layout``.
@@ -69,7 +76,7 @@ class SparseDecodeConfig(ConfigModel):
     host_pool_blocks: StrictInt = Field(gt=0)
     block_size: StrictInt = Field(default=128, gt=0, le=MAX_BLOCK_SIZE)
     policy: Literal["lru", "score"] = "lru"
-    indexer_dtype: Literal["bf16", "int8"] = "bf16"
+    indexer_dtype: IndexerDtype = "bf16"
     kv_dtype: str = "bf16"
     fused: bool = True
     context_parallel_size: StrictInt = Field(default=1, gt=0)
@@ -116,10 +123,11 @@ class SparseDecodeConfig(ConfigModel):
                 f"= {self.host_pool_blocks * self.block_size} rows per layer exceeds {MAX_POOL_ROWS} (positions "
                 "and block ids are int32)"
             )
-        if self.policy == "score" and self.indexer_dtype == "int8":
+        if self.policy == "score" and self.indexer_dtype != "bf16":
             raise ValueError(
-                "sparse decode offload: policy 'score' evicts by the indexer's scores, which the int8 indexer "
-                "path (quant_lightning_indexer) does not return; use policy 'lru' with indexer_dtype 'int8'"
+                f"sparse decode offload: policy 'score' evicts by the indexer's scores, which the "
+                f"{self.indexer_dtype} indexer path does not return; use policy 'lru' with indexer_dtype "
+                f"{self.indexer_dtype!r}"
             )
         if self.context_parallel_size > 1:
             raise ValueError(
@@ -175,7 +183,7 @@ class SparseOptions(ConfigModel):
     host_pool_blocks: StrictInt | None = None
     block_size: StrictInt | None = None
     policy: Literal["lru", "score"] | None = None
-    indexer_dtype: Literal["bf16", "int8"] | None = None
+    indexer_dtype: IndexerDtype | None = None
     kv_dtype: str | None = None
     fused: bool | None = None
     context_parallel_size: StrictInt | None = None
@@ -230,7 +238,8 @@ def resolve_sparse_config(
     """The full :class:`SparseDecodeConfig` of ``options`` for ``spec``: ``top_k`` defaults to the model's
     ``index_topk``, ``kv_dtype`` to its dtype; ``block_size`` is the session's (every cache is paged alike).
 
-    ``ValueError`` if a field is out of bounds, or the host pool it sizes (``spec``'s layers x
+    ``ValueError`` if a field is out of bounds, the indexer format does not fit the model's indexer
+    (:func:`check_indexer_format`), or the host pool it sizes (``spec``'s layers x
     ``host_pool_blocks`` x ``block_size`` rows of the main KV) exceeds this machine's physical memory
     (naming ``host_pool_blocks``).
     """
@@ -242,7 +251,20 @@ def resolve_sparse_config(
         "block_size": block_size,
     }
     cfg = SparseDecodeConfig.model_validate(fields)
+    check_indexer_format(cfg.indexer_dtype, spec)
     row_bytes = (spec.kv_lora_rank + spec.rope_dim) * cfg.torch_kv_dtype.itemsize
     pool = spec.num_layers * cfg.host_pool_blocks * cfg.block_size * row_bytes
     check_host_bytes(f"sparse decode offload of {spec.model_class}", "host_pool_blocks (the host pool)", pool)
     return cfg
+
+
+def check_indexer_format(indexer_dtype: str, spec: ModelSpec) -> None:
+    """``ValueError`` when ``spec``'s indexer cannot be kept as ``indexer_dtype``: FP8 rows quantize
+    128-wide groups after a Hadamard rotation (a power-of-two ``index_head_dim`` of at least 128)."""
+    d = spec.index_head_dim
+    if indexer_dtype == "fp8_e4m3" and spec.has_indexer and (d < 128 or d & (d - 1)):
+        raise ValueError(
+            f"sparse: indexer_dtype='fp8_e4m3' keeps the indexer keys as FP8 rows (Hadamard-rotated, one fp32 "
+            f"scale per 128 values), which needs a power-of-two index_head_dim of at least 128; "
+            f"{spec.model_class} has index_head_dim={d}"
+        )

@@ -2,8 +2,9 @@
 device without the device step).
 
 Steps 3–4 (select and manage) are the fused ``lightning_indexer_manage`` op by default; ``fused=False``
-runs ``lightning_indexer`` + ``residency_update``, and the int8 indexer path ``hadamard_quant_int8`` on the
-query + ``quant_lightning_indexer`` + ``residency_update``. Steps 5–7 (copy misses, remap, attend) are the
+runs ``lightning_indexer`` + ``residency_update``, the int8 indexer path ``hadamard_quant_int8`` on the
+query + ``quant_lightning_indexer`` + ``residency_update``, and the FP8 path ``hadamard_quant_fp8`` +
+``fp8_lightning_indexer`` + ``residency_update``. Steps 5–7 (copy misses, remap, attend) are the
 fused Copy-SFA op (``scatter_copy_sparse_mla_attention``) on a slice of the hot buffers when the step's
 rows are one ascending run; otherwise (or unfused) ``copy_rows`` on the H2D transfer stream copies the
 misses and ``sparse_mla_attention`` attends over the whole hot buffer (same results).
@@ -94,6 +95,13 @@ class HostStep:
             topk.copy_(torch.ops.kvoffload.quant_lightning_indexer(
                 q_int8, q_scale, indexer.weights, indexer.k_int8_cache, indexer.k_scale_cache, indexer.block_table,
                 indexer.cu_seqlens_q, indexer.seq_lens_k, top_k,
+            ))  # fmt: skip
+            residency_update(*state, topk, ids, stable, None, policy, res)
+        elif self.config.indexer_dtype == "fp8_e4m3":
+            q_rows = torch.ops.kvoffload.hadamard_quant_fp8(indexer.q)
+            topk.copy_(torch.ops.kvoffload.fp8_lightning_indexer(
+                q_rows, indexer.weights, indexer.k_fp8_rows, indexer.block_table, indexer.cu_seqlens_q,
+                indexer.seq_lens_k, top_k,
             ))  # fmt: skip
             residency_update(*state, topk, ids, stable, None, policy, res)
         elif self.config.fused:

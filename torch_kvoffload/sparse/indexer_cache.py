@@ -1,8 +1,10 @@
 """``IndexerCache``: the device indexer cache of the sparse backends (offloaded and resident).
 
-Per layer, in the per-request paging of :class:`~torch_kvoffload.kv.paged.SlotPages`: the indexer keys
-``[pages, page, Di]`` in the model's dtype, or (``int8``) Hadamard-rotated int8 keys and their fp32 dequant
-scales ``[pages, page]`` (DESIGN §7, "LIC8").
+Per layer, in the per-request paging of :class:`~torch_kvoffload.kv.paged.SlotPages`, in one of the
+formats of ``sparse.indexer_dtype``: ``"bf16"``, the indexer keys ``[pages, page, Di]`` in the model's
+dtype; ``"int8"``, Hadamard-rotated int8 keys and their fp32 dequant scales ``[pages, page]`` (DESIGN §7,
+"LIC8"); ``"fp8_e4m3"``, Hadamard-rotated FP8 rows ``uint8 [pages, page, Di + 4 * Di / 128]`` (DeepSeek's
+132-byte indexer rows for ``Di = 128``; :mod:`torch_kvoffload.ops.fp8_indexer`).
 """
 
 from __future__ import annotations
@@ -16,41 +18,78 @@ from torch_kvoffload.kv.forward import ForwardPlan
 from torch_kvoffload.kv.paged import SlotPages
 from torch_kvoffload.kv.requests import Request
 from torch_kvoffload.kv.spec import ModelSpec
+from torch_kvoffload.ops.fp8 import index_row_bytes
+from torch_kvoffload.ops.fp8_indexer import hadamard_quant_fp8
 from torch_kvoffload.ops.indexer import hadamard_quant_int8
+from torch_kvoffload.sparse.config import IndexerDtype
 
-__all__ = ["IndexerCache"]
+__all__ = ["IndexerCache", "indexer_row_bytes"]
+
+
+def indexer_row_bytes(spec: ModelSpec, fmt: IndexerDtype) -> int:
+    """Device bytes of one token's indexer row of ``spec`` kept as ``fmt`` (0 without an indexer)."""
+    if not spec.has_indexer:
+        return 0
+    if fmt == "fp8_e4m3":
+        return index_row_bytes(spec.index_head_dim)
+    if fmt == "int8":
+        return spec.index_head_dim + 4
+    return spec.index_head_dim * spec.dtype.itemsize
 
 
 class IndexerCache(SlotPages):
-    """The indexer keys of ``spec``'s layers (see the module docstring)."""
+    """The indexer keys of ``spec``'s layers kept as ``fmt`` (see the module docstring)."""
 
-    def __init__(self, spec: ModelSpec, *, int8: bool) -> None:
-        comps = (
-            [(spec.index_head_dim, torch.int8), (None, torch.float32)]
-            if int8
-            else [(spec.index_head_dim, spec.dtype)]
-        )
+    def __init__(self, spec: ModelSpec, fmt: IndexerDtype) -> None:
+        if fmt == "int8":
+            comps = [(spec.index_head_dim, torch.int8), (None, torch.float32)]
+        elif fmt == "fp8_e4m3":
+            comps = [(index_row_bytes(spec.index_head_dim), torch.uint8)]
+        else:
+            comps = [(spec.index_head_dim, spec.dtype)]
         super().__init__(spec.num_layers, comps, spec.device)
-        self.int8 = int8
+        self.fmt: IndexerDtype = fmt
+
+    @property
+    def stored_rows(self) -> bool:
+        """Whether the rows kept are not the model's keys (quantized): :meth:`read_keys` refuses them and
+        :meth:`read_stored` gives them as kept."""
+        return self.fmt != "bf16"
 
     def write_keys(self, layer: int, rows_at: torch.Tensor, index_k: torch.Tensor) -> None:
-        """Write ``index_k [N, Di]`` at flat rows ``rows_at int64 [N]`` of ``layer`` (quantised for int8)."""
-        if self.int8:
+        """Write ``index_k [N, Di]`` (the model's keys: quantised here for int8 / FP8) at flat rows ``rows_at
+        int64 [N]`` of ``layer``; for FP8, ``index_k`` may also be rows as kept (``uint8 [N, row bytes]``,
+        from :meth:`read_stored`), written as they are."""
+        if self.fmt == "int8":
             self.write(layer, rows_at, hadamard_quant_int8(index_k))
+        elif self.fmt == "fp8_e4m3":
+            self.write(
+                layer, rows_at, [index_k if index_k.dtype == torch.uint8 else hadamard_quant_fp8(index_k)]
+            )
         else:
             self.write(layer, rows_at, [index_k])
 
     def read_keys(self, layer: int, requests: Sequence[Request]) -> list[torch.Tensor]:
         """Per request, a copy of its indexer keys ``[length, Di]`` of ``layer`` as written (model dtype).
-        ``RuntimeError`` for an int8 cache: the rotated, quantised keys do not give the written ones back."""
-        if self.int8:
+        ``RuntimeError`` for a quantized cache: its rotated, quantised rows do not give the written keys
+        back."""
+        if self.stored_rows:
             raise RuntimeError(
-                "the indexer cache keeps int8 keys (Hadamard-rotated, one scale per row: "
-                "sparse.indexer_dtype='int8'), which do not give the model's indexer keys back exactly; "
+                f"the indexer cache keeps {self.fmt} rows (Hadamard-rotated and quantised: "
+                f"sparse.indexer_dtype={self.fmt!r}), which do not give the model's indexer keys back exactly; "
                 "use the default indexer_dtype to read them"
+            )
+        return [parts[0] for parts in self.read(layer, requests)]
+
+    def read_stored(self, layer: int, requests: Sequence[Request]) -> list[torch.Tensor]:
+        """Per request, a copy of its rows of ``layer`` as kept (FP8: ``uint8 [length, row bytes]``; the
+        model's keys for ``"bf16"``). ``RuntimeError`` for int8 (keys and scales are kept apart)."""
+        if self.fmt == "int8":
+            raise RuntimeError(
+                "the int8 indexer cache keeps keys and scales apart; it has no stored rows to read"
             )
         return [parts[0] for parts in self.read(layer, requests)]
 
     def view(self, layer: int, fwd: ForwardPlan, top_k: int) -> IndexerView:
         """``layer``'s cache as the indexer of forward ``fwd`` reads it (the requests' pages)."""
-        return IndexerView(self.layers[layer], fwd.index_table, top_k, quantized=self.int8)
+        return IndexerView(self.layers[layer], fwd.index_table, top_k, fmt=self.fmt)

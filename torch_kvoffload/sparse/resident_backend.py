@@ -22,7 +22,7 @@ from torch_kvoffload.kv.layout import KVLayout
 from torch_kvoffload.kv.paged import SlotPages
 from torch_kvoffload.kv.requests import Request
 from torch_kvoffload.kv.spec import ModelSpec
-from torch_kvoffload.sparse.config import SparseOptions
+from torch_kvoffload.sparse.config import SparseOptions, check_indexer_format
 from torch_kvoffload.sparse.indexer_cache import IndexerCache
 
 __all__ = ["ResidentSparseBackend"]
@@ -48,7 +48,8 @@ class ResidentSparseBackend(KVBackend):
             )
         self.spec = spec
         self.top_k = sparse.top_k or spec.index_topk
-        self.index = IndexerCache(spec, int8=sparse.indexer_dtype == "int8")
+        check_indexer_format(sparse.indexer_dtype or "bf16", spec)
+        self.index = IndexerCache(spec, sparse.indexer_dtype or "bf16")
         self.main = SlotPages(
             spec.num_layers, [(spec.kv_lora_rank, spec.dtype), (spec.rope_dim, spec.dtype)], spec.device
         )
@@ -93,13 +94,14 @@ class ResidentSparseBackend(KVBackend):
         return KeyRows(kv_c, k_pe, [s * pages * page for s in fwd.slots])
 
     def read(
-        self, layer: int, requests: Sequence[Request], part: str, start: int = 0
+        self, layer: int, requests: Sequence[Request], part: str, start: int = 0, *, stored: bool = False
     ) -> list[torch.Tensor] | None:
         """Copies of the requests' resident rows (main KV pages, indexer cache) from ``start`` on."""
         if not self.main.built:
             return None
         if part == "index_k":
-            return [k[start:] for k in self.index.read_keys(layer, requests)]
+            keys = self.index.read_stored if stored else self.index.read_keys
+            return [k[start:] for k in keys(layer, requests)]
         at = 0 if part == "kv_c" else 1
         return [parts[at][start:] for parts in self.main.read(layer, requests)]
 

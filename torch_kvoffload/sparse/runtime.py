@@ -148,7 +148,8 @@ class SparseDecodeOffload:
             policy=config.policy,
         )  # fmt: skip
         self._device_path = resolve_step_path(where, step_path, self.device, pool, self.capacity)
-        self._device_step = self._device_path and config.fused
+        # the device step's fused manage kernel reads floating or int8 keys; FP8 rows take the host step's ops
+        self._device_step = self._device_path and config.fused and config.indexer_dtype != "fp8_e4m3"
         fresh = self.device.type == "cpu" and not self._device_path  # new output tensors every step
         self._counters = StepCounters(num_layers, pool.row_bytes, self.device, deferred=fresh)
         self._appender = RowAppender(
@@ -419,7 +420,7 @@ class SparseDecodeOffload:
         """
         where = "SparseDecodeOffload.attend"
         kw = dict(pool=self.pool, max_rows=self.max_rows, dtype=self.dtype, device=self.device,
-                  int8_indexer=self.config.indexer_dtype == "int8")  # fmt: skip
+                  indexer_dtype=self.config.indexer_dtype)  # fmt: skip
         if isinstance(rows, CheckedRows):
             ids, stable, host_bt = check_step_checked(
                 where, layer, q_nope, q_pe, scale, indexer, rows, **kw, epoch=self.epoch

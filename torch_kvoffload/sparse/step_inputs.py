@@ -34,9 +34,10 @@ __all__ = [
 class IndexerInputs:
     """The lightning indexer's inputs for one layer and step (all on the compute device).
 
-    ``q [T, H, D]`` and ``weights [T, H]``; ``k_cache [num_blocks, block_size, D]`` (floating path) or
+    ``q [T, H, D]`` and ``weights [T, H]``; ``k_cache [num_blocks, block_size, D]`` (floating path),
     ``k_int8_cache`` int8 ``[num_blocks, block_size, D]`` + ``k_scale_cache`` fp32 ``[num_blocks,
-    block_size]`` (int8 path); ``block_table int32 [B, max_blocks]`` of the indexer cache;
+    block_size]`` (int8 path) or ``k_fp8_rows`` uint8 ``[num_blocks, block_size, D + 4 * D / 128]`` (FP8
+    path); ``block_table int32 [B, max_blocks]`` of the indexer cache;
     ``cu_seqlens_q int32 [B + 1]``; ``seq_lens_k int32 [B]``.
     """
 
@@ -48,6 +49,7 @@ class IndexerInputs:
     k_cache: torch.Tensor | None = None
     k_int8_cache: torch.Tensor | None = None
     k_scale_cache: torch.Tensor | None = None
+    k_fp8_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -107,14 +109,14 @@ def check_step(
     max_rows: int,
     dtype: torch.dtype,
     device: torch.device,
-    int8_indexer: bool,
+    indexer_dtype: str,
 ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """Check every argument of one layer's step (``attend``); return ``(request ids as ints, stable_len
     int64 [T], host block table int32 [T, W])``.
 
     ``q_nope [T, H, Dc]`` / ``q_pe [T, H, Dr]`` in the KV ``dtype`` on ``device`` with ``1 <= T <=
     max_rows``; ``rows`` a :class:`DecodeRows` and ``indexer`` :class:`IndexerInputs` of the same ``T``
-    rows, with the int8 caches when ``int8_indexer`` else ``k_cache``; then
+    rows, with the caches of ``indexer_dtype`` (``SparseDecodeConfig.indexer_dtype``); then
     :func:`check_block_coverage`.
     """
     T = _check_queries(where, layer, q_nope, q_pe, scale, pool=pool, max_rows=max_rows, dtype=dtype,
@@ -124,7 +126,7 @@ def check_step(
     if not isinstance(indexer, IndexerInputs):
         raise TypeError(f"{where}: 'indexer' must be IndexerInputs, got {type(indexer).__name__}")
     ids, stable, host_bt = _check_rows(where, rows, T, device)
-    cu, lens = _check_indexer(where, indexer, T, device, int8_indexer)
+    cu, lens = _check_indexer(where, indexer, T, device, indexer_dtype)
     check_block_coverage(where, pool, ids, host_bt, cu, lens)
     return ids, stable, host_bt
 
@@ -174,7 +176,7 @@ def check_step_checked(
     max_rows: int,
     dtype: torch.dtype,
     device: torch.device,
-    int8_indexer: bool,
+    indexer_dtype: str,
     epoch: int,
 ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """:func:`check_step` for rows checked by :func:`check_rows`: the per-layer checks, and that ``rows``
@@ -186,7 +188,7 @@ def check_step_checked(
     (the next layers of a forward)."""
     layout = _layer_inputs(q_nope, q_pe, indexer)
     if layout is not None:  # what the checks compare the inputs with: the runtime's, as well
-        layout = (id(pool), max_rows, dtype, device, int8_indexer, layout)
+        layout = (id(pool), max_rows, dtype, device, indexer_dtype, layout)
     if (
         layout is None
         or layout != rows.layer_inputs
@@ -198,7 +200,7 @@ def check_step_checked(
             raise TypeError(f"{where}: 'indexer' must be IndexerInputs, got {type(indexer).__name__}")
         if len(rows.request_ids) != T:
             raise ValueError(f"{where}: the checked rows hold {len(rows.request_ids)} rows, q_nope {T}")
-        _check_indexer(where, indexer, T, device, int8_indexer)
+        _check_indexer(where, indexer, T, device, indexer_dtype)
         rows.layer_inputs = layout
     else:
         check_scale(where, scale)
@@ -224,7 +226,8 @@ def _layer_inputs(q_nope: object, q_pe: object, indexer: object) -> tuple | None
         return None
     layout: list[object] = []
     for t in (q_nope, q_pe, indexer.q, indexer.weights, indexer.block_table, indexer.cu_seqlens_q,
-              indexer.seq_lens_k, indexer.k_cache, indexer.k_int8_cache, indexer.k_scale_cache):  # fmt: skip
+              indexer.seq_lens_k, indexer.k_cache, indexer.k_int8_cache, indexer.k_scale_cache,
+              indexer.k_fp8_rows):  # fmt: skip
         if t is None:
             layout.append(None)
         elif type(t) is torch.Tensor:
@@ -268,7 +271,7 @@ def _check_rows(
 
 
 def _check_indexer(
-    where: str, indexer: IndexerInputs, T: int, device: torch.device, int8_indexer: bool
+    where: str, indexer: IndexerInputs, T: int, device: torch.device, indexer_dtype: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``indexer``'s tensors for ``T`` query rows; returns ``(cu_seqlens_q, seq_lens_k)``."""
     dev = (device,)
@@ -282,7 +285,13 @@ def _check_indexer(
                         dtypes=(torch.int32,), devices=dev)  # fmt: skip
     check_tensor(where, "indexer.block_table", indexer.block_table, shape=(cu.shape[0] - 1, None),
                  dtypes=(torch.int32,), devices=dev)  # fmt: skip
-    if int8_indexer:
+    if indexer_dtype == "fp8_e4m3":
+        if indexer.k_fp8_rows is None:
+            raise ValueError(f"{where}: the FP8 indexer path needs indexer.k_fp8_rows")
+        check_tensor(
+            where, "indexer.k_fp8_rows", indexer.k_fp8_rows, dim=3, dtypes=(torch.uint8,), devices=dev
+        )
+    elif indexer_dtype == "int8":
         if indexer.k_int8_cache is None or indexer.k_scale_cache is None:
             raise ValueError(f"{where}: the int8 indexer path needs indexer.k_int8_cache and k_scale_cache")
         check_tensor(where, "indexer.k_int8_cache", indexer.k_int8_cache, dim=3, dtypes=(torch.int8,),

@@ -1,0 +1,182 @@
+"""``sparse.indexer_dtype="fp8_e4m3"`` on Hugging Face DeepseekV32: the indexer cache keeps DeepSeek's FP8
+rows (132 bytes a token for a 128-wide head) and the top-k is selected from FP8 queries and keys, as
+DeepSeek's inference code selects it. Reference: the unmodified model with its indexer scoring so
+(``support.fp8_reference``, written independently of the library); its logits differ visibly from the
+unmodified model's, so agreement shows the FP8 path really runs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from support.fp8_reference import fp8_indexer
+from support.hf_models import ONE_LAYER, SMALL, build_model, left_padded_batch
+
+import torch_kvoffload
+from torch_kvoffload.integrations.hf import session_of
+from torch_kvoffload.ops.fp8 import index_row_bytes
+
+BS = 16
+NEW = 8
+DI = 128
+# a 128-wide indexer head (FP8 rows quantise 128-wide groups); 16 heads keep exact score ties away
+WIDTHS = {**SMALL, "index_head_dim": DI, "index_n_heads": 16, "index_topk": 16}
+FP8 = {"indexer_dtype": "fp8_e4m3"}
+MODES = {
+    "sparse": {"sparse": FP8, "block_size": BS},
+    "resident": {"sparse": {**FP8, "offload": False}, "block_size": BS},
+    "layerwise-sparse": {"layerwise": {}, "sparse": FP8, "block_size": BS},
+}
+
+
+def _generate(model, ids, mask, new=NEW):
+    with torch.no_grad():
+        return model.generate(
+            ids, attention_mask=mask, max_new_tokens=new, do_sample=False, return_dict_in_generate=True,
+            output_logits=True,
+        )  # fmt: skip
+
+
+def _max_diff(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a.logits, b.logits, strict=True))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """``(model, ids, mask, FP8-indexer output)``; the unmodified model's own output differs from it."""
+    model = build_model("deepseek_v32", **WIDTHS)
+    ids, mask = left_padded_batch([70, 50], seed=3)
+    with fp8_indexer():
+        want = _generate(model, ids, mask)
+    assert _max_diff(want, _generate(model, ids, mask)) > 1e-2
+    return model, ids, mask, want
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_fp8_indexer_selects_as_deepseek_and_its_rows_are_reused_from_the_store(reference, mode):
+    ref, ids, mask, want = reference
+    model = torch_kvoffload.offload(copy.deepcopy(ref), MODES[mode])
+    got = _generate(model, ids, mask)
+    assert torch.equal(got.sequences, want.sequences)
+    assert _max_diff(got, want) < 1e-4
+    # again: the prompts' full blocks come from the store (FP8 indexer rows as kept, byte for byte)
+    before = torch_kvoffload.stats(model)
+    again = _generate(model, ids, mask)
+    after = torch_kvoffload.stats(model)
+    assert after["prefix_store_tokens"] - before["prefix_store_tokens"] > 0
+    assert after["persist_failures"] == 0
+    assert torch.equal(again.sequences, want.sequences)
+    assert _max_diff(again, want) < 1e-4
+
+
+def test_the_indexer_cache_holds_132_bytes_a_token(reference):
+    ref, ids, mask, _ = reference
+    sizes = {}
+    for fmt in ("bf16", "fp8_e4m3"):
+        model = torch_kvoffload.offload(
+            copy.deepcopy(ref), {"sparse": {"indexer_dtype": fmt}, "block_size": BS}
+        )
+        _generate(model, ids, mask, new=1)
+        cache = session_of(model).core.backends.sparse.index
+        tensors = [t for layer in cache.layers for t in layer]
+        sizes[fmt] = sum(t.numel() * t.element_size() for t in tensors)
+        per_token = sum(t[0, 0].numel() * t.element_size() for t in cache.layers[0])
+        assert per_token == (index_row_bytes(DI) if fmt == "fp8_e4m3" else DI * 4)  # fp32 model
+    assert sizes["fp8_e4m3"] * DI * 4 == sizes["bf16"] * index_row_bytes(DI)
+
+
+def test_fp8_and_floating_records_never_mix_in_one_store(reference, monkeypatch):
+    """Two models of the same weights on one store: one keeping FP8 indexer rows, one the model's keys.
+    Each finds only the blocks of a model keeping its own format."""
+    from torch_kvoffload.layerwise import prefix_store
+    from torch_kvoffload.store.local import LocalKVStore
+
+    ref, ids, mask, want = reference
+    store = LocalKVStore(64 << 20)
+    store.close = lambda: None
+    monkeypatch.setattr(prefix_store, "build_store", lambda config: store)
+    fp8_a = torch_kvoffload.offload(copy.deepcopy(ref), MODES["sparse"])
+    fp8_b = torch_kvoffload.offload(copy.deepcopy(ref), MODES["sparse"])
+    floating = torch_kvoffload.offload(copy.deepcopy(ref), {"sparse": {}, "block_size": BS})
+    assert torch.equal(_generate(fp8_a, ids, mask).sequences, want.sequences)
+    before = torch_kvoffload.stats(floating)["prefix_store_tokens"]
+    _generate(floating, ids, mask)
+    assert torch_kvoffload.stats(floating)["prefix_store_tokens"] == before
+    got = _generate(fp8_b, ids, mask)
+    assert torch_kvoffload.stats(fp8_b)["prefix_store_tokens"] > 0
+    assert torch.equal(got.sequences, want.sequences) and _max_diff(got, want) < 1e-4
+
+
+def test_the_cache_refuses_to_give_fp8_rows_as_indexer_keys(reference):
+    ref, ids, mask, _ = reference
+    model = torch_kvoffload.offload(copy.deepcopy(ref), MODES["sparse"])
+    out = _generate(model, ids, mask, new=2)
+    with pytest.raises(RuntimeError, match="fp8_e4m3"):
+        _ = out.past_key_values.layers[0].indexer_keys
+    assert out.past_key_values.layers[0].keys.shape[2] == ids.shape[1] + 1  # the latent KV reads fine
+
+
+def test_fp8_indexer_configurations_refused_by_name():
+    narrow = build_model("deepseek_v32", **{**SMALL, "index_head_dim": 32})
+    with pytest.raises(ValueError, match="index_head_dim=32"):
+        torch_kvoffload.offload(narrow, {"sparse": FP8})
+    with pytest.raises(ValueError, match="policy 'score'"):
+        torch_kvoffload.OffloadConfig(sparse={**FP8, "policy": "score"})
+    from torch_kvoffload._utils import free_port
+
+    pd = {"role": "decode", "kv_port": free_port()}
+    with pytest.raises(ValueError, match="fp8_e4m3"):
+        torch_kvoffload.offload(build_model("deepseek_v32", **WIDTHS), {"sparse": FP8, "pd": pd})
+
+
+def test_a_compiled_model_selects_with_fp8_call_after_call():
+    ref = build_model(
+        "deepseek_v32",
+        **{**ONE_LAYER, **{k: WIDTHS[k] for k in ("index_head_dim", "index_n_heads", "index_topk")}},
+    )
+    model = torch_kvoffload.compile(copy.deepcopy(ref), MODES["sparse"])
+    differs = []
+    for lengths in ([40, 30], [52, 20]):
+        ids, mask = left_padded_batch(lengths, seed=len(lengths) + lengths[0])
+        with fp8_indexer():
+            want = _generate(ref, ids, mask, new=4)
+        got = _generate(model, ids, mask, new=4)
+        assert torch.equal(got.sequences, want.sequences)
+        assert _max_diff(got, want) < 1e-4
+        differs.append(_max_diff(want, _generate(ref, ids, mask, new=4)) > 1e-2)
+    assert any(differs)
+
+
+def test_continuous_batching_sizes_requests_by_the_fp8_rows_and_selects_with_them(reference):
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    ref = reference[0]
+    gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=999_999, pad_token_id=0)
+    cb = ContinuousBatchingConfig(page_size=8, max_batch_tokens=32, max_requests_per_batch=4)
+    serving = {"max_requests": 3, "max_request_tokens": 96}
+    prompts = [
+        torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        for n in (40, 25, 33)
+    ]
+    with fp8_indexer():
+        want = [ref.generate(torch.tensor([p]), generation_config=gen)[0, len(p) :].tolist() for p in prompts]
+    per = {}
+    for fmt in ("bf16", "fp8_e4m3"):
+        model = torch_kvoffload.offload(
+            copy.deepcopy(ref), {"sparse": {"indexer_dtype": fmt}, "block_size": 8, "serving": serving}
+        )
+        out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+        assert all(out[rid].error is None for rid in out)
+        got = [list(out[rid].generated_tokens) for rid in sorted(out, key=lambda r: int(r.rsplit("_", 1)[1]))]
+        if fmt == "fp8_e4m3":
+            assert got == want
+        per[fmt] = session_of(model).serving.device_bytes_per_request
+    # a request's indexer rows: every layer, max_request_tokens rows, 132 bytes instead of 128 fp32 values
+    layers = ref.config.num_hidden_layers
+    assert per["bf16"] - per["fp8_e4m3"] == layers * serving["max_request_tokens"] * (
+        DI * 4 - index_row_bytes(DI)
+    )

@@ -1,0 +1,73 @@
+"""DeepSeek's FP8 lightning indexer, written independently of the library: the unmodified Hugging Face DSA
+indexer with its scores computed as DeepSeek-V3.2's inference code computes them (queries and keys rotated
+by the normalised Hadamard matrix, each 128-wide group quantised to ``float8_e4m3fn`` with a power-of-two
+scale, scores from the dequantised values). The reference the library's ``indexer_dtype="fp8_e4m3"`` is
+tested against."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["act_quant_dequant", "fp8_indexer", "hadamard_matrix"]
+
+
+def hadamard_matrix(d: int) -> torch.Tensor:
+    """fp64 ``[d, d]`` Sylvester Hadamard matrix divided by ``√d`` (orthogonal, symmetric)."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(d)
+
+
+def act_quant_dequant(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x [..., D]`` quantised per 128 values as DeepSeek's ``act_quant`` with ``scale_fmt="ue8m0"``
+    (``scale = 2 ** ceil(log2(max(amax, 1e-4) / 448))``, values divided by it, clamped to ±448 and cast
+    to e4m3fn), then dequantised."""
+    groups = x.float().unflatten(-1, (-1, 128))
+    amax = groups.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4).double()
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0))).float()
+    codes = (groups / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+    return (codes * scale).flatten(-2)
+
+
+@contextlib.contextmanager
+def fp8_indexer() -> Iterator[None]:
+    """Every ``DeepseekV32Indexer`` scores with FP8 queries and keys inside the block (see the module
+    docstring); selection, masking and top-k as the unmodified forward."""
+    import transformers.models.deepseek_v32.modeling_deepseek_v32 as v32
+
+    original = v32.DeepseekV32Indexer.forward
+
+    def forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache=None):
+        b, s, _ = hidden_states.shape
+        cos, sin = position_embeddings
+        rope, d = self.qk_rope_head_dim, self.head_dim
+        q = self.wq_b(q_resid).view(b, s, self.n_heads, d)
+        k = self.k_norm(self.wk(hidden_states)).unsqueeze(2)
+        q_rot, k_rot = v32.apply_rotary_pos_emb(q[..., :rope], k[..., :rope], cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q_rot, q[..., rope:]], dim=-1)
+        k = torch.cat([k_rot, k[..., rope:]], dim=-1).squeeze(2)
+        if cache is not None:
+            k = cache.update_indexer(k, self.layer_idx)
+        rot = hadamard_matrix(d).to(torch.float32)
+        q8 = act_quant_dequant(q.float() @ rot)
+        k8 = act_quant_dequant(k.float() @ rot)
+        scores = torch.relu(q8 @ k8.transpose(-1, -2).unsqueeze(1) * self.softmax_scale)
+        w = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
+        index_scores = (w.unsqueeze(-2) @ scores).squeeze(-2)
+        if attention_mask.dtype == torch.bool:
+            index_scores = index_scores.masked_fill(~attention_mask, float("-inf"))
+        else:
+            index_scores = index_scores + attention_mask
+        topk = min(self.index_topk, index_scores.shape[-1])
+        return index_scores.topk(topk, dim=-1).indices.to(torch.int32)
+
+    v32.DeepseekV32Indexer.forward = forward
+    try:
+        yield
+    finally:
+        v32.DeepseekV32Indexer.forward = original

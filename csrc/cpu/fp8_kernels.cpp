@@ -15,12 +15,10 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
-#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -32,12 +30,8 @@ namespace kvoffload {
 
 namespace {
 
-constexpr int64_t kTile = 128;  // values per fp32 scale
-constexpr float kFp8Max = 448.0f;
-// The Python scalar 1e-4 as torch's clamp_min applies it to an fp32 tensor.
-constexpr float kAmaxFloor = 1e-4f;
-// torch.tensor(1.0 / 448.0, dtype=torch.float32): the double quotient rounded once to fp32.
-constexpr float kInvFp8Max = static_cast<float>(1.0 / 448.0);
+using namespace fp8;  // tile helpers shared with fp8_indexer_kernels.cpp (common.h)
+
 // Bytes read and written per parallel task.
 constexpr int64_t kBytesPerTask = int64_t{1} << 16;
 
@@ -105,19 +99,6 @@ at::Tensor unit_inner_stride(const at::Tensor& rows) {
 
 // ------------------------------------------------------------------------------------- tile helpers
 
-// 2 ** ceil(log2(v)) for positive fp32 v, exactly as the reference's frexp / where / ldexp (frexp of
-// inf or NaN gives exponent 0 there and here: scale 1).
-inline float pow2_ceil(float v) {
-  int e = 0;
-  const float m = std::frexp(v, &e);
-  return std::ldexp(1.0f, m == 0.5f ? e - 1 : e);
-}
-
-// clamp_min with torch's NaN propagation.
-inline float floor_at(float v, float lo) {
-  return v < lo ? lo : v;
-}
-
 template <typename T>
 inline void load_tile(const T* p, int64_t stride, float* buf) {
   if (stride == 1) {
@@ -129,50 +110,6 @@ inline void load_tile(const T* p, int64_t stride, float* buf) {
       buf[j] = static_cast<float>(p[j * stride]);
     }
   }
-}
-
-// Largest magnitude of a tile, NaN when it holds one (torch's amax propagates NaN). Magnitudes compare as
-// their bit patterns do, and every NaN pattern lies above inf's: an integer max, which vectorizes.
-KVO_TARGET_CLONES float tile_amax(const float* x) {
-  uint32_t m = 0;
-  for (int64_t j = 0; j < kTile; ++j) {
-    uint32_t b;
-    std::memcpy(&b, x + j, 4);
-    b &= UINT32_C(0x7FFFFFFF);
-    m = b > m ? b : m;
-  }
-  float r;
-  std::memcpy(&r, &m, 4);
-  return r;
-}
-
-// The tile divided by its scale (true division, as the reference) and encoded as e4m3fn; kClamp clamps the
-// quotient to [-448, 448] first (NaN passes through, as torch's clamp).
-template <bool kClamp>
-KVO_TARGET_CLONES void encode_tile(const float* x, float scale, uint8_t* out) {
-  for (int64_t j = 0; j < kTile; ++j) {
-    float q = x[j] / scale;
-    if (kClamp) {
-      q = q < -kFp8Max ? -kFp8Max : q;
-      q = q > kFp8Max ? kFp8Max : q;
-    }
-    out[j] = c10::Float8_e4m3fn(q).x;
-  }
-}
-
-// fp32 value of every e4m3fn byte (the c10 decoding torch's .float() uses; NaN bytes decode to NaN).
-struct Fp8Table {
-  std::array<float, 256> v;
-  Fp8Table() {
-    for (int b = 0; b < 256; ++b) {
-      v[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
-    }
-  }
-};
-
-const float* fp8_table() {
-  static const Fp8Table table;
-  return table.v.data();
 }
 
 inline float load_f32(const uint8_t* p) {
@@ -284,7 +221,7 @@ at::Tensor quantize_kv_fp8_cpu(const at::Tensor& kv_c, const at::Tensor& k_pe) {
         for (int64_t t = 0; t < T; ++t) {
           load_tile(x + t * kTile * s1, s1, buf);
           const float scale = pow2_ceil(floor_at(tile_amax(buf) / kFp8Max, kAmaxFloor));
-          encode_tile<false>(buf, scale, o + t * kTile);
+          encode_tile(buf, scale, o + t * kTile);
           std::memcpy(o + Dc + 4 * t, &scale, 4);
         }
         rope(pe + i * pe_s0, pe_s1, Dr, o + Dc + 4 * T);
@@ -365,9 +302,7 @@ at::Tensor quantize_index_k_fp8_cpu(const at::Tensor& k) {
         uint8_t* o = dst + i * width;
         for (int64_t g = 0; g < G; ++g) {
           load_tile(x + g * kTile * s1, s1, buf);
-          // act_quant order: floor the amax, then multiply by the fp32 constant 1/448 (not divide).
-          const float scale = pow2_ceil(floor_at(tile_amax(buf), kAmaxFloor) * kInvFp8Max);
-          encode_tile<true>(buf, scale, o + g * kTile);
+          const float scale = quantize_index_group(buf, o + g * kTile);
           std::memcpy(o + D + 4 * g, &scale, 4);
         }
       }

@@ -23,112 +23,16 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <numeric>
 #include <vector>
 
 namespace kvoffload {
 
 namespace {
 
-using namespace vec;  // the kernels are written in its vocabulary
+using namespace vec;      // the kernels are written in its vocabulary
+using namespace indexer;  // layout, checks, score loop and top-k shared with fp8_indexer_kernels.cpp
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-// Score rows buffered for top-k at once: bounds the scratch to 64 MiB whatever T and the context are.
-constexpr int64_t kScoreBufferFloats = int64_t{1} << 24;
-
-// ---------------------------------------------------------------------------------- request layout
-
-// Validated description of the requests: per query token its request and visible key count.
-struct Layout {
-  int64_t T = 0, B = 0, max_blocks = 0, block_size = 0;
-  std::vector<int32_t> token_req;   // [T]
-  std::vector<int64_t> visible;     // [T]
-  const int32_t* table = nullptr;   // [B, max_blocks]
-};
-
-void check_dim(const char* op, const char* arg, const at::Tensor& t, int64_t dim) {
-  TORCH_CHECK_VALUE(
-      t.dim() == dim, "kvoffload::", op, ": argument '", arg, "' must have exactly ", dim,
-      " dimensions, got shape ", shape_str(t));
-}
-
-void check_dtype(const char* op, const char* arg, const at::Tensor& t, at::ScalarType dtype) {
-  TORCH_CHECK_TYPE(
-      t.scalar_type() == dtype, "kvoffload::", op, ": argument '", arg, "' must have dtype ", dtype_str(dtype),
-      ", got ", dtype_str(t.scalar_type()));
-}
-
-void check_cpu(const char* op, const char* arg, const at::Tensor& t, const char* first) {
-  TORCH_CHECK_VALUE(
-      t.device().is_cpu(), "kvoffload::", op, ": argument '", arg, "' must be on cpu (as '", first, "'), got ",
-      t.device());
-}
-
-// Structure and values of block_table / cu_seqlens_q / seq_lens_k. `table` must outlive the layout.
-Layout make_layout(
-    const char* op, int64_t T, int64_t num_blocks, int64_t block_size, const at::Tensor& table,
-    const at::Tensor& cu_in, const at::Tensor& lens_in) {
-  check_dtype(op, "block_table", table, at::kInt);
-  check_dim(op, "block_table", table, 2);
-  check_dtype(op, "cu_seqlens_q", cu_in, at::kInt);
-  check_dim(op, "cu_seqlens_q", cu_in, 1);
-  check_dtype(op, "seq_lens_k", lens_in, at::kInt);
-  check_dim(op, "seq_lens_k", lens_in, 1);
-  const int64_t B = table.size(0);
-  TORCH_CHECK_VALUE(
-      cu_in.size(0) == B + 1, "kvoffload::", op, ": argument 'cu_seqlens_q' must have shape [", B + 1,
-      "] (batch + 1 from 'block_table'), got ", shape_str(cu_in));
-  TORCH_CHECK_VALUE(
-      lens_in.size(0) == B, "kvoffload::", op, ": argument 'seq_lens_k' must have shape [", B,
-      "] (batch from 'block_table'), got ", shape_str(lens_in));
-  return Layout{T, B, table.size(1), block_size, {}, {}, nullptr};
-}
-
-void fill_layout_values(
-    const char* op, Layout& L, int64_t num_blocks, const at::Tensor& table, const at::Tensor& cu_t,
-    const at::Tensor& lens_t) {
-  const int32_t* cu = cu_t.const_data_ptr<int32_t>();
-  const int32_t* lens = lens_t.const_data_ptr<int32_t>();
-  const int32_t* tb = table.const_data_ptr<int32_t>();
-  const int64_t B = L.B, bs = L.block_size, mb = L.max_blocks;
-  TORCH_CHECK_VALUE(cu[0] == 0, "kvoffload::", op, ": argument 'cu_seqlens_q' entry 0 must be 0, got ", cu[0]);
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK_VALUE(
-        cu[b + 1] >= cu[b], "kvoffload::", op, ": argument 'cu_seqlens_q' must be non-decreasing, got entry ",
-        b + 1, " = ", cu[b + 1], " < entry ", b, " = ", cu[b]);
-  }
-  TORCH_CHECK_VALUE(
-      cu[B] == L.T, "kvoffload::", op,
-      ": argument 'cu_seqlens_q' last entry must equal the number of query tokens ", L.T, ", got ", cu[B]);
-  const int64_t capacity = mb * bs;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t s = lens[b];
-    TORCH_CHECK_VALUE(
-        s >= 0 && s <= capacity, "kvoffload::", op, ": argument 'seq_lens_k' entry ", b, " is ", s,
-        ", expected a value in [0, ", capacity, "] (max_blocks ", mb, " x block_size ", bs, ")");
-    const int64_t q = cu[b + 1] - cu[b];
-    TORCH_CHECK_VALUE(
-        q == 0 || s - (q - 1) >= 0, "kvoffload::", op, ": argument 'seq_lens_k' entry ", b, " is ", s,
-        ", but request ", b, " has ", q, " query tokens: the first query would see ", s - (q - 1),
-        " keys (need seq_len_k >= num_queries - 1)");
-    for (int64_t j = 0; j < (s + bs - 1) / bs; ++j) {
-      const int64_t blk = tb[b * mb + j];
-      TORCH_CHECK_INDEX(
-          blk >= 0 && blk < num_blocks, "kvoffload::", op, ": argument 'block_table' entry [", b, ", ", j,
-          "] is ", blk, ", expected a value in [0, ", num_blocks, ")");
-    }
-  }
-  L.table = tb;
-  L.token_req.resize(L.T);
-  L.visible.resize(L.T);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t q = cu[b + 1] - cu[b];
-    for (int64_t j = 0; j < q; ++j) {
-      L.token_req[cu[b] + j] = static_cast<int32_t>(b);
-      L.visible[cu[b] + j] = lens[b] - (q - 1 - j);
-    }
-  }
-}
 
 // ------------------------------------------------------------------------------------ score kernels
 
@@ -200,83 +104,6 @@ KVO_TARGET_CLONES void score_block_int8(
       const float logit = row[j] * sq * kscale[j];
       out[j] += w * std::max(logit, 0.0f);
     }
-  }
-}
-
-// Calls block_fn(t, block, s0, n, out) for every (token in [t0, t1), visible key block), in parallel;
-// out points at the scores of keys s0 .. s0+n-1 of token t (row `t - t0` of `buf`, width `width`).
-template <typename BlockFn>
-void for_each_block(const Layout& L, int64_t t0, int64_t t1, float* buf, int64_t width, BlockFn block_fn) {
-  const int64_t bs = L.block_size;
-  std::vector<int64_t> first(t1 - t0 + 1, 0);
-  for (int64_t t = t0; t < t1; ++t) {
-    first[t - t0 + 1] = first[t - t0] + (L.visible[t] + bs - 1) / bs;
-  }
-  at::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
-    int64_t t = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1 + t0;
-    for (int64_t item = begin; item < end; ++item) {
-      while (item >= first[t - t0 + 1]) {
-        ++t;
-      }
-      const int64_t j = item - first[t - t0];
-      const int64_t s0 = j * bs;
-      const int64_t n = std::min(bs, L.visible[t] - s0);
-      block_fn(t, j, s0, n, buf + (t - t0) * width + s0);
-    }
-  });
-}
-
-// Ordering of top-k: higher score first (NaN above everything, like torch.sort), then lower position.
-inline bool ranks_before(float sa, int32_t a, float sb, int32_t b) {
-  const bool na = std::isnan(sa), nb = std::isnan(sb);
-  if (na || nb) {
-    return na && nb ? a < b : na;
-  }
-  if (sa != sb) {
-    return sa > sb;
-  }
-  return a < b;
-}
-
-void topk_row(const float* s, int64_t visible, int64_t k, int32_t* out, std::vector<int32_t>& pos) {
-  const int64_t take = std::min(k, visible);
-  pos.resize(visible);
-  std::iota(pos.begin(), pos.end(), 0);
-  auto cmp = [s](int32_t a, int32_t b) { return ranks_before(s[a], a, s[b], b); };
-  if (take < visible) {
-    std::nth_element(pos.begin(), pos.begin() + take, pos.end(), cmp);
-  }
-  std::sort(pos.begin(), pos.begin() + take, cmp);
-  std::copy(pos.begin(), pos.begin() + take, out);
-  std::fill(out + take, out + k, -1);
-}
-
-// Scores all tokens with score_fn(t, block, s0, n, out) and writes the top-k of each into `result`.
-template <typename BlockFn>
-void topk_all(const Layout& L, int64_t top_k, at::Tensor& result, BlockFn block_fn) {
-  int32_t* res = result.data_ptr<int32_t>();
-  int64_t t0 = 0;
-  std::vector<float> buf;
-  while (t0 < L.T) {
-    // As many tokens as fit the score buffer (at least one).
-    int64_t width = 0, t1 = t0;
-    while (t1 < L.T) {
-      const int64_t w = std::max(width, L.visible[t1]);
-      if (t1 > t0 && w * (t1 - t0 + 1) > kScoreBufferFloats) {
-        break;
-      }
-      width = w;
-      ++t1;
-    }
-    buf.resize(std::max<int64_t>(1, width * (t1 - t0)));
-    for_each_block(L, t0, t1, buf.data(), width, block_fn);
-    at::parallel_for(t0, t1, 1, [&](int64_t begin, int64_t end) {
-      std::vector<int32_t> pos;
-      for (int64_t t = begin; t < end; ++t) {
-        topk_row(buf.data() + (t - t0) * width, L.visible[t], top_k, res + t * top_k, pos);
-      }
-    });
-    t0 = t1;
   }
 }
 
@@ -386,20 +213,6 @@ at::Tensor lightning_indexer_cpu(
 
 // ------------------------------------------------------------------------------ hadamard_quant_int8
 
-// In-place unnormalised fast Walsh-Hadamard transform (Sylvester order); stage order and pairing match
-// the reference kernel so both round identically.
-void fwht(float* y, int64_t d) {
-  for (int64_t h = 1; h < d; h *= 2) {
-    for (int64_t i = 0; i < d; i += 2 * h) {
-      for (int64_t j = i; j < i + h; ++j) {
-        const float a = y[j], b = y[j + h];
-        y[j] = a + b;
-        y[j + h] = a - b;
-      }
-    }
-  }
-}
-
 std::tuple<at::Tensor, at::Tensor> hadamard_quant_int8_cpu(const at::Tensor& x_in) {
   constexpr const char* op = "hadamard_quant_int8";
   TORCH_CHECK_TYPE(
@@ -417,8 +230,7 @@ std::tuple<at::Tensor, at::Tensor> hadamard_quant_int8_cpu(const at::Tensor& x_i
   const int64_t rows = x.numel() / d;
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kChar));
   at::Tensor scale = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
-  // fp32 normalisation 1/sqrt(d), rounded from double exactly as the reference does.
-  const float norm = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+  const float norm = hadamard_norm(d);
   auto run = [&](auto tag) {
     using T = decltype(tag);
     const T* xp = x.const_data_ptr<T>();

@@ -251,6 +251,8 @@ def quantize_index_groups(y: torch.Tensor) -> torch.Tensor:
     """The indexer-row quantization of fp32 ``y [N, D]`` (``D`` a multiple of 128, checked by the caller):
     ``uint8 [N, D + 4 * D / 128]`` (see the module docstring)."""
     N, D = y.shape
+    if N == 0:
+        return y.new_empty((0, index_row_bytes(D)), dtype=torch.uint8)
     groups = y.reshape(N, D // TILE, TILE)
     amax = torch.clamp_min(groups.abs().amax(dim=-1), AMAX_FLOOR)
     scale = _exact_pow2_ceil(amax * torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))

@@ -123,6 +123,15 @@ def compile_cases(*, full: bool = False) -> list[Case]:
     topk_ptrs = {"scores_ptr": "*fp32", "vis_ptr": "*i64", "out_ptr": "*i32"}
     had_ptrs = {"x_ptr": "*bf16", "q_ptr": "*i8", "s_ptr": "*fp32"}
 
+    def had8(t: str) -> dict[str, str]:
+        return {"x_ptr": t, "out_ptr": "*u8"}
+
+    def fp8_scores(w: str) -> dict[str, str]:
+        return {
+            "q_ptr": "*u8", "w_ptr": w, "k_ptr": "*u8", "table_ptr": "*i32", "req_ptr": "*i64", "vis_ptr": "*i64",
+            "out_ptr": "*fp32",
+        }  # fmt: skip
+
     def fp8_q(t: str) -> dict[str, str]:
         return {"x_ptr": t, "pe_ptr": t, "out_ptr": "*u8"}
 
@@ -151,6 +160,14 @@ def compile_cases(*, full: bool = False) -> list[Case]:
         Case("fp8._dequantize_kernel", "bf16 Dr64", "production", fp8_d("*bf16"),
              {"KIND": 1, "BLOCK_R": 16, "BLOCK_PE": 64}),
         Case("fp8._dequantize_kernel", "fp16 Dr1", "small", fp8_d("*fp16"), {"KIND": 2, "BLOCK_R": 16, "BLOCK_PE": 1}),
+        Case("fp8_indexer._hadamard_fp8_kernel", "bf16 D 128", "production", had8("*bf16"),
+             {"X_KIND": 1, "D": 128, "LOG_D": 7}, ("norm",)),
+        Case("fp8_indexer._hadamard_fp8_kernel", "fp32 D 128", "small", had8("*fp32"),
+             {"X_KIND": 0, "D": 128, "LOG_D": 7}, ("norm",)),
+        Case("fp8_indexer._fp8_scores_kernel", "H64 D128", "production", fp8_scores("*fp32"),
+             {"G": 1, "DOT_F32": False, "BLOCK_S": 64, "BLOCK_H": 64, "BLOCK_D": 32}, num_warps=8),
+        Case("fp8_indexer._fp8_scores_kernel", "bf16 w H16 D256", "small", fp8_scores("*bf16"),
+             {"G": 2, "DOT_F32": False, "BLOCK_S": 64, "BLOCK_H": 16, "BLOCK_D": 32}),
         _residency("lru C512 K256", "production", 512, 256, False),
         _residency("score C512 K256", "production", 512, 256, True),
         _residency("lru C16 K16", "small", 16, 16, False),

@@ -15,6 +15,8 @@ from torch_kvoffload.ops import triton as triton_ops
 COPY_AND_INDEXER_OPS = (
     "copy_blocks",
     "copy_rows",
+    "fp8_lightning_indexer",
+    "hadamard_quant_fp8",
     "hadamard_quant_int8",
     "lightning_indexer",
     "lightning_indexer_scores",

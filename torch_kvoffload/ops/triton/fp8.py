@@ -171,6 +171,30 @@ def _store_float(ptrs, f, mask, KIND: tl.constexpr):
         tl.store(ptrs, f, mask=mask)
 
 
+@triton.jit
+def _quantize_tiles(xf, sign, INDEXER: tl.constexpr):
+    """``e4m3fn`` codes (uint32, ``sign`` or-ed in) and fp32 scale bits (uint32 ``[R]``) of the fp32
+    tiles ``xf [R, 128]``: the latent-row scale formula, or the indexer's when ``INDEXER``. ``sign``
+    (``0x80`` or 0 per value) is the sign bit of the values ``xf`` came from."""
+    mag = xf.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+    amax_bits = tl.max(mag, axis=1)  # the float max of the magnitudes, as bits (NaN above inf)
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    if INDEXER:
+        v = tl.maximum(amax, FLOOR) * INV_MAX
+    else:
+        v = tl.maximum(tl.math.div_rn(amax, FP8_MAX_F32), FLOOR)
+    vb = v.to(tl.uint32, bitcast=True)
+    # 2 ** ceil(log2 v) as its biased exponent; a tile with an inf / NaN gets scale 1 (frexp's)
+    biased = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.uint32)
+    biased = tl.where(amax_bits >= 0x7F800000, 127, biased)
+    inv = ((254 - biased) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
+    q = xf * inv[:, None]
+    # the sign comes from the input (x times a positive scale keeps it, NaN included); the
+    # conversion saturates, which is also the indexer's clamp to [-448, 448]
+    qa = q.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+    return _fp8_code(qa) | sign, biased << 23
+
+
 # ---------------------------------------------------------------------------------------- kernels
 
 
@@ -204,26 +228,7 @@ def _quantize_kernel(
         if t < T:
             cols = t.to(tl.int64) * 128 + j
             x = tl.load(x_ptr + r[:, None] * x_s0 + cols[None, :] * x_s1, mask=rmask[:, None], other=0.0)
-            xf = _to_f32(x, X_KIND)
-            mag = xf.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
-            sign = _sign_bit(x, X_KIND)
-            amax_bits = tl.max(mag, axis=1)  # the float max of the magnitudes, as bits (NaN above inf)
-            amax = amax_bits.to(tl.float32, bitcast=True)
-            if INDEXER:
-                v = tl.maximum(amax, FLOOR) * INV_MAX
-            else:
-                v = tl.maximum(tl.math.div_rn(amax, FP8_MAX_F32), FLOOR)
-            vb = v.to(tl.uint32, bitcast=True)
-            # 2 ** ceil(log2 v) as its biased exponent; a tile with an inf / NaN gets scale 1 (frexp's)
-            biased = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.uint32)
-            biased = tl.where(amax_bits >= 0x7F800000, 127, biased)
-            scale_bits = biased << 23
-            inv = ((254 - biased) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
-            q = xf * inv[:, None]
-            # the sign comes from the input (x times a positive scale keeps it, NaN included); the
-            # conversion saturates, which is also the indexer's clamp to [-448, 448]
-            qa = q.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
-            code = _fp8_code(qa) | sign
+            code, scale_bits = _quantize_tiles(_to_f32(x, X_KIND), _sign_bit(x, X_KIND), INDEXER)
             row = out_ptr + r * out_s0
             tl.store(row[:, None] + cols[None, :], code.to(tl.uint8), mask=rmask[:, None])
             s = row + scale_col + t * 4

@@ -207,16 +207,22 @@ def _topk_kernel(scores_ptr, vis_ptr, out_ptr, k, sc_st, out_st, KP: tl.constexp
 
 
 @triton.jit
-def _hadamard_kernel(x_ptr, q_ptr, s_ptr, x_st, q_st, norm, D: tl.constexpr, LOG_D: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, D)
-    x = tl.load(x_ptr + r * x_st + d).to(tl.float32)
+def _fwht(x, D: tl.constexpr, LOG_D: tl.constexpr):
+    """The unnormalised fast Walsh–Hadamard transform of fp32 ``x [D]`` (``D = 2^LOG_D``), with the
+    reference's additions in its order (``indexer_reference.fwht``)."""
     for i in tl.static_range(LOG_D):
         # stage h = 2^i: each pair (a, b) at distance h becomes (a + b, a − b)
         v = tl.permute(tl.reshape(x, (D // (2 << i), 2, 1 << i)), (0, 2, 1))
         a, b = tl.split(v)
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (D,))
-    y = x * norm
+    return x
+
+
+@triton.jit
+def _hadamard_kernel(x_ptr, q_ptr, s_ptr, x_st, q_st, norm, D: tl.constexpr, LOG_D: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, D)
+    y = _fwht(tl.load(x_ptr + r * x_st + d).to(tl.float32), D, LOG_D) * norm
     amax = tl.max(tl.abs(y), axis=0)
     scale = tl.div_rn(amax + tl.zeros((D,), tl.float32), 127.0)
     safe = tl.where(scale > 0.0, scale, 1.0)

@@ -1,23 +1,27 @@
-"""``sparse.indexer_dtype="fp8_e4m3"`` on Hugging Face DeepseekV32: the indexer cache keeps DeepSeek's FP8
-rows (132 bytes a token for a 128-wide head) and the top-k is selected from FP8 queries and keys, as
-DeepSeek's inference code selects it. Reference: the unmodified model with its indexer scoring so
-(``support.fp8_reference``, written independently of the library); its logits differ visibly from the
-unmodified model's, so agreement shows the FP8 path really runs."""
+"""DeepSeek's FP8 KV formats on Hugging Face DeepseekV32.
+
+``sparse.indexer_dtype="fp8_e4m3"``: the indexer cache keeps FP8 rows (132 bytes a token for a 128-wide
+head) and the top-k is selected from FP8 queries and keys, as DeepSeek's inference code selects it.
+``sparse={"offload": False, "kv_dtype": "fp8_e4m3"}``: the resident latent KV is kept as FlashMLA's FP8 rows
+and attention reads them dequantized. References: the unmodified model with its indexer scoring so, and
+with its latent KV passed through the FP8 row (``support.fp8_reference``, written independently of the
+library); their logits differ visibly from the unmodified model's, so agreement shows the FP8 paths run."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
-from support.fp8_reference import fp8_indexer
+from support.fp8_reference import fp8_indexer, fp8_latent_kv
 from support.hf_models import ONE_LAYER, SMALL, build_model, left_padded_batch
 
 import torch_kvoffload
 from torch_kvoffload.integrations.hf import session_of
-from torch_kvoffload.ops.fp8 import index_row_bytes
+from torch_kvoffload.ops.fp8 import index_row_bytes, kv_row_bytes
 
 BS = 16
 NEW = 8
@@ -25,6 +29,8 @@ DI = 128
 # a 128-wide indexer head (FP8 rows quantise 128-wide groups); 16 heads keep exact score ties away
 WIDTHS = {**SMALL, "index_head_dim": DI, "index_n_heads": 16, "index_topk": 16}
 FP8 = {"indexer_dtype": "fp8_e4m3"}
+DC = 128  # FP8 latent rows quantise 128-wide tiles
+FP8_BOTH = {"offload": False, "kv_dtype": "fp8_e4m3", "indexer_dtype": "fp8_e4m3"}
 MODES = {
     "sparse": {"sparse": FP8, "block_size": BS},
     "resident": {"sparse": {**FP8, "offload": False}, "block_size": BS},
@@ -132,21 +138,22 @@ def test_fp8_indexer_configurations_refused_by_name():
         torch_kvoffload.offload(build_model("deepseek_v32", **WIDTHS), {"sparse": FP8, "pd": pd})
 
 
-def test_a_compiled_model_selects_with_fp8_call_after_call():
-    ref = build_model(
-        "deepseek_v32",
-        **{**ONE_LAYER, **{k: WIDTHS[k] for k in ("index_head_dim", "index_n_heads", "index_topk")}},
-    )
-    model = torch_kvoffload.compile(copy.deepcopy(ref), MODES["sparse"])
+@pytest.mark.parametrize("fmt", ["indexer", "both"])
+def test_a_compiled_model_reads_fp8_rows_call_after_call(fmt):
+    """The FP8 indexer on sparse offload's decode steps, and both formats on the resident KV, compiled."""
+    widths = {k: WIDTHS[k] for k in ("index_head_dim", "index_n_heads", "index_topk")}
+    ref = build_model("deepseek_v32", **{**ONE_LAYER, **widths, "kv_lora_rank": DC})
+    config = MODES["sparse"] if fmt == "indexer" else {"sparse": FP8_BOTH, "block_size": BS}
+    model = torch_kvoffload.compile(copy.deepcopy(ref), config)
     differs = []
     for lengths in ([40, 30], [52, 20]):
         ids, mask = left_padded_batch(lengths, seed=len(lengths) + lengths[0])
-        with fp8_indexer():
-            want = _generate(ref, ids, mask, new=4)
-        got = _generate(model, ids, mask, new=4)
+        with fp8_indexer(), fp8_latent_kv(ref) if fmt == "both" else contextlib.nullcontext():
+            want = _generate(ref, ids, mask, new=3)
+        got = _generate(model, ids, mask, new=3)
         assert torch.equal(got.sequences, want.sequences)
         assert _max_diff(got, want) < 1e-4
-        differs.append(_max_diff(want, _generate(ref, ids, mask, new=4)) > 1e-2)
+        differs.append(_max_diff(want, _generate(ref, ids, mask, new=3)) > 1e-2)
     assert any(differs)
 
 
@@ -180,3 +187,53 @@ def test_continuous_batching_sizes_requests_by_the_fp8_rows_and_selects_with_the
     assert per["bf16"] - per["fp8_e4m3"] == layers * serving["max_request_tokens"] * (
         DI * 4 - index_row_bytes(DI)
     )
+
+
+@pytest.fixture(scope="module")
+def latent_reference():
+    """``(model, ids, mask, output with FP8 latent rows and FP8 indexer)`` of a V3.2 with kv_lora_rank 128."""
+    model = build_model("deepseek_v32", **{**WIDTHS, "kv_lora_rank": DC})
+    ids, mask = left_padded_batch([70, 50], seed=4)
+    with fp8_indexer(), fp8_latent_kv(model):
+        want = _generate(model, ids, mask)
+    with fp8_indexer():
+        assert _max_diff(want, _generate(model, ids, mask)) > 1e-2  # the latent rows' rounding shows
+    return model, ids, mask, want
+
+
+def test_the_resident_kv_kept_as_fp8_rows_reads_them_dequantized_call_after_call(latent_reference):
+    ref, ids, mask, want = latent_reference
+    model = torch_kvoffload.offload(copy.deepcopy(ref), {"sparse": FP8_BOTH, "block_size": BS})
+    for _ in range(2):
+        got = _generate(model, ids, mask)
+        assert torch.equal(got.sequences, want.sequences)
+        assert _max_diff(got, want) < 1e-4
+    with pytest.raises(RuntimeError, match="FP8 rows"):
+        _ = got.past_key_values.layers[0].keys
+    # a token of the main KV: 128 fp8 values, one fp32 scale, 8 bf16 RoPE values (fp32 model: 136 x 4 bytes)
+    (rows,) = session_of(model).core.backends.sparse.main.layers[0]
+    assert rows.dtype == torch.uint8 and rows.shape[-1] == kv_row_bytes(DC, SMALL["qk_rope_head_dim"]) == 148
+    # beams fork the requests' FP8 rows (another shape too)
+    short, short_mask = ids[1:, 20:], mask[1:, 20:]
+    with fp8_indexer(), fp8_latent_kv(ref), torch.no_grad():
+        want_beams = ref.generate(
+            short, attention_mask=short_mask, max_new_tokens=3, num_beams=2, do_sample=False
+        )
+    with torch.no_grad():
+        got_beams = model.generate(
+            short, attention_mask=short_mask, max_new_tokens=3, num_beams=2, do_sample=False
+        )
+    assert torch.equal(got_beams, want_beams)
+
+
+def test_fp8_latent_rows_are_refused_where_they_cannot_be_kept():
+    narrow = build_model("deepseek_v32", **WIDTHS)  # kv_lora_rank 32
+    with pytest.raises(ValueError, match="kv_lora_rank=32"):
+        torch_kvoffload.offload(narrow, {"sparse": FP8_BOTH})
+    with pytest.raises(ValueError, match="offload=False"):
+        torch_kvoffload.OffloadConfig(sparse={"kv_dtype": "fp8_e4m3"})
+    with pytest.raises(ValueError, match="layerwise"):
+        torch_kvoffload.OffloadConfig(layerwise={}, sparse=FP8_BOTH)
+    with pytest.raises(ValueError, match="prefix_store"):
+        torch_kvoffload.OffloadConfig(sparse=FP8_BOTH, prefix_store={})
+    assert torch_kvoffload.OffloadConfig(sparse=FP8_BOTH).prefix_store_config is None

@@ -1,8 +1,13 @@
-"""DeepSeek's FP8 lightning indexer, written independently of the library: the unmodified Hugging Face DSA
-indexer with its scores computed as DeepSeek-V3.2's inference code computes them (queries and keys rotated
-by the normalised Hadamard matrix, each 128-wide group quantised to ``float8_e4m3fn`` with a power-of-two
-scale, scores from the dequantised values). The reference the library's ``indexer_dtype="fp8_e4m3"`` is
-tested against."""
+"""DeepSeek's FP8 KV formats, written independently of the library, as references for the library's
+``indexer_dtype="fp8_e4m3"`` and ``kv_dtype="fp8_e4m3"``:
+
+* :func:`fp8_indexer`: the unmodified Hugging Face DSA indexer with its scores computed as DeepSeek-V3.2's
+  inference code computes them (queries and keys rotated by the normalised Hadamard matrix, each 128-wide
+  group quantised to ``float8_e4m3fn`` with a power-of-two scale, scores from the dequantised values);
+* :func:`fp8_latent_kv`: the unmodified attention reading its latent KV as FlashMLA's FP8 rows give it
+  back (each 128-wide tile of the normalised latent quantised with a power-of-two scale, the roped key
+  rounded to bf16).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["act_quant_dequant", "fp8_indexer", "hadamard_matrix"]
+__all__ = ["act_quant_dequant", "fp8_indexer", "fp8_latent_kv", "hadamard_matrix", "latent_quant_dequant"]
 
 
 def hadamard_matrix(d: int) -> torch.Tensor:
@@ -71,3 +76,39 @@ def fp8_indexer() -> Iterator[None]:
         yield
     finally:
         v32.DeepseekV32Indexer.forward = original
+
+
+def latent_quant_dequant(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., Dc]`` through FlashMLA's FP8 latent row: per 128 values ``scale = 2 ** ceil(log2(max(amax /
+    448, 1e-4)))``, values divided by it and cast to e4m3fn, then multiplied back (in ``x``'s dtype)."""
+    tiles = x.float().unflatten(-1, (-1, 128))
+    amax = tiles.abs().amax(dim=-1, keepdim=True).double()
+    scale = torch.exp2(torch.ceil(torch.log2((amax / 448.0).clamp_min(1e-4)))).float()
+    return ((tiles / scale).to(torch.float8_e4m3fn).float() * scale).flatten(-2).to(x.dtype)
+
+
+@contextlib.contextmanager
+def fp8_latent_kv(model: torch.nn.Module) -> Iterator[None]:
+    """Inside the block, every attention layer of ``model`` (DeepseekV3 / V3.2) uses its normalised latent
+    through :func:`latent_quant_dequant` and its roped key rounded to bf16, for every token (cached or not),
+    as attention over FP8 rows sees them."""
+    import transformers.models.deepseek_v32.modeling_deepseek_v32 as v32
+
+    hooks = [
+        m.kv_a_layernorm.register_forward_hook(lambda _m, _a, out: latent_quant_dequant(out))
+        for m in model.modules()
+        if hasattr(m, "kv_a_layernorm")
+    ]
+    original = v32.apply_rotary_pos_emb_interleave
+
+    def rope(q, k, cos, sin, *args, **kwargs):
+        q, k = original(q, k, cos, sin, *args, **kwargs)
+        return q, k.to(torch.bfloat16).to(k.dtype)
+
+    v32.apply_rotary_pos_emb_interleave = rope
+    try:
+        yield
+    finally:
+        v32.apply_rotary_pos_emb_interleave = original
+        for h in hooks:
+            h.remove()

@@ -31,6 +31,7 @@ import torch
 
 from torch_kvoffload.kv.backend import IndexerView, KeyRows, KVBackend, Queries, SelectedRows
 from torch_kvoffload.kv.forward import ForwardPlan
+from torch_kvoffload.ops.fp8_attention import dequantize_rows, fp8_sparse_mla_attention
 from torch_kvoffload.ops.fp8_indexer import fp8_lightning_indexer, fp8_logits, hadamard_quant_fp8
 from torch_kvoffload.ops.indexer import hadamard_quant_int8, lightning_indexer, quant_lightning_indexer
 from torch_kvoffload.ops.indexer_reference import float_logits, quant_logits, score_matrix
@@ -83,7 +84,18 @@ def topk_attention(
         starts = torch.tensor(keys.starts, dtype=torch.int64, device=topk.device)
         base = fwd.memo[key] = starts[_query_rows(fwd, pad)][:, None].to(torch.int32)
     idx = torch.where(topk >= 0, topk + base, -1)
+    if keys.fp8:
+        return fp8_sparse_mla_attention(q.q_nope, q.q_pe, keys.kv_c, idx, q.scale)[0]
     return sparse_mla_attention(q.q_nope, q.q_pe, keys.kv_c, keys.k_pe, idx, q.scale)[0]
+
+
+def _floating(keys: KeyRows, q: Queries) -> KeyRows:
+    """``keys`` with FP8 rows dequantized (fp32, exact) for the pure-PyTorch paths; floating ones as they
+    are."""
+    if not keys.fp8:
+        return keys
+    kv_c, k_pe = dequantize_rows(keys.kv_c, q.q_nope.shape[-1])
+    return KeyRows(kv_c, k_pe, keys.starts)
 
 
 def _scores(q: Queries, c0: int, c1: int, keys_c: torch.Tensor, keys_pe: torch.Tensor) -> torch.Tensor:
@@ -207,7 +219,11 @@ def topk_probabilities(
         c1 = min(c0 + _SELECTED_CHUNK, n)
         pos = topk[c0:c1].long()
         at = torch.where(pos >= 0, pos + starts[req[c0:c1]][:, None], 0)
-        _selected_chunk(out[c0:c1], q, c0, c1, keys.kv_c[at], keys.k_pe[at], pos, width)
+        if keys.fp8:  # only the selected rows
+            rows_c, rows_pe = dequantize_rows(keys.kv_c[at], q.q_nope.shape[-1])
+        else:
+            rows_c, rows_pe = keys.kv_c[at], keys.k_pe[at]
+        _selected_chunk(out[c0:c1], q, c0, c1, rows_c, rows_pe, pos, width)
     return out[..., :width]
 
 
@@ -329,8 +345,9 @@ def attend_layer(
         assert view is not None
     if fwd.bias is not None:
         assert q_pad is None and width is None, "a biased forward has no padding queries nor probabilities"
-        return biased_attention(fwd, q, keys, view), None, None, None
+        return biased_attention(fwd, q, _floating(keys, q), view), None, None, None
     if view is None:
+        keys = _floating(keys, q)
         res = dense_attention(fwd, q, keys)
         res_pad = None if q_pad is None else dense_attention(fwd, q_pad, keys, pad=True)
         if width is None:

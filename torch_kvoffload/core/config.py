@@ -19,7 +19,7 @@ from torch_kvoffload.config import ConfigModel
 from torch_kvoffload.kvpp.config import KVPPConfig
 from torch_kvoffload.layerwise.config import LayerwiseConfig
 from torch_kvoffload.pd.config import PDConfig
-from torch_kvoffload.sparse.config import MAX_BLOCK_SIZE, SparseOptions
+from torch_kvoffload.sparse.config import FP8_KV, MAX_BLOCK_SIZE, SparseOptions
 from torch_kvoffload.store.factory import StoreConfig
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "OffloadConfig", "ServingOptions"]
@@ -125,6 +125,16 @@ class OffloadConfig(ConfigModel):
                 f"OffloadConfig: kvpp cannot be combined with {' and '.join(both)} offload; KVPP keeps each "
                 "rank's owned layers in a persistent device pool (use kvpp alone, or kvpp={'enable_kvpp': False})"
             )
+        if self.fp8_kv and self.layerwise is not None:
+            raise ValueError(
+                f"OffloadConfig: sparse.kv_dtype={FP8_KV!r} (the resident KV as FP8 rows) cannot be combined "
+                "with layerwise offload, whose layer buffers and store keep the model's dtype"
+            )
+        if self.fp8_kv and self.prefix_store is not None:
+            raise ValueError(
+                f"OffloadConfig: prefix_store is set but sparse.kv_dtype={FP8_KV!r}: the prefix store keeps the "
+                "model's dtype, so FP8 rows are reused from running requests only; leave prefix_store unset"
+            )
         if self.prefix_store is not None and (self.layerwise is not None or not self.prefix_cache):
             why = (
                 "layerwise.store is the prefix store" if self.layerwise is not None else "prefix_cache is off"
@@ -145,12 +155,24 @@ class OffloadConfig(ConfigModel):
     @property
     def prefix_store_config(self) -> StoreConfig | None:
         """The store prefix reuse keeps blocks in without layerwise offload: ``prefix_store`` (default
-        ``StoreConfig()``) for sparse offload, a resident KV or KVPP with ``prefix_cache`` on and no P/D
-        role; ``None`` otherwise (no reuse, or the layerwise store serves)."""
+        ``StoreConfig()``) for sparse offload, a resident KV (in the model's dtype) or KVPP with
+        ``prefix_cache`` on and no P/D role; ``None`` otherwise (no reuse, the layerwise store serves, or the
+        resident KV is kept as FP8 rows: those are reused from running requests only)."""
         holds = self.sparse is not None or self.kvpp_requested
-        if not self.prefix_cache or self.layerwise is not None or not holds or self.pd is not None:
+        if (
+            not self.prefix_cache
+            or self.layerwise is not None
+            or not holds
+            or self.pd is not None
+            or self.fp8_kv
+        ):
             return None
         return self.prefix_store if self.prefix_store is not None else StoreConfig()
+
+    @property
+    def fp8_kv(self) -> bool:
+        """Whether the resident main KV is kept as FP8 rows (``sparse.kv_dtype="fp8_e4m3"``)."""
+        return self.sparse is not None and self.sparse.kv_dtype == FP8_KV
 
     @property
     def stores_kv(self) -> bool:

@@ -54,11 +54,13 @@ class Queries(NamedTuple):
 
 class KeyRows(NamedTuple):
     """Rows attention reads: ``kv_c [R, Dc]``, ``k_pe [R, Dr]``; request ``r`` of the forward (batch row)
-    has its logical position ``p`` at row ``starts[r] + p``."""
+    has its logical position ``p`` at row ``starts[r] + p``. ``fp8``: ``kv_c`` holds DeepSeek's FP8 rows
+    ``uint8 [R, Dc + 4 * Dc / 128 + 2 * Dr]`` (latent and RoPE values together) and ``k_pe`` is empty."""
 
     kv_c: torch.Tensor
     k_pe: torch.Tensor
     starts: list[int]
+    fp8: bool = False
 
 
 class SelectedRows(NamedTuple):

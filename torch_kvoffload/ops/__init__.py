@@ -10,6 +10,7 @@ import logging as _logging
 from torch_kvoffload.ops import (
     copy,
     fp8,
+    fp8_attention,
     fp8_indexer,
     indexer,
     kvpp,
@@ -35,6 +36,7 @@ from torch_kvoffload.ops.fp8 import (
     quantize_index_k_fp8,
     quantize_kv_fp8,
 )
+from torch_kvoffload.ops.fp8_attention import fp8_sparse_mla_attention
 from torch_kvoffload.ops.fp8_indexer import fp8_lightning_indexer, hadamard_quant_fp8
 from torch_kvoffload.ops.indexer import (
     hadamard_quant_int8,
@@ -73,8 +75,10 @@ __all__ = [
     "dequantize_kv_fp8",
     "format_registered_ops",
     "fp8",
+    "fp8_attention",
     "fp8_indexer",
     "fp8_lightning_indexer",
+    "fp8_sparse_mla_attention",
     "hadamard_quant_fp8",
     "hadamard_quant_int8",
     "has_kernel",

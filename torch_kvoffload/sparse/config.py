@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from torch_kvoffload.kv.spec import ModelSpec
 
 __all__ = [
+    "FP8_KV",
     "MAIN_KV_DTYPES",
     "MAX_BLOCK_SIZE",
     "MAX_CAPACITY",
@@ -30,6 +31,9 @@ __all__ = [
 #: Main-KV dtypes the sparse ops (``sparse_mla_attention``, Copy-SFA) run: bf16 in production, fp32 for
 #: testing. fp16 is a plain floating type too, but no sparse kernel computes in it.
 MAIN_KV_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
+
+#: ``kv_dtype`` of the main KV kept as DeepSeek's FP8 rows (FlashMLA's 656-byte format; resident KV only).
+FP8_KV = "fp8_e4m3"
 
 #: The indexer caches' formats: the model's floating dtype, Hadamard + int8 (LIC8), Hadamard + FP8 rows.
 IndexerDtype = Literal["bf16", "int8", "fp8_e4m3"]
@@ -169,7 +173,10 @@ class SparseOptions(ConfigModel):
     the device and attends over the top-k rows in place (absorbed sparse MLA attention without offload:
     what a server runs when the KV fits, and the baseline offload is measured against). With
     ``offload=False`` the host-pool and hot-buffer fields (``capacity``, ``host_pool_blocks``, ``policy``,
-    ``fused``) are refused, and ``kv_dtype`` must be the model's dtype (checked when the session is built).
+    ``fused``) are refused, and ``kv_dtype`` must be the model's dtype (checked when the session is built) or
+    ``"fp8_e4m3"``: the resident latent KV kept as DeepSeek's FP8 rows (``kv_lora_rank`` a multiple of 128;
+    656 bytes a token for 512 + 64 instead of 1,152 in bf16), quantized as the rows are written and
+    dequantized where attention reads them; refused with ``offload=True``.
 
     The other fields are those of :class:`~torch_kvoffload.sparse.config.SparseDecodeConfig` to set; the
     ones left ``None`` are resolved when the session is built (``top_k`` from the model's ``index_topk``,
@@ -207,6 +214,12 @@ class SparseOptions(ConfigModel):
         fields = dict(value)
         if "offload" in fields:
             fields["offload"] = parse_lax_bool("sparse.offload", fields["offload"])
+        fp8_kv = fields.get("kv_dtype") == FP8_KV
+        if fp8_kv and fields.get("offload", True) is not False:
+            raise ValueError(
+                f"sparse: kv_dtype={FP8_KV!r} keeps the main KV as FP8 rows, supported with offload=False (the "
+                "resident KV); sparse decode offload keeps its host pool and hot buffers in a floating dtype"
+            )
         if fields.get("offload") is False:
             host_only = sorted(k for k in _OFFLOAD_ONLY if fields.get(k) is not None)
             if host_only:
@@ -216,7 +229,7 @@ class SparseOptions(ConfigModel):
                 )
         # validate the given fields now (placeholders for the ones the model determines); the common
         # OffloadConfig.block_size is checked with the pool in resolve_sparse_config
-        trial = {k: v for k, v in fields.items() if k != "offload"}
+        trial = {k: v for k, v in fields.items() if k != "offload" and not (k == "kv_dtype" and fp8_kv)}
         trial.setdefault("top_k", trial.get("capacity") or 1)
         trial.setdefault("host_pool_blocks", 1)
         trial.setdefault("block_size", 1)

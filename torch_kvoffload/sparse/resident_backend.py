@@ -3,7 +3,8 @@
 ``OffloadConfig(sparse={"offload": False})``: absorbed sparse MLA attention over the lightning indexer's
 top-k, what a server runs for V3.2-style models when the KV fits, and the baseline sparse decode offload
 is measured against. Per layer the latent ``kv_c [pages, page, Dc]`` and rotary key ``k_pe [pages, page,
-Dr]`` live on the device in the model's dtype, paged like the indexer cache (one page of ``tokens`` rows
+Dr]`` live on the device in the model's dtype (or, with ``kv_dtype="fp8_e4m3"``, both in one FP8 row ``uint8
+[pages, page, Dc + 4 * Dc / 128 + 2 * Dr]``, DeepSeek's 656-byte format), paged like the indexer cache (one page of ``tokens`` rows
 per request, grown in place). Every forward, decode steps included, writes its rows there, selects with
 the indexer over the device indexer cache and attends over the selected rows in place: no host pool, no
 hot buffers, nothing moved.
@@ -22,7 +23,8 @@ from torch_kvoffload.kv.layout import KVLayout
 from torch_kvoffload.kv.paged import SlotPages
 from torch_kvoffload.kv.requests import Request
 from torch_kvoffload.kv.spec import ModelSpec
-from torch_kvoffload.sparse.config import SparseOptions, check_indexer_format
+from torch_kvoffload.ops.fp8 import TILE, kv_row_bytes, quantize_kv_fp8
+from torch_kvoffload.sparse.config import FP8_KV, SparseOptions, check_indexer_format
 from torch_kvoffload.sparse.indexer_cache import IndexerCache
 
 __all__ = ["ResidentSparseBackend"]
@@ -31,8 +33,9 @@ __all__ = ["ResidentSparseBackend"]
 class ResidentSparseBackend(KVBackend):
     """Resident sparse attention over ``spec``'s KV under ``options`` (see the module docstring).
 
-    ``ValueError`` when ``sparse.kv_dtype`` names another dtype than the model's (the resident KV is the
-    model's own rows).
+    ``ValueError`` when ``sparse.kv_dtype`` names another dtype than the model's or ``"fp8_e4m3"`` (the
+    resident KV is the model's own rows or their FP8 rows), or FP8 rows for a ``kv_lora_rank`` that is not a
+    multiple of 128.
     """
 
     name = "resident sparse"
@@ -41,18 +44,27 @@ class ResidentSparseBackend(KVBackend):
         sparse = options
         assert not sparse.offload
         want = sparse.kv_dtype
-        if want is not None and parse_dtype("sparse.kv_dtype", want) != spec.dtype:
+        self.fp8 = want == FP8_KV
+        if self.fp8 and spec.kv_lora_rank % TILE:
+            raise ValueError(
+                f"OffloadConfig.sparse: kv_dtype={FP8_KV!r} quantizes the latent KV in tiles of {TILE} values; "
+                f"{spec.model_class} has kv_lora_rank={spec.kv_lora_rank}, not a multiple of {TILE}"
+            )
+        if want is not None and not self.fp8 and parse_dtype("sparse.kv_dtype", want) != spec.dtype:
             raise ValueError(
                 f"OffloadConfig.sparse: offload=False keeps the main KV resident in the model's dtype "
-                f"{dtype_name(spec.dtype)}; got kv_dtype={want!r}"
+                f"{dtype_name(spec.dtype)} or as FP8 rows ({FP8_KV!r}); got kv_dtype={want!r}"
             )
         self.spec = spec
         self.top_k = sparse.top_k or spec.index_topk
         check_indexer_format(sparse.indexer_dtype or "bf16", spec)
         self.index = IndexerCache(spec, sparse.indexer_dtype or "bf16")
-        self.main = SlotPages(
-            spec.num_layers, [(spec.kv_lora_rank, spec.dtype), (spec.rope_dim, spec.dtype)], spec.device
+        main = (
+            [(kv_row_bytes(spec.kv_lora_rank, spec.rope_dim), torch.uint8)]
+            if self.fp8
+            else [(spec.kv_lora_rank, spec.dtype), (spec.rope_dim, spec.dtype)]
         )
+        self.main = SlotPages(spec.num_layers, main, spec.device)
         self._layout: KVLayout | None = None
 
     @property
@@ -84,14 +96,19 @@ class ResidentSparseBackend(KVBackend):
 
     def write(self, layer: int, fwd: ForwardPlan, rows: NewRows) -> None:
         assert rows.index_k is not None
-        self.main.write(layer, fwd.index_phys, [rows.kv_c, rows.k_pe])
+        main = [quantize_kv_fp8(rows.kv_c, rows.k_pe)] if self.fp8 else [rows.kv_c, rows.k_pe]
+        self.main.write(layer, fwd.index_phys, main)
         self.index.write_keys(layer, fwd.index_phys, rows.index_k)
 
     def keys(self, layer: int, fwd: ForwardPlan) -> KeyRows:
         assert self._layout is not None
         page, pages = self._layout.page
+        starts = [s * pages * page for s in fwd.slots]
+        if self.fp8:
+            (rows,) = self.main.flat(layer)
+            return KeyRows(rows, rows[:, :0], starts, fp8=True)
         kv_c, k_pe = self.main.flat(layer)
-        return KeyRows(kv_c, k_pe, [s * pages * page for s in fwd.slots])
+        return KeyRows(kv_c, k_pe, starts)
 
     def read(
         self, layer: int, requests: Sequence[Request], part: str, start: int = 0, *, stored: bool = False
@@ -102,6 +119,11 @@ class ResidentSparseBackend(KVBackend):
         if part == "index_k":
             keys = self.index.read_stored if stored else self.index.read_keys
             return [k[start:] for k in keys(layer, requests)]
+        if self.fp8:
+            raise RuntimeError(
+                f"the resident KV keeps FP8 rows (sparse.kv_dtype={FP8_KV!r}), which do not give the model's "
+                "latent KV back exactly; use the model's dtype to read it"
+            )
         at = 0 if part == "kv_c" else 1
         return [parts[at][start:] for parts in self.main.read(layer, requests)]
 

@@ -73,7 +73,8 @@ def dequantize_rows(rows: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor
     codes = flat[:, :dc].contiguous().view(torch.float8_e4m3fn).float().reshape(-1, tiles, TILE)
     scales = flat[:, dc : dc + 4 * tiles].contiguous().view(torch.float32)
     kv_c = (codes * scales[..., None]).reshape(*lead, dc)
-    k_pe = flat[:, dc + 4 * tiles :].contiguous().view(torch.bfloat16).float().reshape(*lead, -1)
+    k_pe = flat[:, dc + 4 * tiles :].contiguous().view(torch.bfloat16).float()
+    k_pe = k_pe.reshape(*lead, (width - dc - 4 * tiles) // 2)
     return kv_c, k_pe
 
 

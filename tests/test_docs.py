@@ -108,8 +108,10 @@ class Ctx:
 def _tiny(family: str = "deepseek_v32", layers: int = 2):
     from support.hf_models import build_model
 
-    # two layers keep every example fast; the indexer of the V3.2 config has 32 heads (>= 8)
-    return build_model(family, num_hidden_layers=layers)
+    # two layers keep every example fast; the indexer of the V3.2 config has 32 heads (>= 8); its latent and
+    # indexer widths are multiples of 128, as DeepSeek's, so the FP8 examples run on the same model
+    fp8_widths = {"kv_lora_rank": 128, "index_head_dim": 128} if family == "deepseek_v32" else {}
+    return build_model(family, num_hidden_layers=layers, **fp8_widths)
 
 
 def _batch():

@@ -237,3 +237,27 @@ def test_fp8_latent_rows_are_refused_where_they_cannot_be_kept():
     with pytest.raises(ValueError, match="prefix_store"):
         torch_kvoffload.OffloadConfig(sparse=FP8_BOTH, prefix_store={})
     assert torch_kvoffload.OffloadConfig(sparse=FP8_BOTH).prefix_store_config is None
+    assert torch_kvoffload.OffloadConfig(sparse={"indexer_dtype": "int8"}).prefix_store_config is None
+    assert torch_kvoffload.OffloadConfig(sparse=FP8).prefix_store_config is not None
+
+
+def test_attention_probabilities_read_the_fp8_rows_they_selected():
+    """``output_attentions`` over the resident FP8 rows: the unmodified eager model's probabilities with its
+    latent KV and indexer passed through the FP8 formats."""
+    ref = build_model("deepseek_v32", attn_implementation="eager", **{**WIDTHS, "kv_lora_rank": DC})
+    ids, mask = left_padded_batch([30, 22], seed=5)
+
+    def run(model):
+        with torch.no_grad():
+            return model.generate(
+                ids, attention_mask=mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
+                output_attentions=True,
+            )  # fmt: skip
+
+    with fp8_latent_kv(ref), fp8_indexer():
+        want = run(ref)
+    got = run(torch_kvoffload.offload(copy.deepcopy(ref), {"sparse": FP8_BOTH, "block_size": BS}))
+    assert torch.equal(got.sequences, want.sequences)
+    for step_got, step_want in zip(got.attentions, want.attentions, strict=True):
+        for a, b in zip(step_got, step_want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

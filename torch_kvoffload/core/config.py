@@ -157,14 +157,16 @@ class OffloadConfig(ConfigModel):
         """The store prefix reuse keeps blocks in without layerwise offload: ``prefix_store`` (default
         ``StoreConfig()``) for sparse offload, a resident KV (in the model's dtype) or KVPP with
         ``prefix_cache`` on and no P/D role; ``None`` otherwise (no reuse, the layerwise store serves, or the
-        resident KV is kept as FP8 rows: those are reused from running requests only)."""
+        resident KV is kept as FP8 rows or the indexer as int8 keys: those are reused from running requests
+        only)."""
         holds = self.sparse is not None or self.kvpp_requested
         if (
             not self.prefix_cache
             or self.layerwise is not None
             or not holds
             or self.pd is not None
-            or self.fp8_kv
+            or self.fp8_kv  # rows the store's records cannot hold: FP8 latent rows, int8 keys and scales
+            or (self.sparse is not None and self.sparse.indexer_dtype == "int8")
         ):
             return None
         return self.prefix_store if self.prefix_store is not None else StoreConfig()

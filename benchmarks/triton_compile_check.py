@@ -41,7 +41,12 @@ DEFAULT_TARGETS = (80, 90)
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One compilation: ``kernel`` (``"<family>.<jit function>"``) with pointer element types, scalar
-    float arguments and constexpr values; every other runtime argument is an ``i32``."""
+    float arguments and constexpr values; every other runtime argument is an ``i32``.
+
+    A runtime argument named in ``constexprs`` is specialised to that value, as the JIT specialises an
+    integer argument equal to 1 (a unit stride); ``aligned`` names the pointer and integer arguments the
+    JIT marks divisible by 16 at launch (aligned allocations, strides such as 656), which decides
+    whether loads are vectorised."""
 
     kernel: str
     label: str
@@ -51,6 +56,7 @@ class Case:
     floats: tuple[str, ...] = ()
     num_warps: int = 4
     slow: bool = False
+    aligned: tuple[str, ...] = ()
 
 
 def _scores(label: str, size: str, dtype: str) -> Case:
@@ -100,6 +106,30 @@ def _attend(label: str, size: str, dtype: str, split: bool) -> Case:
     }  # fmt: skip
     warps = 8 if bdc >= 256 else 4  # as the attention launcher
     return Case("sparse_attention._attend_kernel", label, size, ptrs, consts, ("scale",), num_warps=warps)
+
+
+def _fp8_attend(label: str, size: str, dtype: str, split: bool) -> Case:
+    """The FP8-row attention kernel as a CUDA launch on contiguous tensors specialises it: unit strides
+    (the rows' bytes, the queries' and output's last dims, the indices' columns, lse's heads), 16-byte
+    aligned pointers and row strides (656-byte rows; H * Dc, Dc, H * Dr, Dr, K elements) and, at
+    DeepSeek's shapes, sizes divisible by 16 (H 16 / 128, K 2048, Dc 512, Dr 64, whole row tiles)."""
+    bdc, bdr = (512, 64) if size == "production" else (128, 16)
+    t = f"*{dtype}"
+    ptrs = {
+        "qn_ptr": t, "qp_ptr": t, "kv_ptr": "*u8", "idx_ptr": "*i32", "out_ptr": t, "lse_ptr": "*fp32",
+        "part_ptr": "*fp32", "ml_ptr": "*fp32",
+    }  # fmt: skip
+    consts = {
+        "BH": 16, "BN": 32 if bdc >= 256 else 64, "BDC": bdc, "BDR": bdr, "HAS_PE": True, "SPLIT": split,
+        "Q_KIND": 0 if dtype == "fp32" else 1, "UPCAST": False, "PIN": True,
+        "kv_sb": 1, "qn_sd": 1, "qp_sd": 1, "idx_sk": 1, "out_sd": 1, "lse_sh": 1,
+    }  # fmt: skip
+    sizes = ("H", "K", "Dc", "Dr", "rows_per_split") if size == "production" else ()
+    aligned = (*ptrs, "kv_sn", "qn_st", "qn_sh", "qp_st", "qp_sh", "idx_st", "out_st", "out_sh", *sizes)
+    warps = 8 if bdc >= 256 else 4  # as the launcher (sparse_attention's tiling)
+    return Case(
+        "fp8_attention._fp8_attend_kernel", label, size, ptrs, consts, ("scale",), warps, aligned=aligned
+    )
 
 
 def _copy_units(label: str, size: str, bits: str, ndim: int, block: int) -> Case:
@@ -177,6 +207,13 @@ def compile_cases(*, full: bool = False) -> list[Case]:
         _attend("fp32 Dc512 Dr64 split", "production", "fp32", True),
         _attend("fp32 Dc16 Dr16 split", "small", "fp32", True),
         _attend("bf16 Dc16 Dr16", "small", "bf16", False),
+        # DeepSeek: H 16 and H 128 run the same 16-head blocks; K 2048 rows are split over the SMs
+        _fp8_attend("bf16 H16/128 Dc512 Dr64 split", "production", "bf16", True),
+        _fp8_attend("bf16 H16/128 Dc512 Dr64", "production", "bf16", False),
+        _fp8_attend("fp32 H16/128 Dc512 Dr64 split", "production", "fp32", True),
+        _fp8_attend("fp32 H16/128 Dc512 Dr64", "production", "fp32", False),
+        _fp8_attend("bf16 Dc128 Dr16 split", "small", "bf16", True),
+        _fp8_attend("fp32 Dc128 Dr16", "small", "fp32", False),
         Case("sparse_attention._merge_splits_kernel", "Dc 512", "production", merge_ptrs, {"BH": 16, "BDC": 512}),
         Case("sparse_attention._merge_splits_kernel", "Dc 16", "small", merge_ptrs, {"BH": 16, "BDC": 16}),
         Case("sparse_attention._copy_miss_rows_kernel", "bf16 BD 128", "production", miss_ptrs, {"BM": 16, "BD": 128}),
@@ -223,7 +260,7 @@ def signature(case: Case) -> dict[str, str]:
     fn = jit_function(case.kernel)
     sig = {}
     for p in fn.params:
-        if p.is_constexpr:
+        if p.is_constexpr or p.name in case.constexprs:  # a constexpr, or a runtime argument specialised
             sig[p.name] = "constexpr"
         elif p.name in case.pointers:
             sig[p.name] = case.pointers[p.name]
@@ -233,7 +270,7 @@ def signature(case: Case) -> dict[str, str]:
             raise ValueError(f"compile case {case.kernel} {case.label!r}: no element type for {p.name}")
         else:
             sig[p.name] = "i32"
-    unknown = (set(case.pointers) | set(case.floats) | set(case.constexprs)) - set(sig)
+    unknown = (set(case.pointers) | set(case.floats) | set(case.constexprs) | set(case.aligned)) - set(sig)
     if unknown:
         raise ValueError(f"compile case {case.kernel} {case.label!r}: {sorted(unknown)} are not parameters")
     return sig
@@ -282,7 +319,9 @@ def compile_case(case: Case, capability: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    src = ASTSource(fn=jit_function(case.kernel), signature=signature(case), constexprs=dict(case.constexprs))
+    fn = jit_function(case.kernel)
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in case.aligned}
+    src = ASTSource(fn=fn, signature=signature(case), constexprs=dict(case.constexprs), attrs=attrs)
     log = io.StringIO()
     dump = triton.knobs.nvidia.dump_ptxas_log
     triton.knobs.nvidia.dump_ptxas_log = True  # ptxas -v runs anyway; this prints its log

@@ -12,10 +12,12 @@ import torch
 from torch_kvoffload.ops import has_kernel, triton_kernel
 from torch_kvoffload.ops import triton as triton_ops
 
-COPY_AND_INDEXER_OPS = (
+#: Ops whose Triton kernels these tests look up: the copy and indexer ops and the FP8 attention.
+TRITON_OPS = (
     "copy_blocks",
     "copy_rows",
     "fp8_lightning_indexer",
+    "fp8_sparse_mla_attention",
     "hadamard_quant_fp8",
     "hadamard_quant_int8",
     "lightning_indexer",
@@ -27,10 +29,10 @@ needs_triton = pytest.mark.skipif(not triton_ops.triton_available(), reason="tri
 
 
 @needs_triton
-def test_every_copy_and_indexer_op_has_a_triton_kernel() -> None:
+def test_every_listed_op_has_a_triton_kernel() -> None:
     kernels = triton_ops.triton_kernels()
-    assert set(COPY_AND_INDEXER_OPS) <= set(kernels)
-    for name in COPY_AND_INDEXER_OPS:
+    assert set(TRITON_OPS) <= set(kernels)
+    for name in TRITON_OPS:
         assert triton_kernel(name) is kernels[name]
         assert callable(kernels[name])
 
@@ -53,7 +55,7 @@ def test_registration_matches_the_machine() -> None:
     """Registered at import for CUDA when a device is present (a second call registers nothing new);
     nothing is registered for CUDA on a machine without one."""
     assert triton_ops.register_triton_kernels() == []
-    for name in COPY_AND_INDEXER_OPS:
+    for name in TRITON_OPS:
         assert has_kernel(name, "CUDA") == torch.cuda.is_available()
 
 
@@ -68,7 +70,7 @@ def test_broken_family_module_is_skipped_with_a_warning(
     monkeypatch.setattr(triton_ops, "_kernels", None)
     with caplog.at_level(logging.WARNING, logger=triton_ops.__name__):
         kernels = triton_ops.triton_kernels()
-    assert set(COPY_AND_INDEXER_OPS) <= set(kernels)
+    assert set(TRITON_OPS) <= set(kernels)
     assert "broken_family" in caplog.text and "no KERNELS dict" in caplog.text
     assert "absent_family" not in caplog.text  # a family without a module is not an error
 

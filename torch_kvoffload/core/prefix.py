@@ -169,9 +169,8 @@ class PrefixReuse:
         start = time.perf_counter()
         try:
             found = lw.cached_prefix(tokens, positions)
-            if (
-                self.core.backends.layerwise is None
-            ):  # the layerwise pipeline reads every prefix from the store
+            # the layerwise pipeline reads every prefix from the store; the others take running requests' too
+            if self.core.backends.layerwise is None:
                 found = max(found, self._live_match(tokens, positions)[1])
             return found
         finally:
@@ -232,11 +231,9 @@ class PrefixReuse:
         layerwise offload alone (it keeps no request's rows between forwards)."""
         core = self.core
         b = core.backends
+        # a P/D role cannot fork; layerwise offload alone reads every prefix from the store
         if b.role is not None or core.layout is None or all(x is b.layerwise for x in b.all):
-            return (
-                None,
-                0,
-            )  # a P/D role cannot fork; layerwise offload alone reads every prefix from the store
+            return None, 0
         bs = core.block_size
         skip = {r.id for r in exclude}
         best: tuple[Request | None, int] = (None, 0)

@@ -305,7 +305,11 @@ class PrefixReuse:
                     continue
                 rows = []
                 for layer in lw.layers:
-                    read = [holder.read(layer, [r], part, start=have * bs, stored=True) for part in parts]
+                    # rows as the holder keeps them only where the records hold that format (FP8 indexer
+                    # rows); the layerwise store's records take the model's keys, which an FP8 cache refuses
+                    read = [
+                        holder.read(layer, [r], part, start=have * bs, stored=lw.index_fp8) for part in parts
+                    ]
                     if any(x is None for x in read):
                         return  # the holder keeps no such rows
                     n = (full - have) * bs  # FP8 indexer rows stay bytes

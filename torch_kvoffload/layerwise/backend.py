@@ -105,6 +105,8 @@ class LayerwiseBackend(KVBackend):
     """
 
     name = "layerwise"
+    #: its records hold the model's indexer keys (a prefix store may hold an FP8 indexer cache's rows)
+    index_fp8 = False
 
     def __init__(
         self,

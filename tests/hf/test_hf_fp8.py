@@ -157,11 +157,14 @@ def test_a_compiled_model_reads_fp8_rows_call_after_call(fmt):
     assert any(differs)
 
 
-def test_continuous_batching_sizes_requests_by_the_fp8_rows_and_selects_with_them(reference):
+@pytest.mark.parametrize("mode", ["offloaded", "resident"])
+def test_continuous_batching_sizes_requests_by_the_fp8_rows_and_selects_with_them(mode, latent_reference):
+    """CB over the FP8 indexer cache (sparse offload) and over both FP8 formats (resident KV): the
+    reference's tokens, and each request's device bytes smaller by exactly the rows' difference."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    ref = reference[0]
+    ref = latent_reference[0]
     gen = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=999_999, pad_token_id=0)
     cb = ContinuousBatchingConfig(page_size=8, max_batch_tokens=32, max_requests_per_batch=4)
     serving = {"max_requests": 3, "max_request_tokens": 96}
@@ -169,24 +172,27 @@ def test_continuous_batching_sizes_requests_by_the_fp8_rows_and_selects_with_the
         torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
         for n in (40, 25, 33)
     ]
-    with fp8_indexer():
+    resident = mode == "resident"
+    with fp8_indexer(), fp8_latent_kv(ref) if resident else contextlib.nullcontext():
         want = [ref.generate(torch.tensor([p]), generation_config=gen)[0, len(p) :].tolist() for p in prompts]
     per = {}
-    for fmt in ("bf16", "fp8_e4m3"):
+    for fp8 in (False, True):
+        sparse = ({"offload": False} if resident else {}) | ((FP8_BOTH if resident else FP8) if fp8 else {})
         model = torch_kvoffload.offload(
-            copy.deepcopy(ref), {"sparse": {"indexer_dtype": fmt}, "block_size": 8, "serving": serving}
+            copy.deepcopy(ref), {"sparse": sparse, "block_size": 8, "serving": serving}
         )
         out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
         assert all(out[rid].error is None for rid in out)
         got = [list(out[rid].generated_tokens) for rid in sorted(out, key=lambda r: int(r.rsplit("_", 1)[1]))]
-        if fmt == "fp8_e4m3":
+        if fp8:
             assert got == want
-        per[fmt] = session_of(model).serving.device_bytes_per_request
-    # a request's indexer rows: every layer, max_request_tokens rows, 132 bytes instead of 128 fp32 values
-    layers = ref.config.num_hidden_layers
-    assert per["bf16"] - per["fp8_e4m3"] == layers * serving["max_request_tokens"] * (
-        DI * 4 - index_row_bytes(DI)
-    )
+        per[fp8] = session_of(model).serving.device_bytes_per_request
+    # every layer, max_request_tokens rows: 132 bytes instead of 128 fp32 indexer values, and (resident)
+    # 148 bytes instead of 128 + 8 fp32 latent and RoPE values
+    saved = DI * 4 - index_row_bytes(DI)
+    if resident:
+        saved += (DC + SMALL["qk_rope_head_dim"]) * 4 - kv_row_bytes(DC, SMALL["qk_rope_head_dim"])
+    assert per[False] - per[True] == ref.config.num_hidden_layers * serving["max_request_tokens"] * saved
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,9 @@
 ``OffloadConfig(sparse={"offload": False})``: absorbed sparse MLA attention over the lightning indexer's
 top-k, what a server runs for V3.2-style models when the KV fits, and the baseline sparse decode offload
 is measured against. Per layer the latent ``kv_c [pages, page, Dc]`` and rotary key ``k_pe [pages, page,
-Dr]`` live on the device in the model's dtype (or, with ``kv_dtype="fp8_e4m3"``, both in one FP8 row ``uint8
-[pages, page, Dc + 4 * Dc / 128 + 2 * Dr]``, DeepSeek's 656-byte format), paged like the indexer cache (one page of ``tokens`` rows
-per request, grown in place). Every forward, decode steps included, writes its rows there, selects with
+Dr]`` live on the device in the model's dtype (or, with ``kv_dtype="fp8_e4m3"``, both in one FP8 row
+``uint8 [pages, page, Dc + 4 * Dc / 128 + 2 * Dr]``, DeepSeek's 656-byte format), paged like the indexer
+cache (one page of ``tokens`` rows per request, grown in place). Every forward, decode steps included, writes its rows there, selects with
 the indexer over the device indexer cache and attends over the selected rows in place: no host pool, no
 hot buffers, nothing moved.
 """

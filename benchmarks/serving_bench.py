@@ -11,7 +11,9 @@ transformers' continuous batching (``generate_batch``):
   over the indexer's top-k, the latent KV resident on the device;
 * ``offloaded``: ``{"sparse": {}, "serving": ...}``: the latent KV in the host pool, per-layer hot top-k
   buffers and the indexer cache on the device;
-* ``offloaded_int8``: the same with ``"indexer_dtype": "int8"`` (Hadamard + int8 indexer cache).
+* ``offloaded_int8``: the same with ``"indexer_dtype": "int8"`` (Hadamard + int8 indexer cache);
+* ``offloaded_fp8`` / ``resident_fp8`` (capacity only): the FP8 indexer cache (132-byte rows); the resident
+  KV as FP8 latent rows (656 bytes) with the FP8 indexer cache.
 
 On this machine the "device" is the CPU: the device KV budget is an accounting limit (bytes the caches count
 as device memory), the compute is real.
@@ -42,6 +44,7 @@ Writes ``benchmarks/results/serving_bench.json``, ``.md`` (the tables) and ``.pn
 
     python benchmarks/serving_bench.py            # 2 layers, 512-token prompts, fp32 compute (~10 minutes)
     python benchmarks/serving_bench.py --quick    # 1 layer, 128-token prompts (< 2 minutes)
+    python benchmarks/serving_bench.py --capacity-only    # the capacity table alone (seconds)
 """
 
 from __future__ import annotations
@@ -66,7 +69,14 @@ from torch_kvoffload.integrations.hf.continuous_batching import (
 from torch_kvoffload.integrations.hf.serving import serving_slots
 
 VARIANTS = ("unmodified", "resident", "offloaded", "offloaded_int8")
-LIBRARY = {"resident": {"offload": False}, "offloaded": {}, "offloaded_int8": {"indexer_dtype": "int8"}}
+#: measured for capacity only (accounting): the FP8 formats
+FP8_VARIANTS = ("resident_fp8", "offloaded_fp8")
+CAPACITY_VARIANTS = (*VARIANTS, *FP8_VARIANTS)
+LIBRARY = {
+    "resident": {"offload": False}, "offloaded": {}, "offloaded_int8": {"indexer_dtype": "int8"},
+    "resident_fp8": {"offload": False, "kv_dtype": "fp8_e4m3", "indexer_dtype": "fp8_e4m3"},
+    "offloaded_fp8": {"indexer_dtype": "fp8_e4m3"},
+}  # fmt: skip
 COLOURS = {**VARIANT_COLOURS, "offloaded_int8": "tab:red"}
 KV_LORA, ROPE, INDEX_DIM, PRODUCTION_TOP_K = 512, 64, 128, 2048
 VOCAB, PAD = 4096, 0
@@ -126,11 +136,12 @@ def capacity(args) -> dict[str, Any]:
             }  # fmt: skip
             session.close()
             del model
-        for v in VARIANTS:
+        for v in CAPACITY_VARIANTS:
             rec[v]["vs_unmodified"] = rec[v]["requests"] / rec["unmodified"]["requests"]
         out["lengths"][str(T)] = {"dense_bytes_per_request": dense, **rec}
         print(
-            f"capacity at {T} tokens: " + ", ".join(f"{v} {rec[v]['requests']}" for v in VARIANTS), flush=True
+            f"capacity at {T} tokens: " + ", ".join(f"{v} {rec[v]['requests']}" for v in CAPACITY_VARIANTS),
+            flush=True,
         )
     return out
 
@@ -313,6 +324,21 @@ def throughput(args, caps: dict[str, int]) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------------------------------------- report
+def capacity_table(cap: dict[str, Any]) -> str:
+    """Requests that fit per length and variant (the FP8 formats too)."""
+    rows = []
+    for T, rec in cap["lengths"].items():
+        for v in CAPACITY_VARIANTS:
+            r = rec[v]
+            rows.append(
+                [T, v, r["requests"], f"{r['vs_unmodified']:.2f}x", f"{r['design_limit']:.2f}x",
+                 f"{r['bytes_per_request'] / 2**20:.1f}", f"{r['fixed_bytes'] / 2**20:.1f}"]
+            )  # fmt: skip
+    return format_table(
+        ["tokens", "variant", "requests", "vs unmod", "design limit", "MiB/req", "fixed MiB"], rows
+    )
+
+
 def tables(result: dict[str, Any], args) -> str:
     cap = result["capacity"]
     lines = [
@@ -329,19 +355,7 @@ def tables(result: dict[str, Any], args) -> str:
         "",
         "Requests that fit (x the unmodified model; design limit per request = dense KV / device bytes per request):",
     ]
-    rows = []
-    for T, rec in cap["lengths"].items():
-        for v in VARIANTS:
-            r = rec[v]
-            rows.append(
-                [T, v, r["requests"], f"{r['vs_unmodified']:.2f}x", f"{r['design_limit']:.2f}x",
-                 f"{r['bytes_per_request'] / 2**20:.1f}", f"{r['fixed_bytes'] / 2**20:.1f}"]
-            )  # fmt: skip
-    lines.append(
-        format_table(
-            ["tokens", "variant", "requests", "vs unmod", "design limit", "MiB/req", "fixed MiB"], rows
-        )
-    )
+    lines.append(capacity_table(cap))
     thr = result["throughput"]
     lines += [
         "",
@@ -484,6 +498,9 @@ def main() -> None:
     p.add_argument("--max-batch-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="1 layer, 128-token prompts (< 2 minutes)")
+    p.add_argument(
+        "--capacity-only", action="store_true", help="only the capacity accounting (every variant, FP8 too)"
+    )
     p.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = p.parse_args()
     if args.quick:
@@ -494,6 +511,17 @@ def main() -> None:
         args.lengths.append(args.target_tokens)
     t0 = time.perf_counter()
     cap = capacity(args)
+    if args.capacity_only:
+        report = capacity_table(cap)
+        print(report)
+        path = write_json(
+            "serving_bench_capacity", {"config": {**vars(args), "output_dir": None}, "capacity": cap}
+        )
+        (RESULTS_DIR / "serving_bench_capacity.md").write_text(
+            f"# serving_bench_capacity\n\n```\n{report}\n```\n"
+        )
+        print(f"wrote {path}")
+        return
     caps = {v: cap["lengths"][str(args.target_tokens)][v]["requests"] for v in VARIANTS}
     if args.burst is None:
         args.burst = max(caps.values())

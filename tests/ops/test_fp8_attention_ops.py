@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from support.fp8_reference import decode_e4m3
 from support.op_impls import call_op, requires_cpp, skip_unless_kernel
 
 from torch_kvoffload.ops import (
@@ -54,23 +55,11 @@ def _random_rows(n: int, dc: int, dr: int, g: torch.Generator) -> torch.Tensor:
     return torch.cat([codes, scales.view(torch.uint8), rope.view(torch.uint8)], dim=1)
 
 
-def _decode_e4m3(codes: torch.Tensor) -> torch.Tensor:
-    """float64 values of e4m3fn bytes from their bit fields (sign, 4 exponent bits of bias 7, 3 mantissa
-    bits; exponent 0 subnormal; 0x7F / 0xFF NaN), not through torch's float8 dtype."""
-    c = codes.to(torch.int64)
-    sign = torch.where(c >= 128, -1.0, 1.0).double()
-    e, m = (c >> 3) & 0xF, (c & 7).double()
-    normal = torch.ldexp(1.0 + m / 8, e - 7)
-    sub = torch.ldexp(m / 8, torch.full_like(e, -6))
-    v = sign * torch.where(e == 0, sub, normal)
-    return torch.where((c & 0x7F) == 0x7F, math.nan, v)
-
-
 def _dequant64(rows: torch.Tensor, dc: int) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 ``(kv_c [N, Dc], k_pe [N, Dr])`` of FP8 latent rows, decoded here (not by the library)."""
     tiles = dc // 128
     scales = rows[:, dc : dc + 4 * tiles].contiguous().view(torch.float32).double()
-    kv_c = _decode_e4m3(rows[:, :dc]) * scales.repeat_interleave(128, dim=1)
+    kv_c = decode_e4m3(rows[:, :dc]) * scales.repeat_interleave(128, dim=1)
     k_pe = rows[:, dc + 4 * tiles :].contiguous().view(torch.bfloat16).double()
     return kv_c, k_pe
 

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from support.fp8_reference import decode_e4m3, hadamard_matrix
 from support.op_impls import call_op, requires_cpp, skip_unless_kernel
 
 from torch_kvoffload.ops import (
@@ -29,25 +30,6 @@ def _i32(x) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.int32)
 
 
-def _sylvester(d: int) -> torch.Tensor:
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
-
-
-def _decode_e4m3(codes: torch.Tensor) -> torch.Tensor:
-    """float64 values of e4m3fn bytes from their bit fields (sign, 4 exponent bits of bias 7, 3 mantissa
-    bits; exponent 0 subnormal; 0x7F / 0xFF NaN), not through torch's float8 dtype."""
-    c = codes.to(torch.int64)
-    sign = torch.where(c >= 128, -1.0, 1.0).double()
-    e, m = (c >> 3) & 0xF, (c & 7).double()
-    normal = torch.ldexp(1.0 + m / 8, e - 7)
-    sub = torch.ldexp(m / 8, torch.full_like(e, -6))
-    v = sign * torch.where(e == 0, sub, normal)
-    return torch.where((c & 0x7F) == 0x7F, math.nan, v)
-
-
 def _split(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes ``uint8 [..., D]`` and float64 scales ``[..., D / 128]`` of indexer rows ``uint8 [..., R]``."""
     d = rows.shape[-1] // 132 * 128
@@ -57,7 +39,7 @@ def _split(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _dequant(rows: torch.Tensor) -> torch.Tensor:
     codes, scales = _split(rows)
-    return _decode_e4m3(codes) * scales.repeat_interleave(128, dim=-1)
+    return decode_e4m3(codes) * scales.repeat_interleave(128, dim=-1)
 
 
 # ------------------------------------------------------------------------------------ hadamard_quant_fp8
@@ -87,7 +69,7 @@ def test_hadamard_reference_matches_independent_formula(shape, dtype) -> None:
     rows = reference_kernel("hadamard_quant_fp8")(x)
     d = shape[-1]
     assert rows.dtype == torch.uint8 and rows.shape == (*shape[:-1], d + 4 * d // 128)
-    y = x.double() @ (_sylvester(d) / math.sqrt(d))  # the rotation, float64
+    y = x.double() @ hadamard_matrix(d)  # the rotation, float64
     groups = y.reshape(*shape[:-1], d // 128, 128)
     amax = groups.abs().amax(-1)
     codes, scales = _split(rows)
@@ -104,10 +86,10 @@ def test_hadamard_reference_matches_independent_formula(shape, dtype) -> None:
     # the group's amax.
     scale_v = scales.repeat_interleave(128, dim=-1)
     bound = torch.maximum(y.abs() * 2.0**-4, scale_v * 2.0**-10) + 1e-5 * amax.repeat_interleave(128, dim=-1)
-    got = _decode_e4m3(codes) * scale_v
+    got = decode_e4m3(codes) * scale_v
     assert bool(((got - y).abs() <= bound).all())
     # the scale is the least power of two >= amax / 448, so a group's largest code lies in [224, 448]
-    big = _decode_e4m3(codes).reshape(groups.shape).abs().amax(-1)
+    big = decode_e4m3(codes).reshape(groups.shape).abs().amax(-1)
     assert bool((big[amax > 1e-4] >= 224).all())
 
 

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from support.fp8_reference import hadamard_matrix
 from support.op_impls import run_triton
 
 from torch_kvoffload.ops import dequantize_index_k_fp8, reference_kernel
@@ -32,13 +33,6 @@ def _indexer(*args) -> torch.Tensor:
     return run_triton(triton_ops.triton_kernel("fp8_lightning_indexer"), *args)
 
 
-def _sylvester(d: int) -> torch.Tensor:
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
-
-
 # --------------------------------------------------------------------------------------- hadamard_quant_fp8
 
 
@@ -53,7 +47,7 @@ def test_hadamard_quant_fp8_is_the_reference_byte_for_byte(dtype, shape) -> None
         assert torch.equal(got, reference_kernel("hadamard_quant_fp8")(x))
         # an independent formula: the dense rotation in float64, within e4m3fn's precision
         d = shape[-1]
-        y = (x.double() @ (_sylvester(d) / math.sqrt(d))).reshape(-1, d)
+        y = (x.double() @ hadamard_matrix(d)).reshape(-1, d)
         back = dequantize_index_k_fp8(got.reshape(-1, got.shape[-1]), torch.float32).double()
         scale = got.reshape(-1, got.shape[-1])[:, d:].contiguous().view(torch.float32).double()
         floor = scale.repeat_interleave(128, dim=1) * 2.0**-10  # half the subnormal step

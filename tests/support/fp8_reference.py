@@ -17,7 +17,16 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["act_quant_dequant", "fp8_indexer", "fp8_latent_kv", "hadamard_matrix", "latent_quant_dequant"]
+from support.hf_models import indexer_inputs
+
+__all__ = [
+    "act_quant_dequant",
+    "decode_e4m3",
+    "fp8_indexer",
+    "fp8_latent_kv",
+    "hadamard_matrix",
+    "latent_quant_dequant",
+]
 
 
 def hadamard_matrix(d: int) -> torch.Tensor:
@@ -26,6 +35,18 @@ def hadamard_matrix(d: int) -> torch.Tensor:
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return h / math.sqrt(d)
+
+
+def decode_e4m3(codes: torch.Tensor) -> torch.Tensor:
+    """float64 values of e4m3fn bytes from their bit fields (sign, 4 exponent bits of bias 7, 3 mantissa
+    bits; exponent 0 subnormal; 0x7F / 0xFF NaN), not through torch's float8 dtype."""
+    c = codes.to(torch.int64)
+    sign = torch.where(c >= 128, -1.0, 1.0).double()
+    e, m = (c >> 3) & 0xF, (c & 7).double()
+    normal = torch.ldexp(1.0 + m / 8, e - 7)
+    sub = torch.ldexp(m / 8, torch.full_like(e, -6))
+    v = sign * torch.where(e == 0, sub, normal)
+    return torch.where((c & 0x7F) == 0x7F, math.nan, v)
 
 
 def act_quant_dequant(x: torch.Tensor) -> torch.Tensor:
@@ -48,21 +69,13 @@ def fp8_indexer() -> Iterator[None]:
     original = v32.DeepseekV32Indexer.forward
 
     def forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache=None):
-        b, s, _ = hidden_states.shape
-        cos, sin = position_embeddings
-        rope, d = self.qk_rope_head_dim, self.head_dim
-        q = self.wq_b(q_resid).view(b, s, self.n_heads, d)
-        k = self.k_norm(self.wk(hidden_states)).unsqueeze(2)
-        q_rot, k_rot = v32.apply_rotary_pos_emb(q[..., :rope], k[..., :rope], cos, sin, unsqueeze_dim=2)
-        q = torch.cat([q_rot, q[..., rope:]], dim=-1)
-        k = torch.cat([k_rot, k[..., rope:]], dim=-1).squeeze(2)
+        q, k, w = indexer_inputs(self, hidden_states, q_resid, position_embeddings)
         if cache is not None:
             k = cache.update_indexer(k, self.layer_idx)
-        rot = hadamard_matrix(d).to(torch.float32)
+        rot = hadamard_matrix(self.head_dim).to(torch.float32)
         q8 = act_quant_dequant(q.float() @ rot)
         k8 = act_quant_dequant(k.float() @ rot)
         scores = torch.relu(q8 @ k8.transpose(-1, -2).unsqueeze(1) * self.softmax_scale)
-        w = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
         index_scores = (w.unsqueeze(-2) @ scores).squeeze(-2)
         if attention_mask.dtype == torch.bool:
             index_scores = index_scores.masked_fill(~attention_mask, float("-inf"))

@@ -11,7 +11,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILIES", "ONE_LAYER", "SMALL", "build_model", "left_padded_batch", "tiny_config"]
+__all__ = [
+    "FAMILIES",
+    "ONE_LAYER",
+    "SMALL",
+    "build_model",
+    "indexer_boundary_ties",
+    "indexer_inputs",
+    "left_padded_batch",
+    "tiny_config",
+]
 
 FAMILIES = ("deepseek_v3", "deepseek_v32")
 # Two layers (one dense, one MoE) and narrow widths: a compile takes seconds; index_topk (8) stays well
@@ -101,6 +110,23 @@ def left_padded_batch(
     return ids, mask
 
 
+def indexer_inputs(indexer, hidden_states, q_resid, position_embeddings):
+    """A DSA indexer module's roped queries ``[B, S, H, D]``, keys ``[B, S, D]`` and fp32 head weights
+    ``[B, S, H]`` (with the ``n_heads ** -0.5`` factor), as its forward computes them."""
+    import transformers.models.deepseek_v32.modeling_deepseek_v32 as v32
+
+    b, s, _ = hidden_states.shape
+    cos, sin = position_embeddings
+    rope, d = indexer.qk_rope_head_dim, indexer.head_dim
+    q = indexer.wq_b(q_resid).view(b, s, indexer.n_heads, d)
+    k = indexer.k_norm(indexer.wk(hidden_states)).unsqueeze(2)
+    q_rot, k_rot = v32.apply_rotary_pos_emb(q[..., :rope], k[..., :rope], cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q[..., rope:]], dim=-1)
+    k = torch.cat([k_rot, k[..., rope:]], dim=-1).squeeze(2)
+    weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
+    return q, k, weights * indexer.n_heads**-0.5
+
+
 def indexer_boundary_ties(model: torch.nn.Module, sequences: list[torch.Tensor]) -> int:
     """Query rows (over layers and ``sequences``, each an unpadded ``int64 [T]``) where the unmodified
     DSA indexer's ``index_topk``-th and next best scores are exactly equal.
@@ -116,16 +142,9 @@ def indexer_boundary_ties(model: torch.nn.Module, sequences: list[torch.Tensor])
 
     def forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache=None):
         nonlocal ties
-        b, s, _ = hidden_states.shape
-        cos, sin = position_embeddings
-        rope, d = self.qk_rope_head_dim, self.head_dim
-        q = self.wq_b(q_resid).view(b, s, self.n_heads, d)
-        k = self.k_norm(self.wk(hidden_states)).unsqueeze(2)
-        q_rot, k_rot = v32.apply_rotary_pos_emb(q[..., :rope], k[..., :rope], cos, sin, unsqueeze_dim=2)
-        q = torch.cat([q_rot, q[..., rope:]], dim=-1)
-        k = torch.cat([k_rot, k[..., rope:]], dim=-1).squeeze(2)
+        s = hidden_states.shape[1]
+        q, k, w = indexer_inputs(self, hidden_states, q_resid, position_embeddings)
         scores = torch.relu(q.float() @ k.float().transpose(-1, -2).unsqueeze(1) * self.softmax_scale)
-        w = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
         total = (w.unsqueeze(-2) @ scores).squeeze(-2)[0]
         total = total.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
         k_top = self.index_topk

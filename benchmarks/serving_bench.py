@@ -12,8 +12,8 @@ transformers' continuous batching (``generate_batch``):
 * ``offloaded``: ``{"sparse": {}, "serving": ...}``: the latent KV in the host pool, per-layer hot top-k
   buffers and the indexer cache on the device;
 * ``offloaded_int8``: the same with ``"indexer_dtype": "int8"`` (Hadamard + int8 indexer cache);
-* ``offloaded_fp8`` / ``resident_fp8`` (capacity only): the FP8 indexer cache (132-byte rows); the resident
-  KV as FP8 latent rows (656 bytes) with the FP8 indexer cache.
+* ``offloaded_fp8``: the same with ``"indexer_dtype": "fp8_e4m3"`` (DeepSeek's FP8 indexer, 132-byte rows);
+* ``resident_fp8`` (capacity only): the resident KV as FP8 latent rows (656 bytes) with the FP8 indexer.
 
 On this machine the "device" is the CPU: the device KV budget is an accounting limit (bytes the caches count
 as device memory), the compute is real.
@@ -68,16 +68,18 @@ from torch_kvoffload.integrations.hf.continuous_batching import (
 )
 from torch_kvoffload.integrations.hf.serving import serving_slots
 
-VARIANTS = ("unmodified", "resident", "offloaded", "offloaded_int8")
-#: measured for capacity only (accounting): the FP8 formats
-FP8_VARIANTS = ("resident_fp8", "offloaded_fp8")
+VARIANTS = ("unmodified", "resident", "offloaded", "offloaded_int8", "offloaded_fp8")
+#: measured for capacity only (accounting): the resident KV as FP8 rows
+FP8_VARIANTS = ("resident_fp8",)
 CAPACITY_VARIANTS = (*VARIANTS, *FP8_VARIANTS)
 LIBRARY = {
     "resident": {"offload": False}, "offloaded": {}, "offloaded_int8": {"indexer_dtype": "int8"},
     "resident_fp8": {"offload": False, "kv_dtype": "fp8_e4m3", "indexer_dtype": "fp8_e4m3"},
     "offloaded_fp8": {"indexer_dtype": "fp8_e4m3"},
 }  # fmt: skip
-COLOURS = {**VARIANT_COLOURS, "offloaded_int8": "tab:red"}
+COLOURS = {
+    **VARIANT_COLOURS, "offloaded_int8": "tab:red", "offloaded_fp8": "tab:purple", "resident_fp8": "tab:brown",
+}  # fmt: skip
 KV_LORA, ROPE, INDEX_DIM, PRODUCTION_TOP_K = 512, 64, 128, 2048
 VOCAB, PAD = 4096, 0
 
@@ -269,8 +271,8 @@ def throughput(args, caps: dict[str, int]) -> dict[str, Any]:
         return math.ceil(batch * args.prompt / args.max_batch_tokens) + chunks + args.window
 
     plan = [(v, caps[v]) for v in VARIANTS]
-    plan += [(v, caps["unmodified"]) for v in ("offloaded", "offloaded_int8")]
-    plan += [("resident", caps[v]) for v in ("offloaded", "offloaded_int8")]
+    plan += [(v, caps["unmodified"]) for v in ("offloaded", "offloaded_int8", "offloaded_fp8")]
+    plan += [("resident", caps[v]) for v in ("offloaded", "offloaded_int8", "offloaded_fp8")]
     plan = list(dict.fromkeys(plan))
     runs: dict[tuple[str, int], dict[str, Any]] = {}
     for rnd in range(args.rounds):  # the order rotates every round: machine noise hits every run alike
@@ -394,18 +396,18 @@ def tables(result: dict[str, Any], args) -> str:
         "fastest round; attn / indexer ms: median time (all rounds) in the layers' attention modules (indexer included) / indexer modules of those steps ('-': the library runs its own indexer op, inside attn); tok/s = batch / step; vs resident: per-step offload overhead at equal batch; prefill+mixed / "
         "decode s: time in the other steps / in all-decode steps (first round). The 32K capacity figures are "
         f"served here at {args.prompt}-token contexts: the unmodified model's step grows with the context (it "
-        "reads and decompresses every cached row), the sparse variants' with top-k. The int8 indexer quantises "
-        "the scores: its top-k, so its tokens, may differ from the floating indexer's.",
+        "reads and decompresses every cached row), the sparse variants' with top-k. The int8 and FP8 indexers "
+        "quantise the scores: their top-k, so their tokens, may differ from the floating indexer's.",
     ]
     at = cap["lengths"][str(args.target_tokens)]
     res_at = {r["batch"]: r for r in thr["runs"] if r["variant"] == "resident"}
     lines += ["", f"Targets at {args.target_tokens} tokens:"]
-    for v, goal in (("offloaded_int8", 4.0), ("offloaded", 2.5)):
+    for v, goal in (("offloaded_fp8", 4.0), ("offloaded_int8", 4.0), ("offloaded", 2.5)):
         got = at[v]["vs_unmodified"]
         lines.append(
             f"  requests {v} >= {goal}x unmodified: {got:.2f}x ({'met' if got >= goal else 'NOT met'})"
         )
-    for v in ("offloaded_int8", "offloaded"):
+    for v in ("offloaded_fp8", "offloaded_int8", "offloaded"):
         got = (step[(v, caps[v])]["decode_tok_s"] or 0) / unmod["decode_tok_s"]
         lines.append(
             f"  decode tok/s {v} at its batch >= 3x unmodified at its batch: {got:.2f}x "
@@ -449,15 +451,18 @@ def plot(result: dict[str, Any], args, path: Path) -> None:
     caps = {v: cap[str(args.target_tokens)][v]["requests"] for v in VARIANTS}
     fig, ax = plt.subplots(1, 3, figsize=(14, 4))
     lengths = list(cap)
-    for i, v in enumerate(VARIANTS):
-        xs = [j + (i - 1.5) * 0.2 for j in range(len(lengths))]
-        ax[0].bar(xs, [cap[T][v]["requests"] for T in lengths], 0.2, label=v, color=COLOURS[v])
+    width = 0.8 / len(CAPACITY_VARIANTS)
+    for i, v in enumerate(CAPACITY_VARIANTS):
+        xs = [j + (i - (len(CAPACITY_VARIANTS) - 1) / 2) * width for j in range(len(lengths))]
+        ax[0].bar(xs, [cap[T][v]["requests"] for T in lengths], width, label=v, color=COLOURS[v])
     ax[0].set_xticks(range(len(lengths)), lengths)
     ax[0].set(xlabel="tokens per request", ylabel="requests in the budget", title="capacity (accounting)")
     runs = {(r["variant"], r["batch"]): r for r in result["throughput"]["runs"]}
     own = [runs[(v, caps[v])] for v in VARIANTS]
-    ax[1].bar(range(4), [r["decode_tok_s"] or 0 for r in own], color=[COLOURS[v] for v in VARIANTS])
-    ax[1].set_xticks(range(4), [f"{v}\n@{caps[v]}" for v in VARIANTS], fontsize=8)
+    ax[1].bar(
+        range(len(VARIANTS)), [r["decode_tok_s"] or 0 for r in own], color=[COLOURS[v] for v in VARIANTS]
+    )
+    ax[1].set_xticks(range(len(VARIANTS)), [f"{v}\n@{caps[v]}" for v in VARIANTS], fontsize=7)
     ax[1].set(ylabel="decode tokens/s", title=f"decode at the 32K batch ({args.prompt}-token context)")
     for r in result["throughput"]["bursts"]:
         t = sorted(r["ttft_s"])

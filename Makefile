@@ -70,7 +70,7 @@ DEMOS := "examples/generate.py --model deepseek_v32 --mode both" "examples/gener
 	examples/kvpp_demo.py examples/disaggregated.py examples/serve_demo.py
 BENCHES := copy_bench store_bench layerwise_bench layerwise_store_python sparse_ops_bench sparse_decode_bench kvpp_bench \
 	tp_kvpp_bench hf_generate_bench decode_host_bench pd_bench triton_compile_check device_bench serving_bench \
-	prefix_cache_bench multiturn_bench
+	prefix_cache_bench multiturn_bench fp8_accuracy_bench
 
 demo: $(BUILT)
 	@for demo in $(DEMOS); do \

@@ -197,6 +197,20 @@ void check_cpu(const char* op, const char* arg, const at::Tensor& t, const char*
       t.device());
 }
 
+int64_t check_hadamard_input(const char* op, const at::Tensor& x, int64_t min_d, const char* requirement) {
+  TORCH_CHECK_TYPE(
+      x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "kvoffload::", op,
+      ": argument 'x' must have dtype torch.float32 or torch.bfloat16, got ", dtype_str(x.scalar_type()));
+  TORCH_CHECK_VALUE(
+      x.dim() >= 1, "kvoffload::", op, ": argument 'x' must have at least 1 dimensions, got shape ", shape_str(x));
+  const int64_t d = x.size(-1);
+  TORCH_CHECK_VALUE(
+      d >= min_d && (d & (d - 1)) == 0, "kvoffload::", op, ": argument 'x' must have ", requirement,
+      ", got shape ", shape_str(x));
+  check_cpu(op, "x", x, "x");
+  return d;
+}
+
 Layout make_layout(
     const char* op, int64_t T, int64_t num_blocks, int64_t block_size, const at::Tensor& table,
     const at::Tensor& cu_in, const at::Tensor& lens_in) {

@@ -175,6 +175,10 @@ void for_each_block(const Layout& L, int64_t t0, int64_t t1, float* buf, int64_t
 // score descending (NaN first, as torch.sort), ties by lower position, -1 past the visible keys.
 void topk_all(const Layout& L, int64_t top_k, at::Tensor& result, BlockFn block_fn);
 
+// The input checks of the Hadamard quantisers: `x` fp32 / bf16 on the CPU, at least 1-D, a power-of-two last
+// dim of at least `min_d`; `requirement` names that last-dim rule in the message. Returns the last dim.
+int64_t check_hadamard_input(const char* op, const at::Tensor& x, int64_t min_d, const char* requirement);
+
 // In-place unnormalised fast Walsh-Hadamard transform (Sylvester order); stage order and pairing match
 // the reference kernel so both round identically.
 void fwht(float* y, int64_t d);

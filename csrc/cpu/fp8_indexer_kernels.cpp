@@ -49,19 +49,9 @@ inline float load_f32(const uint8_t* p) {
 
 at::Tensor hadamard_quant_fp8_cpu(const at::Tensor& x_in) {
   constexpr const char* op = "hadamard_quant_fp8";
-  TORCH_CHECK_TYPE(
-      x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16, "kvoffload::", op,
-      ": argument 'x' must have dtype torch.float32 or torch.bfloat16, got ", dtype_str(x_in.scalar_type()));
-  TORCH_CHECK_VALUE(
-      x_in.dim() >= 1, "kvoffload::", op, ": argument 'x' must have at least 1 dimensions, got shape ",
-      shape_str(x_in));
-  const int64_t d = x_in.size(-1);
-  TORCH_CHECK_VALUE(
-      d >= kTile && (d & (d - 1)) == 0, "kvoffload::", op,
-      ": argument 'x' must have a power-of-two last dim of at least 128 (the Hadamard rotation, one fp32 scale "
-      "per 128 values), got shape ",
-      shape_str(x_in));
-  check_cpu(op, "x", x_in, "x");
+  const int64_t d = check_hadamard_input(
+      op, x_in, kTile,
+      "a power-of-two last dim of at least 128 (the Hadamard rotation, one fp32 scale per 128 values)");
   const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.numel() / d, groups = d / kTile, width = d + 4 * groups;
   std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());

@@ -215,17 +215,7 @@ at::Tensor lightning_indexer_cpu(
 
 std::tuple<at::Tensor, at::Tensor> hadamard_quant_int8_cpu(const at::Tensor& x_in) {
   constexpr const char* op = "hadamard_quant_int8";
-  TORCH_CHECK_TYPE(
-      x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16, "kvoffload::", op,
-      ": argument 'x' must have dtype torch.float32 or torch.bfloat16, got ", dtype_str(x_in.scalar_type()));
-  TORCH_CHECK_VALUE(
-      x_in.dim() >= 1, "kvoffload::", op, ": argument 'x' must have at least 1 dimensions, got shape ",
-      shape_str(x_in));
-  const int64_t d = x_in.size(-1);
-  TORCH_CHECK_VALUE(
-      d >= 1 && (d & (d - 1)) == 0, "kvoffload::", op, ": argument 'x' must have a power-of-two last dim, got shape ",
-      shape_str(x_in));
-  check_cpu(op, "x", x_in, "x");
+  const int64_t d = check_hadamard_input(op, x_in, 1, "a power-of-two last dim");
   const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.numel() / d;
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kChar));

@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from support.op_impls import run_triton
+from support.op_impls import assert_refused_before_launch, run_triton
 
 from torch_kvoffload.ops import dequantize_kv_fp8, reference_kernel
 from torch_kvoffload.ops import triton as triton_ops
@@ -217,17 +217,7 @@ def _bad_cases():
 def test_bad_input_raises_as_the_reference_before_any_launch(case, monkeypatch: pytest.MonkeyPatch) -> None:
     from torch_kvoffload.ops.triton import fp8_attention as module
 
-    def no_launch(*a, **k):
-        raise AssertionError("launched a kernel on invalid input")
-
-    monkeypatch.setattr(module, "launch_fp8_sparse_mla_attention", no_launch)
-    _, args = case
-    with pytest.raises(Exception) as want:
-        reference_kernel(OP)(*args)
-    with pytest.raises(want.type) as got:
-        run_triton(triton_ops.triton_kernel(OP), *args)
-    assert str(got.value) == str(want.value)
-    assert f"kvoffload::{OP}:" in str(got.value)
+    assert_refused_before_launch(OP, case[1], monkeypatch, module, ("launch_fp8_sparse_mla_attention",))
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:

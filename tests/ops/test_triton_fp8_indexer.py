@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 from support.fp8_reference import hadamard_matrix
-from support.op_impls import run_triton
+from support.op_impls import assert_refused_before_launch, run_triton
 
 from torch_kvoffload.ops import dequantize_index_k_fp8, reference_kernel
 from torch_kvoffload.ops import triton as triton_ops
@@ -199,18 +199,9 @@ def test_bad_input_raises_as_the_reference_before_any_launch(case, monkeypatch: 
     from torch_kvoffload.ops.triton import fp8_indexer as module
 
     name, args = case
-
-    def no_launch(*a, **k):
-        raise AssertionError("launched a kernel on invalid input")
-
-    monkeypatch.setattr(module, "_launch_scores", no_launch)
-    monkeypatch.setattr(module, "launch_hadamard_quant_fp8", no_launch)
-    with pytest.raises(Exception) as want:
-        reference_kernel(name)(*args)
-    with pytest.raises(want.type) as got:
-        run_triton(triton_ops.triton_kernel(name), *args)
-    assert str(got.value) == str(want.value)
-    assert f"kvoffload::{name}:" in str(got.value)
+    assert_refused_before_launch(
+        name, args, monkeypatch, module, ("_launch_scores", "launch_hadamard_quant_fp8")
+    )
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:

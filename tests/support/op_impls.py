@@ -129,3 +129,22 @@ def skip_unless_kernel(op_impl: str, name: str) -> None:
     """
     if op_impl == "dispatch" and not has_kernel(name, "CPU"):
         pytest.skip(f"C++ CPU kernel of {name} not built / disabled")
+
+
+def assert_refused_before_launch(
+    name: str, args: tuple, monkeypatch: pytest.MonkeyPatch, module: object, launchers: tuple[str, ...]
+) -> None:
+    """The Triton kernel of op ``name`` refuses ``args`` as the reference kernel does (same exception type
+    and message, naming the op) before any of ``module``'s ``launchers`` runs."""
+
+    def no_launch(*a, **k):
+        raise AssertionError("launched a kernel on invalid input")
+
+    for launcher in launchers:
+        monkeypatch.setattr(module, launcher, no_launch)
+    with pytest.raises(Exception) as want:
+        reference_kernel(name)(*args)
+    with pytest.raises(want.type) as got:
+        run_triton(triton_kernel(name), *args)
+    assert str(got.value) == str(want.value)
+    assert f"kvoffload::{name}:" in str(got.value)

@@ -23,18 +23,7 @@ from torch_kvoffload.ops.fp8_indexer import hadamard_quant_fp8
 from torch_kvoffload.ops.indexer import hadamard_quant_int8
 from torch_kvoffload.sparse.config import IndexerDtype
 
-__all__ = ["IndexerCache", "indexer_row_bytes"]
-
-
-def indexer_row_bytes(spec: ModelSpec, fmt: IndexerDtype) -> int:
-    """Device bytes of one token's indexer row of ``spec`` kept as ``fmt`` (0 without an indexer)."""
-    if not spec.has_indexer:
-        return 0
-    if fmt == "fp8_e4m3":
-        return index_row_bytes(spec.index_head_dim)
-    if fmt == "int8":
-        return spec.index_head_dim + 4
-    return spec.index_head_dim * spec.dtype.itemsize
+__all__ = ["IndexerCache"]
 
 
 class IndexerCache(SlotPages):
@@ -49,12 +38,6 @@ class IndexerCache(SlotPages):
             comps = [(spec.index_head_dim, spec.dtype)]
         super().__init__(spec.num_layers, comps, spec.device)
         self.fmt: IndexerDtype = fmt
-
-    @property
-    def stored_rows(self) -> bool:
-        """Whether the rows kept are not the model's keys (quantized): :meth:`read_keys` refuses them and
-        :meth:`read_stored` gives them as kept."""
-        return self.fmt != "bf16"
 
     def write_keys(self, layer: int, rows_at: torch.Tensor, index_k: torch.Tensor) -> None:
         """Write ``index_k [N, Di]`` (the model's keys: quantised here for int8 / FP8) at flat rows ``rows_at
@@ -73,7 +56,7 @@ class IndexerCache(SlotPages):
         """Per request, a copy of its indexer keys ``[length, Di]`` of ``layer`` as written (model dtype).
         ``RuntimeError`` for a quantized cache: its rotated, quantised rows do not give the written keys
         back."""
-        if self.stored_rows:
+        if self.fmt != "bf16":
             raise RuntimeError(
                 f"the indexer cache keeps {self.fmt} rows (Hadamard-rotated and quantised: "
                 f"sparse.indexer_dtype={self.fmt!r}), which do not give the model's indexer keys back exactly; "

@@ -2,8 +2,8 @@
 
 ``sparse.indexer_dtype="fp8_e4m3"``: the indexer cache keeps FP8 rows (132 bytes a token for a 128-wide
 head) and the top-k is selected from FP8 queries and keys, as DeepSeek's inference code selects it.
-``sparse={"offload": False, "kv_dtype": "fp8_e4m3"}``: the resident latent KV is kept as FlashMLA's FP8 rows
-and attention reads them dequantized. References: the unmodified model with its indexer scoring so, and
+``sparse={"kv_dtype": "fp8_e4m3"}``: the latent KV is kept as FlashMLA's FP8 rows, in the host pool and hot
+buffers of sparse offload or (``offload=False``) on the device, and attention reads them dequantized. References: the unmodified model with its indexer scoring so, and
 with its latent KV passed through the FP8 row (``support.fp8_reference``, written independently of the
 library); their logits differ visibly from the unmodified model's, so agreement shows the FP8 paths run."""
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 
 import pytest
 import torch
@@ -31,6 +32,9 @@ WIDTHS = {**SMALL, "index_head_dim": DI, "index_n_heads": 16, "index_topk": 16}
 FP8 = {"indexer_dtype": "fp8_e4m3"}
 DC = 128  # FP8 latent rows quantise 128-wide tiles
 FP8_BOTH = {"offload": False, "kv_dtype": "fp8_e4m3", "indexer_dtype": "fp8_e4m3"}
+# both formats in the host pool and hot buffers of sparse offload
+FP8_OFFLOADED = {"kv_dtype": "fp8_e4m3", "indexer_dtype": "fp8_e4m3"}
+LATENT = {"resident": FP8_BOTH, "offloaded": FP8_OFFLOADED}
 MODES = {
     "sparse": {"sparse": FP8, "block_size": BS},
     "resident": {"sparse": {**FP8, "offload": False}, "block_size": BS},
@@ -138,17 +142,18 @@ def test_fp8_indexer_configurations_refused_by_name():
         torch_kvoffload.offload(build_model("deepseek_v32", **WIDTHS), {"sparse": FP8, "pd": pd})
 
 
-@pytest.mark.parametrize("fmt", ["indexer", "both"])
+@pytest.mark.parametrize("fmt", ["offloaded", "resident"])
 def test_a_compiled_model_reads_fp8_rows_call_after_call(fmt):
-    """The FP8 indexer on sparse offload's decode steps, and both formats on the resident KV, compiled."""
+    """Both formats on sparse offload's decode steps (host pool and hot buffers of FP8 rows) and on the
+    resident KV, compiled."""
     widths = {k: WIDTHS[k] for k in ("index_head_dim", "index_n_heads", "index_topk")}
     ref = build_model("deepseek_v32", **{**ONE_LAYER, **widths, "kv_lora_rank": DC})
-    config = MODES["sparse"] if fmt == "indexer" else {"sparse": FP8_BOTH, "block_size": BS}
+    config = {"sparse": FP8_OFFLOADED if fmt == "offloaded" else FP8_BOTH, "block_size": BS}
     model = torch_kvoffload.compile(copy.deepcopy(ref), config)
     differs = []
     for lengths in ([40, 30], [52, 20]):
         ids, mask = left_padded_batch(lengths, seed=len(lengths) + lengths[0])
-        with fp8_indexer(), fp8_latent_kv(ref) if fmt == "both" else contextlib.nullcontext():
+        with fp8_indexer(), fp8_latent_kv(ref):
             want = _generate(ref, ids, mask, new=3)
         got = _generate(model, ids, mask, new=3)
         assert torch.equal(got.sequences, want.sequences)
@@ -157,10 +162,11 @@ def test_a_compiled_model_reads_fp8_rows_call_after_call(fmt):
     assert any(differs)
 
 
-@pytest.mark.parametrize("mode", ["offloaded", "resident"])
+@pytest.mark.parametrize("mode", ["offloaded-indexer", "offloaded", "resident"])
 def test_continuous_batching_sizes_requests_by_the_fp8_rows_and_selects_with_them(mode, latent_reference):
-    """CB over the FP8 indexer cache (sparse offload) and over both FP8 formats (resident KV): the
-    reference's tokens, and each request's device bytes smaller by exactly the rows' difference."""
+    """CB over the FP8 indexer cache (sparse offload) and over both FP8 formats (sparse offload's hot buffers,
+    the resident KV): the reference's tokens, and each request's device bytes smaller by exactly the rows'
+    difference."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -172,12 +178,12 @@ def test_continuous_batching_sizes_requests_by_the_fp8_rows_and_selects_with_the
         torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
         for n in (40, 25, 33)
     ]
-    resident = mode == "resident"
-    with fp8_indexer(), fp8_latent_kv(ref) if resident else contextlib.nullcontext():
+    resident, latent = mode == "resident", mode != "offloaded-indexer"
+    with fp8_indexer(), fp8_latent_kv(ref) if latent else contextlib.nullcontext():
         want = [ref.generate(torch.tensor([p]), generation_config=gen)[0, len(p) :].tolist() for p in prompts]
     per = {}
     for fp8 in (False, True):
-        sparse = ({"offload": False} if resident else {}) | ((FP8_BOTH if resident else FP8) if fp8 else {})
+        sparse = ({"offload": False} if resident else {}) | ((LATENT.get(mode, FP8)) if fp8 else {})
         model = torch_kvoffload.offload(
             copy.deepcopy(ref), {"sparse": sparse, "block_size": 8, "serving": serving}
         )
@@ -187,12 +193,15 @@ def test_continuous_batching_sizes_requests_by_the_fp8_rows_and_selects_with_the
         if fp8:
             assert got == want
         per[fp8] = session_of(model).serving.device_bytes_per_request
-    # every layer, max_request_tokens rows: 132 bytes instead of 128 fp32 indexer values, and (resident)
-    # 148 bytes instead of 128 + 8 fp32 latent and RoPE values
-    saved = DI * 4 - index_row_bytes(DI)
-    if resident:
-        saved += (DC + SMALL["qk_rope_head_dim"]) * 4 - kv_row_bytes(DC, SMALL["qk_rope_head_dim"])
-    assert per[False] - per[True] == ref.config.num_hidden_layers * serving["max_request_tokens"] * saved
+    # every layer, max_request_tokens rows: 132 bytes instead of 128 fp32 indexer values, and 148 bytes
+    # instead of 128 + 8 fp32 latent and RoPE values: every row resident, or the hot buffers' rows (capacity
+    # 2 x index_topk) offloaded
+    tokens, row = serving["max_request_tokens"], DC + SMALL["qk_rope_head_dim"]
+    saved = tokens * (DI * 4 - index_row_bytes(DI))
+    if latent:
+        rows = tokens if resident else 2 * WIDTHS["index_topk"]
+        saved += rows * (row * 4 - kv_row_bytes(DC, SMALL["qk_rope_head_dim"]))
+    assert per[False] - per[True] == ref.config.num_hidden_layers * saved
 
 
 @pytest.fixture(scope="module")
@@ -207,9 +216,10 @@ def latent_reference():
     return model, ids, mask, want
 
 
-def test_the_resident_kv_kept_as_fp8_rows_reads_them_dequantized_call_after_call(latent_reference):
+@pytest.mark.parametrize("mode", ["resident", "offloaded"])
+def test_the_latent_kv_kept_as_fp8_rows_is_read_dequantized_call_after_call(latent_reference, mode):
     ref, ids, mask, want = latent_reference
-    model = torch_kvoffload.offload(copy.deepcopy(ref), {"sparse": FP8_BOTH, "block_size": BS})
+    model = torch_kvoffload.offload(copy.deepcopy(ref), {"sparse": LATENT[mode], "block_size": BS})
     for _ in range(2):
         got = _generate(model, ids, mask)
         assert torch.equal(got.sequences, want.sequences)
@@ -217,8 +227,23 @@ def test_the_resident_kv_kept_as_fp8_rows_reads_them_dequantized_call_after_call
     with pytest.raises(RuntimeError, match="FP8 rows"):
         _ = got.past_key_values.layers[0].keys
     # a token of the main KV: 128 fp8 values, one fp32 scale, 8 bf16 RoPE values (fp32 model: 136 x 4 bytes)
-    (rows,) = session_of(model).core.backends.sparse.main.layers[0]
-    assert rows.dtype == torch.uint8 and rows.shape[-1] == kv_row_bytes(DC, SMALL["qk_rope_head_dim"]) == 148
+    row = kv_row_bytes(DC, SMALL["qk_rope_head_dim"])
+    assert row == 148
+    backend = session_of(model).core.backends.sparse
+    if mode == "resident":
+        (rows,) = backend.main.layers[0]
+        assert rows.dtype == torch.uint8 and rows.shape[-1] == row
+    else:  # the host pool and the hot buffers hold the rows; a miss moves one row's bytes
+        rt = backend.runtime
+        for t in (rt.pool.kv_c(0), rt.hot_kv_c[0]):
+            assert t.dtype == torch.uint8 and t.shape[-1] == row
+        assert rt.pool.k_pe(0).shape[-1] == rt.hot_k_pe[0].shape[-1] == 0
+        pool, layers = rt.pool, ref.config.num_hidden_layers
+        kept = sum(pool.kv_c(layer).numel() for layer in range(layers))
+        assert kept == layers * pool.num_blocks * pool.block_size * row  # bytes: uint8
+        assert pool.nbytes < kept + 4096  # and nothing else (the k_pe part after a page-aligned kv_c part)
+        s = torch_kvoffload.stats(model)
+        assert s["misses"] > 0 and s["bytes_h2d"] == s["misses"] * row
     # beams fork the requests' FP8 rows (another shape too)
     short, short_mask = ids[1:, 20:], mask[1:, 20:]
     with fp8_indexer(), fp8_latent_kv(ref), torch.no_grad():
@@ -234,10 +259,15 @@ def test_the_resident_kv_kept_as_fp8_rows_reads_them_dequantized_call_after_call
 
 def test_fp8_latent_rows_are_refused_where_they_cannot_be_kept():
     narrow = build_model("deepseek_v32", **WIDTHS)  # kv_lora_rank 32
-    with pytest.raises(ValueError, match="kv_lora_rank=32"):
-        torch_kvoffload.offload(narrow, {"sparse": FP8_BOTH})
-    with pytest.raises(ValueError, match="offload=False"):
-        torch_kvoffload.OffloadConfig(sparse={"kv_dtype": "fp8_e4m3"})
+    for sparse in (FP8_BOTH, FP8_OFFLOADED):
+        with pytest.raises(ValueError, match="kv_lora_rank=32"):
+            torch_kvoffload.offload(copy.deepcopy(narrow), {"sparse": sparse})
+    from torch_kvoffload._utils import free_port
+
+    with pytest.raises(ValueError, match=re.escape("pd.role='decode' with sparse.kv_dtype='fp8_e4m3'")):
+        torch_kvoffload.OffloadConfig(
+            sparse={"kv_dtype": "fp8_e4m3"}, pd={"role": "decode", "kv_port": free_port()}
+        )
     with pytest.raises(ValueError, match="layerwise"):
         torch_kvoffload.OffloadConfig(layerwise={}, sparse=FP8_BOTH)
     with pytest.raises(ValueError, match="prefix_store"):
@@ -247,9 +277,10 @@ def test_fp8_latent_rows_are_refused_where_they_cannot_be_kept():
     assert torch_kvoffload.OffloadConfig(sparse=FP8).prefix_store_config is not None
 
 
-def test_attention_probabilities_read_the_fp8_rows_they_selected():
-    """``output_attentions`` over the resident FP8 rows: the unmodified eager model's probabilities with its
-    latent KV and indexer passed through the FP8 formats."""
+@pytest.mark.parametrize("mode", ["resident", "offloaded"])
+def test_attention_probabilities_read_the_fp8_rows_they_selected(mode):
+    """``output_attentions`` over the FP8 rows (resident, or the hot buffers' rows a decode step read): the
+    unmodified eager model's probabilities with its latent KV and indexer passed through the FP8 formats."""
     ref = build_model("deepseek_v32", attn_implementation="eager", **{**WIDTHS, "kv_lora_rank": DC})
     ids, mask = left_padded_batch([30, 22], seed=5)
 
@@ -262,7 +293,7 @@ def test_attention_probabilities_read_the_fp8_rows_they_selected():
 
     with fp8_latent_kv(ref), fp8_indexer():
         want = run(ref)
-    got = run(torch_kvoffload.offload(copy.deepcopy(ref), {"sparse": FP8_BOTH, "block_size": BS}))
+    got = run(torch_kvoffload.offload(copy.deepcopy(ref), {"sparse": LATENT[mode], "block_size": BS}))
     assert torch.equal(got.sequences, want.sequences)
     for step_got, step_want in zip(got.attentions, want.attentions, strict=True):
         for a, b in zip(step_got, step_want, strict=True):

@@ -36,7 +36,7 @@ def test_config_defaults() -> None:
     [
         (dict(capacity=3), "capacity 3 is smaller than top_k 4"),
         (dict(kv_dtype="int8"), "main KV dtype 'int8' is not supported"),
-        (dict(kv_dtype="fp8_e4m3"), "packed / quantised main caches"),
+        (dict(kv_dtype="fp8_e5m2"), "packed / quantised main caches"),
         (dict(kv_dtype="c8"), "main KV dtype 'c8'"),
         (dict(kv_dtype="fp16"), "run bf16, fp32 only"),
         (dict(kv_dtype=torch.float16), "run bf16, fp32 only"),

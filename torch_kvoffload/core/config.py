@@ -119,6 +119,12 @@ class OffloadConfig(ConfigModel):
                     "OffloadConfig: pd.role='decode' needs sparse decode offload (the KV lands in its host pool)"
                     + ("; sparse.offload=False keeps no host pool" if self.sparse is not None else "")
                 )
+            if self.pd.role == "decode" and self.fp8_kv:
+                raise ValueError(
+                    f"OffloadConfig: pd.role='decode' with sparse.kv_dtype={FP8_KV!r}: prefill sends the latent KV "
+                    "in the model's dtype, which the decode node's host pool of FP8 rows does not take; leave "
+                    "kv_dtype unset on a P/D decode node"
+                )
         if self.kvpp_requested and (self.layerwise is not None or self.sparse is not None):
             both = [n for n in ("layerwise", "sparse") if getattr(self, n) is not None]
             raise ValueError(
@@ -127,7 +133,7 @@ class OffloadConfig(ConfigModel):
             )
         if self.fp8_kv and self.layerwise is not None:
             raise ValueError(
-                f"OffloadConfig: sparse.kv_dtype={FP8_KV!r} (the resident KV as FP8 rows) cannot be combined "
+                f"OffloadConfig: sparse.kv_dtype={FP8_KV!r} (the main KV as FP8 rows) cannot be combined "
                 "with layerwise offload, whose layer buffers and store keep the model's dtype"
             )
         if self.fp8_kv and self.prefix_store is not None:
@@ -173,7 +179,8 @@ class OffloadConfig(ConfigModel):
 
     @property
     def fp8_kv(self) -> bool:
-        """Whether the resident main KV is kept as FP8 rows (``sparse.kv_dtype="fp8_e4m3"``)."""
+        """Whether the main KV (resident, or the host pool and hot buffers) is kept as FP8 rows
+        (``sparse.kv_dtype="fp8_e4m3"``)."""
         return self.sparse is not None and self.sparse.kv_dtype == FP8_KV
 
     @property

@@ -27,6 +27,7 @@ import torch
 
 from torch_kvoffload import device as kv_device
 from torch_kvoffload import transfer as kv_transfer
+from torch_kvoffload.ops.fp8 import quantize_kv_fp8
 from torch_kvoffload.sparse._checks import check_layer, check_tensor, host_ints
 from torch_kvoffload.sparse.host_pool import HostKVPool
 from torch_kvoffload.sparse.stats import StepCounters
@@ -64,7 +65,8 @@ class RowAppender:
     ``writer``: whether this rank copies rows (TP rank 0); a reader only counts its appends and waits for
     the writer's fence (at most ``fence_timeout`` seconds). ``device_path``: the device step's appends
     (Triton row copy into the pinned pool). Counts ``bytes_d2h``, ``waits`` and ``wait_seconds`` into
-    ``counters``.
+    ``counters``. ``fp8``: the pool holds FP8 rows; the appended floating rows of widths ``dims = (Dc, Dr)``
+    are quantized (``quantize_kv_fp8``) where they are, and move as bytes.
     """
 
     def __init__(
@@ -77,8 +79,12 @@ class RowAppender:
         device: torch.device,
         device_path: bool,
         fence_timeout: float,
+        fp8: bool = False,
+        dims: tuple[int, int] | None = None,
     ) -> None:
         self.pool, self.counters, self.writer = pool, counters, writer
+        self.fp8 = fp8
+        self.dims = dims if dims is not None else (pool.kv_lora_rank, pool.rope_dim)
         self.dtype, self.device, self.device_path = dtype, device, device_path
         self.fence_timeout = fence_timeout
         num_layers = pool.num_layers
@@ -160,10 +166,9 @@ class RowAppender:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``kv_c [n, Dc]`` and ``k_pe [n, Dr]``: floating, on one device."""
         floating = (torch.float32, torch.bfloat16, torch.float16)
-        kv_c = check_tensor(where, "kv_c", kv_c, shape=(n, self.pool.kv_lora_rank), dtypes=floating)
-        k_pe = check_tensor(
-            where, "k_pe", k_pe, shape=(n, self.pool.rope_dim), dtypes=floating, devices=(kv_c.device,)
-        )
+        Dc, Dr = self.dims
+        kv_c = check_tensor(where, "kv_c", kv_c, shape=(n, Dc), dtypes=floating)
+        k_pe = check_tensor(where, "k_pe", k_pe, shape=(n, Dr), dtypes=floating, devices=(kv_c.device,))
         return kv_c, k_pe
 
     def _place(self, where: str, ids: list[int], positions: torch.Tensor) -> PlacedRows:
@@ -187,7 +192,11 @@ class RowAppender:
         seq = self._seq[layer]
         host_kv, host_pe = self.pool.rows(layer)
         n, dst = placed.n, placed.dst
-        kv_src, pe_src = kv_c.to(self.dtype), k_pe.to(self.dtype)
+        if self.fp8:  # quantized where the rows are: the bytes of FP8 rows move, and an empty rotary part
+            kv_src = quantize_kv_fp8(kv_c, k_pe)
+            pe_src = kv_src[:, :0]
+        else:
+            kv_src, pe_src = kv_c.to(self.dtype), k_pe.to(self.dtype)
         if self.device_path and kv_src.device == self.device:
             event = self._append_device(layer, seq, kv_src, pe_src, dst)
             if not event.succeeded():  # a launch run to completion here (the interpreter) leaves no wait

@@ -1,6 +1,7 @@
 """``SparseOffloadBackend``: sparse decode offload as a KV backend (DESIGN §7).
 
-Every new row goes to the host pool (:meth:`SparseDecodeOffload.append`); the indexer keys go to the device
+Every new row goes to the host pool (:meth:`SparseDecodeOffload.append`; with ``kv_dtype="fp8_e4m3"`` as
+DeepSeek's FP8 row, which the hot buffers keep too and attention dequantizes where it reads); the indexer keys go to the device
 :class:`~torch_kvoffload.sparse.indexer_cache.IndexerCache`. A decode step (one new token per request)
 runs the fused indexer + residency + Copy-SFA path (:meth:`SparseDecodeOffload.attend`); a multi-token
 forward without the layerwise pipeline attends over its own rows plus, for a chunked prefill, the
@@ -40,10 +41,14 @@ from torch_kvoffload.kv.layout import KVLayout
 from torch_kvoffload.kv.requests import Request
 from torch_kvoffload.kv.spec import ModelSpec, TensorParallel
 from torch_kvoffload.kv.totals import RuntimeTotals
+from torch_kvoffload.ops.fp8 import quantize_kv_fp8
+from torch_kvoffload.ops.fp8_attention import dequantize_rows
 from torch_kvoffload.sparse.config import (
+    FP8_KV,
     SparseDecodeConfig,
     SparseOptions,
     check_indexer_format,
+    check_kv_format,
     resolve_sparse_config,
 )
 from torch_kvoffload.sparse.host_pool import HostKVPool
@@ -72,6 +77,8 @@ class SparseOffloadBackend(KVBackend):
         self.runtime: SparseDecodeOffload | None = None
         self._attached: HostKVPool | None = None  # a TP reader's mapping of TP rank 0's pool
         check_indexer_format(options.indexer_dtype or "bf16", spec)
+        check_kv_format(options.kv_dtype, spec)
+        self.fp8 = options.kv_dtype == FP8_KV  # the host pool and hot buffers keep FP8 rows
         self.index = IndexerCache(spec, options.indexer_dtype or "bf16")
         self._layout: KVLayout | None = None
         self._configured = (0, 0)  # (top_k, hot capacity) of the configuration, before clipping to a layout
@@ -201,10 +208,15 @@ class SparseOffloadBackend(KVBackend):
         rt.append_validated(layer, placed, rows.kv_c, rows.k_pe)  # the core checked the rows
         self.index.write_keys(layer, fwd.index_phys, rows.index_k)
         if not fwd.decode and not fwd.layerwise:
-            self._rows[layer] = (rows.kv_c, rows.k_pe)
+            if self.fp8:  # attention reads what the pool keeps: the quantized rows
+                fp8_rows = quantize_kv_fp8(rows.kv_c, rows.k_pe)
+                self._rows[layer] = (fp8_rows, fp8_rows[:, :0])
+            else:
+                self._rows[layer] = (rows.kv_c, rows.k_pe)
 
     def keys(self, layer: int, fwd: ForwardPlan) -> KeyRows | None:
-        """A multi-token forward's own rows, after each request's earlier rows read from the host pool."""
+        """A multi-token forward's own rows, after each request's earlier rows read from the host pool (FP8
+        rows as they are kept: ``KeyRows.fp8``)."""
         if fwd.decode or layer not in self._rows:
             return None
         rt, spec = self.runtime, self.spec
@@ -212,7 +224,7 @@ class SparseOffloadBackend(KVBackend):
         rows_c, rows_pe = self._rows[layer]
         if fwd.first:
             n_new = [n - o for o, n in zip(fwd.old_len, fwd.new_len, strict=True)]
-            return KeyRows(rows_c, rows_pe, [0, *itertools.accumulate(n_new)][:-1])
+            return KeyRows(rows_c, rows_pe, [0, *itertools.accumulate(n_new)][:-1], fp8=self.fp8)
         rt.wait_rows(layer)  # the appends so far are in the pool (a TP reader: the writer published them)
         pool = rt.pool
         host_c, host_pe = pool.rows(layer)
@@ -232,7 +244,7 @@ class SparseOffloadBackend(KVBackend):
             starts.append(off)
             off += new
             pos += new - old
-        return KeyRows(torch.cat(parts_c), torch.cat(parts_pe), starts)
+        return KeyRows(torch.cat(parts_c), torch.cat(parts_pe), starts, fp8=self.fp8)
 
     def indexer(self, layer: int, fwd: ForwardPlan) -> IndexerView | None:
         assert self.runtime is not None
@@ -251,6 +263,11 @@ class SparseOffloadBackend(KVBackend):
             keys = self.index.read_stored if stored else self.index.read_keys
             return [k[start:] for k in keys(layer, requests)]
         pool = rt.pool
+        if self.fp8:
+            raise RuntimeError(
+                f"the host pool keeps the main KV as FP8 rows (sparse.kv_dtype={FP8_KV!r}), which do not give "
+                "the model's latent KV back exactly; use the model's dtype to read it"
+            )
         if pool.dtype != spec.dtype:
             raise RuntimeError(
                 f"the host pool keeps the main KV in {pool.dtype} (sparse.kv_dtype), not in the model's "
@@ -308,6 +325,10 @@ class SparseOffloadBackend(KVBackend):
         rows = torch.tensor(step.rows, dtype=torch.int64, device=slots.device)[:, None]
         at = slots.clamp(min=0)
         positions = torch.where(slots >= 0, step.topk.long(), -1)
+        if self.fp8:
+            return SelectedRows(
+                positions, *dequantize_rows(rt.hot_kv_c[layer][rows, at], self.spec.kv_lora_rank)
+            )
         return SelectedRows(positions, rt.hot_kv_c[layer][rows, at], rt.hot_k_pe[layer][rows, at])
 
     # ------------------------------------------------------------------------------ accounting
@@ -368,9 +389,10 @@ def _shared_runtime(
             raise error  # rank 0's own failure, before the name was broadcast
         if tp.rank == 0 or name is None:
             return
+        row_c, row_pe = scfg.row_dims(kw["kv_lora_rank"], kw["rope_dim"])
         attached = HostKVPool.attach(
             name, num_layers=kw["num_layers"], num_blocks=scfg.host_pool_blocks, block_size=scfg.block_size,
-            kv_lora_rank=kw["kv_lora_rank"], rope_dim=kw["rope_dim"], dtype=scfg.torch_kv_dtype,
+            kv_lora_rank=row_c, rope_dim=row_pe, dtype=scfg.torch_kv_dtype,
         )  # fmt: skip
         rt = SparseDecodeOffload(scfg, **kw, pool=attached, writer=False, fence_timeout=FENCE_TIMEOUT_S)
         then()

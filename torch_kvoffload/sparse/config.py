@@ -9,6 +9,7 @@ from pydantic import Field, StrictBool, StrictInt, field_validator, model_valida
 
 from torch_kvoffload._utils import dtype_name, parse_dtype
 from torch_kvoffload.config import ConfigModel, parse_lax_bool
+from torch_kvoffload.ops.fp8 import TILE, kv_row_bytes
 from torch_kvoffload.store.sizes import check_host_bytes
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ __all__ = [
     "SparseDecodeConfig",
     "SparseOptions",
     "check_indexer_format",
+    "check_kv_format",
     "resolve_sparse_config",
 ]
 
@@ -32,7 +34,8 @@ __all__ = [
 #: testing. fp16 is a plain floating type too, but no sparse kernel computes in it.
 MAIN_KV_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
 
-#: ``kv_dtype`` of the main KV kept as DeepSeek's FP8 rows (FlashMLA's 656-byte format; resident KV only).
+#: ``kv_dtype`` of the main KV kept as DeepSeek's FP8 rows (FlashMLA's 656-byte format): the resident KV, or
+#: the host pool and hot buffers of sparse decode offload.
 FP8_KV = "fp8_e4m3"
 
 #: The indexer caches' formats: the model's floating dtype, Hadamard + int8 (LIC8), Hadamard + FP8 rows.
@@ -61,12 +64,15 @@ class SparseDecodeConfig(ConfigModel):
     manage op and Copy-SFA (default) instead of separate ops.
 
     ``kv_dtype`` is the main KV's dtype: ``"bf16"`` or ``"fp32"`` (any alias of ``_utils.DTYPE_ALIASES``
-    or a torch dtype; stored as the short name).
+    or a torch dtype; stored as the short name), or ``"fp8_e4m3"``: the host pool and hot buffers keep
+    DeepSeek's FP8 rows (``uint8 [.., Dc + 4 * Dc / 128 + 2 * Dr]``, 656 bytes for ``Dc = 512, Dr = 64``),
+    quantized as rows are appended, dequantized where attention reads them (``kv_lora_rank`` a multiple of
+    128, checked by :func:`resolve_sparse_config`).
 
     Rejected at construction, each with its own ``ValueError``: ``capacity < top_k``; ``policy="score"``
     with a quantized ``indexer_dtype`` (the int8 and FP8 indexers return no scores); a main KV dtype that
-    is not a plain floating type (packed / quantised main caches such as int8, fp8, C8, TQ4) or that no
-    sparse op runs (fp16);
+    is neither ``"fp8_e4m3"`` nor a plain floating type (other packed / quantised main caches such as int8,
+    C8, TQ4) or that no sparse op runs (fp16);
     ``context_parallel_size > 1``; ``pipeline_parallel_size > 1``; ``hybrid_kv_layout``.
 
     Sizes are plain ints (a bool, a float or a string is rejected) within bounds: ``1 <= top_k <=
@@ -95,14 +101,16 @@ class SparseDecodeConfig(ConfigModel):
     @field_validator("kv_dtype", mode="before")
     @classmethod
     def _main_kv_dtype(cls, value: Any) -> str:
+        if value == FP8_KV:
+            return FP8_KV
         names = [dtype_name(d) for d in MAIN_KV_DTYPES]
         try:
             dtype = parse_dtype("sparse decode offload: kv_dtype", value)
         except ValueError:
             raise ValueError(
                 f"sparse decode offload: main KV dtype {value!r} is not supported; the main (latent) KV "
-                f"must be a plain floating dtype the sparse ops run ({', '.join(names)}); "
-                "packed / quantised main caches (int8, fp8, C8, TQ4, ...) are rejected"
+                f"must be a plain floating dtype the sparse ops run ({', '.join(names)}) or {FP8_KV!r} "
+                "(DeepSeek's FP8 rows); other packed / quantised main caches (int8, C8, TQ4, ...) are rejected"
             ) from None
         if dtype not in MAIN_KV_DTYPES:
             raise ValueError(
@@ -150,9 +158,23 @@ class SparseDecodeConfig(ConfigModel):
         return self
 
     @property
+    def fp8_kv(self) -> bool:
+        """Whether the host pool and hot buffers keep FP8 rows (``kv_dtype="fp8_e4m3"``)."""
+        return self.kv_dtype == FP8_KV
+
+    @property
     def torch_kv_dtype(self) -> torch.dtype:
-        """``kv_dtype`` as a torch dtype."""
+        """The dtype the host pool and hot buffers store: ``kv_dtype``, or ``uint8`` (the bytes of FP8 rows)."""
+        if self.fp8_kv:
+            return torch.uint8
         return parse_dtype("SparseDecodeConfig.kv_dtype", self.kv_dtype, MAIN_KV_DTYPES)
+
+    def row_dims(self, kv_lora_rank: int, rope_dim: int) -> tuple[int, int]:
+        """Widths of the stored ``(kv_c, k_pe)`` rows of a model's ``(Dc, Dr)``: the same, or for FP8 rows one
+        ``Dc + 4 * Dc / 128 + 2 * Dr``-byte row and an empty rotary part."""
+        if self.fp8_kv:
+            return kv_row_bytes(kv_lora_rank, rope_dim), 0
+        return kv_lora_rank, rope_dim
 
     @property
     def hot_capacity(self) -> int:
@@ -214,12 +236,6 @@ class SparseOptions(ConfigModel):
         fields = dict(value)
         if "offload" in fields:
             fields["offload"] = parse_lax_bool("sparse.offload", fields["offload"])
-        fp8_kv = fields.get("kv_dtype") == FP8_KV
-        if fp8_kv and fields.get("offload", True) is not False:
-            raise ValueError(
-                f"sparse: kv_dtype={FP8_KV!r} keeps the main KV as FP8 rows, supported with offload=False (the "
-                "resident KV); sparse decode offload keeps its host pool and hot buffers in a floating dtype"
-            )
         if fields.get("offload") is False:
             host_only = sorted(k for k in _OFFLOAD_ONLY if fields.get(k) is not None)
             if host_only:
@@ -229,7 +245,7 @@ class SparseOptions(ConfigModel):
                 )
         # validate the given fields now (placeholders for the ones the model determines); the common
         # OffloadConfig.block_size is checked with the pool in resolve_sparse_config
-        trial = {k: v for k, v in fields.items() if k != "offload" and not (k == "kv_dtype" and fp8_kv)}
+        trial = {k: v for k, v in fields.items() if k != "offload"}
         trial.setdefault("top_k", trial.get("capacity") or 1)
         trial.setdefault("host_pool_blocks", 1)
         trial.setdefault("block_size", 1)
@@ -265,10 +281,21 @@ def resolve_sparse_config(
     }
     cfg = SparseDecodeConfig.model_validate(fields)
     check_indexer_format(cfg.indexer_dtype, spec)
-    row_bytes = (spec.kv_lora_rank + spec.rope_dim) * cfg.torch_kv_dtype.itemsize
+    check_kv_format(cfg.kv_dtype, spec)
+    row_bytes = sum(cfg.row_dims(spec.kv_lora_rank, spec.rope_dim)) * cfg.torch_kv_dtype.itemsize
     pool = spec.num_layers * cfg.host_pool_blocks * cfg.block_size * row_bytes
     check_host_bytes(f"sparse decode offload of {spec.model_class}", "host_pool_blocks (the host pool)", pool)
     return cfg
+
+
+def check_kv_format(kv_dtype: str | None, spec: ModelSpec) -> None:
+    """``ValueError`` when ``spec``'s latent KV cannot be kept as ``kv_dtype``: FP8 rows quantize the latent
+    values in tiles of 128 (a ``kv_lora_rank`` that is a multiple of 128)."""
+    if kv_dtype == FP8_KV and spec.kv_lora_rank % TILE:
+        raise ValueError(
+            f"OffloadConfig.sparse: kv_dtype={FP8_KV!r} quantizes the latent KV in tiles of {TILE} values; "
+            f"{spec.model_class} has kv_lora_rank={spec.kv_lora_rank}, not a multiple of {TILE}"
+        )
 
 
 def check_indexer_format(indexer_dtype: str, spec: ModelSpec) -> None:

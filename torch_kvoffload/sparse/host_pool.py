@@ -1,7 +1,8 @@
 """``HostKVPool``: the complete main (MLA latent) KV of every request, paged, in host memory.
 
 Per layer two paged tensors: ``kv_c [num_blocks, block_size, kv_lora_rank]`` and ``k_pe [num_blocks,
-block_size, rope_dim]``. A request's logical position ``p`` lives at row ``slot = block_table[p //
+block_size, rope_dim]`` of a floating dtype, or for FP8 rows (``sparse.kv_dtype="fp8_e4m3"``) ``uint8`` rows
+of the row's bytes as ``kv_c`` and an empty ``k_pe`` (``rope_dim=0``). A request's logical position ``p`` lives at row ``slot = block_table[p //
 block_size] * block_size + p % block_size`` of every layer.
 
 Sharing across the TP ranks of one host (DESIGN §7): TP rank 0 creates the pool with ``shared=True`` —
@@ -54,6 +55,16 @@ def _part_bytes(
     """Bytes of the ``kv_c`` rows and of the ``k_pe`` rows of every layer."""
     rows = num_layers * num_blocks * block_size * dtype.itemsize
     return rows * kv_lora_rank, rows * rope_dim
+
+
+def _pool_dtype(where: str, value: object) -> torch.dtype:
+    """A pool's dtype: a floating dtype of the main KV, or ``uint8`` (the bytes of FP8 rows)."""
+    if value is torch.uint8 or str(value).removeprefix("torch.") == "uint8":
+        return torch.uint8
+    dtype = parse_dtype(where, value)
+    if not dtype.is_floating_point:
+        raise ValueError(f"{where}: the main KV must be a floating dtype or uint8 (FP8 rows), got {value!r}")
+    return dtype
 
 
 def _header_bytes(num_layers: int) -> int:
@@ -110,8 +121,9 @@ class HostKVPool:
         )
         # per-layer views made once (paged, and one row per slot): an append and a step of every layer read them
         self._kv_c_layers, self._k_pe_layers = self._kv_c.unbind(0), self._k_pe.unbind(0)
+        slots = num_blocks * block_size
         self._rows = [
-            (kv.view(-1, kv_lora_rank), pe.view(-1, rope_dim))
+            (kv.view(slots, kv_lora_rank), pe.view(slots, rope_dim))
             for kv, pe in zip(self._kv_c_layers, self._k_pe_layers, strict=True)
         ]
         self.block_tables = BlockTables(num_blocks, block_size)
@@ -134,10 +146,12 @@ class HostKVPool:
     ) -> HostKVPool:
         """Allocate a pool; ``shared=True`` backs it by ``/dev/shm/<name>`` for :meth:`attach`."""
         for arg, v in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
-                       ("kv_lora_rank", kv_lora_rank), ("rope_dim", rope_dim)):  # fmt: skip
+                       ("kv_lora_rank", kv_lora_rank)):  # fmt: skip
             check_int("HostKVPool.create", arg, v, minimum=1)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"HostKVPool.create: the main KV must be a floating dtype, got {dtype}")
+        check_int("HostKVPool.create", "rope_dim", rope_dim, minimum=0)  # 0: FP8 rows hold their RoPE part
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"HostKVPool.create: dtype must be a torch.dtype, got {dtype!r}")
+        dtype = _pool_dtype("HostKVPool.create", dtype)
         dims = dict(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
                     kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)  # fmt: skip
         kv_bytes, pe_bytes = _part_bytes(**dims, dtype=dtype)
@@ -203,9 +217,12 @@ class HostKVPool:
         dims = cls._header_dims(path, meta)
         expected = {"num_layers": num_layers, "num_blocks": num_blocks, "block_size": block_size,
                     "kv_lora_rank": kv_lora_rank, "rope_dim": rope_dim}  # fmt: skip
-        expected = {k: None if v is None else check_int(where, k, v, minimum=1) for k, v in expected.items()}
+        expected = {
+            k: None if v is None else check_int(where, k, v, minimum=0 if k == "rope_dim" else 1)
+            for k, v in expected.items()
+        }
         if dtype is not None:
-            expected["dtype"] = parse_dtype(f"{where}: dtype", dtype)
+            expected["dtype"] = _pool_dtype(f"{where}: dtype", dtype)
         for field, want in expected.items():
             if want is not None and want != dims[field]:
                 raise ValueError(
@@ -225,15 +242,18 @@ class HostKVPool:
 
     @staticmethod
     def _header_dims(path: str, meta: dict) -> dict:
-        """The dims of a shared pool's header, checked: positive ints and a known (floating) dtype."""
+        """The dims of a shared pool's header, checked: positive ints (``rope_dim`` may be 0) and a known
+        dtype (floating, or uint8 for FP8 rows)."""
         where = "HostKVPool.attach"
         dims: dict = {}
         for field in ("num_layers", "num_blocks", "block_size", "kv_lora_rank", "rope_dim"):
-            v = meta.get(field)
-            if type(v) is not int or v < 1:
-                raise ValueError(f"{where}: {path} has a header with {field} = {v!r}, expected an int >= 1")
+            v, least = meta.get(field), 0 if field == "rope_dim" else 1
+            if type(v) is not int or v < least:
+                raise ValueError(
+                    f"{where}: {path} has a header with {field} = {v!r}, expected an int >= {least}"
+                )
             dims[field] = v
-        dims["dtype"] = parse_dtype(f"{where}: {path} header dtype", meta.get("dtype"))
+        dims["dtype"] = _pool_dtype(f"{where}: {path} header dtype", meta.get("dtype"))
         return dims
 
     @staticmethod

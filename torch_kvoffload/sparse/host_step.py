@@ -7,7 +7,9 @@ query + ``quant_lightning_indexer`` + ``residency_update``, and the FP8 path ``h
 ``fp8_lightning_indexer`` + ``residency_update``. Steps 5–7 (copy misses, remap, attend) are the
 fused Copy-SFA op (``scatter_copy_sparse_mla_attention``) on a slice of the hot buffers when the step's
 rows are one ascending run; otherwise (or unfused) ``copy_rows`` on the H2D transfer stream copies the
-misses and ``sparse_mla_attention`` attends over the whole hot buffer (same results).
+misses and ``sparse_mla_attention`` attends over the whole hot buffer (same results). FP8 rows
+(``kv_dtype="fp8_e4m3"``): ``copy_rows`` moves the missed rows' bytes, ``fp8_sparse_mla_attention``
+dequantizes the selected ones where it reads them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch_kvoffload.ops import (
     scatter_copy_sparse_mla_attention,
     sparse_mla_attention,
 )
+from torch_kvoffload.ops.fp8_attention import fp8_sparse_mla_attention
 from torch_kvoffload.ops.residency import ResidencyOutputs
 from torch_kvoffload.sparse.config import SparseDecodeConfig
 from torch_kvoffload.sparse.host_pool import HostKVPool
@@ -122,6 +125,13 @@ class HostStep:
         host_kv, host_pe = self.pool.kv_c(layer), self.pool.k_pe(layer)
         hot_kv, hot_pe = self.hot.kv_c[layer], self.hot.k_pe[layer]
         T, C = q_nope.shape[0], self.hot.capacity
+        if self.config.fp8_kv:  # the misses' bytes, then attention over the dequantized rows it selects
+            copied = self._copy_misses(host_kv, host_pe, hot_kv, hot_pe, host_bt, res, rows_t)
+            indices = torch.where(res.slots >= 0, res.slots + (rows_t[:, None] * C).to(torch.int32), -1)
+            o, s = fp8_sparse_mla_attention(q_nope, q_pe, hot_kv.view(-1, hot_kv.shape[-1]), indices, scale)
+            out.copy_(o)
+            lse.copy_(s)
+            return copied
         if self.config.fused and plan.contiguous():
             a = plan.rows[0]
             scatter_copy_sparse_mla_attention(
@@ -162,7 +172,8 @@ class HostStep:
 
         def h2d() -> None:
             copy_rows(host_kv, hot_kv, src, dst)
-            copy_rows(host_pe, hot_pe, src, dst)
+            if host_pe.shape[-1]:  # FP8 rows hold their rotary part
+                copy_rows(host_pe, hot_pe, src, dst)
 
         event = self.h2d.submit(h2d, after=[kv_transfer.record_compute_event()], inline=True)
         event.wait_on_compute()

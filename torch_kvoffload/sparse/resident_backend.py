@@ -23,8 +23,8 @@ from torch_kvoffload.kv.layout import KVLayout
 from torch_kvoffload.kv.paged import SlotPages
 from torch_kvoffload.kv.requests import Request
 from torch_kvoffload.kv.spec import ModelSpec
-from torch_kvoffload.ops.fp8 import TILE, kv_row_bytes, quantize_kv_fp8
-from torch_kvoffload.sparse.config import FP8_KV, SparseOptions, check_indexer_format
+from torch_kvoffload.ops.fp8 import kv_row_bytes, quantize_kv_fp8
+from torch_kvoffload.sparse.config import FP8_KV, SparseOptions, check_indexer_format, check_kv_format
 from torch_kvoffload.sparse.indexer_cache import IndexerCache
 
 __all__ = ["ResidentSparseBackend"]
@@ -45,11 +45,7 @@ class ResidentSparseBackend(KVBackend):
         assert not sparse.offload
         want = sparse.kv_dtype
         self.fp8 = want == FP8_KV
-        if self.fp8 and spec.kv_lora_rank % TILE:
-            raise ValueError(
-                f"OffloadConfig.sparse: kv_dtype={FP8_KV!r} quantizes the latent KV in tiles of {TILE} values; "
-                f"{spec.model_class} has kv_lora_rank={spec.kv_lora_rank}, not a multiple of {TILE}"
-            )
+        check_kv_format(want, spec)
         if want is not None and not self.fp8 and parse_dtype("sparse.kv_dtype", want) != spec.dtype:
             raise ValueError(
                 f"OffloadConfig.sparse: offload=False keeps the main KV resident in the model's dtype "

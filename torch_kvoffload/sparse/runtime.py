@@ -3,7 +3,9 @@
 Memory: the complete main KV (latent ``kv_c`` + rotary ``k_pe``) of every request lives in a
 :class:`HostKVPool`; the device holds the indexer cache (owned by the caller, rank-local) and, per layer,
 hot buffers ``hot_kv_c [R, C, Dc]`` / ``hot_k_pe [R, C, Dr]`` of ``C = capacity`` rows per residency row
-(``R = max_rows``).
+(``R = max_rows``). With ``kv_dtype="fp8_e4m3"`` the pool and the hot buffers hold DeepSeek's FP8 rows
+instead (``uint8 [.., W]``, ``W = Dc + 4 * Dc / 128 + 2 * Dr``, and an empty ``k_pe``): appended rows are
+quantized on their way to the pool, misses move as bytes, attention dequantizes the rows it reads.
 
 Per decode step and layer:
 
@@ -130,30 +132,41 @@ class SparseDecodeOffload:
             raise ValueError(f"{where}: fence_timeout must be > 0 seconds, got {fence_timeout!r}")
         self.config = config
         self.num_layers, self.max_rows = num_layers, max_rows
-        self.dtype = config.torch_kv_dtype
+        self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
+        self.dtype = config.torch_kv_dtype  # what the pool and hot buffers store (uint8 for FP8 rows)
+        # the queries' dtype: the KV's, or for FP8 rows any the FP8 attention reads
+        self.query_dtypes = (torch.float32, torch.bfloat16) if config.fp8_kv else (self.dtype,)
         self.device = torch.device(device) if device is not None else kv_device.default_device()
         self.fence_timeout = float(fence_timeout)
+        row_c, row_pe = config.row_dims(kv_lora_rank, rope_dim)  # the stored rows' widths
         if pool is None:
-            pool = HostKVPool.create(num_layers, config.host_pool_blocks, config.block_size, kv_lora_rank,
-                                     rope_dim, self.dtype, shared=shared)  # fmt: skip
+            pool = HostKVPool.create(num_layers, config.host_pool_blocks, config.block_size, row_c, row_pe,
+                                     self.dtype, shared=shared)  # fmt: skip
             self._owns_pool = True
         else:
             self._owns_pool = False
-        self._check_pool(pool, kv_lora_rank, rope_dim)
+        self._check_pool(pool, row_c, row_pe)
         self.pool = pool
         self.writer = writer
         self._hot = HotBuffers(
             num_layers=num_layers, max_rows=max_rows, capacity=config.hot_capacity, top_k=config.top_k,
-            kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, dtype=self.dtype, device=self.device,
-            policy=config.policy,
+            kv_lora_rank=row_c, rope_dim=row_pe, dtype=self.dtype, device=self.device, policy=config.policy,
         )  # fmt: skip
-        self._device_path = resolve_step_path(where, step_path, self.device, pool, self.capacity)
-        # the device step's fused manage kernel reads floating or int8 keys; FP8 rows take the host step's ops
+        if config.fp8_kv and step_path == "device":
+            raise ValueError(
+                f"{where}: step_path='device' runs the device step's kernels, which read floating main rows; "
+                "FP8 rows (kv_dtype='fp8_e4m3') take the host step (step_path 'host' or 'auto')"
+            )
+        # FP8 rows append and attend through the host step's ops
+        path = "host" if config.fp8_kv and step_path == "auto" else step_path
+        self._device_path = resolve_step_path(where, path, self.device, pool, self.capacity)
+        # the device step's fused manage kernel reads floating or int8 keys; FP8 keys take the host step's ops
         self._device_step = self._device_path and config.fused and config.indexer_dtype != "fp8_e4m3"
         fresh = self.device.type == "cpu" and not self._device_path  # new output tensors every step
         self._counters = StepCounters(num_layers, pool.row_bytes, self.device, deferred=fresh)
         self._appender = RowAppender(
             pool, self._counters, writer=writer, dtype=self.dtype, device=self.device,
+            fp8=config.fp8_kv, dims=(kv_lora_rank, rope_dim),
             device_path=self._device_path, fence_timeout=self.fence_timeout,
         )  # fmt: skip
         outputs = StepOutputs(max_rows, kv_lora_rank, self.device, fresh=fresh)
@@ -187,7 +200,7 @@ class SparseDecodeOffload:
 
     @property
     def hot_kv_c(self) -> list[torch.Tensor]:
-        """Per layer ``[max_rows, capacity, Dc]`` hot buffer of the latent rows."""
+        """Per layer ``[max_rows, capacity, Dc]`` hot buffer of the latent rows (FP8 rows: ``uint8 [.., W]``)."""
         return self._hot.kv_c
 
     @property
@@ -412,15 +425,16 @@ class SparseDecodeOffload:
     ) -> StepResult:
         """Steps 3–7 for ``layer``: select, manage, copy misses, sparse attention over the hot rows.
 
-        ``q_nope [T, H, Dc]``, ``q_pe [T, H, Dr]`` (absorbed queries, the KV dtype, on the compute
+        ``q_nope [T, H, Dc]``, ``q_pe [T, H, Dr]`` (absorbed queries, the KV dtype or for FP8 rows fp32 /
+        bf16, on the compute
         device); ``indexer`` and ``rows`` describe the same ``T`` decode rows. Every argument is checked
         before anything changes; see :func:`torch_kvoffload.sparse.step_inputs.check_block_coverage` for
         the block-table checks. ``rows`` from :meth:`check_rows` skip the checks made there (the same
         rows for every layer of a forward).
         """
         where = "SparseDecodeOffload.attend"
-        kw = dict(pool=self.pool, max_rows=self.max_rows, dtype=self.dtype, device=self.device,
-                  indexer_dtype=self.config.indexer_dtype)  # fmt: skip
+        kw = dict(pool=self.pool, max_rows=self.max_rows, dims=(self.kv_lora_rank, self.rope_dim),
+                  dtypes=self.query_dtypes, device=self.device, indexer_dtype=self.config.indexer_dtype)  # fmt: skip
         if isinstance(rows, CheckedRows):
             ids, stable, host_bt = check_step_checked(
                 where, layer, q_nope, q_pe, scale, indexer, rows, **kw, epoch=self.epoch

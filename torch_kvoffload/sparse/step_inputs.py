@@ -107,19 +107,20 @@ def check_step(
     *,
     pool: HostKVPool,
     max_rows: int,
-    dtype: torch.dtype,
+    dims: tuple[int, int],
+    dtypes: tuple[torch.dtype, ...],
     device: torch.device,
     indexer_dtype: str,
 ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """Check every argument of one layer's step (``attend``); return ``(request ids as ints, stable_len
     int64 [T], host block table int32 [T, W])``.
 
-    ``q_nope [T, H, Dc]`` / ``q_pe [T, H, Dr]`` in the KV ``dtype`` on ``device`` with ``1 <= T <=
+    ``q_nope [T, H, Dc]`` / ``q_pe [T, H, Dr]`` (``dims``) of one of ``dtypes`` on ``device`` with ``1 <= T <=
     max_rows``; ``rows`` a :class:`DecodeRows` and ``indexer`` :class:`IndexerInputs` of the same ``T``
     rows, with the caches of ``indexer_dtype`` (``SparseDecodeConfig.indexer_dtype``); then
     :func:`check_block_coverage`.
     """
-    T = _check_queries(where, layer, q_nope, q_pe, scale, pool=pool, max_rows=max_rows, dtype=dtype,
+    T = _check_queries(where, layer, q_nope, q_pe, scale, pool=pool, max_rows=max_rows, dims=dims, dtypes=dtypes,
                        device=device)  # fmt: skip
     if not isinstance(rows, DecodeRows):
         raise TypeError(f"{where}: 'rows' must be a DecodeRows, got {type(rows).__name__}")
@@ -174,7 +175,8 @@ def check_step_checked(
     *,
     pool: HostKVPool,
     max_rows: int,
-    dtype: torch.dtype,
+    dims: tuple[int, int],
+    dtypes: tuple[torch.dtype, ...],
     device: torch.device,
     indexer_dtype: str,
     epoch: int,
@@ -188,13 +190,13 @@ def check_step_checked(
     (the next layers of a forward)."""
     layout = _layer_inputs(q_nope, q_pe, indexer)
     if layout is not None:  # what the checks compare the inputs with: the runtime's, as well
-        layout = (id(pool), max_rows, dtype, device, indexer_dtype, layout)
+        layout = (id(pool), max_rows, dims, dtypes, device, indexer_dtype, layout)
     if (
         layout is None
         or layout != rows.layer_inputs
         or not (type(layer) is int and 0 <= layer < pool.num_layers)
     ):
-        T = _check_queries(where, layer, q_nope, q_pe, scale, pool=pool, max_rows=max_rows, dtype=dtype,
+        T = _check_queries(where, layer, q_nope, q_pe, scale, pool=pool, max_rows=max_rows, dims=dims, dtypes=dtypes,
                            device=device)  # fmt: skip
         if not isinstance(indexer, IndexerInputs):
             raise TypeError(f"{where}: 'indexer' must be IndexerInputs, got {type(indexer).__name__}")
@@ -239,17 +241,18 @@ def _layer_inputs(q_nope: object, q_pe: object, indexer: object) -> tuple | None
 
 def _check_queries(
     where: str, layer: object, q_nope: object, q_pe: object, scale: object, *, pool: HostKVPool,
-    max_rows: int, dtype: torch.dtype, device: torch.device,
+    max_rows: int, dims: tuple[int, int], dtypes: tuple[torch.dtype, ...], device: torch.device,
 ) -> int:  # fmt: skip
-    """``layer``, ``q_nope [T, H, Dc]``, ``q_pe [T, H, Dr]`` and ``scale``; returns ``T``."""
+    """``layer``, ``q_nope [T, H, Dc]``, ``q_pe [T, H, Dr]`` (``dims``, one of ``dtypes``) and ``scale``;
+    returns ``T``."""
     check_layer(where, layer, pool.num_layers)
     dev = (device,)
-    Dc, Dr = pool.kv_lora_rank, pool.rope_dim
-    q_nope = check_tensor(where, "q_nope", q_nope, shape=(None, None, Dc), dtypes=(dtype,), devices=dev)
+    Dc, Dr = dims
+    q_nope = check_tensor(where, "q_nope", q_nope, shape=(None, None, Dc), dtypes=dtypes, devices=dev)
     T, H = q_nope.shape[:2]
     if not 1 <= T <= max_rows:
         raise ValueError(f"{where}: {T} decode rows, expected 1..max_rows={max_rows}")
-    check_tensor(where, "q_pe", q_pe, shape=(T, H, Dr), dtypes=(dtype,), devices=dev)
+    check_tensor(where, "q_pe", q_pe, shape=(T, H, Dr), dtypes=(q_nope.dtype,), devices=dev)
     check_scale(where, scale)
     return T
 

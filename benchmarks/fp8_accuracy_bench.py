@@ -12,6 +12,11 @@
   positions (a random tiny model's logits are close together, so any change of the selection soon
   changes a token: a pessimistic measure).
 
+* **Bytes moved** (sparse offload, ``kv_dtype="fp8_e4m3"`` against the model's bf16 rows): one layer of
+  production KV widths (Dc = 512, Dr = 64, top-k ``--h2d-top-k``), a ``--h2d-prompt``-token prompt, 16
+  greedy tokens: host-to-device bytes per decode step, misses, host pool bytes per token. Both runs use the
+  same (bf16) indexer, so they select the same rows and miss alike: the bytes differ by the rows' size.
+
 Random data is the hard case for a top-k (scores close together); a trained model's scores are more
 spread. Results: ``benchmarks/results/fp8_accuracy_bench.{json,png}``.
 
@@ -121,12 +126,39 @@ def generation_agreement(new: int, prompts: int) -> dict[str, float]:
     return out
 
 
+def h2d_bytes(prompt: int, top_k: int, new: int = 16) -> dict[str, dict[str, float]]:
+    """Host-to-device bytes of sparse offload's decode steps with bf16 rows and with FP8 rows."""
+    from serving_bench import build
+
+    import torch_kvoffload
+
+    base = build(1, top_k, torch.bfloat16, 0, prompt + new + 16)
+    ids = torch.randint(3, 4000, (1, prompt), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for name, sparse in (("bf16", {}), ("fp8_e4m3", {"kv_dtype": "fp8_e4m3"})):
+        # no prefix reuse: a fresh prompt's prefill reads nothing from the host, every H2D byte is a decode miss
+        model = torch_kvoffload.offload(copy.deepcopy(base), {"sparse": sparse, "prefix_cache": False})
+        with torch.no_grad():
+            tokens = model.generate(ids, max_new_tokens=new, do_sample=False)
+        after = torch_kvoffload.stats(model)
+        steps = new - 1  # the first token comes from the prefill
+        out[name] = {
+            "h2d_bytes_per_step": after["bytes_h2d"] / steps,
+            "misses_per_step": after["misses"] / steps,
+            "host_pool_bytes_per_token": after["host_pool_bytes"] / (after["reserved_tokens"] or 1),
+            "tokens": tokens[0, prompt:].tolist(),
+        }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--tokens", type=int, default=4)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--h2d-prompt", type=int, default=2048)
+    parser.add_argument("--h2d-top-k", type=int, default=512)
     args = parser.parse_args()
 
     indexer = [indexer_overlap(c, args.tokens, seed=i) for i, c in enumerate(args.contexts)]
@@ -147,8 +179,25 @@ def main() -> None:
         [[fmt, generation[f"{fmt}_first_difference_mean"], generation[f"{fmt}_equal_overall"]]
          for fmt in ("fp8_e4m3", "int8")],
     ))  # fmt: skip
+    moved = h2d_bytes(args.h2d_prompt, args.h2d_top_k)
+    print(
+        f"\nsparse offload, bytes moved ({args.h2d_prompt}-token prompt, top-{args.h2d_top_k}, Dc 512 + Dr 64)"
+    )
+    print(format_table(
+        ["rows", "H2D bytes / step", "misses / step", "host pool bytes / token"],
+        [[n, r["h2d_bytes_per_step"], r["misses_per_step"], r["host_pool_bytes_per_token"]] for n, r in moved.items()],
+    ))  # fmt: skip
+    ratio = moved["fp8_e4m3"]["h2d_bytes_per_step"] / moved["bf16"]["h2d_bytes_per_step"]
+    print(f"FP8 / bf16 H2D bytes per step: {ratio:.3f} ({(ratio - 1) * 100:+.1f} %); same misses: "
+          f"{moved['fp8_e4m3']['misses_per_step'] == moved['bf16']['misses_per_step']}")  # fmt: skip
     path = write_json(
-        "fp8_accuracy_bench", {"indexer": indexer, "attention": attention, "generation": generation}
+        "fp8_accuracy_bench",
+        {
+            "indexer": indexer,
+            "attention": attention,
+            "generation": generation,
+            "h2d": {**moved, "ratio": ratio},
+        },
     )
     print(f"\n{path}")
     plt = pyplot()

@@ -13,7 +13,9 @@ transformers' continuous batching (``generate_batch``):
   buffers and the indexer cache on the device;
 * ``offloaded_int8``: the same with ``"indexer_dtype": "int8"`` (Hadamard + int8 indexer cache);
 * ``offloaded_fp8``: the same with ``"indexer_dtype": "fp8_e4m3"`` (DeepSeek's FP8 indexer, 132-byte rows);
-* ``resident_fp8`` (capacity only): the resident KV as FP8 latent rows (656 bytes) with the FP8 indexer.
+* ``resident_fp8`` (capacity only): the resident KV as FP8 latent rows (656 bytes) with the FP8 indexer;
+* ``offloaded_fp8_kv`` (capacity only): sparse offload with both FP8 formats, ``{"kv_dtype": "fp8_e4m3",
+  "indexer_dtype": "fp8_e4m3"}`` (the hot buffers hold 656-byte rows, the indexer cache 132-byte rows).
 
 On this machine the "device" is the CPU: the device KV budget is an accounting limit (bytes the caches count
 as device memory), the compute is real.
@@ -69,16 +71,18 @@ from torch_kvoffload.integrations.hf.continuous_batching import (
 from torch_kvoffload.integrations.hf.serving import serving_slots
 
 VARIANTS = ("unmodified", "resident", "offloaded", "offloaded_int8", "offloaded_fp8")
-#: measured for capacity only (accounting): the resident KV as FP8 rows
-FP8_VARIANTS = ("resident_fp8",)
+#: measured for capacity only (accounting): the resident KV as FP8 rows, sparse offload with both FP8 formats
+FP8_VARIANTS = ("resident_fp8", "offloaded_fp8_kv")
 CAPACITY_VARIANTS = (*VARIANTS, *FP8_VARIANTS)
 LIBRARY = {
     "resident": {"offload": False}, "offloaded": {}, "offloaded_int8": {"indexer_dtype": "int8"},
     "resident_fp8": {"offload": False, "kv_dtype": "fp8_e4m3", "indexer_dtype": "fp8_e4m3"},
     "offloaded_fp8": {"indexer_dtype": "fp8_e4m3"},
+    "offloaded_fp8_kv": {"kv_dtype": "fp8_e4m3", "indexer_dtype": "fp8_e4m3"},
 }  # fmt: skip
 COLOURS = {
     **VARIANT_COLOURS, "offloaded_int8": "tab:red", "offloaded_fp8": "tab:purple", "resident_fp8": "tab:brown",
+    "offloaded_fp8_kv": "tab:pink",
 }  # fmt: skip
 KV_LORA, ROPE, INDEX_DIM, PRODUCTION_TOP_K = 512, 64, 128, 2048
 VOCAB, PAD = 4096, 0

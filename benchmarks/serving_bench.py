@@ -13,9 +13,9 @@ transformers' continuous batching (``generate_batch``):
   buffers and the indexer cache on the device;
 * ``offloaded_int8``: the same with ``"indexer_dtype": "int8"`` (Hadamard + int8 indexer cache);
 * ``offloaded_fp8``: the same with ``"indexer_dtype": "fp8_e4m3"`` (DeepSeek's FP8 indexer, 132-byte rows);
-* ``resident_fp8`` (capacity only): the resident KV as FP8 latent rows (656 bytes) with the FP8 indexer;
-* ``offloaded_fp8_kv`` (capacity only): sparse offload with both FP8 formats, ``{"kv_dtype": "fp8_e4m3",
-  "indexer_dtype": "fp8_e4m3"}`` (the hot buffers hold 656-byte rows, the indexer cache 132-byte rows).
+* ``offloaded_fp8_kv``: sparse offload with both FP8 formats, ``{"kv_dtype": "fp8_e4m3", "indexer_dtype":
+  "fp8_e4m3"}`` (host pool and hot buffers of 656-byte latent rows, the indexer cache of 132-byte rows);
+* ``resident_fp8`` (capacity only): the resident KV as FP8 latent rows (656 bytes) with the FP8 indexer.
 
 On this machine the "device" is the CPU: the device KV budget is an accounting limit (bytes the caches count
 as device memory), the compute is real.
@@ -70,9 +70,9 @@ from torch_kvoffload.integrations.hf.continuous_batching import (
 )
 from torch_kvoffload.integrations.hf.serving import serving_slots
 
-VARIANTS = ("unmodified", "resident", "offloaded", "offloaded_int8", "offloaded_fp8")
-#: measured for capacity only (accounting): the resident KV as FP8 rows, sparse offload with both FP8 formats
-FP8_VARIANTS = ("resident_fp8", "offloaded_fp8_kv")
+VARIANTS = ("unmodified", "resident", "offloaded", "offloaded_int8", "offloaded_fp8", "offloaded_fp8_kv")
+#: measured for capacity only (accounting): the resident KV as FP8 rows
+FP8_VARIANTS = ("resident_fp8",)
 CAPACITY_VARIANTS = (*VARIANTS, *FP8_VARIANTS)
 LIBRARY = {
     "resident": {"offload": False}, "offloaded": {}, "offloaded_int8": {"indexer_dtype": "int8"},
@@ -406,12 +406,17 @@ def tables(result: dict[str, Any], args) -> str:
     at = cap["lengths"][str(args.target_tokens)]
     res_at = {r["batch"]: r for r in thr["runs"] if r["variant"] == "resident"}
     lines += ["", f"Targets at {args.target_tokens} tokens:"]
-    for v, goal in (("offloaded_fp8", 4.0), ("offloaded_int8", 4.0), ("offloaded", 2.5)):
+    for v, goal in (
+        ("offloaded_fp8_kv", 6.5),
+        ("offloaded_fp8", 4.0),
+        ("offloaded_int8", 4.0),
+        ("offloaded", 2.5),
+    ):
         got = at[v]["vs_unmodified"]
         lines.append(
             f"  requests {v} >= {goal}x unmodified: {got:.2f}x ({'met' if got >= goal else 'NOT met'})"
         )
-    for v in ("offloaded_fp8", "offloaded_int8", "offloaded"):
+    for v in ("offloaded_fp8_kv", "offloaded_fp8", "offloaded_int8", "offloaded"):
         got = (step[(v, caps[v])]["decode_tok_s"] or 0) / unmod["decode_tok_s"]
         lines.append(
             f"  decode tok/s {v} at its batch >= 3x unmodified at its batch: {got:.2f}x "

@@ -2,7 +2,8 @@
 with ``tp_plan="auto"`` on every rank of 2 and of 4 processes (spawn, gloo on 127.0.0.1).
 
 Modes: sparse decode offload over the TP group's shared host pool (TP rank 0 allocates and writes it, the
-other ranks attach it and read), resident sparse, layerwise, layerwise + sparse. Every rank's tokens are
+other ranks attach it and read; in the model's dtype, and of FP8 latent rows against the unmodified model
+with its latent KV through FlashMLA's quantization), resident sparse, layerwise, layerwise + sparse. Every rank's tokens are
 compared with the unmodified single-process model's ``generate`` (greedy, left-padded batch; beam search
 too), a chunked prefill's logits with its one-shot forward. The shared pool is checked for real: one
 ``/dev/shm`` file of the size the layout gives, the same name on every rank, rows written by TP rank 0
@@ -22,6 +23,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from support.fp8_reference import fp8_latent_kv
 from support.hf_models import build_model, left_padded_batch
 from support.kvpp_helpers import spawn_gloo
 from support.store_helpers import store_emptied_after_each_lookup
@@ -32,6 +34,8 @@ from torch_kvoffload.sparse.backend import FENCE_TIMEOUT_S
 
 BS = 4  # tokens per block: the prompts span several blocks (beams share their full ones)
 OVERRIDES = {"num_hidden_layers": 2}  # 4 attention heads (divisible by 2 and 4), 32 indexer heads
+# the FP8 latent rows quantise 128-wide tiles: that family's model has kv_lora_rank 128
+FP8_WIDTHS = {**OVERRIDES, "kv_lora_rank": 128}
 SHM = "/dev/shm"
 # a reader waits at most FENCE_TIMEOUT_S for the writer, a collective at most spawn_gloo's process-group
 # timeout (60 s); a spawn that outlives both by the run itself is stuck
@@ -51,6 +55,7 @@ CHUNK = (21, 5, 10)  # a prompt of 21 tokens (seed 5) fed as 10 + 11 tokens: the
 CB_LENGTHS, CB_NEW, CB_SLOTS, CB_TOKENS = (3, 40, 7, 25, 12, 33), 8, 3, 64
 
 SPARSE = {"sparse": {}, "block_size": BS}
+SPARSE_FP8 = {"sparse": {"kv_dtype": "fp8_e4m3"}, "block_size": BS}  # a shared host pool of FP8 rows
 RESIDENT = {"sparse": {"offload": False}, "block_size": BS}
 LAYERWISE = {"layerwise": {}, "block_size": BS}
 BOTH = {"layerwise": {}, "sparse": {}, "block_size": BS}
@@ -69,6 +74,7 @@ TWO = [
     ("v32-both", "deepseek_v32", BOTH, ["a", "b", "a_again", "a_lost"]),
     ("v3-layerwise", "deepseek_v3", LAYERWISE, ["a", "a_again", "b"]),
     ("v32-both-cb", "deepseek_v32-cb", SERVING, ["cb_diverged", "cb_failed", "cb", "cb_again"]),
+    ("v32-sparse-fp8", "deepseek_v32-fp8", SPARSE_FP8, ["a", "b"]),
 ]
 # four ranks: one attention head each, the host pool shared by four; the modes' own paths run on two
 FOUR = [
@@ -233,6 +239,11 @@ def saved(tmp_path_factory):
             ref = build_model(family, **OVERRIDES)
             want[family] = {run: ref.generate(**_generate_kwargs(run)) for run in RUNS}
             want[family]["chunk"] = ref(input_ids=_chunk_prompt()).logits[:, CHUNK[2] :]
+        # FP8 latent rows: the unmodified model with its latent KV through FlashMLA's quantization
+        dirs["deepseek_v32-fp8"] = save_tiny("deepseek_v32", root / "fp8", **FP8_WIDTHS)
+        ref = build_model("deepseek_v32", **FP8_WIDTHS)
+        with fp8_latent_kv(ref):
+            want["deepseek_v32-fp8"] = {run: ref.generate(**_generate_kwargs(run)) for run in ("a", "b")}
         ref = build_model("deepseek_v32", **OVERRIDES)
         ref.model.embed_tokens.weight[0].normal_()
         ref.save_pretrained(str(root / "cb"))
@@ -287,12 +298,12 @@ def _rows_written(run: str) -> int | None:
     return None if extra or run == "a_lost" else sum(n + new - 1 for n in lengths)
 
 
-def _pool_bytes(requests: int, tokens: int, layers: int, kv_lora_rank: int, rope_dim: int) -> int:
+def _pool_bytes(requests: int, tokens: int, layers: int, kv_bytes: int, pe_bytes: int) -> int:
     """A shared pool's file, written out: a 4 KiB header (description + per-layer fence), then every
     layer's ``kv_c`` rows (4 KiB aligned) and ``k_pe`` rows of ``requests`` x ``ceil(tokens / BS)`` blocks
-    (fp32)."""
+    (``kv_bytes`` / ``pe_bytes`` a row)."""
     rows = layers * requests * -(-tokens // BS) * BS
-    return 4096 + -(-rows * kv_lora_rank * 4 // 4096) * 4096 + rows * rope_dim * 4
+    return 4096 + -(-rows * kv_bytes // 4096) * 4096 + rows * pe_bytes
 
 
 def _check_case(results: list[dict], want: dict, case: tuple) -> None:
@@ -300,8 +311,12 @@ def _check_case(results: list[dict], want: dict, case: tuple) -> None:
 
     name, family, config, runs = case
     world = len(results)
-    cfg = tiny_config(family.removesuffix("-cb"), **OVERRIDES)
+    fp8 = family.endswith("-fp8")
+    cfg = tiny_config(family.split("-")[0], **(FP8_WIDTHS if fp8 else OVERRIDES))
     layers, Dc, Dr = cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    # a pool row's bytes (fp32 model): the latent and RoPE values, or one FP8 row (Dc e4m3 values, one fp32
+    # scale per 128, Dr bf16 values) and no separate RoPE part
+    row = (Dc + 4 * (Dc // 128) + 2 * Dr, 0) if fp8 else (Dc * 4, Dr * 4)
     shared = "sparse" in config and config["sparse"].get("offload", True)
     assert [r[name]["tp"] for r in results] == [(world, rank) for rank in range(world)]
     if "layerwise" in config:  # each rank hashes its own weight shards: its store keys are its own
@@ -385,7 +400,7 @@ def _check_case(results: list[dict], want: dict, case: tuple) -> None:
         # one pool: TP rank 0's file, attached by name on every other rank, written by rank 0 only
         assert len({p["name"] for p in pools}) == 1
         assert [(p["writer"], p["owner"]) for p in pools] == [(True, True)] + [(False, False)] * (world - 1)
-        size = _pool_bytes(*_layout(run), layers, Dc, Dr)
+        size = _pool_bytes(*_layout(run), layers, *row)
         assert pools[0]["file_bytes"] == size, run
         # a sequence of other sizes got a new pool (one of the same sizes keeps it); the previous file is gone
         assert (pools[0]["name"] == prev_name) == (prev_run is not None and _layout(prev_run) == _layout(run))
@@ -399,7 +414,7 @@ def _check_case(results: list[dict], want: dict, case: tuple) -> None:
         # the rows reach the pool once: TP rank 0 copied every new row of every layer, the readers none
         written = _rows_written(run)
         d2h = backend[0]["bytes_d2h"] - prev_d2h
-        assert d2h == layers * written * (Dc + Dr) * 4 if written is not None else d2h > 0
+        assert d2h == layers * written * sum(row) if written is not None else d2h > 0
         assert all(b["bytes_d2h"] == 0 for b in backend[1:])
         # every rank loads its own hot rows from the shared pool
         assert all(b["bytes_h2d"] == backend[0]["bytes_h2d"] > 0 for b in backend)

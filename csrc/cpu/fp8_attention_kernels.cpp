@@ -1,5 +1,6 @@
-// CPU kernel of kvoffload::fp8_sparse_mla_attention (torch_kvoffload/ops/fp8_attention.py): sparse MLA
-// attention over FP8 latent rows (uint8 [N, Dc + 4 * Dc / 128 + 2 * Dr], the format of ops/fp8.py).
+// CPU kernels of kvoffload::fp8_sparse_mla_attention (torch_kvoffload/ops/fp8_attention.py): sparse MLA
+// attention over FP8 latent rows (uint8 [N, Dc + 4 * Dc / 128 + 2 * Dr], the format of ops/fp8.py), and
+// of kvoffload::fp8_scatter_copy_sparse_mla_attention (ops/fp8_copy_attention.py): Copy-SFA over such rows.
 //
 // The attention core of sparse_mla_attention (sparse_attention_common.h: rows in fp32 chunks,
 // register-tiled products, online softmax, same work split), with each selected row dequantized once per
@@ -139,10 +140,116 @@ std::tuple<at::Tensor, at::Tensor> fp8_sparse_mla_attention_cpu(
   return {out, lse};
 }
 
+// ------------------------------------------------------------------ fp8_scatter_copy_sparse_mla_attention
+// Copy-SFA over FP8 rows (torch_kvoffload/ops/fp8_copy_attention.py): the missed rows' bytes host -> hot
+// buffer, then the attention above over hot_rows[r, slots[r]].
+
+void fp8_scatter_copy_sparse_mla_attention_cpu(
+    const at::Tensor& q_nope_in, const at::Tensor& q_pe_in, const at::Tensor& host_rows_in,
+    const at::Tensor& block_table_in, const at::Tensor& hot_rows, const at::Tensor& miss_tokens_in,
+    const at::Tensor& miss_slots_in, const at::Tensor& miss_count_in, const at::Tensor& slots_in, double scale,
+    const at::Tensor& out, const at::Tensor& lse) {
+  constexpr const char* op = "fp8_scatter_copy_sparse_mla_attention";
+  // validate_fp8_copy_sfa: the structure, in its order, then the miss list and the slots' range.
+  check_queries(op, q_nope_in, q_pe_in);
+  const int64_t Dc = q_nope_in.size(2), Dr = q_pe_in.size(2), R = q_nope_in.size(0);
+  TORCH_CHECK_VALUE(
+      Dc % kTile == 0 && Dc != 0, "kvoffload::", op,
+      ": argument 'q_nope' must have a latent width (Dc) that is a positive multiple of ", kTile,
+      " (one fp32 scale per ", kTile, " values of an FP8 row), got shape ", shape_str(q_nope_in));
+  const int64_t want = kv_row_bytes(Dc, Dr);
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"host_rows", &host_rows_in},
+                         {"hot_rows", &hot_rows}}) {
+    check_dtype(op, name, *t, at::kByte);
+    check_dim(op, name, *t, 3);
+    TORCH_CHECK_VALUE(
+        t->size(2) == want, "kvoffload::", op, ": argument '", name, "' must have ", want,
+        " bytes per row (Dc ", Dc, " fp8 values, ", Dc / kTile, " fp32 scales, Dr ", Dr,
+        " bf16 RoPE values), got shape ", shape_str(*t));
+  }
+  for (auto [name, t, dim] : {std::tuple<const char*, const at::Tensor*, int64_t>{"block_table", &block_table_in, 2},
+                              {"miss_tokens", &miss_tokens_in, 2}, {"miss_slots", &miss_slots_in, 2},
+                              {"miss_count", &miss_count_in, 1}, {"slots", &slots_in, 2}}) {
+    check_int32(op, name, *t, dim);
+    TORCH_CHECK_VALUE(
+        t->size(0) == R, "kvoffload::", op, ": argument '", name, "' must have ", R,
+        " rows (R of 'q_nope'), got shape ", shape_str(*t));
+  }
+  TORCH_CHECK_VALUE(
+      hot_rows.size(0) == R, "kvoffload::", op, ": argument 'hot_rows' must have ", R,
+      " rows (R of 'q_nope'), got shape ", shape_str(hot_rows));
+  TORCH_CHECK_VALUE(
+      miss_slots_in.sizes() == miss_tokens_in.sizes(), "kvoffload::", op,
+      ": argument 'miss_slots' must have the shape of 'miss_tokens' ", shape_str(miss_tokens_in), ", got ",
+      shape_str(miss_slots_in));
+  check_same_dtype(op, "q_nope", q_nope_in, "out", out);
+  TORCH_CHECK_VALUE(
+      out.sizes() == q_nope_in.sizes(), "kvoffload::", op, ": argument 'out' must have shape ",
+      shape_str(q_nope_in), " (as 'q_nope'), got ", shape_str(out));
+  TORCH_CHECK_TYPE(
+      lse.scalar_type() == at::kFloat, "kvoffload::", op, ": argument 'lse' must have dtype torch.float32, got ",
+      dtype_str(lse.scalar_type()));
+  TORCH_CHECK_VALUE(
+      lse.dim() == 2 && lse.size(0) == R && lse.size(1) == q_nope_in.size(1), "kvoffload::", op,
+      ": argument 'lse' must have shape ", sizes_str(q_nope_in.sizes().slice(0, 2)), " ([R, H]), got ",
+      shape_str(lse));
+  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"q_nope", &q_nope_in}, {"q_pe", &q_pe_in},
+                         {"host_rows", &host_rows_in}, {"block_table", &block_table_in}, {"hot_rows", &hot_rows},
+                         {"miss_tokens", &miss_tokens_in}, {"miss_slots", &miss_slots_in},
+                         {"miss_count", &miss_count_in}, {"slots", &slots_in}, {"out", &out}, {"lse", &lse}}) {
+    check_cpu(op, name, *t);
+  }
+  const at::Tensor table = block_table_in.contiguous();
+  const at::Tensor miss_tokens = miss_tokens_in.contiguous();
+  const at::Tensor miss_slots = miss_slots_in.contiguous();
+  const at::Tensor miss_count = miss_count_in.contiguous();
+  const at::Tensor slots = slots_in.contiguous();
+  const int64_t num_blocks = host_rows_in.size(0), bs = host_rows_in.size(1);
+  const int64_t max_blocks = table.size(1), M = miss_tokens.size(1), C = hot_rows.size(1);
+  const int32_t* tb = table.const_data_ptr<int32_t>();
+  const int32_t* mt = miss_tokens.const_data_ptr<int32_t>();
+  const int32_t* ms = miss_slots.const_data_ptr<int32_t>();
+  const int32_t* mc = miss_count.const_data_ptr<int32_t>();
+  check_copy_sfa_misses(op, tb, max_blocks, mt, ms, mc, R, M, num_blocks, bs, C);
+  check_index_range(op, "slots", slots.const_data_ptr<int32_t>(), R, slots.size(1), C);
+
+  // The op reads its inputs as they were before the call, even where they share memory with an output.
+  const at::Tensor host_rows = rows_contiguous(unaliased_source(host_rows_in, hot_rows));
+  const at::Tensor q_nope = unaliased_source(unaliased_source(q_nope_in, out), lse).contiguous();
+  const at::Tensor q_pe = unaliased_source(unaliased_source(q_pe_in, out), lse).contiguous();
+  // A hot buffer whose rows are not contiguous is worked on in a contiguous copy, written back at the end.
+  const at::Tensor hot = rows_contiguous(hot_rows);
+  const bool direct = out.is_contiguous() && lse.is_contiguous();
+  at::Tensor o = direct ? out : at::empty(out.sizes(), out.options());
+  at::Tensor l = direct ? lse : at::empty(lse.sizes(), lse.options());
+
+  GilRelease no_gil;
+  const int64_t K = slots.size(1);
+  const int32_t* sp = slots.const_data_ptr<int32_t>();
+  auto* hp = static_cast<uint8_t*>(hot.data_ptr());
+  const int64_t h0 = hot.stride(0), h1 = hot.stride(1);
+  copy_missed_rows(
+      tb, max_blocks, mt, ms, mc, R, M, bs, static_cast<const char*>(host_rows.const_data_ptr()),
+      host_rows.stride(0), host_rows.stride(1), reinterpret_cast<char*>(hp), h0, h1, want);
+  KVO_DISPATCH_FLOAT_BF16(q_nope.scalar_type(), "fp8_scatter_copy_sparse_mla_attention", [&] {
+    attend_all<scalar_t>(
+        q_nope, q_pe, [&](int64_t r) { return Fp8RowSource{hp + r * h0, h1, sp + r * K, K}; },
+        static_cast<float>(scale), o, l);
+  });
+  if (!hot.is_same(hot_rows)) {
+    hot_rows.copy_(hot);
+  }
+  if (!direct) {
+    out.copy_(o);
+    lse.copy_(l);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kvoffload, CPU, m) {
   m.impl("fp8_sparse_mla_attention", &fp8_sparse_mla_attention_cpu);
+  m.impl("fp8_scatter_copy_sparse_mla_attention", &fp8_scatter_copy_sparse_mla_attention_cpu);
 }
 
 }  // namespace kvoffload

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace kvoffload::attention {
@@ -298,6 +299,10 @@ inline void check_int32(const char* op, const char* arg, const at::Tensor& t, in
   check_dim(op, arg, t, dim);
 }
 
+inline std::string sizes_str(at::IntArrayRef s) {
+  return c10::str(s);
+}
+
 // _check_index_range: entries are -1 or in [0, limit); reports [row, col] of the first bad one.
 inline void check_index_range(
     const char* op, const char* arg, const int32_t* idx, int64_t rows, int64_t cols, int64_t limit) {
@@ -309,6 +314,58 @@ inline void check_index_range(
           ", expected -1 or a value in [0, ", limit, ")");
     }
   }
+}
+
+// check_copy_sfa_misses: the miss list of a Copy-SFA op (R rows of M entries, int32, contiguous) against
+// a host pool of num_blocks x bs rows, the block table (max_blocks columns) and C hot slots a row. Raises
+// for the first bad row, in row order, with the Python validator's messages; nothing is written.
+inline void check_copy_sfa_misses(
+    const char* op, const int32_t* tb, int64_t max_blocks, const int32_t* mt, const int32_t* ms,
+    const int32_t* mc, int64_t R, int64_t M, int64_t num_blocks, int64_t bs, int64_t C) {
+  std::vector<uint8_t> seen(static_cast<size_t>(C), 0);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = mc[r];
+    TORCH_CHECK_VALUE(
+        n >= 0 && n <= M, "kvoffload::", op, ": argument 'miss_count' entry ", r, " is ", n,
+        ", expected a value in [0, ", M, "]");
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t tok = mt[r * M + i], slot = ms[r * M + i];
+      TORCH_CHECK_INDEX(
+          tok >= 0 && tok < max_blocks * bs, "kvoffload::", op, ": argument 'miss_tokens' entry [", r, ", ", i,
+          "] is ", tok, ", expected a value in [0, ", max_blocks * bs, ") (max_blocks x block_size)");
+      const int64_t blk = tb[r * max_blocks + tok / bs];
+      TORCH_CHECK_INDEX(
+          blk >= 0 && blk < num_blocks, "kvoffload::", op, ": argument 'block_table' entry [", r, ", ", tok / bs,
+          "] (block of miss token ", tok, ") is ", blk, ", expected a value in [0, ", num_blocks, ")");
+      TORCH_CHECK_INDEX(
+          slot >= 0 && slot < C, "kvoffload::", op, ": argument 'miss_slots' entry [", r, ", ", i, "] is ", slot,
+          ", expected a value in [0, ", C, ")");
+      TORCH_CHECK_VALUE(
+          !seen[slot], "kvoffload::", op, ": argument 'miss_slots' row ", r, " holds destination ", slot,
+          " more than once; destinations must be distinct");
+      seen[slot] = 1;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      seen[ms[r * M + i]] = 0;
+    }
+  }
+}
+
+// The host -> hot copies of checked misses, parallel over rows (each row writes only its own slots): row r's
+// miss i copies `bytes` bytes from src + blk * s0 + off * s1 to dst + r * d0 + slot * d1 (strides in bytes).
+inline void copy_missed_rows(
+    const int32_t* tb, int64_t max_blocks, const int32_t* mt, const int32_t* ms, const int32_t* mc, int64_t R,
+    int64_t M, int64_t bs, const char* src, int64_t s0, int64_t s1, char* dst, int64_t d0, int64_t d1,
+    int64_t bytes) {
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t i = 0; i < mc[r]; ++i) {
+        const int64_t tok = mt[r * M + i], slot = ms[r * M + i];
+        const int64_t blk = tb[r * max_blocks + tok / bs], off = tok % bs;
+        std::memcpy(dst + r * d0 + slot * d1, src + blk * s0 + off * s1, bytes);
+      }
+    }
+  });
 }
 
 // A tensor whose last dim is contiguous (row reads are contiguous), copying only when it is not.

@@ -48,10 +48,6 @@ struct RowSource {
 
 // ------------------------------------------------------------------------------------------ checks
 
-std::string sizes_str(at::IntArrayRef s) {
-  return c10::str(s);
-}
-
 void check_rows(
     const char* op, const at::Tensor& q_nope, const at::Tensor& q_pe, const char* kv_name,
     const at::Tensor& kv, const char* pe_name, const at::Tensor& pe, int64_t dims) {
@@ -168,33 +164,7 @@ void scatter_copy_sparse_mla_attention_cpu(
   const int32_t* mt = miss_tokens.const_data_ptr<int32_t>();
   const int32_t* ms = miss_slots.const_data_ptr<int32_t>();
   const int32_t* mc = miss_count.const_data_ptr<int32_t>();
-  std::vector<uint8_t> seen(static_cast<size_t>(C), 0);
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t n = mc[r];
-    TORCH_CHECK_VALUE(
-        n >= 0 && n <= M, "kvoffload::", op, ": argument 'miss_count' entry ", r, " is ", n,
-        ", expected a value in [0, ", M, "]");
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t tok = mt[r * M + i], slot = ms[r * M + i];
-      TORCH_CHECK_INDEX(
-          tok >= 0 && tok < max_blocks * bs, "kvoffload::", op, ": argument 'miss_tokens' entry [", r, ", ", i,
-          "] is ", tok, ", expected a value in [0, ", max_blocks * bs, ") (max_blocks x block_size)");
-      const int64_t blk = tb[r * max_blocks + tok / bs];
-      TORCH_CHECK_INDEX(
-          blk >= 0 && blk < num_blocks, "kvoffload::", op, ": argument 'block_table' entry [", r, ", ", tok / bs,
-          "] (block of miss token ", tok, ") is ", blk, ", expected a value in [0, ", num_blocks, ")");
-      TORCH_CHECK_INDEX(
-          slot >= 0 && slot < C, "kvoffload::", op, ": argument 'miss_slots' entry [", r, ", ", i, "] is ", slot,
-          ", expected a value in [0, ", C, ")");
-      TORCH_CHECK_VALUE(
-          !seen[slot], "kvoffload::", op, ": argument 'miss_slots' row ", r, " holds destination ", slot,
-          " more than once; destinations must be distinct");
-      seen[slot] = 1;
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      seen[ms[r * M + i]] = 0;
-    }
-  }
+  check_copy_sfa_misses(op, tb, max_blocks, mt, ms, mc, R, M, num_blocks, bs, C);
   check_index_range(op, "slots", slots.const_data_ptr<int32_t>(), R, slots.size(1), C);
 
   // The op reads its inputs as they were before the call, even where they share memory with an output.
@@ -215,26 +185,14 @@ void scatter_copy_sparse_mla_attention_cpu(
   const int64_t Dc = hot_c.size(2), Dr = hot_p.size(2);
   const int64_t esz = hot_c.element_size();
   // Phase 1: host -> hot copies of the missed rows (parallel over decode rows: destinations are per row).
-  {
-    const auto* hc = static_cast<const char*>(host_kv_c.const_data_ptr());
-    const auto* hp = static_cast<const char*>(host_k_pe.const_data_ptr());
-    auto* dc = static_cast<char*>(hot_c.data_ptr());
-    auto* dp = static_cast<char*>(hot_p.data_ptr());
-    const int64_t hc0 = host_kv_c.stride(0) * esz, hc1 = host_kv_c.stride(1) * esz;
-    const int64_t hp0 = host_k_pe.stride(0) * esz, hp1 = host_k_pe.stride(1) * esz;
-    const int64_t dc0 = hot_c.stride(0) * esz, dc1 = hot_c.stride(1) * esz;
-    const int64_t dp0 = hot_p.stride(0) * esz, dp1 = hot_p.stride(1) * esz;
-    at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        for (int64_t i = 0; i < mc[r]; ++i) {
-          const int64_t tok = mt[r * M + i], slot = ms[r * M + i];
-          const int64_t blk = tb[r * max_blocks + tok / bs], off = tok % bs;
-          std::memcpy(dc + r * dc0 + slot * dc1, hc + blk * hc0 + off * hc1, Dc * esz);
-          std::memcpy(dp + r * dp0 + slot * dp1, hp + blk * hp0 + off * hp1, Dr * esz);
-        }
-      }
-    });
-  }
+  copy_missed_rows(
+      tb, max_blocks, mt, ms, mc, R, M, bs, static_cast<const char*>(host_kv_c.const_data_ptr()),
+      host_kv_c.stride(0) * esz, host_kv_c.stride(1) * esz, static_cast<char*>(hot_c.data_ptr()),
+      hot_c.stride(0) * esz, hot_c.stride(1) * esz, Dc * esz);
+  copy_missed_rows(
+      tb, max_blocks, mt, ms, mc, R, M, bs, static_cast<const char*>(host_k_pe.const_data_ptr()),
+      host_k_pe.stride(0) * esz, host_k_pe.stride(1) * esz, static_cast<char*>(hot_p.data_ptr()),
+      hot_p.stride(0) * esz, hot_p.stride(1) * esz, Dr * esz);
   // Phase 2: attention over hot[r, slots[r]].
   KVO_DISPATCH_FLOAT_BF16(q_nope.scalar_type(), "scatter_copy_sparse_mla_attention", [&] {
     const scalar_t* c = hot_c.const_data_ptr<scalar_t>();

@@ -11,6 +11,7 @@ from torch_kvoffload.ops import (
     copy,
     fp8,
     fp8_attention,
+    fp8_copy_attention,
     fp8_indexer,
     indexer,
     kvpp,
@@ -37,6 +38,7 @@ from torch_kvoffload.ops.fp8 import (
     quantize_kv_fp8,
 )
 from torch_kvoffload.ops.fp8_attention import fp8_sparse_mla_attention
+from torch_kvoffload.ops.fp8_copy_attention import fp8_scatter_copy_sparse_mla_attention
 from torch_kvoffload.ops.fp8_indexer import fp8_lightning_indexer, hadamard_quant_fp8
 from torch_kvoffload.ops.indexer import (
     hadamard_quant_int8,
@@ -76,8 +78,10 @@ __all__ = [
     "format_registered_ops",
     "fp8",
     "fp8_attention",
+    "fp8_copy_attention",
     "fp8_indexer",
     "fp8_lightning_indexer",
+    "fp8_scatter_copy_sparse_mla_attention",
     "fp8_sparse_mla_attention",
     "hadamard_quant_fp8",
     "hadamard_quant_int8",

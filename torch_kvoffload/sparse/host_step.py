@@ -8,8 +8,8 @@ query + ``quant_lightning_indexer`` + ``residency_update``, and the FP8 path ``h
 fused Copy-SFA op (``scatter_copy_sparse_mla_attention``) on a slice of the hot buffers when the step's
 rows are one ascending run; otherwise (or unfused) ``copy_rows`` on the H2D transfer stream copies the
 misses and ``sparse_mla_attention`` attends over the whole hot buffer (same results). FP8 rows
-(``kv_dtype="fp8_e4m3"``): ``copy_rows`` moves the missed rows' bytes, ``fp8_sparse_mla_attention``
-dequantizes the selected ones where it reads them.
+(``kv_dtype="fp8_e4m3"``): the same with ``fp8_scatter_copy_sparse_mla_attention``, or ``copy_rows`` of the
+missed rows' bytes and ``fp8_sparse_mla_attention``, which dequantize the selected rows where they read them.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch_kvoffload.ops import (
     sparse_mla_attention,
 )
 from torch_kvoffload.ops.fp8_attention import fp8_sparse_mla_attention
+from torch_kvoffload.ops.fp8_copy_attention import fp8_scatter_copy_sparse_mla_attention
 from torch_kvoffload.ops.residency import ResidencyOutputs
 from torch_kvoffload.sparse.config import SparseDecodeConfig
 from torch_kvoffload.sparse.host_pool import HostKVPool
@@ -125,6 +126,13 @@ class HostStep:
         host_kv, host_pe = self.pool.kv_c(layer), self.pool.k_pe(layer)
         hot_kv, hot_pe = self.hot.kv_c[layer], self.hot.k_pe[layer]
         T, C = q_nope.shape[0], self.hot.capacity
+        if self.config.fp8_kv and self.config.fused and plan.contiguous():
+            a = plan.rows[0]
+            fp8_scatter_copy_sparse_mla_attention(
+                q_nope, q_pe, host_kv, host_bt.to(self.device, non_blocking=True), hot_kv[a : a + T],
+                res.miss_tokens, res.miss_slots, res.miss_count, res.slots, scale, out, lse,
+            )  # fmt: skip
+            return res.miss_count
         if self.config.fp8_kv:  # the misses' bytes, then attention over the dequantized rows it selects
             copied = self._copy_misses(host_kv, host_pe, hot_kv, hot_pe, host_bt, res, rows_t)
             indices = torch.where(res.slots >= 0, res.slots + (rows_t[:, None] * C).to(torch.int32), -1)

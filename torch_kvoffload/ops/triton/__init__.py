@@ -1,7 +1,7 @@
 """Triton kernels of the ``kvoffload`` ops: one source for CUDA and Ascend (through triton-ascend).
 
-Each op family has a module here (``copy``, ``fp8``, ``fp8_attention``, ``fp8_indexer``, ``indexer``,
-``residency``, ``sparse_attention``) that defines ``KERNELS: dict[str, Callable]``: op name → a wrapper with
+Each op family has a module here (``copy``, ``fp8``, ``fp8_attention``, ``fp8_copy_attention``,
+``fp8_indexer``, ``indexer``, ``residency``, ``sparse_attention``) that defines ``KERNELS: dict[str, Callable]``: op name → a wrapper with
 the op's own Python signature. A wrapper runs the op's validation (the same checks, messages and exception
 types as the reference and C++ kernels), allocates the outputs like the op does, then launches. Family
 modules import ``triton`` at their top, so this package imports them lazily, only once
@@ -41,7 +41,16 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Family modules under ``torch_kvoffload.ops.triton`` that may define ``KERNELS``.
-FAMILIES = ("copy", "fp8", "fp8_attention", "fp8_indexer", "indexer", "residency", "sparse_attention")
+FAMILIES = (
+    "copy",
+    "fp8",
+    "fp8_attention",
+    "fp8_copy_attention",
+    "fp8_indexer",
+    "indexer",
+    "residency",
+    "sparse_attention",
+)
 
 _available: bool | None = None
 _kernels: dict[str, Callable[..., object]] | None = None

@@ -120,6 +120,27 @@ def test_fp8_and_floating_records_never_mix_in_one_store(reference, monkeypatch)
     assert torch.equal(got.sequences, want.sequences) and _max_diff(got, want) < 1e-4
 
 
+def test_fp8_latent_records_and_the_models_values_never_mix_in_one_store(latent_reference, monkeypatch):
+    """On one store: a model keeping FP8 latent rows (offloaded) stores them; a model of the same weights
+    keeping the model's latent values finds none of them, one keeping FP8 rows (resident) reuses them."""
+    from torch_kvoffload.layerwise import prefix_store
+    from torch_kvoffload.store.local import LocalKVStore
+
+    ref, ids, mask, want = latent_reference
+    store = LocalKVStore(64 << 20)
+    store.close = lambda: None
+    monkeypatch.setattr(prefix_store, "build_store", lambda config: store)
+    offloaded = torch_kvoffload.offload(copy.deepcopy(ref), {"sparse": LATENT["offloaded"], "block_size": BS})
+    floating = torch_kvoffload.offload(copy.deepcopy(ref), {"sparse": FP8, "block_size": BS})
+    resident = torch_kvoffload.offload(copy.deepcopy(ref), {"sparse": LATENT["resident"], "block_size": BS})
+    assert torch.equal(_generate(offloaded, ids, mask).sequences, want.sequences)
+    _generate(floating, ids, mask)
+    assert torch_kvoffload.stats(floating)["prefix_store_tokens"] == 0
+    got = _generate(resident, ids, mask)
+    assert torch_kvoffload.stats(resident)["prefix_store_tokens"] > 0
+    assert torch.equal(got.sequences, want.sequences) and _max_diff(got, want) < 1e-4
+
+
 def test_the_cache_refuses_to_give_fp8_rows_as_indexer_keys(reference):
     ref, ids, mask, _ = reference
     model = torch_kvoffload.offload(copy.deepcopy(ref), MODES["sparse"])
@@ -220,10 +241,13 @@ def latent_reference():
 def test_the_latent_kv_kept_as_fp8_rows_is_read_dequantized_call_after_call(latent_reference, mode):
     ref, ids, mask, want = latent_reference
     model = torch_kvoffload.offload(copy.deepcopy(ref), {"sparse": LATENT[mode], "block_size": BS})
-    for _ in range(2):
+    for call in range(2):
+        before = torch_kvoffload.stats(model)["prefix_store_tokens"]
         got = _generate(model, ids, mask)
         assert torch.equal(got.sequences, want.sequences)
         assert _max_diff(got, want) < 1e-4
+        # the second call takes the prompts' full blocks from the store: the FP8 rows as kept
+        assert (torch_kvoffload.stats(model)["prefix_store_tokens"] > before) == (call == 1)
     with pytest.raises(RuntimeError, match="FP8 rows"):
         _ = got.past_key_values.layers[0].keys
     # a token of the main KV: 128 fp8 values, one fp32 scale, 8 bf16 RoPE values (fp32 model: 136 x 4 bytes)
@@ -243,7 +267,10 @@ def test_the_latent_kv_kept_as_fp8_rows_is_read_dequantized_call_after_call(late
         assert kept == layers * pool.num_blocks * pool.block_size * row  # bytes: uint8
         assert pool.nbytes < kept + 4096  # and nothing else (the k_pe part after a page-aligned kv_c part)
         s = torch_kvoffload.stats(model)
-        assert s["misses"] > 0 and s["bytes_h2d"] == s["misses"] * row
+        # decode steps move their misses' rows, the second call's prompt reads its stored prefix's rows
+        prefill = backend.counters.snapshot()["prefill_host_bytes_h2d"]
+        assert s["misses"] > 0 and s["bytes_h2d"] - prefill == s["misses"] * row
+        assert prefill > 0 and prefill % row == 0
     # beams fork the requests' FP8 rows (another shape too)
     short, short_mask = ids[1:, 20:], mask[1:, 20:]
     with fp8_indexer(), fp8_latent_kv(ref), torch.no_grad():
@@ -270,9 +297,7 @@ def test_fp8_latent_rows_are_refused_where_they_cannot_be_kept():
         )
     with pytest.raises(ValueError, match="layerwise"):
         torch_kvoffload.OffloadConfig(layerwise={}, sparse=FP8_BOTH)
-    with pytest.raises(ValueError, match="prefix_store"):
-        torch_kvoffload.OffloadConfig(sparse=FP8_BOTH, prefix_store={})
-    assert torch_kvoffload.OffloadConfig(sparse=FP8_BOTH).prefix_store_config is None
+    assert torch_kvoffload.OffloadConfig(sparse=FP8_BOTH).prefix_store_config is not None  # stored as kept
     assert torch_kvoffload.OffloadConfig(sparse={"indexer_dtype": "int8"}).prefix_store_config is None
     assert torch_kvoffload.OffloadConfig(sparse=FP8).prefix_store_config is not None
 

@@ -156,7 +156,9 @@ def build_backends(
         if (store := config.prefix_store_config) is not None and spec.weights_fingerprint and holds:
             layers = out.kvpp.owned_layers if out.kvpp is not None else None
             fp8 = config.sparse is not None and config.sparse.indexer_dtype == "fp8_e4m3"
-            out.prefix_store = PrefixStore(spec, store, block_size=block_size, layers=layers, index_fp8=fp8)
+            out.prefix_store = PrefixStore(
+                spec, store, block_size=block_size, layers=layers, index_fp8=fp8, kv_fp8=config.fp8_kv
+            )
     except BaseException:
         for b in out.all:
             if b is not role:

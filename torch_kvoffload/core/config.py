@@ -136,11 +136,6 @@ class OffloadConfig(ConfigModel):
                 f"OffloadConfig: sparse.kv_dtype={FP8_KV!r} (the main KV as FP8 rows) cannot be combined "
                 "with layerwise offload, whose layer buffers and store keep the model's dtype"
             )
-        if self.fp8_kv and self.prefix_store is not None:
-            raise ValueError(
-                f"OffloadConfig: prefix_store is set but sparse.kv_dtype={FP8_KV!r}: the prefix store keeps the "
-                "model's dtype, so FP8 rows are reused from running requests only; leave prefix_store unset"
-            )
         if self.prefix_store is not None and (self.layerwise is not None or not self.prefix_cache):
             why = (
                 "layerwise.store is the prefix store" if self.layerwise is not None else "prefix_cache is off"
@@ -161,17 +156,16 @@ class OffloadConfig(ConfigModel):
     @property
     def prefix_store_config(self) -> StoreConfig | None:
         """The store prefix reuse keeps blocks in without layerwise offload: ``prefix_store`` (default
-        ``StoreConfig()``) for sparse offload, a resident KV (in the model's dtype) or KVPP with
-        ``prefix_cache`` on and no P/D role; ``None`` otherwise (no reuse, the layerwise store serves, or the
-        resident KV is kept as FP8 rows or the indexer as int8 keys: those are reused from running requests
-        only)."""
+        ``StoreConfig()``) for sparse offload, a resident KV or KVPP with ``prefix_cache`` on and no P/D role
+        (FP8 rows are stored as they are kept); ``None`` otherwise (no reuse, the layerwise store serves, or
+        the indexer is kept as int8 keys: those are reused from running requests only)."""
         holds = self.sparse is not None or self.kvpp_requested
         if (
             not self.prefix_cache
             or self.layerwise is not None
             or not holds
             or self.pd is not None
-            or self.fp8_kv  # rows the store's records cannot hold: FP8 latent rows, int8 keys and scales
+            # int8 keys and scales: rows the store's records do not hold (FP8 rows they hold as kept)
             or (self.sparse is not None and self.sparse.indexer_dtype == "int8")
         ):
             return None

@@ -296,7 +296,9 @@ class PrefixReuse:
     def _persist(self, lw: Any, holder: Any, live: Sequence[Request]) -> None:
         core = self.core
         bs, spec = core.block_size, core.spec
-        parts = ["kv_c", "k_pe", "index_k"][: 3 if lw.indexed else 2]
+        # FP8 latent rows are one part (their RoPE values inside)
+        parts = ["kv_c"] + ([] if lw.kv_fp8 else ["k_pe"]) + (["index_k"] if lw.indexed else [])
+        stored = lw.index_fp8 or lw.kv_fp8
         for r in live:
             full = r.length // bs
             try:
@@ -305,14 +307,12 @@ class PrefixReuse:
                     continue
                 rows = []
                 for layer in lw.layers:
-                    # rows as the holder keeps them only where the records hold that format (FP8 indexer
-                    # rows); the layerwise store's records take the model's keys, which an FP8 cache refuses
-                    read = [
-                        holder.read(layer, [r], part, start=have * bs, stored=lw.index_fp8) for part in parts
-                    ]
+                    # rows as the holder keeps them only where the records hold that format (FP8 rows); the
+                    # layerwise store's records take the model's values, which an FP8 cache refuses
+                    read = [holder.read(layer, [r], part, start=have * bs, stored=stored) for part in parts]
                     if any(x is None for x in read):
                         return  # the holder keeps no such rows
-                    n = (full - have) * bs  # FP8 indexer rows stay bytes
+                    n = (full - have) * bs  # FP8 rows stay bytes
                     rows.append([_host_rows(x[0][:n], spec.dtype) for x in read])
                 for block in range(have, full):
                     lo = (block - have) * bs
@@ -353,8 +353,11 @@ class PrefixReuse:
                     b.begin_forward(plan)
                     begun.append(b)
                 for layer, parts in zip(lw.layers, rows, strict=True):
-                    kv_c, k_pe = (p.to(spec.device) for p in parts[:2])
-                    index_k = parts[2].to(spec.device) if len(parts) > 2 and spec.has_indexer else None
+                    parts = [p.to(spec.device) for p in parts]
+                    if lw.kv_fp8:  # FP8 latent rows, written as they are kept (an empty rotary part)
+                        parts = [parts[0], parts[0][:, :0], *parts[1:]]
+                    kv_c, k_pe = parts[:2]
+                    index_k = parts[2] if len(parts) > 2 and spec.has_indexer else None
                     for b in writers:
                         b.write(layer, plan, NewRows(kv_c, k_pe, index_k))
             except BaseException:

@@ -105,8 +105,9 @@ class LayerwiseBackend(KVBackend):
     """
 
     name = "layerwise"
-    #: its records hold the model's indexer keys (a prefix store may hold an FP8 indexer cache's rows)
+    #: its records hold the model's indexer keys and latent KV (a prefix store may hold FP8 rows of either)
     index_fp8 = False
+    kv_fp8 = False
 
     def __init__(
         self,

@@ -30,7 +30,7 @@ from torch_kvoffload.layerwise.build import build_layerwise_runtime
 from torch_kvoffload.layerwise.config import LayerwiseConfig
 from torch_kvoffload.layerwise.planner import LayerCacheSpec, TensorSpec
 from torch_kvoffload.layerwise.stored import stored_spans
-from torch_kvoffload.ops.fp8 import index_row_bytes
+from torch_kvoffload.ops.fp8 import index_row_bytes, kv_row_bytes
 from torch_kvoffload.store.base import KVStore
 from torch_kvoffload.store.factory import StoreConfig, build_store
 
@@ -38,13 +38,14 @@ __all__ = ["PrefixStore", "store_namespace"]
 
 
 def store_namespace(
-    config: LayerwiseConfig, spec: ModelSpec, indexed: bool, index_fp8: bool = False
+    config: LayerwiseConfig, spec: ModelSpec, indexed: bool, index_fp8: bool = False, kv_fp8: bool = False
 ) -> LayerwiseConfig:
     """``config`` with the ``model_id`` its store keys carry: the user's, the architecture, the weights
-    (fine-tunes of one architecture never share KV) and whether the records hold the indexer keys (and in
-    which format: FP8 rows and the model's keys never mix)."""
+    (fine-tunes of one architecture never share KV), whether the records hold the indexer keys and in which
+    formats the records hold the indexer keys and the latent KV (FP8 rows and the model's values never
+    mix)."""
     indexer = ("ifp8" if index_fp8 else "i") if indexed else "m"
-    parts = (config.model_id, spec.fingerprint, spec.weights_fingerprint, indexer)
+    parts = (config.model_id, spec.fingerprint, spec.weights_fingerprint, indexer, "kfp8" if kv_fp8 else "")
     return config.model_copy(update={"model_id": "/".join(p for p in parts if p)})
 
 
@@ -55,10 +56,12 @@ def layer_cache_specs(
     indexed: bool,
     layers: int | None = None,
     index_fp8: bool = False,
+    kv_fp8: bool = False,
 ) -> list[LayerCacheSpec]:
     """``layers`` (default every layer of ``spec``) layers' cache components paged ``[num_blocks, block_size,
-    D]`` in the model's dtype: ``kv_c``, ``k_pe`` (main) and, when ``indexed``, ``index_k`` (``index_fp8``:
-    the indexer's FP8 rows, ``uint8 [num_blocks, block_size, Di + 4 * Di / 128]``)."""
+    D]`` in the model's dtype: ``kv_c``, ``k_pe`` (main; ``kv_fp8``: one component, the latent KV's FP8 rows
+    ``uint8 [num_blocks, block_size, Dc + 4 * Dc / 128 + 2 * Dr]``) and, when ``indexed``, ``index_k``
+    (``index_fp8``: the indexer's FP8 rows, ``uint8 [num_blocks, block_size, Di + 4 * Di / 128]``)."""
     dt = spec.dtype
     index = (
         TensorSpec((num_blocks, block_size, index_row_bytes(spec.index_head_dim)), torch.uint8)
@@ -67,8 +70,12 @@ def layer_cache_specs(
     )
     idx = (index,) if indexed else None
     main = (
-        TensorSpec((num_blocks, block_size, spec.kv_lora_rank), dt),
-        TensorSpec((num_blocks, block_size, spec.rope_dim), dt),
+        (TensorSpec((num_blocks, block_size, kv_row_bytes(spec.kv_lora_rank, spec.rope_dim)), torch.uint8),)
+        if kv_fp8
+        else (
+            TensorSpec((num_blocks, block_size, spec.kv_lora_rank), dt),
+            TensorSpec((num_blocks, block_size, spec.rope_dim), dt),
+        )
     )
     return [LayerCacheSpec(main, idx) for _ in range(spec.num_layers if layers is None else layers)]
 
@@ -83,6 +90,9 @@ class PrefixStore:
     index_fp8 : bool
         The records hold the indexer keys as FP8 rows (``sparse.indexer_dtype="fp8_e4m3"``: the rows the
         indexer cache keeps, byte for byte), under their own namespace.
+    kv_fp8 : bool
+        The records hold the latent KV as FP8 rows (``sparse.kv_dtype="fp8_e4m3"``: one component, the rows
+        the host pool or the resident KV keeps, byte for byte), under their own namespace.
     store : StoreConfig
         The host KV pool (``local`` arena, Mooncake, memcache).
     block_size : int
@@ -101,19 +111,21 @@ class PrefixStore:
         block_size: int,
         layers: Sequence[int] | None = None,
         index_fp8: bool = False,
+        kv_fp8: bool = False,
     ) -> None:
         self.spec, self.block_size = spec, block_size
         self.indexed = spec.has_indexer
         self.index_fp8 = index_fp8 and self.indexed
+        self.kv_fp8 = kv_fp8
         every = list(range(spec.num_layers))
         self.layers: list[int] = every if layers is None else sorted(layers)
         if not self.layers or not set(self.layers) <= set(every):
             raise ValueError(f"PrefixStore: layers must be some of {every}, got {layers}")
-        config = store_namespace(LayerwiseConfig(store=store), spec, self.indexed, self.index_fp8)
+        config = store_namespace(LayerwiseConfig(store=store), spec, self.indexed, self.index_fp8, kv_fp8)
         if self.layers != every:  # the keys of layer i below are this rank's i-th owned layer's
             owned = "layers=" + ",".join(map(str, self.layers))
             config = config.model_copy(update={"model_id": f"{config.model_id}/{owned}"})
-        specs = layer_cache_specs(spec, 1, block_size, self.indexed, len(self.layers), self.index_fp8)
+        specs = layer_cache_specs(spec, 1, block_size, self.indexed, len(self.layers), self.index_fp8, kv_fp8)
         self.store: KVStore = build_store(store)
         try:
             self.runtime = build_layerwise_runtime(config, specs, device="cpu", store=self.store)

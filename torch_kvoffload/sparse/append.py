@@ -193,7 +193,7 @@ class RowAppender:
         host_kv, host_pe = self.pool.rows(layer)
         n, dst = placed.n, placed.dst
         if self.fp8:  # quantized where the rows are: the bytes of FP8 rows move, and an empty rotary part
-            kv_src = quantize_kv_fp8(kv_c, k_pe)
+            kv_src = kv_c if kv_c.dtype == torch.uint8 else quantize_kv_fp8(kv_c, k_pe)  # uint8: rows as kept
             pe_src = kv_src[:, :0]
         else:
             kv_src, pe_src = kv_c.to(self.dtype), k_pe.to(self.dtype)

@@ -208,8 +208,10 @@ class SparseOffloadBackend(KVBackend):
         rt.append_validated(layer, placed, rows.kv_c, rows.k_pe)  # the core checked the rows
         self.index.write_keys(layer, fwd.index_phys, rows.index_k)
         if not fwd.decode and not fwd.layerwise:
-            if self.fp8:  # attention reads what the pool keeps: the quantized rows
-                fp8_rows = quantize_kv_fp8(rows.kv_c, rows.k_pe)
+            if self.fp8:  # attention reads what the pool keeps: the quantized rows (a prefix's stored ones)
+                fp8_rows = (
+                    rows.kv_c if rows.kv_c.dtype == torch.uint8 else quantize_kv_fp8(rows.kv_c, rows.k_pe)
+                )
                 self._rows[layer] = (fp8_rows, fp8_rows[:, :0])
             else:
                 self._rows[layer] = (rows.kv_c, rows.k_pe)
@@ -255,7 +257,8 @@ class SparseOffloadBackend(KVBackend):
     ) -> list[torch.Tensor] | None:
         """The requests' rows from ``start`` on from the host pool (every row is appended there; copied host-to-device on
         the runtime's ``h2d`` stream, after the layer's appends so far landed) or the device indexer
-        cache. ``RuntimeError`` when the pool keeps the main KV in another dtype than the model's."""
+        cache. ``stored``: FP8 rows as the pool keeps them (``uint8 [n, W]`` for ``"kv_c"``). ``RuntimeError``
+        when the pool keeps the main KV in another dtype than the model's and ``stored`` is not set."""
         rt, spec = self.runtime, self.spec
         if rt is None:
             return None
@@ -263,12 +266,12 @@ class SparseOffloadBackend(KVBackend):
             keys = self.index.read_stored if stored else self.index.read_keys
             return [k[start:] for k in keys(layer, requests)]
         pool = rt.pool
-        if self.fp8:
+        if self.fp8 and not stored:
             raise RuntimeError(
                 f"the host pool keeps the main KV as FP8 rows (sparse.kv_dtype={FP8_KV!r}), which do not give "
                 "the model's latent KV back exactly; use the model's dtype to read it"
             )
-        if pool.dtype != spec.dtype:
+        if pool.dtype != spec.dtype and not self.fp8:
             raise RuntimeError(
                 f"the host pool keeps the main KV in {pool.dtype} (sparse.kv_dtype), not in the model's "
                 f"{spec.dtype}: its rows do not give the model's values back exactly"

@@ -92,7 +92,10 @@ class ResidentSparseBackend(KVBackend):
 
     def write(self, layer: int, fwd: ForwardPlan, rows: NewRows) -> None:
         assert rows.index_k is not None
-        main = [quantize_kv_fp8(rows.kv_c, rows.k_pe)] if self.fp8 else [rows.kv_c, rows.k_pe]
+        if self.fp8:  # uint8: FP8 rows as kept (a prefix's stored rows), written as they are
+            main = [rows.kv_c if rows.kv_c.dtype == torch.uint8 else quantize_kv_fp8(rows.kv_c, rows.k_pe)]
+        else:
+            main = [rows.kv_c, rows.k_pe]
         self.main.write(layer, fwd.index_phys, main)
         self.index.write_keys(layer, fwd.index_phys, rows.index_k)
 
@@ -109,13 +112,14 @@ class ResidentSparseBackend(KVBackend):
     def read(
         self, layer: int, requests: Sequence[Request], part: str, start: int = 0, *, stored: bool = False
     ) -> list[torch.Tensor] | None:
-        """Copies of the requests' resident rows (main KV pages, indexer cache) from ``start`` on."""
+        """Copies of the requests' resident rows (main KV pages, indexer cache) from ``start`` on (``stored``:
+        rows as kept, FP8 rows too)."""
         if not self.main.built:
             return None
         if part == "index_k":
             keys = self.index.read_stored if stored else self.index.read_keys
             return [k[start:] for k in keys(layer, requests)]
-        if self.fp8:
+        if self.fp8 and not stored:
             raise RuntimeError(
                 f"the resident KV keeps FP8 rows (sparse.kv_dtype={FP8_KV!r}), which do not give the model's "
                 "latent KV back exactly; use the model's dtype to read it"

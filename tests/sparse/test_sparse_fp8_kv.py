@@ -124,9 +124,58 @@ def test_the_pool_and_hot_buffers_hold_the_rows_bytes_and_bad_rows_change_nothin
         rt.close()
 
 
-def test_the_device_step_is_refused_by_name_and_fp16_queries_are_refused():
-    with pytest.raises(ValueError, match=r"FP8 rows .*host step"):
-        _runtime(_config(), step_path="device")
+def test_the_device_step_equals_the_host_step():
+    """The host-sync-free device step (Triton launches; here under the interpreter) over FP8 rows: the
+    host step's top-k, hot-buffer bytes and counts, and its output within fp32 rounding, step after step,
+    with the rows in order and out of order."""
+    from torch_kvoffload.ops.triton import interpreting, triton_available
+
+    if not (triton_available() and interpreting()):
+        pytest.skip("needs triton under TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(5)
+    host, dev = _runtime(_config()), _runtime(_config(), step_path="device")
+    assert dev.device_step and not host.device_step
+    ids, lengths = [0, 1, 2], [21, 14, 30]
+    k_cache = [torch.randn(host.pool.num_blocks, BS, DI, generator=g) for _ in range(LAYERS)]
+    try:
+        for rt in (host, dev):
+            for r in ids:
+                rt.reserve(r, MAX_LEN)
+        for step in range(4):
+            order = [1, 2, 0] if step % 2 else ids
+            lens = [n + step for n in lengths]
+            for ly in range(LAYERS):
+                for r, n in zip(ids, lens, strict=True):
+                    pos = torch.arange(n - 1, n) if step else torch.arange(n)
+                    kv, pe = torch.randn(len(pos), DC, generator=g), torch.randn(len(pos), DR, generator=g)
+                    for rt in (host, dev):
+                        rt.append(ly, [r] * len(pos), pos, kv, pe)
+            seq = torch.tensor([lens[ids.index(r)] for r in order], dtype=torch.int32)
+            bt = host.pool.block_table(order, max_blocks=MAX_LEN // BS)
+            assert torch.equal(bt, dev.pool.block_table(order, max_blocks=MAX_LEN // BS))
+            for ly in range(LAYERS):
+                idx = IndexerInputs(
+                    q=torch.randn(3, HI, DI, generator=g), weights=torch.rand(3, HI, generator=g), block_table=bt,
+                    cu_seqlens_q=torch.arange(4, dtype=torch.int32), seq_lens_k=seq, k_cache=k_cache[ly],
+                )  # fmt: skip
+                q_nope, q_pe = torch.randn(3, H, DC, generator=g), torch.randn(3, H, DR, generator=g)
+                rows = DecodeRows(torch.tensor(order), seq.long(), bt)
+                a = host.attend(ly, q_nope, q_pe, SCALE, idx, rows)
+                b = dev.attend(ly, q_nope, q_pe, SCALE, idx, rows)
+                assert torch.equal(a.topk, b.topk)
+                torch.testing.assert_close(b.out, a.out, rtol=1e-4, atol=1e-4)
+                assert torch.equal(host.hot_kv_c[ly], dev.hot_kv_c[ly])
+                for r, n in zip(ids, lens, strict=True):  # the written rows (the rest is uninitialised)
+                    at = host.pool.slots(r, torch.arange(n))
+                    assert torch.equal(host.pool.rows(ly)[0][at], dev.pool.rows(ly)[0][at])
+        for name in ("hits", "misses", "bytes_h2d", "bytes_d2h"):
+            assert host.counters.snapshot()[name] == dev.counters.snapshot()[name], name
+    finally:
+        host.close()
+        dev.close()
+
+
+def test_fp16_queries_are_refused():
     rt = _runtime(_config())
     try:
         rt.reserve(0, MAX_LEN)

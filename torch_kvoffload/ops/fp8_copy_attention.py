@@ -31,7 +31,11 @@ from torch_kvoffload.ops.sparse_attention import (
     copy_sfa_miss_slots,
 )
 
-__all__ = ["fp8_scatter_copy_sparse_mla_attention", "validate_fp8_copy_sfa"]
+__all__ = [
+    "fp8_scatter_copy_sparse_mla_attention",
+    "validate_fp8_copy_sfa",
+    "validate_fp8_copy_sfa_structure",
+]
 
 OP = "fp8_scatter_copy_sparse_mla_attention"
 
@@ -93,6 +97,16 @@ def _structure(
         )
     # the host pool is read where it lives (pinned CPU memory while the hot buffers sit on the accelerator)
     _check_devices(OP, q_nope, {"q_pe": q_pe, "hot_rows": hot_rows, "slots": slots, "out": out, "lse": lse})
+
+
+def validate_fp8_copy_sfa_structure(
+    q_nope, q_pe, host_rows, block_table, hot_rows, miss_tokens, miss_slots, miss_count, slots, out, lse
+) -> None:
+    """The op's structural checks (shapes, dtypes, devices; no values): for callers whose miss lists come
+    from their own residency kernel (the device step's unchecked launches)."""
+    _structure(
+        q_nope, q_pe, host_rows, block_table, hot_rows, miss_tokens, miss_slots, miss_count, slots, out, lse
+    )
 
 
 def validate_fp8_copy_sfa(

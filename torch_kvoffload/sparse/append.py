@@ -254,7 +254,8 @@ class RowAppender:
             src = torch.arange(n, dtype=torch.int64)
             try:
                 launch_copy_rows(kv_src.unsqueeze(1), host_kv, src, dst)
-                launch_copy_rows(pe_src.unsqueeze(1), host_pe, src, dst)
+                if host_pe.shape[-1]:  # FP8 rows hold their rotary part
+                    launch_copy_rows(pe_src.unsqueeze(1), host_pe, src, dst)
             except BaseException:
                 self.pool.mark_failed(layer)
                 raise
@@ -270,7 +271,8 @@ class RowAppender:
             dst_dev = dst.pin_memory().to(self.device, non_blocking=True)
             src_dev = torch.arange(n, dtype=torch.int64, device=self.device)
             launch_copy_rows(kv_src.unsqueeze(1), host_kv, src_dev, dst_dev)
-            launch_copy_rows(pe_src.unsqueeze(1), host_pe, src_dev, dst_dev)
+            if host_pe.shape[-1]:  # FP8 rows hold their rotary part
+                launch_copy_rows(pe_src.unsqueeze(1), host_pe, src_dev, dst_dev)
             done = torch.Event(self.device)
             done.record(stream)
         except BaseException:

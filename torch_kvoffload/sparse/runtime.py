@@ -152,14 +152,7 @@ class SparseDecodeOffload:
             num_layers=num_layers, max_rows=max_rows, capacity=config.hot_capacity, top_k=config.top_k,
             kv_lora_rank=row_c, rope_dim=row_pe, dtype=self.dtype, device=self.device, policy=config.policy,
         )  # fmt: skip
-        if config.fp8_kv and step_path == "device":
-            raise ValueError(
-                f"{where}: step_path='device' runs the device step's kernels, which read floating main rows; "
-                "FP8 rows (kv_dtype='fp8_e4m3') take the host step (step_path 'host' or 'auto')"
-            )
-        # FP8 rows append and attend through the host step's ops
-        path = "host" if config.fp8_kv and step_path == "auto" else step_path
-        self._device_path = resolve_step_path(where, path, self.device, pool, self.capacity)
+        self._device_path = resolve_step_path(where, step_path, self.device, pool, self.capacity)
         # the device step's fused manage kernel reads floating or int8 keys; FP8 keys take the host step's ops
         self._device_step = self._device_path and config.fused and config.indexer_dtype != "fp8_e4m3"
         fresh = self.device.type == "cpu" and not self._device_path  # new output tensors every step

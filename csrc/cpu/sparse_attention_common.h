@@ -31,6 +31,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace kvoffload::attention {
@@ -314,6 +315,41 @@ inline void check_index_range(
           ", expected -1 or a value in [0, ", limit, ")");
     }
   }
+}
+
+// check_copy_sfa_lists: the structure of a Copy-SFA op's index tensors (int32, R rows), of its hot buffer's
+// rows (hot_name) and of out / lse, with the Python validator's messages (the floating and FP8 Copy-SFA).
+inline void check_copy_sfa_lists(
+    const char* op, const at::Tensor& q_nope, const char* hot_name, const at::Tensor& hot,
+    const at::Tensor& block_table, const at::Tensor& miss_tokens, const at::Tensor& miss_slots,
+    const at::Tensor& miss_count, const at::Tensor& slots, const at::Tensor& out, const at::Tensor& lse) {
+  const int64_t R = q_nope.size(0);
+  for (auto [name, t, dim] : {std::tuple<const char*, const at::Tensor*, int64_t>{"block_table", &block_table, 2},
+                              {"miss_tokens", &miss_tokens, 2}, {"miss_slots", &miss_slots, 2},
+                              {"miss_count", &miss_count, 1}, {"slots", &slots, 2}}) {
+    check_int32(op, name, *t, dim);
+    TORCH_CHECK_VALUE(
+        t->size(0) == R, "kvoffload::", op, ": argument '", name, "' must have ", R,
+        " rows (R of 'q_nope'), got shape ", shape_str(*t));
+  }
+  TORCH_CHECK_VALUE(
+      hot.size(0) == R, "kvoffload::", op, ": argument '", hot_name, "' must have ", R,
+      " rows (R of 'q_nope'), got shape ", shape_str(hot));
+  TORCH_CHECK_VALUE(
+      miss_slots.sizes() == miss_tokens.sizes(), "kvoffload::", op,
+      ": argument 'miss_slots' must have the shape of 'miss_tokens' ", shape_str(miss_tokens), ", got ",
+      shape_str(miss_slots));
+  check_same_dtype(op, "q_nope", q_nope, "out", out);
+  TORCH_CHECK_VALUE(
+      out.sizes() == q_nope.sizes(), "kvoffload::", op, ": argument 'out' must have shape ", shape_str(q_nope),
+      " (as 'q_nope'), got ", shape_str(out));
+  TORCH_CHECK_TYPE(
+      lse.scalar_type() == at::kFloat, "kvoffload::", op, ": argument 'lse' must have dtype torch.float32, got ",
+      dtype_str(lse.scalar_type()));
+  TORCH_CHECK_VALUE(
+      lse.dim() == 2 && lse.size(0) == R && lse.size(1) == q_nope.size(1), "kvoffload::", op,
+      ": argument 'lse' must have shape ", sizes_str(q_nope.sizes().slice(0, 2)), " ([R, H]), got ",
+      shape_str(lse));
 }
 
 // check_copy_sfa_misses: the miss list of a Copy-SFA op (R rows of M entries, int32, contiguous) against

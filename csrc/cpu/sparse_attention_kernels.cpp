@@ -119,32 +119,9 @@ void scatter_copy_sparse_mla_attention_cpu(
   check_rows(op, q_nope_in, q_pe_in, "host_kv_c", host_kv_c_in, "host_k_pe", host_k_pe_in, 2);
   check_rows(op, q_nope_in, q_pe_in, "hot_kv_c", hot_kv_c, "hot_k_pe", hot_k_pe, 2);
   const int64_t R = q_nope_in.size(0);
-  for (auto [name, t, dim] : {std::tuple<const char*, const at::Tensor*, int64_t>{"block_table", &block_table_in, 2},
-                              {"miss_tokens", &miss_tokens_in, 2}, {"miss_slots", &miss_slots_in, 2},
-                              {"miss_count", &miss_count_in, 1}, {"slots", &slots_in, 2}}) {
-    check_int32(op, name, *t, dim);
-    TORCH_CHECK_VALUE(
-        t->size(0) == R, "kvoffload::", op, ": argument '", name, "' must have ", R,
-        " rows (R of 'q_nope'), got shape ", shape_str(*t));
-  }
-  TORCH_CHECK_VALUE(
-      hot_kv_c.size(0) == R, "kvoffload::", op, ": argument 'hot_kv_c' must have ", R,
-      " rows (R of 'q_nope'), got shape ", shape_str(hot_kv_c));
-  TORCH_CHECK_VALUE(
-      miss_slots_in.sizes() == miss_tokens_in.sizes(), "kvoffload::", op,
-      ": argument 'miss_slots' must have the shape of 'miss_tokens' ", shape_str(miss_tokens_in), ", got ",
-      shape_str(miss_slots_in));
-  check_same_dtype(op, "q_nope", q_nope_in, "out", out);
-  TORCH_CHECK_VALUE(
-      out.sizes() == q_nope_in.sizes(), "kvoffload::", op, ": argument 'out' must have shape ",
-      shape_str(q_nope_in), " (as 'q_nope'), got ", shape_str(out));
-  TORCH_CHECK_TYPE(
-      lse.scalar_type() == at::kFloat, "kvoffload::", op, ": argument 'lse' must have dtype torch.float32, got ",
-      dtype_str(lse.scalar_type()));
-  TORCH_CHECK_VALUE(
-      lse.dim() == 2 && lse.size(0) == R && lse.size(1) == q_nope_in.size(1), "kvoffload::", op,
-      ": argument 'lse' must have shape ", sizes_str(q_nope_in.sizes().slice(0, 2)), " ([R, H]), got ",
-      shape_str(lse));
+  check_copy_sfa_lists(
+      op, q_nope_in, "hot_kv_c", hot_kv_c, block_table_in, miss_tokens_in, miss_slots_in, miss_count_in, slots_in,
+      out, lse);
   for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"q_nope", &q_nope_in}, {"q_pe", &q_pe_in},
                          {"host_kv_c", &host_kv_c_in}, {"host_k_pe", &host_k_pe_in},
                          {"block_table", &block_table_in}, {"hot_kv_c", &hot_kv_c}, {"hot_k_pe", &hot_k_pe},

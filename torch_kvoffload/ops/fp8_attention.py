@@ -29,24 +29,35 @@ __all__ = ["dequantize_rows", "fp8_sparse_mla_attention", "validate_fp8_sparse_m
 OP = "fp8_sparse_mla_attention"
 
 
-def _structure(q_nope, q_pe, kv_rows, indices) -> None:
-    _check_queries(OP, q_nope, q_pe)
-    dc, dr = q_nope.shape[-1], q_pe.shape[-1]
+def check_fp8_queries(op: str, q_nope: torch.Tensor, q_pe: torch.Tensor) -> None:
+    """Queries of an op over FP8 latent rows: those of sparse MLA attention, ``Dc`` a multiple of 128."""
+    _check_queries(op, q_nope, q_pe)
+    dc = q_nope.shape[-1]
     if dc % TILE or dc == 0:
         _checks.fail(
-            OP,
+            op,
             f"argument 'q_nope' must have a latent width (Dc) that is a positive multiple of {TILE} (one fp32 "
             f"scale per {TILE} values of an FP8 row), got shape {list(q_nope.shape)}",
         )
-    _checks.check_dtype(OP, "kv_rows", kv_rows, (torch.uint8,))
-    _checks.check_dim(OP, "kv_rows", kv_rows, 2)
+
+
+def check_fp8_rows(op: str, arg: str, rows: torch.Tensor, dims: int, q_nope, q_pe) -> None:
+    """``rows``: ``uint8`` FP8 latent rows of the queries' widths, ``dims`` dims."""
+    dc, dr = q_nope.shape[-1], q_pe.shape[-1]
+    _checks.check_dtype(op, arg, rows, (torch.uint8,))
+    _checks.check_dim(op, arg, rows, dims)
     want = kv_row_bytes(dc, dr)
-    if kv_rows.shape[1] != want:
+    if rows.shape[-1] != want:
         _checks.fail(
-            OP,
-            f"argument 'kv_rows' must have {want} bytes per row (Dc {dc} fp8 values, {dc // TILE} fp32 scales, "
-            f"Dr {dr} bf16 RoPE values), got shape {list(kv_rows.shape)}",
+            op,
+            f"argument '{arg}' must have {want} bytes per row (Dc {dc} fp8 values, {dc // TILE} fp32 scales, "
+            f"Dr {dr} bf16 RoPE values), got shape {list(rows.shape)}",
         )
+
+
+def _structure(q_nope, q_pe, kv_rows, indices) -> None:
+    check_fp8_queries(OP, q_nope, q_pe)
+    check_fp8_rows(OP, "kv_rows", kv_rows, 2, q_nope, q_pe)
     _checks.check_dtype(OP, "indices", indices, (torch.int32,))
     _checks.check_dim(OP, "indices", indices, 2)
     if indices.shape[0] != q_nope.shape[0]:

@@ -22,12 +22,12 @@ import torch
 
 from torch_kvoffload.ops import _checks
 from torch_kvoffload.ops._registry import define_op
-from torch_kvoffload.ops.fp8 import TILE, kv_row_bytes
 from torch_kvoffload.ops.fp8_attention import _reference as fp8_attention_reference
+from torch_kvoffload.ops.fp8_attention import check_fp8_queries, check_fp8_rows
 from torch_kvoffload.ops.sparse_attention import (
     _check_devices,
     _check_index_range,
-    _check_queries,
+    check_copy_sfa_lists,
     copy_sfa_miss_slots,
 )
 
@@ -43,58 +43,12 @@ OP = "fp8_scatter_copy_sparse_mla_attention"
 def _structure(
     q_nope, q_pe, host_rows, block_table, hot_rows, miss_tokens, miss_slots, miss_count, slots, out, lse
 ) -> None:
-    _check_queries(OP, q_nope, q_pe)
-    dc, dr = q_nope.shape[-1], q_pe.shape[-1]
-    if dc % TILE or dc == 0:
-        _checks.fail(
-            OP,
-            f"argument 'q_nope' must have a latent width (Dc) that is a positive multiple of {TILE} (one fp32 "
-            f"scale per {TILE} values of an FP8 row), got shape {list(q_nope.shape)}",
-        )
-    want = kv_row_bytes(dc, dr)
+    check_fp8_queries(OP, q_nope, q_pe)
     for arg, t in (("host_rows", host_rows), ("hot_rows", hot_rows)):
-        _checks.check_dtype(OP, arg, t, (torch.uint8,))
-        _checks.check_dim(OP, arg, t, 3)
-        if t.shape[-1] != want:
-            _checks.fail(
-                OP,
-                f"argument '{arg}' must have {want} bytes per row (Dc {dc} fp8 values, {dc // TILE} fp32 "
-                f"scales, Dr {dr} bf16 RoPE values), got shape {list(t.shape)}",
-            )
-    rows = q_nope.shape[0]
-    for arg, t, dim in (
-        ("block_table", block_table, 2),
-        ("miss_tokens", miss_tokens, 2),
-        ("miss_slots", miss_slots, 2),
-        ("miss_count", miss_count, 1),
-        ("slots", slots, 2),
-    ):
-        _checks.check_dtype(OP, arg, t, (torch.int32,))
-        _checks.check_dim(OP, arg, t, dim)
-        if t.shape[0] != rows:
-            _checks.fail(
-                OP, f"argument '{arg}' must have {rows} rows (R of 'q_nope'), got shape {list(t.shape)}"
-            )
-    if hot_rows.shape[0] != rows:
-        _checks.fail(
-            OP, f"argument 'hot_rows' must have {rows} rows (R of 'q_nope'), got shape {list(hot_rows.shape)}"
-        )
-    if miss_slots.shape != miss_tokens.shape:
-        _checks.fail(
-            OP,
-            f"argument 'miss_slots' must have the shape of 'miss_tokens' {list(miss_tokens.shape)}, "
-            f"got {list(miss_slots.shape)}",
-        )
-    _checks.check_same_dtype(OP, "q_nope", q_nope, "out", out)
-    if out.shape != q_nope.shape:
-        _checks.fail(
-            OP, f"argument 'out' must have shape {list(q_nope.shape)} (as 'q_nope'), got {list(out.shape)}"
-        )
-    _checks.check_dtype(OP, "lse", lse, (torch.float32,))
-    if lse.shape != q_nope.shape[:2]:
-        _checks.fail(
-            OP, f"argument 'lse' must have shape {list(q_nope.shape[:2])} ([R, H]), got {list(lse.shape)}"
-        )
+        check_fp8_rows(OP, arg, t, 3, q_nope, q_pe)
+    check_copy_sfa_lists(
+        OP, q_nope, "hot_rows", hot_rows, block_table, miss_tokens, miss_slots, miss_count, slots, out, lse
+    )
     # the host pool is read where it lives (pinned CPU memory while the hot buffers sit on the accelerator)
     _check_devices(OP, q_nope, {"q_pe": q_pe, "hot_rows": hot_rows, "slots": slots, "out": out, "lse": lse})
 

@@ -23,6 +23,7 @@ from torch_kvoffload.ops import sparse_attention_reference as ref
 from torch_kvoffload.ops._registry import define_op
 
 __all__ = [
+    "check_copy_sfa_lists",
     "check_copy_sfa_misses",
     "copy_sfa_miss_slots",
     "scatter_copy_sparse_mla_attention",
@@ -184,6 +185,26 @@ def _copy_sfa_structure(
     _check_queries(op, q_nope, q_pe)
     _check_rows(op, q_nope, q_pe, "host_kv_c", host_kv_c, "host_k_pe", host_k_pe, 2)
     _check_rows(op, q_nope, q_pe, "hot_kv_c", hot_kv_c, "hot_k_pe", hot_k_pe, 2)
+    check_copy_sfa_lists(op, q_nope, "hot_kv_c", hot_kv_c, block_table, miss_tokens, miss_slots, miss_count,
+                         slots, out, lse)  # fmt: skip
+    # The host pool is read where it lives (e.g. pinned CPU memory while the hot buffers sit on the
+    # accelerator); the small index tensors may be on either side.
+    _check_devices(
+        op,
+        q_nope,
+        {"q_pe": q_pe, "hot_kv_c": hot_kv_c, "hot_k_pe": hot_k_pe, "slots": slots, "out": out, "lse": lse},
+    )
+    if host_k_pe.device != host_kv_c.device:
+        _checks.fail(
+            op, f"argument 'host_k_pe' must be on {host_kv_c.device} (as 'host_kv_c'), got {host_k_pe.device}"
+        )
+
+
+def check_copy_sfa_lists(
+    op, q_nope, hot_name, hot, block_table, miss_tokens, miss_slots, miss_count, slots, out, lse
+) -> None:
+    """The structure of a Copy-SFA op's index tensors (``int32``, ``R`` rows), of its hot buffer's rows
+    (``hot_name``) and of ``out`` / ``lse``: the checks the floating and the FP8 Copy-SFA share."""
     rows = q_nope.shape[0]
     for arg, t, dim in (
         ("block_table", block_table, 2),
@@ -198,9 +219,9 @@ def _copy_sfa_structure(
             _checks.fail(
                 op, f"argument '{arg}' must have {rows} rows (R of 'q_nope'), got shape {list(t.shape)}"
             )
-    if hot_kv_c.shape[0] != rows:
+    if hot.shape[0] != rows:
         _checks.fail(
-            op, f"argument 'hot_kv_c' must have {rows} rows (R of 'q_nope'), got shape {list(hot_kv_c.shape)}"
+            op, f"argument '{hot_name}' must have {rows} rows (R of 'q_nope'), got shape {list(hot.shape)}"
         )
     if miss_slots.shape != miss_tokens.shape:
         _checks.fail(
@@ -217,17 +238,6 @@ def _copy_sfa_structure(
     if lse.shape != q_nope.shape[:2]:
         _checks.fail(
             op, f"argument 'lse' must have shape {list(q_nope.shape[:2])} ([R, H]), got {list(lse.shape)}"
-        )
-    # The host pool is read where it lives (e.g. pinned CPU memory while the hot buffers sit on the
-    # accelerator); the small index tensors may be on either side.
-    _check_devices(
-        op,
-        q_nope,
-        {"q_pe": q_pe, "hot_kv_c": hot_kv_c, "hot_k_pe": hot_k_pe, "slots": slots, "out": out, "lse": lse},
-    )
-    if host_k_pe.device != host_kv_c.device:
-        _checks.fail(
-            op, f"argument 'host_k_pe' must be on {host_kv_c.device} (as 'host_kv_c'), got {host_k_pe.device}"
         )
 
 

@@ -1,8 +1,8 @@
 """``SparseOffloadBackend``: sparse decode offload as a KV backend (DESIGN §7).
 
 Every new row goes to the host pool (:meth:`SparseDecodeOffload.append`; with ``kv_dtype="fp8_e4m3"`` as
-DeepSeek's FP8 row, which the hot buffers keep too and attention dequantizes where it reads); the indexer keys go to the device
-:class:`~torch_kvoffload.sparse.indexer_cache.IndexerCache`. A decode step (one new token per request)
+DeepSeek's FP8 row, which the hot buffers keep too and attention dequantizes where it reads); the indexer
+keys go to the device :class:`~torch_kvoffload.sparse.indexer_cache.IndexerCache`. A decode step (one new token per request)
 runs the fused indexer + residency + Copy-SFA path (:meth:`SparseDecodeOffload.attend`); a multi-token
 forward without the layerwise pipeline attends over its own rows plus, for a chunked prefill, the
 requests' earlier rows read from the host pool for that layer only, on the runtime's ``h2d`` transfer

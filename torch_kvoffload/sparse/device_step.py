@@ -88,9 +88,7 @@ class DeviceStep:
         self._manage(indexer, q_int8, state, ids_t, stable_t, topk, res)
         return PreparedStep(
             rows_t, state, out, lse, topk, res,
-            lambda: self._copy_and_attend(
-                layer, q_nope, q_pe, scale, bt, hot_kv, hot_pe, offset, res, out, lse, rows_t
-            ),
+            lambda: self._copy_and_attend(layer, q_nope, q_pe, scale, bt, hot_kv, hot_pe, offset, res, out, lse),
         )  # fmt: skip
 
     def _stage_rows(self, layer: int, rows: list[int], ids: list[int], stable: torch.Tensor, host_bt):
@@ -214,7 +212,7 @@ class DeviceStep:
             launch_indexer_manage(indexer.q, indexer.weights, indexer.k_cache, *idx, *state, ids, stable,
                                   self.config.policy, topk, *res.as_tuple())  # fmt: skip
 
-    def _copy_and_attend(self, layer, q_nope, q_pe, scale, bt, hot_kv, hot_pe, offset, res, out, lse, rows_t):
+    def _copy_and_attend(self, layer, q_nope, q_pe, scale, bt, hot_kv, hot_pe, offset, res, out, lse):
         """Steps 5–7 with the unchecked Copy-SFA launch; returns the rows copied (an int64 device scalar)."""
         from torch_kvoffload.ops import unaliased_source
         from torch_kvoffload.ops.triton.sparse_attention import launch_scatter_copy_sparse_mla_attention
@@ -225,32 +223,18 @@ class DeviceStep:
             slots = torch.where(slots >= 0, slots + offset, -1)
         q_nope = unaliased_source(unaliased_source(q_nope, out), lse)
         q_pe = unaliased_source(unaliased_source(q_pe, out), lse)
-        if self.config.fp8_kv:
-            self._copy_and_attend_fp8(
-                layer, q_nope, q_pe, scale, bt, hot_kv, hot_pe, offset, res, out, lse, rows_t
+        if self.config.fp8_kv:  # the rows' bytes, then the FP8 attention (the rotary part is inside)
+            from torch_kvoffload.ops.triton.fp8_copy_attention import (
+                launch_fp8_scatter_copy_sparse_mla_attention,
             )
+
+            launch_fp8_scatter_copy_sparse_mla_attention(
+                q_nope, q_pe, self.pool.kv_c(layer), bt, hot_kv, res.miss_tokens, miss_slots, res.miss_count,
+                slots, scale, out, lse,
+            )  # fmt: skip
             return res.miss_count.sum(dtype=torch.int64)
         launch_scatter_copy_sparse_mla_attention(
             q_nope, q_pe, self.pool.kv_c(layer), self.pool.k_pe(layer), bt, hot_kv, hot_pe, res.miss_tokens,
             miss_slots, res.miss_count, slots, scale, out, lse,
         )  # fmt: skip
         return res.miss_count.sum(dtype=torch.int64)
-
-    def _copy_and_attend_fp8(
-        self, layer, q_nope, q_pe, scale, bt, hot_kv, hot_pe, offset, res, out, lse, rows_t
-    ) -> None:
-        """Steps 5–7 over FP8 rows: Copy-SFA's miss copy moving the rows' bytes into the views of
-        :meth:`_hot_views`, then the FP8 attention over the layer's whole hot buffer as ``[R * C, W]`` rows
-        (each row's slots offset by its residency row's ``rows * C``)."""
-        from torch_kvoffload.ops.triton.fp8_attention import launch_fp8_sparse_mla_attention
-        from torch_kvoffload.ops.triton.sparse_attention import _launch_miss_copy
-
-        miss_slots = res.miss_slots
-        if offset is not None:
-            miss_slots = torch.where(miss_slots >= 0, miss_slots + offset, -1)
-        _launch_miss_copy(self.pool.kv_c(layer), self.pool.k_pe(layer), bt, hot_kv, hot_pe, res.miss_tokens,
-                          miss_slots, res.miss_count)  # fmt: skip
-        flat = self.hot.kv_c[layer].view(-1, self.hot.kv_c[layer].shape[-1])
-        rows_off = (rows_t * self.hot.capacity).to(torch.int32)[:, None]
-        indices = torch.where(res.slots >= 0, res.slots + rows_off, -1)
-        launch_fp8_sparse_mla_attention(q_nope, q_pe, flat, indices, scale, out, lse)

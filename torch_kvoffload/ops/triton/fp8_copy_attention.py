@@ -18,7 +18,7 @@ from torch_kvoffload.ops.triton.fp8 import _check_byte_order
 from torch_kvoffload.ops.triton.fp8_attention import launch_fp8_sparse_mla_attention
 from torch_kvoffload.ops.triton.sparse_attention import _device_readable, _launch_miss_copy
 
-__all__ = ["KERNELS", "fp8_scatter_copy_sparse_mla_attention"]
+__all__ = ["KERNELS", "fp8_scatter_copy_sparse_mla_attention", "launch_fp8_scatter_copy_sparse_mla_attention"]
 
 
 def fp8_scatter_copy_sparse_mla_attention(
@@ -46,30 +46,78 @@ def fp8_scatter_copy_sparse_mla_attention(
     q_nope = _checks.unaliased_source(_checks.unaliased_source(q_nope, out), lse)
     q_pe = _checks.unaliased_source(_checks.unaliased_source(q_pe, out), lse)
     work = hot_rows if hot_rows.is_contiguous() else hot_rows.contiguous()
+    o = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+    s = lse if lse.is_contiguous() else torch.empty_like(lse, memory_format=torch.contiguous_format)
     if _device_readable(host_rows, work.device):
-        _launch_miss_copy(
+        launch_fp8_scatter_copy_sparse_mla_attention(
+            q_nope,
+            q_pe,
             host_rows,
-            host_rows[..., :0],
             block_table,
             work,
-            work[..., :0],
             miss_tokens,
             miss_slots,
             miss_count,
+            slots,
+            scale,
+            o,
+            s,
         )
-    elif src.numel():  # pageable host memory: the row-copy op moves the missed rows
-        torch.ops.kvoffload.copy_rows(host_rows, work, src, dst)
-    R, C, W = work.shape
-    rows = torch.arange(R, device=slots.device, dtype=torch.int32)[:, None]
-    indices = torch.where(slots >= 0, slots + rows * C, -1)
-    o = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
-    s = lse if lse.is_contiguous() else torch.empty_like(lse, memory_format=torch.contiguous_format)
-    launch_fp8_sparse_mla_attention(q_nope, q_pe, work.view(R * C, W), indices, scale, o, s)
+    else:  # pageable host memory: the row-copy op moves the missed rows, then the attention
+        if src.numel():
+            torch.ops.kvoffload.copy_rows(host_rows, work, src, dst)
+        _attend(q_nope, q_pe, work, slots, scale, o, s)
     if work is not hot_rows:
         hot_rows.copy_(work)
     if o is not out:
         out.copy_(o)
         lse.copy_(s)
+
+
+def _attend(q_nope, q_pe, hot_rows, slots, scale, out, lse) -> None:
+    """The FP8 attention of row ``t`` over ``hot_rows[t, slots[t]]``, as one ``[N, W]`` tensor of rows with
+    absolute indices: the flat buffer itself when ``hot_rows`` expands one over the rows (row stride 0, the
+    slots already offset into it), else ``T * C`` rows with row ``t``'s slots offset by ``t * C``."""
+    T, C, W = hot_rows.shape
+    if hot_rows.stride(0) == 0:
+        flat, indices = hot_rows[0], slots
+    else:
+        flat = hot_rows.reshape(T * C, W)  # a view of a contiguous slice (a copy is only read)
+        rows = torch.arange(T, device=slots.device, dtype=torch.int32)[:, None]
+        indices = torch.where(slots >= 0, slots + rows * C, -1)
+    launch_fp8_sparse_mla_attention(q_nope, q_pe, flat, indices, scale, out, lse)
+
+
+def launch_fp8_scatter_copy_sparse_mla_attention(
+    q_nope,
+    q_pe,
+    host_rows,
+    block_table,
+    hot_rows,
+    miss_tokens,
+    miss_slots,
+    miss_count,
+    slots,
+    scale,
+    out,
+    lse,
+) -> None:
+    """Copy-SFA over FP8 rows of validated, unaliased input (the op's contract, none of its checks; nothing
+    read back), for a caller whose miss lists come from its own residency kernel. ``host_rows`` must be
+    readable in place (pinned memory on CUDA, CPU tensors under the interpreter); ``hot_rows [T, C, W]``
+    a slice of rows or one flat buffer expanded over the rows (row stride 0) with ``miss_slots`` and
+    ``slots`` already offset into it; ``out`` / ``lse`` contiguous."""
+    _launch_miss_copy(
+        host_rows,
+        host_rows[..., :0],
+        block_table,
+        hot_rows,
+        hot_rows[..., :0],
+        miss_tokens,
+        miss_slots,
+        miss_count,
+    )
+    _attend(q_nope, q_pe, hot_rows, slots, scale, out, lse)
 
 
 KERNELS = {OP: fp8_scatter_copy_sparse_mla_attention}

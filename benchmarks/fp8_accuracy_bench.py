@@ -6,9 +6,9 @@
 * **Latent rows** (the 656-byte format), DeepSeek widths (128 heads, Dc = 512, Dr = 64, 2,048 selected
   rows): relative error of ``fp8_sparse_mla_attention``'s output against fp32 attention over the
   unquantized rows, beside bf16 rows.
-* **Generation**: a tiny DeepseekV32 (128-wide indexer head) generating ``--new`` tokens greedily from
-  ``--prompts`` random prompts with ``indexer_dtype="fp8_e4m3"`` (and ``"int8"``) against the same
-  offloaded model with the model's dtype: the first position that differs, and the share of equal
+* **Generation**: a tiny DeepseekV32 (128-wide indexer head, kv_lora_rank 128) generating ``--new`` tokens
+  greedily from ``--prompts`` random prompts with ``indexer_dtype="fp8_e4m3"`` (and ``"int8"``), FP8 latent
+  rows (``kv_dtype="fp8_e4m3"``) and both FP8 formats against the same offloaded model with the model's dtype: the first position that differs, and the share of equal
   positions (a random tiny model's logits are close together, so any change of the selection soon
   changes a token: a pessimistic measure).
 
@@ -49,6 +49,14 @@ from torch_kvoffload.ops import (
 )
 
 TOPK, HEADS, DIM = 2048, 64, 128
+#: the generation runs: the model's dtype, then each FP8 / int8 choice of sparse offload
+FORMATS = {
+    "bf16": {},
+    "fp8_e4m3": {"indexer_dtype": "fp8_e4m3"},
+    "int8": {"indexer_dtype": "int8"},
+    "fp8_latent": {"kv_dtype": "fp8_e4m3"},
+    "fp8_both": {"kv_dtype": "fp8_e4m3", "indexer_dtype": "fp8_e4m3"},
+}
 
 
 def _overlap(truth: torch.Tensor, got: torch.Tensor) -> list[float]:
@@ -103,19 +111,21 @@ def generation_agreement(new: int, prompts: int) -> dict[str, float]:
 
     import torch_kvoffload
 
-    widths = {**SMALL, "index_head_dim": 128, "index_n_heads": 16, "index_topk": 16}
+    widths = {**SMALL, "index_head_dim": 128, "index_n_heads": 16, "index_topk": 16, "kv_lora_rank": 128}
     ref = build_model("deepseek_v32", **widths)
     runs = {}
-    for fmt in ("bf16", "fp8_e4m3", "int8"):
-        model = torch_kvoffload.offload(copy.deepcopy(ref), {"sparse": {"indexer_dtype": fmt}})
+    for fmt, sparse in FORMATS.items():
+        model = torch_kvoffload.offload(copy.deepcopy(ref), {"sparse": sparse})
         outs = []
         for p in range(prompts):
             ids = torch.randint(3, 1000, (1, 64), generator=torch.Generator().manual_seed(p))
             with torch.no_grad():
-                outs.append(model.generate(ids, max_new_tokens=new, do_sample=False)[0, 64:])
+                outs.append(
+                    model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)[0, 64:]
+                )
         runs[fmt] = outs
     out: dict[str, float] = {"new_tokens": new, "prompts": prompts}
-    for fmt in ("fp8_e4m3", "int8"):
+    for fmt in list(FORMATS)[1:]:
         first, equal = [], []
         for a, b in zip(runs["bf16"], runs[fmt], strict=True):
             diff = (a != b).nonzero()
@@ -175,9 +185,9 @@ def main() -> None:
     generation = generation_agreement(args.new, args.prompts)
     print(f"\ngreedy generation against the model's dtype ({args.prompts} prompts x {args.new} tokens)")
     print(format_table(
-        ["indexer", "first difference (mean)", "equal overall"],
+        ["format", "first difference (mean)", "equal overall"],
         [[fmt, generation[f"{fmt}_first_difference_mean"], generation[f"{fmt}_equal_overall"]]
-         for fmt in ("fp8_e4m3", "int8")],
+         for fmt in list(FORMATS)[1:]],
     ))  # fmt: skip
     moved = h2d_bytes(args.h2d_prompt, args.h2d_top_k)
     print(

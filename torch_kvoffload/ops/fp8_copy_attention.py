@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from torch_kvoffload.ops import _checks
+from torch_kvoffload.ops import sparse_attention_reference as ref
 from torch_kvoffload.ops._registry import define_op
 from torch_kvoffload.ops.fp8_attention import _reference as fp8_attention_reference
 from torch_kvoffload.ops.fp8_attention import check_fp8_queries, check_fp8_rows
@@ -116,18 +117,11 @@ def _reference(
     host_rows = _checks.unaliased_source(host_rows, hot_rows)
     q_nope = _checks.unaliased_source(_checks.unaliased_source(q_nope, out), lse)
     q_pe = _checks.unaliased_source(_checks.unaliased_source(q_pe, out), lse)
-    width = hot_rows.shape[-1]
-    if src.numel():
-        flat = hot_rows.view(-1, width) if hot_rows.is_contiguous() else hot_rows.reshape(-1, width)
-        flat[dst.to(hot_rows.device)] = host_rows.reshape(-1, width)[src.to(host_rows.device)].to(
-            hot_rows.device
-        )
-        if not hot_rows.is_contiguous():
-            hot_rows.copy_(flat.view(hot_rows.shape))
+    ref.copy_miss_rows(host_rows, host_rows[..., :0], hot_rows, hot_rows[..., :0], src, dst)  # no RoPE part
     capacity = hot_rows.shape[1]
     rows = torch.arange(slots.shape[0], device=slots.device, dtype=torch.int32)[:, None]
     indices = torch.where(slots >= 0, slots + rows * capacity, -1)
-    o, s = fp8_attention_reference(q_nope, q_pe, hot_rows.reshape(-1, width), indices, scale)
+    o, s = fp8_attention_reference(q_nope, q_pe, hot_rows.reshape(-1, hot_rows.shape[-1]), indices, scale)
     out.copy_(o)
     lse.copy_(s)
 

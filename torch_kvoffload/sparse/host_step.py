@@ -126,33 +126,30 @@ class HostStep:
         host_kv, host_pe = self.pool.kv_c(layer), self.pool.k_pe(layer)
         hot_kv, hot_pe = self.hot.kv_c[layer], self.hot.k_pe[layer]
         T, C = q_nope.shape[0], self.hot.capacity
-        if self.config.fp8_kv and self.config.fused and plan.contiguous():
-            a = plan.rows[0]
-            fp8_scatter_copy_sparse_mla_attention(
-                q_nope, q_pe, host_kv, host_bt.to(self.device, non_blocking=True), hot_kv[a : a + T],
-                res.miss_tokens, res.miss_slots, res.miss_count, res.slots, scale, out, lse,
-            )  # fmt: skip
-            return res.miss_count
-        if self.config.fp8_kv:  # the misses' bytes, then attention over the dequantized rows it selects
-            copied = self._copy_misses(host_kv, host_pe, hot_kv, hot_pe, host_bt, res, rows_t)
-            indices = torch.where(res.slots >= 0, res.slots + (rows_t[:, None] * C).to(torch.int32), -1)
-            o, s = fp8_sparse_mla_attention(q_nope, q_pe, hot_kv.view(-1, hot_kv.shape[-1]), indices, scale)
-            out.copy_(o)
-            lse.copy_(s)
-            return copied
+        fp8 = self.config.fp8_kv  # the rows' bytes move; attention dequantizes the rows it selects
         if self.config.fused and plan.contiguous():
-            a = plan.rows[0]
-            scatter_copy_sparse_mla_attention(
-                q_nope, q_pe, host_kv, host_pe, host_bt.to(self.device, non_blocking=True), hot_kv[a : a + T],
-                hot_pe[a : a + T], res.miss_tokens, res.miss_slots, res.miss_count, res.slots, scale, out, lse,
-            )  # fmt: skip
+            a, bt = plan.rows[0], host_bt.to(self.device, non_blocking=True)
+            if fp8:
+                fp8_scatter_copy_sparse_mla_attention(
+                    q_nope, q_pe, host_kv, bt, hot_kv[a : a + T], res.miss_tokens, res.miss_slots, res.miss_count,
+                    res.slots, scale, out, lse,
+                )  # fmt: skip
+            else:
+                scatter_copy_sparse_mla_attention(
+                    q_nope, q_pe, host_kv, host_pe, bt, hot_kv[a : a + T], hot_pe[a : a + T], res.miss_tokens,
+                    res.miss_slots, res.miss_count, res.slots, scale, out, lse,
+                )  # fmt: skip
             # Copy-SFA copies the first miss_count[r] entries of each row's miss list (summed when counted)
             return res.miss_count
         copied = self._copy_misses(host_kv, host_pe, hot_kv, hot_pe, host_bt, res, rows_t)
         indices = torch.where(res.slots >= 0, res.slots + (rows_t[:, None] * C).to(torch.int32), -1)
-        o, s = sparse_mla_attention(
-            q_nope, q_pe, hot_kv.view(-1, hot_kv.shape[-1]), hot_pe.view(-1, hot_pe.shape[-1]), indices, scale
-        )
+        flat_kv = hot_kv.view(-1, hot_kv.shape[-1])
+        if fp8:
+            o, s = fp8_sparse_mla_attention(q_nope, q_pe, flat_kv, indices, scale)
+        else:
+            o, s = sparse_mla_attention(
+                q_nope, q_pe, flat_kv, hot_pe.view(-1, hot_pe.shape[-1]), indices, scale
+            )
         out.copy_(o)
         lse.copy_(s)
         return copied

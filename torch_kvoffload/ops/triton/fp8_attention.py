@@ -50,7 +50,7 @@ from torch_kvoffload.ops.triton.fp8 import (
     _to_f32,
 )
 from torch_kvoffload.ops.triton.fp8_indexer import _load_f32
-from torch_kvoffload.ops.triton.sparse_attention import _merge_splits_kernel, _num_splits, _pow2
+from torch_kvoffload.ops.triton.sparse_attention import _pow2, merge_splits, split_tiling
 
 __all__ = ["KERNELS", "fp8_sparse_mla_attention", "launch_fp8_sparse_mla_attention"]
 
@@ -220,18 +220,8 @@ def launch_fp8_sparse_mla_attention(q_nope, q_pe, kv_rows, indices, scale, out, 
     if T == 0 or H == 0:
         return
     bdc, bdr = _pow2(Dc, TILE), _pow2(Dr)
-    # the tiling of sparse_attention's launcher
-    bh = min(_pow2(H), 16 if bdc >= 256 else 64)
-    bn = 32 if bdc >= 256 else 64
-    head_blocks = triton.cdiv(H, bh)
-    splits = _num_splits(T, head_blocks, K, bn, q_nope.device)
-    rows_per_split = triton.cdiv(triton.cdiv(max(K, 1), splits), bn) * bn
-    splits = triton.cdiv(max(K, 1), rows_per_split)
-    if splits > 1:
-        part = torch.empty((T, H, splits, Dc), dtype=torch.float32, device=q_nope.device)
-        ml = torch.empty((T, H, splits, 2), dtype=torch.float32, device=q_nope.device)
-    else:
-        part = ml = lse  # never touched
+    t = split_tiling(q_nope, K, bdc, lse)  # sparse_attention's tiling
+    bh, bn, head_blocks, splits, rows_per_split, part, ml = t
     with device_guard(q_nope.device):
         _fp8_attend_kernel[(T, head_blocks, splits)](
             q_nope, *q_nope.stride(),
@@ -246,10 +236,7 @@ def launch_fp8_sparse_mla_attention(q_nope, q_pe, kv_rows, indices, scale, out, 
             UPCAST=interpreting(), PIN=_pin_operands(q_nope.device),
             num_warps=8 if bdc >= 256 else 4,  # Dc 512 tiles: 8 warps keep them in registers (sm_90)
         )  # fmt: skip
-        if splits > 1:
-            _merge_splits_kernel[(T, head_blocks)](
-                part, ml, out, *out.stride(), lse, *lse.stride(), H, Dc, splits, BH=bh, BDC=bdc, num_warps=4
-            )
+        merge_splits(t, out, lse, bdc)
 
 
 def fp8_sparse_mla_attention(q_nope, q_pe, kv_rows, indices, scale):

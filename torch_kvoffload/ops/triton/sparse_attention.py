@@ -24,6 +24,8 @@ they are for a caller that built the indices itself, such as the sparse decode r
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -220,6 +222,58 @@ def _num_splits(tokens: int, head_blocks: int, k: int, bn: int, device: torch.de
     return max(1, min(tiles, triton.cdiv(target, max(tokens * head_blocks, 1))))
 
 
+class SplitTiling(NamedTuple):
+    """How an attention launch splits its work: ``bh`` heads and ``bn`` rows a block, ``head_blocks`` x
+    ``splits`` programs a token, ``rows_per_split`` selected rows a split, and the fp32 partial outputs /
+    running (max, sum) of the splits (``lse`` itself, untouched, when there is one split)."""
+
+    bh: int
+    bn: int
+    head_blocks: int
+    splits: int
+    rows_per_split: int
+    part: torch.Tensor
+    ml: torch.Tensor
+
+
+def split_tiling(q_nope: torch.Tensor, K: int, bdc: int, lse: torch.Tensor) -> SplitTiling:
+    """The tiling of the sparse attention kernels (floating and FP8 rows) for ``q_nope [T, H, Dc]`` over
+    ``K`` selected rows, ``Dc`` padded to ``bdc``."""
+    T, H, Dc = q_nope.shape
+    bh = min(_pow2(H), 16 if bdc >= 256 else 64)
+    bn = 32 if bdc >= 256 else 64
+    head_blocks = triton.cdiv(H, bh)
+    splits = _num_splits(T, head_blocks, K, bn, q_nope.device)
+    rows_per_split = triton.cdiv(triton.cdiv(max(K, 1), splits), bn) * bn
+    splits = triton.cdiv(max(K, 1), rows_per_split)
+    if splits > 1:
+        part = torch.empty((T, H, splits, Dc), dtype=torch.float32, device=q_nope.device)
+        ml = torch.empty((T, H, splits, 2), dtype=torch.float32, device=q_nope.device)
+    else:
+        part = ml = lse  # never touched
+    return SplitTiling(bh, bn, head_blocks, splits, rows_per_split, part, ml)
+
+
+def merge_splits(t: SplitTiling, out: torch.Tensor, lse: torch.Tensor, bdc: int) -> None:
+    """Merge the splits' partial outputs into ``out`` / ``lse`` (nothing when there was one split)."""
+    if t.splits > 1:
+        T, H, Dc = out.shape
+        _merge_splits_kernel[(T, t.head_blocks)](
+            t.part,
+            t.ml,
+            out,
+            *out.stride(),
+            lse,
+            *lse.stride(),
+            H,
+            Dc,
+            t.splits,
+            BH=t.bh,
+            BDC=bdc,
+            num_warps=4,
+        )
+
+
 def _attend(q_nope, q_pe, kv, kv_st, pe, pe_st, indices, scale, out, lse) -> None:
     """``out / lse`` of tokens ``[T, H]`` over rows ``kv[t * kv_st + indices[t]]`` (validated indices)."""
     T, H, Dc = q_nope.shape
@@ -228,18 +282,9 @@ def _attend(q_nope, q_pe, kv, kv_st, pe, pe_st, indices, scale, out, lse) -> Non
     if T == 0 or H == 0:
         return
     bdc, bdr = _pow2(Dc), _pow2(Dr)
-    bh = min(_pow2(H), 16 if bdc >= 256 else 64)
-    bn = 32 if bdc >= 256 else 64
-    head_blocks = triton.cdiv(H, bh)
-    splits = _num_splits(T, head_blocks, K, bn, q_nope.device)
-    rows_per_split = triton.cdiv(triton.cdiv(max(K, 1), splits), bn) * bn
-    splits = triton.cdiv(max(K, 1), rows_per_split)
+    t = split_tiling(q_nope, K, bdc, lse)
+    bh, bn, head_blocks, splits, rows_per_split, part, ml = t
     prec = "ieee" if q_nope.dtype == torch.float32 else "tf32"  # bf16 products are exact in either
-    if splits > 1:
-        part = torch.empty((T, H, splits, Dc), dtype=torch.float32, device=q_nope.device)
-        ml = torch.empty((T, H, splits, 2), dtype=torch.float32, device=q_nope.device)
-    else:
-        part = ml = lse  # never touched
     with device_guard(q_nope.device):
         _attend_kernel[(T, head_blocks, splits)](
             q_nope, *q_nope.stride(),
@@ -255,10 +300,7 @@ def _attend(q_nope, q_pe, kv, kv_st, pe, pe_st, indices, scale, out, lse) -> Non
             UPCAST=interpreting() and q_nope.dtype != torch.float32,
             num_warps=8 if bdc >= 256 else 4,  # Dc 512 tiles: 8 warps keep them in registers (sm_90)
         )  # fmt: skip
-        if splits > 1:
-            _merge_splits_kernel[(T, head_blocks)](
-                part, ml, out, *out.stride(), lse, *lse.stride(), H, Dc, splits, BH=bh, BDC=bdc, num_warps=4
-            )
+        merge_splits(t, out, lse, bdc)
 
 
 def sparse_mla_attention(q_nope, q_pe, kv_c, k_pe, indices, scale):

@@ -152,7 +152,7 @@ void fp8_scatter_copy_sparse_mla_attention_cpu(
   constexpr const char* op = "fp8_scatter_copy_sparse_mla_attention";
   // validate_fp8_copy_sfa: the structure, in its order, then the miss list and the slots' range.
   check_queries(op, q_nope_in, q_pe_in);
-  const int64_t Dc = q_nope_in.size(2), Dr = q_pe_in.size(2), R = q_nope_in.size(0);
+  const int64_t Dc = q_nope_in.size(2), Dr = q_pe_in.size(2);
   TORCH_CHECK_VALUE(
       Dc % kTile == 0 && Dc != 0, "kvoffload::", op,
       ": argument 'q_nope' must have a latent width (Dc) that is a positive multiple of ", kTile,
@@ -176,19 +176,9 @@ void fp8_scatter_copy_sparse_mla_attention_cpu(
                          {"miss_count", &miss_count_in}, {"slots", &slots_in}, {"out", &out}, {"lse", &lse}}) {
     check_cpu(op, name, *t);
   }
-  const at::Tensor table = block_table_in.contiguous();
-  const at::Tensor miss_tokens = miss_tokens_in.contiguous();
-  const at::Tensor miss_slots = miss_slots_in.contiguous();
-  const at::Tensor miss_count = miss_count_in.contiguous();
-  const at::Tensor slots = slots_in.contiguous();
-  const int64_t num_blocks = host_rows_in.size(0), bs = host_rows_in.size(1);
-  const int64_t max_blocks = table.size(1), M = miss_tokens.size(1), C = hot_rows.size(1);
-  const int32_t* tb = table.const_data_ptr<int32_t>();
-  const int32_t* mt = miss_tokens.const_data_ptr<int32_t>();
-  const int32_t* ms = miss_slots.const_data_ptr<int32_t>();
-  const int32_t* mc = miss_count.const_data_ptr<int32_t>();
-  check_copy_sfa_misses(op, tb, max_blocks, mt, ms, mc, R, M, num_blocks, bs, C);
-  check_index_range(op, "slots", slots.const_data_ptr<int32_t>(), R, slots.size(1), C);
+  const CopySfaLists lists(
+      op, block_table_in, miss_tokens_in, miss_slots_in, miss_count_in, slots_in, host_rows_in.size(0),
+      host_rows_in.size(1), hot_rows.size(1));
 
   // The op reads its inputs as they were before the call, even where they share memory with an output.
   const at::Tensor host_rows = rows_contiguous(unaliased_source(host_rows_in, hot_rows));
@@ -201,13 +191,13 @@ void fp8_scatter_copy_sparse_mla_attention_cpu(
   at::Tensor l = direct ? lse : at::empty(lse.sizes(), lse.options());
 
   GilRelease no_gil;
-  const int64_t K = slots.size(1);
-  const int32_t* sp = slots.const_data_ptr<int32_t>();
+  const int64_t K = lists.K;
+  const int32_t* sp = lists.sp;
   auto* hp = static_cast<uint8_t*>(hot.data_ptr());
   const int64_t h0 = hot.stride(0), h1 = hot.stride(1);
-  copy_missed_rows(
-      tb, max_blocks, mt, ms, mc, R, M, bs, static_cast<const char*>(host_rows.const_data_ptr()),
-      host_rows.stride(0), host_rows.stride(1), reinterpret_cast<char*>(hp), h0, h1, want);
+  lists.copy(
+      static_cast<const char*>(host_rows.const_data_ptr()), host_rows.stride(0), host_rows.stride(1),
+      reinterpret_cast<char*>(hp), h0, h1, want);
   KVO_DISPATCH_FLOAT_BF16(q_nope.scalar_type(), "fp8_scatter_copy_sparse_mla_attention", [&] {
     attend_all<scalar_t>(
         q_nope, q_pe, [&](int64_t r) { return Fp8RowSource{hp + r * h0, h1, sp + r * K, K}; },

@@ -387,22 +387,42 @@ inline void check_copy_sfa_misses(
   }
 }
 
-// The host -> hot copies of checked misses, parallel over rows (each row writes only its own slots): row r's
-// miss i copies `bytes` bytes from src + blk * s0 + off * s1 to dst + r * d0 + slot * d1 (strides in bytes).
-inline void copy_missed_rows(
-    const int32_t* tb, int64_t max_blocks, const int32_t* mt, const int32_t* ms, const int32_t* mc, int64_t R,
-    int64_t M, int64_t bs, const char* src, int64_t s0, int64_t s1, char* dst, int64_t d0, int64_t d1,
-    int64_t bytes) {
-  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t i = 0; i < mc[r]; ++i) {
-        const int64_t tok = mt[r * M + i], slot = ms[r * M + i];
-        const int64_t blk = tb[r * max_blocks + tok / bs], off = tok % bs;
-        std::memcpy(dst + r * d0 + slot * d1, src + blk * s0 + off * s1, bytes);
+// A Copy-SFA op's miss list and slots (R rows), contiguous and value-checked before anything is written:
+// check_copy_sfa_misses against a host pool of num_blocks x bs rows and C hot slots a row, then the slots'
+// range. copy() makes the host -> hot copies of the misses.
+struct CopySfaLists {
+  at::Tensor table, miss_tokens, miss_slots, miss_count, slots;
+  int64_t R, M, max_blocks, K, bs;
+  const int32_t *tb, *mt, *ms, *mc, *sp;
+
+  CopySfaLists(
+      const char* op, const at::Tensor& block_table, const at::Tensor& miss_tokens_in,
+      const at::Tensor& miss_slots_in, const at::Tensor& miss_count_in, const at::Tensor& slots_in,
+      int64_t num_blocks, int64_t block_size, int64_t C)
+      : table(block_table.contiguous()), miss_tokens(miss_tokens_in.contiguous()),
+        miss_slots(miss_slots_in.contiguous()), miss_count(miss_count_in.contiguous()),
+        slots(slots_in.contiguous()), R(slots.size(0)), M(miss_tokens.size(1)), max_blocks(table.size(1)),
+        K(slots.size(1)), bs(block_size), tb(table.const_data_ptr<int32_t>()),
+        mt(miss_tokens.const_data_ptr<int32_t>()), ms(miss_slots.const_data_ptr<int32_t>()),
+        mc(miss_count.const_data_ptr<int32_t>()), sp(slots.const_data_ptr<int32_t>()) {
+    check_copy_sfa_misses(op, tb, max_blocks, mt, ms, mc, R, M, num_blocks, bs, C);
+    check_index_range(op, "slots", sp, R, K, C);
+  }
+
+  // Row r's miss i copies `bytes` bytes from src + blk * s0 + off * s1 to dst + r * d0 + slot * d1 (strides
+  // in bytes), parallel over rows (each row writes only its own slots).
+  void copy(const char* src, int64_t s0, int64_t s1, char* dst, int64_t d0, int64_t d1, int64_t bytes) const {
+    at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t i = 0; i < mc[r]; ++i) {
+          const int64_t tok = mt[r * M + i], slot = ms[r * M + i];
+          const int64_t blk = tb[r * max_blocks + tok / bs], off = tok % bs;
+          std::memcpy(dst + r * d0 + slot * d1, src + blk * s0 + off * s1, bytes);
+        }
       }
-    }
-  });
-}
+    });
+  }
+};
 
 // A tensor whose last dim is contiguous (row reads are contiguous), copying only when it is not.
 inline at::Tensor rows_contiguous(const at::Tensor& t) {

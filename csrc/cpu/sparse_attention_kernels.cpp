@@ -118,7 +118,6 @@ void scatter_copy_sparse_mla_attention_cpu(
   check_queries(op, q_nope_in, q_pe_in);
   check_rows(op, q_nope_in, q_pe_in, "host_kv_c", host_kv_c_in, "host_k_pe", host_k_pe_in, 2);
   check_rows(op, q_nope_in, q_pe_in, "hot_kv_c", hot_kv_c, "hot_k_pe", hot_k_pe, 2);
-  const int64_t R = q_nope_in.size(0);
   check_copy_sfa_lists(
       op, q_nope_in, "hot_kv_c", hot_kv_c, block_table_in, miss_tokens_in, miss_slots_in, miss_count_in, slots_in,
       out, lse);
@@ -130,19 +129,9 @@ void scatter_copy_sparse_mla_attention_cpu(
     check_cpu(op, name, *t);
   }
   // Value checks, all before the first write.
-  const at::Tensor table = block_table_in.contiguous();
-  const at::Tensor miss_tokens = miss_tokens_in.contiguous();
-  const at::Tensor miss_slots = miss_slots_in.contiguous();
-  const at::Tensor miss_count = miss_count_in.contiguous();
-  const at::Tensor slots = slots_in.contiguous();
-  const int64_t num_blocks = host_kv_c_in.size(0), bs = host_kv_c_in.size(1);
-  const int64_t max_blocks = table.size(1), M = miss_tokens.size(1), C = hot_kv_c.size(1);
-  const int32_t* tb = table.const_data_ptr<int32_t>();
-  const int32_t* mt = miss_tokens.const_data_ptr<int32_t>();
-  const int32_t* ms = miss_slots.const_data_ptr<int32_t>();
-  const int32_t* mc = miss_count.const_data_ptr<int32_t>();
-  check_copy_sfa_misses(op, tb, max_blocks, mt, ms, mc, R, M, num_blocks, bs, C);
-  check_index_range(op, "slots", slots.const_data_ptr<int32_t>(), R, slots.size(1), C);
+  const CopySfaLists lists(
+      op, block_table_in, miss_tokens_in, miss_slots_in, miss_count_in, slots_in, host_kv_c_in.size(0),
+      host_kv_c_in.size(1), hot_kv_c.size(1));
 
   // The op reads its inputs as they were before the call, even where they share memory with an output.
   const at::Tensor host_kv_c = rows_contiguous(unaliased_source(host_kv_c_in, hot_kv_c));
@@ -157,19 +146,17 @@ void scatter_copy_sparse_mla_attention_cpu(
   at::Tensor l = direct ? lse : at::empty(lse.sizes(), lse.options());
 
   GilRelease no_gil;
-  const int64_t K = slots.size(1);
-  const int32_t* sp = slots.const_data_ptr<int32_t>();
+  const int64_t K = lists.K;
+  const int32_t* sp = lists.sp;
   const int64_t Dc = hot_c.size(2), Dr = hot_p.size(2);
   const int64_t esz = hot_c.element_size();
   // Phase 1: host -> hot copies of the missed rows (parallel over decode rows: destinations are per row).
-  copy_missed_rows(
-      tb, max_blocks, mt, ms, mc, R, M, bs, static_cast<const char*>(host_kv_c.const_data_ptr()),
-      host_kv_c.stride(0) * esz, host_kv_c.stride(1) * esz, static_cast<char*>(hot_c.data_ptr()),
-      hot_c.stride(0) * esz, hot_c.stride(1) * esz, Dc * esz);
-  copy_missed_rows(
-      tb, max_blocks, mt, ms, mc, R, M, bs, static_cast<const char*>(host_k_pe.const_data_ptr()),
-      host_k_pe.stride(0) * esz, host_k_pe.stride(1) * esz, static_cast<char*>(hot_p.data_ptr()),
-      hot_p.stride(0) * esz, hot_p.stride(1) * esz, Dr * esz);
+  lists.copy(
+      static_cast<const char*>(host_kv_c.const_data_ptr()), host_kv_c.stride(0) * esz, host_kv_c.stride(1) * esz,
+      static_cast<char*>(hot_c.data_ptr()), hot_c.stride(0) * esz, hot_c.stride(1) * esz, Dc * esz);
+  lists.copy(
+      static_cast<const char*>(host_k_pe.const_data_ptr()), host_k_pe.stride(0) * esz, host_k_pe.stride(1) * esz,
+      static_cast<char*>(hot_p.data_ptr()), hot_p.stride(0) * esz, hot_p.stride(1) * esz, Dr * esz);
   // Phase 2: attention over hot[r, slots[r]].
   KVO_DISPATCH_FLOAT_BF16(q_nope.scalar_type(), "scatter_copy_sparse_mla_attention", [&] {
     const scalar_t* c = hot_c.const_data_ptr<scalar_t>();

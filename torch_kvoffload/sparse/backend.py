@@ -205,16 +205,14 @@ class SparseOffloadBackend(KVBackend):
         if placed is None:  # once per forward part: each layer appends the same rows
             ids = [fwd.requests[r].id for r in fwd.row.tolist()]
             placed = fwd.memo["sparse_placed"] = rt.place_rows(ids, fwd.pos)
-        rt.append_validated(layer, placed, rows.kv_c, rows.k_pe)  # the core checked the rows
+        kv_c, k_pe = rows.kv_c, rows.k_pe
+        if self.fp8 and kv_c.dtype != torch.uint8:  # quantized once: the pool and this forward read these rows
+            kv_c = quantize_kv_fp8(kv_c, k_pe)
+            k_pe = kv_c[:, :0]
+        rt.append_validated(layer, placed, kv_c, k_pe)  # the core checked the rows
         self.index.write_keys(layer, fwd.index_phys, rows.index_k)
         if not fwd.decode and not fwd.layerwise:
-            if self.fp8:  # attention reads what the pool keeps: the quantized rows (a prefix's stored ones)
-                fp8_rows = (
-                    rows.kv_c if rows.kv_c.dtype == torch.uint8 else quantize_kv_fp8(rows.kv_c, rows.k_pe)
-                )
-                self._rows[layer] = (fp8_rows, fp8_rows[:, :0])
-            else:
-                self._rows[layer] = (rows.kv_c, rows.k_pe)
+            self._rows[layer] = (kv_c, k_pe)
 
     def keys(self, layer: int, fwd: ForwardPlan) -> KeyRows | None:
         """A multi-token forward's own rows, after each request's earlier rows read from the host pool (FP8

@@ -206,7 +206,8 @@ class SparseOffloadBackend(KVBackend):
             ids = [fwd.requests[r].id for r in fwd.row.tolist()]
             placed = fwd.memo["sparse_placed"] = rt.place_rows(ids, fwd.pos)
         kv_c, k_pe = rows.kv_c, rows.k_pe
-        if self.fp8 and kv_c.dtype != torch.uint8:  # quantized once: the pool and this forward read these rows
+        # FP8: quantized once, the pool and this forward's attention read the same bytes
+        if self.fp8 and kv_c.dtype != torch.uint8:
             kv_c = quantize_kv_fp8(kv_c, k_pe)
             k_pe = kv_c[:, :0]
         rt.append_validated(layer, placed, kv_c, k_pe)  # the core checked the rows

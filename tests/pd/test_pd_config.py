@@ -6,6 +6,7 @@ import random
 
 import msgpack
 import pytest
+import torch
 
 from torch_kvoffload.pd import PDConfig, decode_rank_of, endpoint_port, split_range
 from torch_kvoffload.pd.messages import (
@@ -174,6 +175,31 @@ def test_compatibility_mismatches_name_each_field() -> None:
     assert {d.split(":")[0] for d in diffs} == {"num_layers", "indexer_layout", "model_fingerprint"}
     # a wire round trip (lists for tuples) does not make a difference
     assert a.mismatches(Compatibility.from_wire(msgpack.unpackb(msgpack.packb(a.to_wire())))) == []
+
+
+def test_fp8_rows_and_the_models_values_refuse_each_other_by_the_formats_name() -> None:
+    """A decode host pool of FP8 latent rows describes one ``uint8`` component (the RoPE values inside) with
+    ``kv_dtype`` ``"fp8_e4m3"``: a prefill sending bf16 ``kv_c`` / ``k_pe`` differs by that name and by the
+    layout, and the destinations check their own record."""
+    from torch_kvoffload.ops.fp8 import kv_row_bytes
+    from torch_kvoffload.pd import main_components, make_compatibility
+    from torch_kvoffload.pd.decode_destinations import Destinations
+    from torch_kvoffload.sparse.host_pool import HostKVPool
+
+    row = kv_row_bytes(128, 16)
+    pool = HostKVPool.create(2, 3, 4, row, 0, torch.uint8)
+    main = main_components(pool, 0)
+    assert [(tuple(t.shape), t.dtype) for t in main] == [((3, 4, row), torch.uint8)]
+    fp8 = make_compatibility(model_fingerprint="m", num_layers=2, block_size=4, main=main)
+    bf16 = make_compatibility(
+        model_fingerprint="m", num_layers=2, block_size=4,
+        main=[torch.zeros(3, 4, 128, dtype=torch.bfloat16), torch.zeros(3, 4, 16, dtype=torch.bfloat16)],
+    )  # fmt: skip
+    diffs = fp8.mismatches(bf16)
+    assert "kv_dtype: 'fp8_e4m3' != 'bf16'" in diffs and any(d.startswith("main_layout") for d in diffs)
+    assert len(Destinations("decode", pool, fp8, None).main_block_bytes) == 1
+    with pytest.raises(ValueError, match="main_layout"):
+        Destinations("decode", pool, bf16, None)
 
 
 # ------------------------------------------------------------------- secret and message-size fields

@@ -111,7 +111,8 @@ def _layerwise(ctx: _Context, cfg: LayerwiseConfig) -> LayerwiseBackend:
         def factory(lw, specs, store):
             return role.build_layerwise_runtime(lw, specs, store=store)
 
-    return LayerwiseBackend(ctx.spec, cfg, block_size=ctx.block_size, indexed=indexed, build_runtime=factory)
+    return LayerwiseBackend(ctx.spec, cfg, block_size=ctx.block_size, indexed=indexed,
+                            kv_fp8=cfg_all.fp8_kv, build_runtime=factory)  # fmt: skip
 
 
 def _kvpp(ctx: _Context, cfg: KVPPConfig) -> KVPPBackend:

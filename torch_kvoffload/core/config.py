@@ -119,22 +119,11 @@ class OffloadConfig(ConfigModel):
                     "OffloadConfig: pd.role='decode' needs sparse decode offload (the KV lands in its host pool)"
                     + ("; sparse.offload=False keeps no host pool" if self.sparse is not None else "")
                 )
-            if self.pd.role == "decode" and self.fp8_kv:
-                raise ValueError(
-                    f"OffloadConfig: pd.role='decode' with sparse.kv_dtype={FP8_KV!r}: prefill sends the latent KV "
-                    "in the model's dtype, which the decode node's host pool of FP8 rows does not take; leave "
-                    "kv_dtype unset on a P/D decode node"
-                )
         if self.kvpp_requested and (self.layerwise is not None or self.sparse is not None):
             both = [n for n in ("layerwise", "sparse") if getattr(self, n) is not None]
             raise ValueError(
                 f"OffloadConfig: kvpp cannot be combined with {' and '.join(both)} offload; KVPP keeps each "
                 "rank's owned layers in a persistent device pool (use kvpp alone, or kvpp={'enable_kvpp': False})"
-            )
-        if self.fp8_kv and self.layerwise is not None:
-            raise ValueError(
-                f"OffloadConfig: sparse.kv_dtype={FP8_KV!r} (the main KV as FP8 rows) cannot be combined "
-                "with layerwise offload, whose layer buffers and store keep the model's dtype"
             )
         if self.prefix_store is not None and (self.layerwise is not None or not self.prefix_cache):
             why = (

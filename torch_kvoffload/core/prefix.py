@@ -298,7 +298,9 @@ class PrefixReuse:
         bs, spec = core.block_size, core.spec
         # FP8 latent rows are one part (their RoPE values inside)
         parts = ["kv_c"] + ([] if lw.kv_fp8 else ["k_pe"]) + (["index_k"] if lw.indexed else [])
-        stored = lw.index_fp8 or lw.kv_fp8
+        # rows as the holder keeps them only where the records hold that format (FP8 rows); the records
+        # take the model's values otherwise, which an FP8 cache refuses
+        stored = {"kv_c": lw.kv_fp8, "k_pe": False, "index_k": lw.index_fp8}
         for r in live:
             full = r.length // bs
             try:
@@ -307,9 +309,7 @@ class PrefixReuse:
                     continue
                 rows = []
                 for layer in lw.layers:
-                    # rows as the holder keeps them only where the records hold that format (FP8 rows); the
-                    # layerwise store's records take the model's values, which an FP8 cache refuses
-                    read = [holder.read(layer, [r], part, start=have * bs, stored=stored) for part in parts]
+                    read = [holder.read(layer, [r], p, start=have * bs, stored=stored[p]) for p in parts]
                     if any(x is None for x in read):
                         return  # the holder keeps no such rows
                     n = (full - have) * bs  # FP8 rows stay bytes

@@ -42,8 +42,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from torch_kvoffload.kv.backend import ROW_PARTS, IndexerView, KeyRows, KVBackend, NewRows
+from torch_kvoffload.kv.backend import IndexerView, KeyRows, KVBackend, NewRows
 from torch_kvoffload.kv.forward import ForwardPlan
+from torch_kvoffload.kv.fp8_rows import latent_fp8_rows
 from torch_kvoffload.kv.layout import KVLayout
 from torch_kvoffload.kv.requests import Request
 from torch_kvoffload.kv.spec import ModelSpec
@@ -55,6 +56,7 @@ from torch_kvoffload.layerwise.planner import LayerCacheSpec
 from torch_kvoffload.layerwise.prefix_store import layer_cache_specs, store_namespace
 from torch_kvoffload.layerwise.runtime import LayerwiseOffloadRuntime, PrefixEvictedError
 from torch_kvoffload.layerwise.stored import stored_block, stored_spans
+from torch_kvoffload.layerwise.tails import LayerTails
 from torch_kvoffload.store import build_store
 from torch_kvoffload.store.base import KVStore
 
@@ -99,15 +101,17 @@ class LayerwiseBackend(KVBackend):
     config : LayerwiseConfig
     block_size : int
     indexed : bool
-        Whether the layer buffers carry the indexer keys (a third component).
+        Whether the layer buffers carry the indexer keys (the last component).
+    kv_fp8 : bool
+        The layer buffers, tails and store records keep the latent KV as DeepSeek's FP8 rows (one
+        component ``uint8 [.., Dc + 4 * Dc / 128 + 2 * Dr]``, quantized on write, read as kept).
     build_runtime : RuntimeFactory, optional
         Supplies the runtime over buffers allocated elsewhere (returns ``None`` to let the backend allocate).
     """
 
     name = "layerwise"
-    #: its records hold the model's indexer keys and latent KV (a prefix store may hold FP8 rows of either)
+    #: its records hold the model's indexer keys (a prefix store may hold FP8 ones)
     index_fp8 = False
-    kv_fp8 = False
 
     def __init__(
         self,
@@ -116,15 +120,18 @@ class LayerwiseBackend(KVBackend):
         *,
         block_size: int,
         indexed: bool,
+        kv_fp8: bool = False,
         build_runtime: RuntimeFactory | None = None,
     ) -> None:
         self.spec, self.config, self.block_size = spec, config, block_size
-        self.indexed = indexed
-        self.components = 3 if indexed else 2
+        self.indexed, self.kv_fp8 = indexed, kv_fp8
+        #: the components of the buffers, tails and records, in order (FP8 latent rows hold the RoPE part)
+        self.parts = ("kv_c",) + (() if kv_fp8 else ("k_pe",)) + (("index_k",) if indexed else ())
+        self.components = len(self.parts)
         self._factory = build_runtime
         self.store: KVStore = build_store(config.store)
         self.runtime: LayerwiseOffloadRuntime | None = None
-        self._tails: list[tuple[torch.Tensor, ...]] = []
+        self._tails = LayerTails()
         self._layout: KVLayout | None = None
         self._totals = RuntimeTotals(_TOTALS)
         self._pass: _Pass | None = None
@@ -161,11 +168,13 @@ class LayerwiseBackend(KVBackend):
         """Release the layer buffers and tails (decode continues without them)."""
         if self.runtime is not None:
             self._retire()
-        self._tails = []
+        self._tails.clear()
 
     def _build_runtime(self, layout: KVLayout) -> None:
-        specs = layer_cache_specs(self.spec, layout.num_blocks, self.block_size, self.indexed)
-        lw = store_namespace(self.config, self.spec, self.indexed)
+        specs = layer_cache_specs(
+            self.spec, layout.num_blocks, self.block_size, self.indexed, kv_fp8=self.kv_fp8
+        )
+        lw = store_namespace(self.config, self.spec, self.indexed, kv_fp8=self.kv_fp8)
         rt = self._factory(lw, specs, self.store) if self._factory is not None else None
         self.runtime = (
             rt
@@ -178,20 +187,9 @@ class LayerwiseBackend(KVBackend):
         return min(self.block_size, layout.tokens)
 
     def _build_tails(self, layout: KVLayout) -> None:
-        """Per-layer tails ``[slots, tail rows, D]``; rows already kept are copied."""
-        spec, slots, rows = self.spec, layout.slots, self._tail_rows(layout)
-        if self._tails and self._tails[0][0].shape[:2] == (slots, rows):
-            return
-        widths = [spec.kv_lora_rank, spec.rope_dim] + ([spec.index_head_dim] if self.indexed else [])
-        old = self._tails if self._tails and self._tails[0][0].shape[0] == slots else []
-        self._tails = [
-            tuple(torch.zeros(slots, rows, w, dtype=spec.dtype, device=spec.device) for w in widths)
-            for _ in range(spec.num_layers)
-        ]
-        for new_layer, old_layer in zip(self._tails, old, strict=False):
-            for t, o in zip(new_layer, old_layer, strict=True):
-                n = min(rows, o.shape[1])
-                t[:, :n] = o[:, :n]
+        assert self.runtime is not None
+        comps = self.runtime.layer_caches(0)
+        self._tails.build(comps, self.spec.num_layers, layout.slots, self._tail_rows(layout))
 
     def _retire(self) -> None:
         rt, self.runtime = self.runtime, None
@@ -213,9 +211,7 @@ class LayerwiseBackend(KVBackend):
         if not self._tails or length % self.block_size == 0:
             return
         if length // self.block_size == src.length // self.block_size:  # src's own partial block: its tail
-            for tails in self._tails:
-                for t in tails:
-                    t[dst.slot] = t[src.slot]
+            self._tails.copy_slot(src.slot, dst.slot)
         else:
             self._tail_from_store(dst, length, self._key_tokens(src), self._key_positions(src), "KVCore.fork")
 
@@ -244,10 +240,7 @@ class LayerwiseBackend(KVBackend):
         of ``key_tokens`` (at ``positions``). ``RuntimeError`` when the store no longer holds it."""
         block, part = divmod(length, self.block_size)
         assert self.runtime is not None
-        rows = stored_block(self.runtime, r.id, key_tokens, positions, block, who)
-        for tails, stored in zip(self._tails, rows, strict=True):
-            for t, b in zip(tails, stored, strict=True):
-                t[r.slot, :part] = b[:part].to(t.device)
+        self._tails.fill(r.slot, part, stored_block(self.runtime, r.id, key_tokens, positions, block, who))
 
     # --------------------------------------------------------------------------- prefix reuse
     def cached_prefix(self, tokens: Sequence[int], positions: Sequence[int] | None) -> int:
@@ -416,8 +409,8 @@ class LayerwiseBackend(KVBackend):
         p, rt = self._pass, self.runtime
         assert p is not None and p.write is not None and rt is not None
         comps = [c.view(-1, c.shape[-1]) for c in rt.layer_caches(layer)]
-        tails = [t.view(-1, t.shape[-1]) for t in self._tails[layer]]
-        news = [rows.kv_c, rows.k_pe]
+        tails = [t.view(-1, t.shape[-1]) for t in self._tails.layers[layer]]
+        news = [latent_fp8_rows(fwd, layer, rows)] if self.kv_fp8 else [rows.kv_c, rows.k_pe]
         if self.indexed:
             assert rows.index_k is not None
             news.append(rows.index_k.to(self.spec.dtype))
@@ -432,9 +425,11 @@ class LayerwiseBackend(KVBackend):
     def keys(self, layer: int, fwd: ForwardPlan) -> KeyRows | None:
         if not fwd.layerwise or self.runtime is None or self._layout is None:
             return None
-        c, pe = self.runtime.layer_caches(layer)[:2]
+        comps = self.runtime.layer_caches(layer)
+        c = comps[0].view(-1, comps[0].shape[-1])
+        pe = c[:, :0] if self.kv_fp8 else comps[1].view(-1, comps[1].shape[-1])
         rows = self._layout.blocks_per_request * self.block_size
-        return KeyRows(c.view(-1, c.shape[-1]), pe.view(-1, pe.shape[-1]), [s * rows for s in fwd.slots])
+        return KeyRows(c, pe, [s * rows for s in fwd.slots], fp8=self.kv_fp8)
 
     def read(
         self, layer: int, requests: Sequence[Request], part: str, start: int = 0, *, stored: bool = False
@@ -442,20 +437,28 @@ class LayerwiseBackend(KVBackend):
         """The requests' full blocks from the host store (each read returns the block's record of every
         layer: the store keeps one record per layer and block) and the partial last block from the device
         tail. ``None`` once the buffers were released (decode on the sparse backend) or for the indexer
-        keys of buffers that do not carry them; ``RuntimeError`` when the store no longer holds a block."""
+        keys of buffers that do not carry them; ``RuntimeError`` when the store no longer holds a block, or
+        for the latent KV kept as FP8 rows without ``stored`` (``"kv_c"`` then gives the FP8 rows)."""
         rt, spec, bs = self.runtime, self.spec, self.block_size
-        at = ROW_PARTS.index(part)
-        if rt is None or not self._tails or at >= self.components:
+        if rt is None or not self._tails or (part == "index_k" and not self.indexed):
             return None
+        if self.kv_fp8 and part != "index_k" and not stored:
+            raise RuntimeError(
+                "the layer buffers keep the latent KV as FP8 rows (sparse.kv_dtype='fp8_e4m3'), which do not "
+                "give the model's latent KV back exactly; use the model's dtype to read it"
+            )
+        if part not in self.parts:
+            return None  # FP8 rows: the rotary part is inside the latent rows
+        at = self.parts.index(part)
         out: list[torch.Tensor] = []
         for r in requests:
             full = r.length // bs
             keys, positions = self._key_tokens(r), self._key_positions(r)
             parts: list[torch.Tensor] = []
             for block in range(start // bs, full):
-                stored = stored_block(rt, r.id, keys, positions, block, "reading the cache")
-                parts.append(stored[layer][at].to(spec.device))
-            parts.append(self._tails[layer][at][r.slot, : r.length - full * bs])
+                record = stored_block(rt, r.id, keys, positions, block, "reading the cache")
+                parts.append(record[layer][at].to(spec.device))
+            parts.append(self._tails.layers[layer][at][r.slot, : r.length - full * bs])
             skip = start - start // bs * bs
             out.append(torch.cat(parts)[skip:])  # a new tensor: neither the store's nor the tail's
         return out
@@ -463,7 +466,7 @@ class LayerwiseBackend(KVBackend):
     def indexer(self, layer: int, fwd: ForwardPlan) -> IndexerView | None:
         if not self.indexed or self.runtime is None:
             return None
-        keys = self.runtime.layer_caches(layer)[2]
+        keys = self.runtime.layer_caches(layer)[-1]
         return IndexerView((keys,), fwd.block_table, self.spec.index_topk)
 
     # ------------------------------------------------------------------------------ accounting
@@ -472,9 +475,7 @@ class LayerwiseBackend(KVBackend):
         if self.runtime is not None:
             for layer in range(self.spec.num_layers):
                 out += list(self.runtime.layer_caches(layer))
-        for t in self._tails:
-            out += list(t)
-        return out
+        return out + self._tails.tensors()
 
     def stats(self) -> dict[str, float]:
         lw = self._totals.snapshot(self.runtime)

@@ -11,6 +11,7 @@ and are imported only when an endpoint is built.
 from torch_kvoffload.pd.compat import make_compatibility
 from torch_kvoffload.pd.config import TRANSPORTS, PDConfig, decode_rank_of, endpoint_port, split_range
 from torch_kvoffload.pd.decode import DecodeReceiver
+from torch_kvoffload.pd.decode_destinations import main_components
 from torch_kvoffload.pd.decode_state import all_ranks_ready
 from torch_kvoffload.pd.errors import (
     AckTimeoutError,
@@ -50,6 +51,7 @@ __all__ = [
     "decode_rank_of",
     "endpoint_port",
     "export_layer_buffers",
+    "main_components",
     "make_compatibility",
     "make_rendezvous",
     "make_transport",

@@ -2,7 +2,7 @@
 
 Main KV lands in the decode host pool (:class:`~torch_kvoffload.sparse.HostKVPool`, shared by the DP
 rank's TP ranks): per layer ``kv_c [num_blocks, block_size, kv_lora_rank]`` and ``k_pe [num_blocks,
-block_size, rope_dim]``. Indexer components land in rank-local caches ``[num_blocks, block_size, *row]``
+block_size, rope_dim]``, or for a pool of FP8 rows one component, the rows' bytes (:func:`main_components`). Indexer components land in rank-local caches ``[num_blocks, block_size, *row]``
 (any dtype, host or device). A transport that reads only host memory lands a device indexer component in
 a host staging copy first (:meth:`Destinations.land_staged` moves it to the device). Each destination is
 registered with the transport under a region name the read ops use.
@@ -19,7 +19,14 @@ from torch_kvoffload.pd.messages import Compatibility
 from torch_kvoffload.pd.transports import Transport
 from torch_kvoffload.sparse.host_pool import HostKVPool
 
-__all__ = ["Destinations"]
+__all__ = ["Destinations", "main_components"]
+
+
+def main_components(pool: HostKVPool, layer: int) -> list[torch.Tensor]:
+    """The main KV components of ``layer`` a transfer lands in: ``kv_c`` and ``k_pe``, or ``kv_c`` alone for
+    DeepSeek's FP8 rows (``uint8 [num_blocks, block_size, Dc + 4 * Dc / 128 + 2 * Dr]``: the RoPE values
+    inside; the pool's ``k_pe`` is empty)."""
+    return [pool.kv_c(layer)] + ([pool.k_pe(layer)] if pool.rope_dim else [])
 
 
 class Destinations:
@@ -40,7 +47,7 @@ class Destinations:
         self.where = where
         self.pool = pool
         self.num_layers, self.block_size = pool.num_layers, pool.block_size
-        own = row_layout([pool.kv_c(0), pool.k_pe(0)])
+        own = row_layout(main_components(pool, 0))
         problems = []
         if compat.num_layers != pool.num_layers:
             problems.append(f"num_layers {compat.num_layers} != pool's {pool.num_layers}")
@@ -51,12 +58,8 @@ class Destinations:
         self.indexer = self._check_indexer(indexer, compat, problems)
         if problems:
             raise ValueError(f"{where}: 'compat' does not describe the destinations: " + "; ".join(problems))
-        esz = pool.kv_c(0).element_size()
-        #: bytes of one block of each main component (kv_c, k_pe)
-        self.main_block_bytes = [
-            self.block_size * pool.kv_lora_rank * esz,
-            self.block_size * pool.rope_dim * esz,
-        ]
+        #: bytes of one block of each main component (kv_c, k_pe; FP8 rows: one)
+        self.main_block_bytes = [c[0].nbytes for c in main_components(pool, 0)]
         self._idx_bytes = [[] if comps is None else [c[0].nbytes for c in comps] for comps in self.indexer]
         self._staging: dict[int, torch.Tensor] = {}
 
@@ -88,8 +91,8 @@ class Destinations:
         """Register every destination with ``transport`` (device indexer components through a host
         staging copy when the transport reads only host memory)."""
         for layer in range(self.num_layers):
-            transport.register(_main_region(layer, 0), self.pool.kv_c(layer))
-            transport.register(_main_region(layer, 1), self.pool.k_pe(layer))
+            for c, t in enumerate(main_components(self.pool, layer)):
+                transport.register(_main_region(layer, c), t)
         for layer, comps in enumerate(self.indexer):
             for c, t in enumerate(comps or ()):
                 if t.device.type == "cpu" or transport.device_memory:
@@ -114,7 +117,7 @@ class Destinations:
         return self._idx_bytes[layer]
 
     def main_region(self, layer: int, c: int) -> str:
-        """The region of main component ``c`` (0: ``kv_c``, 1: ``k_pe``) of ``layer``."""
+        """The region of main component ``c`` (:func:`main_components`) of ``layer``."""
         return _main_region(layer, c)
 
     def indexer_region(self, layer: int, c: int) -> str:
@@ -138,8 +141,8 @@ class Destinations:
         idx = torch.tensor(list(indexer_blocks), dtype=torch.int64)
         for layer in range(self.num_layers):
             if main.numel():
-                self.pool.kv_c(layer)[main] = 0
-                self.pool.k_pe(layer)[main] = 0
+                for t in main_components(self.pool, layer):
+                    t[main] = 0
             for c in self.indexer[layer] or ():
                 if idx.numel():
                     c[idx.to(c.device)] = 0

@@ -36,12 +36,12 @@ import torch
 from torch_kvoffload.counters import Counters
 from torch_kvoffload.kv.backend import IndexerView, KeyRows, KVBackend, NewRows, Queries, SelectedRows
 from torch_kvoffload.kv.forward import ForwardPlan
+from torch_kvoffload.kv.fp8_rows import latent_fp8_rows
 from torch_kvoffload.kv.group_outcomes import exchange_outcomes
 from torch_kvoffload.kv.layout import KVLayout
 from torch_kvoffload.kv.requests import Request
 from torch_kvoffload.kv.spec import ModelSpec, TensorParallel
 from torch_kvoffload.kv.totals import RuntimeTotals
-from torch_kvoffload.ops.fp8 import quantize_kv_fp8
 from torch_kvoffload.ops.fp8_attention import dequantize_rows
 from torch_kvoffload.sparse.config import (
     FP8_KV,
@@ -206,9 +206,9 @@ class SparseOffloadBackend(KVBackend):
             ids = [fwd.requests[r].id for r in fwd.row.tolist()]
             placed = fwd.memo["sparse_placed"] = rt.place_rows(ids, fwd.pos)
         kv_c, k_pe = rows.kv_c, rows.k_pe
-        # FP8: quantized once, the pool and this forward's attention read the same bytes
-        if self.fp8 and kv_c.dtype != torch.uint8:
-            kv_c = quantize_kv_fp8(kv_c, k_pe)
+        # FP8: quantized once, the pool, the layer buffers and this forward's attention read the same bytes
+        if self.fp8:
+            kv_c = latent_fp8_rows(fwd, layer, rows)
             k_pe = kv_c[:, :0]
         rt.append_validated(layer, placed, kv_c, k_pe)  # the core checked the rows
         self.index.write_keys(layer, fwd.index_phys, rows.index_k)

@@ -19,11 +19,12 @@ import torch
 from torch_kvoffload._utils import dtype_name, parse_dtype
 from torch_kvoffload.kv.backend import IndexerView, KeyRows, KVBackend, NewRows
 from torch_kvoffload.kv.forward import ForwardPlan
+from torch_kvoffload.kv.fp8_rows import latent_fp8_rows
 from torch_kvoffload.kv.layout import KVLayout
 from torch_kvoffload.kv.paged import SlotPages
 from torch_kvoffload.kv.requests import Request
 from torch_kvoffload.kv.spec import ModelSpec
-from torch_kvoffload.ops.fp8 import kv_row_bytes, quantize_kv_fp8
+from torch_kvoffload.ops.fp8 import kv_row_bytes
 from torch_kvoffload.sparse.config import FP8_KV, SparseOptions, check_indexer_format, check_kv_format
 from torch_kvoffload.sparse.indexer_cache import IndexerCache
 
@@ -93,7 +94,7 @@ class ResidentSparseBackend(KVBackend):
     def write(self, layer: int, fwd: ForwardPlan, rows: NewRows) -> None:
         assert rows.index_k is not None
         if self.fp8:  # uint8: FP8 rows as kept (a prefix's stored rows), written as they are
-            main = [rows.kv_c if rows.kv_c.dtype == torch.uint8 else quantize_kv_fp8(rows.kv_c, rows.k_pe)]
+            main = [latent_fp8_rows(fwd, layer, rows)]
         else:
             main = [rows.kv_c, rows.k_pe]
         self.main.write(layer, fwd.index_phys, main)

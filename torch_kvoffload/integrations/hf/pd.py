@@ -305,7 +305,7 @@ class DecodeRole(PDRole):
         listen for prefill (the receiver binds ``kv_port`` and advertises it). Under tensor parallelism a
         collective of the decode TP group: TP rank ``t`` binds ``kv_port + t``, and every rank checks that
         the ranks share one host pool (``RuntimeError`` on every rank otherwise)."""
-        from torch_kvoffload.pd import DecodeReceiver
+        from torch_kvoffload.pd import DecodeReceiver, main_components
 
         s = self.session
         s.reserve(batch, max_tokens)
@@ -317,7 +317,7 @@ class DecodeRole(PDRole):
         if s.spec.tp is not None:
             self._check_shared_pool(sp.pool)
         indexer = s.indexer_caches()
-        compat = _compatibility(s, [sp.pool.kv_c(0), sp.pool.k_pe(0)], indexer[0])
+        compat = _compatibility(s, main_components(sp.pool, 0), indexer[0])
         self.receiver = DecodeReceiver(
             self.config, pool=sp.pool, compat=compat, indexer=indexer, tp_rank=_tp_rank(s)
         )

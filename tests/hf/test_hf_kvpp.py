@@ -4,16 +4,22 @@ loaded with transformers' tensor parallelism (``tp_plan="auto"``): the KVPP grou
 Every rank runs its shard of the model and generates greedily from the same left-padded batch; its KV
 lives in the KVPP pool (owned layers persistent, the others in two scratch buffers filled by the owner's
 broadcast). The reference is the unmodified single-process model, generated on each rank. Byte counts
-are checked against formulas written out here.
+are checked against formulas written out here. The four-rank case keeps the latent KV as DeepSeek's FP8 rows
+(``kvpp.kv_dtype="fp8_e4m3"``): its reference passes the unmodified model's latent KV through the FP8 row
+(``support.fp8_reference``), its bundles and broadcasts hold the rows' bytes.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
+from support.fp8_reference import fp8_latent_kv
 from support.hf_models import SMALL, build_model, left_padded_batch
 from support.kvpp_helpers import spawn_gloo
 from support.store_helpers import store_emptied_after_each_lookup
@@ -21,6 +27,8 @@ from support.tp_helpers import load_tp, save_tiny
 
 import torch_kvoffload
 from torch_kvoffload import OffloadConfig
+from torch_kvoffload.ops.fp8 import kv_row_bytes
+from torch_kvoffload.ops.fp8_attention import dequantize_rows
 
 NEW = 16  # decode steps cross two block boundaries of the longer prompt (20 + 16 tokens, blocks of 8)
 BS = 8
@@ -36,12 +44,16 @@ def _worker(rank: int, world: int, cases: list[tuple], dirs: dict[str, str], out
         torch._dynamo.reset()
         ids, mask = left_padded_batch(lengths, seed=0)
         kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        fp8 = name in FP8_CASES
         with torch.no_grad():
             ref = build_model(family, **overrides)
-            want = ref.generate(**kwargs)
-            ref_cache = _reference_cache(ref, want, mask)
+            # the reference's KV as kept
+            as_kept = functools.partial(fp8_latent_kv, ref) if fp8 else contextlib.nullcontext
+            with as_kept():
+                want = ref.generate(**kwargs)
+                ref_cache = _reference_cache(ref, want, mask)
             model = load_tp(dirs[name], rank, world)
-            cfg = {"kvpp": {}, "block_size": BS}
+            cfg = {"kvpp": {"kv_dtype": "fp8_e4m3"} if fp8 else {}, "block_size": BS}
             model = torch_kvoffload.compile(model, cfg) if compiled else torch_kvoffload.offload(model, cfg)
             got = model.generate(**kwargs)
         session = session_of(model)
@@ -52,17 +64,24 @@ def _worker(rank: int, world: int, cases: list[tuple], dirs: dict[str, str], out
         stored = {}
         for layer in owned:
             views = session.kvpp_offload.views(layer)
+            if fp8:  # one component of FP8 rows: decoded with the FP8 attention's own decoder
+                rows = views["kv_fp8"]
+                assert rows.dtype == torch.uint8 and "c_kv" not in views
+                kv_c, k_pe = dequantize_rows(rows.reshape(-1, rows.shape[-1]), session.spec.kv_lora_rank)
+                flat = {"c_kv": kv_c, "k_pe": k_pe, "width": rows.shape[-1]}
+            else:
+                flat = {c: views[c].reshape(-1, views[c].shape[-1]) for c in ("c_kv", "k_pe")}
             stored[layer] = {
-                c: [views[c].reshape(-1, views[c].shape[-1])[b * rows_per_request :][: n + NEW - 1].clone()
-                    for b, n in enumerate(lengths)]
+                c: [flat[c][b * rows_per_request :][: n + NEW - 1].clone() for b, n in enumerate(lengths)]
                 for c in ("c_kv", "k_pe")
-            }  # fmt: skip
+            }
+            stored[layer]["width"] = flat.get("width")
         explained = torch_kvoffload.explain(model) if compiled else ""
         packed = {}
         if not compiled:  # then a packed forward (other shapes): each segment attends only to itself
             ids = torch.randint(3, 1000, (1, 12), generator=torch.Generator().manual_seed(1))
             pos = torch.cat([torch.arange(5), torch.arange(7)])[None]
-            with torch.no_grad():
+            with torch.no_grad(), as_kept():
                 packed["got"] = model(input_ids=ids, position_ids=pos, use_cache=False).logits
                 parts = [
                     ref(input_ids=ids[:, :5], use_cache=False),
@@ -111,21 +130,26 @@ def _reference_cache(model, tokens: torch.Tensor, mask: torch.Tensor) -> dict[in
     }
 
 
-def _spec(family: str, overrides: dict) -> tuple[int, int]:
-    """``(layers, bytes per block of one layer bundle)`` written out from the tiny config."""
+def _spec(family: str, overrides: dict, fp8: bool) -> tuple[int, int, int]:
+    """``(layers, bytes per block of one layer bundle, bytes per token of HF's dense cache)`` written out
+    from the tiny config (fp32; FP8 rows: the latent values' bytes, one fp32 scale per 128, bf16 RoPE)."""
     from support.hf_models import tiny_config
 
     cfg = tiny_config(family, **overrides)
     index_dim = cfg.index_head_dim if family == "deepseek_v32" else 0
-    per_token = cfg.kv_lora_rank + cfg.qk_rope_head_dim + index_dim
-    return cfg.num_hidden_layers, BS * per_token * 4  # fp32
+    dense = (cfg.kv_lora_rank + cfg.qk_rope_head_dim + index_dim) * 4
+    if not fp8:
+        return cfg.num_hidden_layers, BS * dense, dense
+    latent = cfg.kv_lora_rank + 4 * (cfg.kv_lora_rank // 128) + 2 * cfg.qk_rope_head_dim
+    return cfg.num_hidden_layers, BS * (latent + index_dim * 4), dense
 
 
 def _check(results: list[dict], name: str, family: str, overrides: dict, lengths: list[int]) -> None:
     from support.hf_models import tiny_config
 
     world = len(results)
-    layers, bpb = _spec(family, overrides)
+    fp8 = name in FP8_CASES
+    layers, bpb, dense_bpt = _spec(family, overrides, fp8)
     config = tiny_config(family, **overrides)
     heads = config.num_attention_heads
     # a TP plan with kv_b_proj colwise shards the attention heads (V3.2; V3 too from transformers 5.25 on),
@@ -149,11 +173,17 @@ def _check(results: list[dict], name: str, family: str, overrides: dict, lengths
         owned_sets.append(set(r["owned"]))
         # the owned layers hold the model's KV of every token (HF's cache: keys = c_kv, values = k_pe)
         assert sorted(r["stored"]) == r["owned"]
+        # FP8 rows: a value may round to the neighbouring FP8 code (3 mantissa bits: at most 2^-3 of it) where
+        # this rank's sharded model computes the latent a rounding error away from the reference's
+        tol = {"rtol": 2**-3, "atol": 1e-4} if fp8 else {"rtol": 1e-4, "atol": 1e-5}
         for layer, comps in r["stored"].items():
+            assert comps.pop("width") == (
+                kv_row_bytes(config.kv_lora_rank, config.qk_rope_head_dim) if fp8 else None
+            )
             for comp, per_request in comps.items():
                 for b, got_rows in enumerate(per_request):
                     want_rows = r["ref_cache"][layer][comp][b]
-                    torch.testing.assert_close(got_rows, want_rows, rtol=1e-4, atol=1e-5)
+                    torch.testing.assert_close(got_rows, want_rows, **tol)
         s = r["stats"]
         persistent = len(r["owned"]) * bpb * num_blocks
         scratch = -(-(bpb * num_blocks) // SCRATCH_ALIGN) * SCRATCH_ALIGN
@@ -165,7 +195,7 @@ def _check(results: list[dict], name: str, family: str, overrides: dict, lengths
         assert persistent * world == layers * bpb * num_blocks
         # HF's dense cache for the same tokens: every layer, every position (padding included)
         seen = width + NEW - 1
-        assert s["dense_kv_bytes"] == layers * len(lengths) * seen * (bpb // BS)
+        assert s["dense_kv_bytes"] == layers * len(lengths) * seen * dense_bpt
         # the first prefill has no history: nothing is broadcast; then every layer of every decode step
         assert s["forwards"] == NEW
         assert s["broadcasts"] == (NEW - 1) * layers
@@ -208,8 +238,9 @@ EAGER = [
 # one compiled family keeps the run short (V3 differs from V3.2 only by the indexer on this path)
 COMPILED = [("v32-compiled", "deepseek_v32", SMALL, [9, 13], True)]
 # 4 ranks: one layer each; 4 heads split one per rank (V3.2, whose bundles also carry the indexer keys;
-# both families run on two ranks)
-FOUR = [("v32-4", "deepseek_v32", {}, [11, 6], False)]
+# both families run on two ranks); the latent KV as FP8 rows (tiles of 128 latent values)
+FOUR = [("v32-4-fp8", "deepseek_v32", {"kv_lora_rank": 128}, [11, 6], False)]
+FP8_CASES = {"v32-4-fp8"}
 
 
 def _run(tmp_path_factory, world: int, cases: list[tuple]) -> list[dict]:
@@ -332,4 +363,12 @@ def test_kvpp_rejections_leave_nothing_registered():
     with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM.*KVPP needs torch.distributed"):
         torch_kvoffload.offload(v3, {"kvpp": {}})
     assert v3.forward == forward and not hasattr(v3, "_kvoffload_session")
+    # FP8 latent rows: a format by name, and a kv_lora_rank of whole 128-value tiles (V3's tiny one is 64)
+    with pytest.raises(ValueError, match="kv_dtype: expected None"):
+        OffloadConfig(kvpp={"kv_dtype": "bf16"})
+    with pytest.raises(ValueError, match=r"kvpp: kv_dtype='fp8_e4m3' .*kv_lora_rank=64"):
+        torch_kvoffload.offload(v3, {"kvpp": {"kv_dtype": "fp8_e4m3"}})
+    assert v3.forward == forward and not hasattr(v3, "_kvoffload_session")
+    assert OffloadConfig(kvpp={"kv_dtype": "fp8_e4m3"}).fp8_kv
+    assert not OffloadConfig(kvpp={"kv_dtype": "fp8_e4m3", "enable_kvpp": False}, sparse={}).fp8_kv
     assert (mla_runtime.runtimes.names(), layer_hooks.runtimes.names(), kvpp.runtimes.names()) == names

@@ -16,10 +16,11 @@ from __future__ import annotations
 from pydantic import Field, StrictBool, StrictInt, model_validator
 
 from torch_kvoffload.config import ConfigModel
+from torch_kvoffload.kv.fp8_rows import FP8_KV
 from torch_kvoffload.kvpp.config import KVPPConfig
 from torch_kvoffload.layerwise.config import LayerwiseConfig
 from torch_kvoffload.pd.config import PDConfig
-from torch_kvoffload.sparse.config import FP8_KV, MAX_BLOCK_SIZE, SparseOptions
+from torch_kvoffload.sparse.config import MAX_BLOCK_SIZE, SparseOptions
 from torch_kvoffload.store.factory import StoreConfig
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "OffloadConfig", "ServingOptions"]
@@ -162,8 +163,10 @@ class OffloadConfig(ConfigModel):
 
     @property
     def fp8_kv(self) -> bool:
-        """Whether the main KV (resident, or the host pool and hot buffers) is kept as FP8 rows
-        (``sparse.kv_dtype="fp8_e4m3"``)."""
+        """Whether the main KV (resident, the host pool and hot buffers, layer buffers, KVPP bundles) is kept as
+        FP8 rows (``sparse.kv_dtype="fp8_e4m3"``, or ``kvpp.kv_dtype`` with KVPP)."""
+        if self.kvpp_requested and self.kvpp is not None and self.kvpp.kv_dtype == FP8_KV:
+            return True
         return self.sparse is not None and self.sparse.kv_dtype == FP8_KV
 
     @property

@@ -1,7 +1,8 @@
 """``KVPPBackend``: KV layer parallelism as a KV backend (DESIGN §8).
 
 Every rank of the group runs the same model replica and the same forwards. Each layer's bundle (``c_kv``,
-``k_pe`` [, indexer key]) is paged ``[num_blocks, block_size, D]`` in the KVPP runtime's views: an owned
+``k_pe`` — or with ``kv_dtype="fp8_e4m3"`` one ``kv_fp8`` component of DeepSeek's FP8 latent rows, quantized
+on write and read dequantized by attention — [, indexer key]) is paged ``[num_blocks, block_size, D]`` in the KVPP runtime's views: an owned
 layer's persistent buffer, another layer's scratch buffer. ``begin_forward`` schedules the forward with the
 blocks holding each request's earlier tokens; :meth:`KVPPBackend.before_write`, which the core calls before
 each layer's write, waits for the owner's broadcast of the layer (which starts the next layer's; in a graph
@@ -17,6 +18,7 @@ import torch
 
 from torch_kvoffload.kv.backend import IndexerView, KeyRows, KVBackend, NewRows
 from torch_kvoffload.kv.forward import ForwardPlan
+from torch_kvoffload.kv.fp8_rows import FP8_KV, check_kv_format, latent_fp8_rows
 from torch_kvoffload.kv.layout import KVLayout
 from torch_kvoffload.kv.requests import Request
 from torch_kvoffload.kv.spec import ModelSpec
@@ -66,12 +68,18 @@ class KVPPBackend(KVBackend):
 
     def __init__(self, spec: ModelSpec, options: KVPPConfig, *, block_size: int, name: str) -> None:
         try:
+            check_kv_format(options.kv_dtype, spec, "OffloadConfig.kvpp")
             self.config: KVPPConfig = resolve_kvpp_config(options, spec, world_size=_world_size())
             _check_tensor_parallel(spec, self.config)
         except ValueError as exc:
             raise ValueError(f"torch_kvoffload cannot offload {spec.model_class}: {exc}") from exc
         self.spec, self.block_size, self.runtime_name = spec, block_size, name
         cfg = self.config
+        self.kv_fp8 = cfg.kv_dtype == FP8_KV
+        #: the bundle's components in order (FP8 latent rows hold the RoPE part)
+        self.parts = (
+            ("kv_c",) + (() if self.kv_fp8 else ("k_pe",)) + (("index_k",) if spec.has_indexer else ())
+        )
         self.group = create_kvpp_group(dp=1, pp=1, pcp=cfg.pcp_size, tp=cfg.tp_size, device=spec.device)
         if spec.tp is not None and self.group.ranks != spec.tp.ranks:
             raise ValueError(
@@ -105,6 +113,7 @@ class KVPPBackend(KVBackend):
         bundle = BundleSpec.mla(
             self.block_size, spec.kv_lora_rank, spec.rope_dim, spec.dtype,
             index_dim=spec.index_head_dim if spec.has_indexer else 0, index_dtype=spec.dtype,
+            kv_fp8=self.kv_fp8,
         )  # fmt: skip
         self.runtime = build_kvpp_runtime(
             self.config, self.group, dict.fromkeys(range(spec.num_layers), bundle), num_blocks=layout.num_blocks,
@@ -167,7 +176,7 @@ class KVPPBackend(KVBackend):
         assert self.runtime is not None
         if fwd.writes_only and layer not in self.runtime.allocation.plan.owned:
             return  # a scratch buffer: the owner's broadcast fills it
-        news = [rows.kv_c, rows.k_pe]
+        news = [latent_fp8_rows(fwd, layer, rows)] if self.kv_fp8 else [rows.kv_c, rows.k_pe]
         if rows.index_k is not None:
             news.append(rows.index_k.to(self.spec.dtype))
         for comp, new in zip(self.runtime.caches(layer), news, strict=True):
@@ -175,25 +184,34 @@ class KVPPBackend(KVBackend):
 
     def keys(self, layer: int, fwd: ForwardPlan) -> KeyRows:
         assert self.runtime is not None and self._layout is not None
-        c, pe = self.runtime.caches(layer)[:2]
+        comps = self.runtime.caches(layer)
+        c = comps[0].view(-1, comps[0].shape[-1])
+        pe = c[:, :0] if self.kv_fp8 else comps[1].view(-1, comps[1].shape[-1])
         rows = self._layout.blocks_per_request * self.block_size
-        return KeyRows(c.view(-1, c.shape[-1]), pe.view(-1, pe.shape[-1]), [s * rows for s in fwd.slots])
+        return KeyRows(c, pe, [s * rows for s in fwd.slots], fp8=self.kv_fp8)
 
     def indexer(self, layer: int, fwd: ForwardPlan) -> IndexerView | None:
         if not self.spec.has_indexer or self.runtime is None:
             return None
-        keys = self.runtime.caches(layer)[2]
+        keys = self.runtime.caches(layer)[-1]
         return IndexerView((keys,), fwd.block_table, self.spec.index_topk)
 
     def read(
         self, layer: int, requests: Sequence[Request], part: str, start: int = 0, *, stored: bool = False
     ) -> list[torch.Tensor] | None:
         """Copies of the requests' rows from ``start`` on of an owned layer (``None`` for another: its
-        scratch buffer holds a later layer's rows once the forward moved on)."""
+        scratch buffer holds a later layer's rows once the forward moved on). FP8 latent rows only with
+        ``stored`` (``"kv_c"`` gives them; ``RuntimeError`` otherwise: they do not give the model's values
+        back exactly)."""
         rt, layout = self.runtime, self._layout
         if rt is None or layout is None or layer not in rt.allocation.plan.owned:
             return None
-        comps = dict(zip(("kv_c", "k_pe", "index_k"), rt.caches(layer), strict=False))
+        if self.kv_fp8 and part != "index_k" and not stored:
+            raise RuntimeError(
+                f"the KVPP bundles keep the latent KV as FP8 rows (kvpp.kv_dtype={FP8_KV!r}), which do not give "
+                "the model's latent KV back exactly; use the model's dtype to read it"
+            )
+        comps = dict(zip(self.parts, rt.caches(layer), strict=True))
         if part not in comps:
             return None
         flat = comps[part].view(-1, comps[part].shape[-1])

@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from torch_kvoffload._utils import check_int
 from torch_kvoffload.config import ConfigModel, parse_lax_bool
+from torch_kvoffload.kv.fp8_rows import FP8_KV
 
 if TYPE_CHECKING:
     from torch_kvoffload.kv.spec import ModelSpec
@@ -52,6 +53,10 @@ class KVPPConfig(ConfigModel):
     max_broadcast_runs : at most this many contiguous block runs per layer broadcast (≥ 1, default 16):
         a forward's blocks are coalesced into runs, the runs with the smallest gaps merged past this
         count; each run is one collective per bundle component.
+    kv_dtype : ``None`` (the model's dtype) or ``"fp8_e4m3"``: the bundles keep the latent KV as DeepSeek's
+        FP8 rows (one component ``kv_fp8``, ``uint8 [.., Dc + 4 * Dc / 128 + 2 * Dr]``), so each owned layer
+        and each broadcast holds those bytes; attention reads them dequantized. Needs a ``kv_lora_rank``
+        that is a multiple of 128 (checked against the model).
     wait_timeout_s : seconds a CPU wait for a broadcast blocks before ``TimeoutError`` (``None``:
         forever; > 0). On an accelerator a wait is a stream wait and does not block the host. It also
         bounds the host-side collectives: each forward's agreement exchange (every device) and, on CPU,
@@ -71,6 +76,7 @@ class KVPPConfig(ConfigModel):
     dynamic_speculative_tokens: bool = False
     kv_role: str = "none"
     max_broadcast_runs: int = Field(default=16, ge=1)
+    kv_dtype: str | None = None
     wait_timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
     @field_validator("enable_kvpp", "hybrid_model", "dynamic_speculative_tokens", mode="before")
@@ -90,6 +96,13 @@ class KVPPConfig(ConfigModel):
     def _known_role(cls, value: str) -> str:
         if value not in _KV_ROLES:
             raise ValueError(f"kv_role: expected one of {list(_KV_ROLES)}, got {value!r}")
+        return value
+
+    @field_validator("kv_dtype")
+    @classmethod
+    def _known_kv_dtype(cls, value: str | None) -> str | None:
+        if value is not None and value != FP8_KV:
+            raise ValueError(f"kv_dtype: expected None (the model's dtype) or {FP8_KV!r}, got {value!r}")
         return value
 
     @model_validator(mode="after")

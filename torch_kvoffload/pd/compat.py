@@ -8,8 +8,8 @@ import torch
 
 from torch_kvoffload._utils import dtype_name
 from torch_kvoffload._version import __version__
+from torch_kvoffload.kv.fp8_rows import FP8_KV
 from torch_kvoffload.pd.messages import Compatibility
-from torch_kvoffload.sparse.config import FP8_KV
 
 __all__ = ["make_compatibility", "row_layout"]
 

@@ -36,7 +36,7 @@ import torch
 from torch_kvoffload.counters import Counters
 from torch_kvoffload.kv.backend import IndexerView, KeyRows, KVBackend, NewRows, Queries, SelectedRows
 from torch_kvoffload.kv.forward import ForwardPlan
-from torch_kvoffload.kv.fp8_rows import latent_fp8_rows
+from torch_kvoffload.kv.fp8_rows import FP8_KV, check_kv_format, latent_fp8_rows
 from torch_kvoffload.kv.group_outcomes import exchange_outcomes
 from torch_kvoffload.kv.layout import KVLayout
 from torch_kvoffload.kv.requests import Request
@@ -44,11 +44,9 @@ from torch_kvoffload.kv.spec import ModelSpec, TensorParallel
 from torch_kvoffload.kv.totals import RuntimeTotals
 from torch_kvoffload.ops.fp8_attention import dequantize_rows
 from torch_kvoffload.sparse.config import (
-    FP8_KV,
     SparseDecodeConfig,
     SparseOptions,
     check_indexer_format,
-    check_kv_format,
     resolve_sparse_config,
 )
 from torch_kvoffload.sparse.host_pool import HostKVPool

@@ -9,14 +9,14 @@ from pydantic import Field, StrictBool, StrictInt, field_validator, model_valida
 
 from torch_kvoffload._utils import dtype_name, parse_dtype
 from torch_kvoffload.config import ConfigModel, parse_lax_bool
-from torch_kvoffload.ops.fp8 import TILE, kv_row_bytes
+from torch_kvoffload.kv.fp8_rows import FP8_KV, check_kv_format
+from torch_kvoffload.ops.fp8 import kv_row_bytes
 from torch_kvoffload.store.sizes import check_host_bytes
 
 if TYPE_CHECKING:
     from torch_kvoffload.kv.spec import ModelSpec
 
 __all__ = [
-    "FP8_KV",
     "MAIN_KV_DTYPES",
     "MAX_BLOCK_SIZE",
     "MAX_CAPACITY",
@@ -26,17 +26,12 @@ __all__ = [
     "SparseDecodeConfig",
     "SparseOptions",
     "check_indexer_format",
-    "check_kv_format",
     "resolve_sparse_config",
 ]
 
 #: Main-KV dtypes the sparse ops (``sparse_mla_attention``, Copy-SFA) run: bf16 in production, fp32 for
 #: testing. fp16 is a plain floating type too, but no sparse kernel computes in it.
 MAIN_KV_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
-
-#: ``kv_dtype`` of the main KV kept as DeepSeek's FP8 rows (FlashMLA's 656-byte format): the resident KV, or
-#: the host pool and hot buffers of sparse decode offload.
-FP8_KV = "fp8_e4m3"
 
 #: The indexer caches' formats: the model's floating dtype, Hadamard + int8 (LIC8), Hadamard + FP8 rows.
 IndexerDtype = Literal["bf16", "int8", "fp8_e4m3"]
@@ -286,16 +281,6 @@ def resolve_sparse_config(
     pool = spec.num_layers * cfg.host_pool_blocks * cfg.block_size * row_bytes
     check_host_bytes(f"sparse decode offload of {spec.model_class}", "host_pool_blocks (the host pool)", pool)
     return cfg
-
-
-def check_kv_format(kv_dtype: str | None, spec: ModelSpec) -> None:
-    """``ValueError`` when ``spec``'s latent KV cannot be kept as ``kv_dtype``: FP8 rows quantize the latent
-    values in tiles of 128 (a ``kv_lora_rank`` that is a multiple of 128)."""
-    if kv_dtype == FP8_KV and spec.kv_lora_rank % TILE:
-        raise ValueError(
-            f"OffloadConfig.sparse: kv_dtype={FP8_KV!r} quantizes the latent KV in tiles of {TILE} values; "
-            f"{spec.model_class} has kv_lora_rank={spec.kv_lora_rank}, not a multiple of {TILE}"
-        )
 
 
 def check_indexer_format(indexer_dtype: str, spec: ModelSpec) -> None:

@@ -124,19 +124,26 @@ def test_the_pool_and_hot_buffers_hold_the_rows_bytes_and_bad_rows_change_nothin
         rt.close()
 
 
-def test_the_device_step_equals_the_host_step():
-    """The host-sync-free device step (Triton launches; here under the interpreter) over FP8 rows: the
-    host step's top-k, hot-buffer bytes and counts, and its output within fp32 rounding, step after step,
-    with the rows in order and out of order."""
+@pytest.mark.parametrize("indexer", ["bf16", FP8])
+def test_the_device_step_equals_the_host_step(indexer):
+    """The host-sync-free device step (Triton launches; here under the interpreter) over FP8 rows, with the
+    floating indexer or the FP8 one (its queries quantized on the device, scores from FP8 rows): the host
+    step's top-k, hot-buffer bytes and counts, and its output within fp32 rounding, step after step, with the
+    rows in order and out of order."""
+    from torch_kvoffload.ops.fp8_indexer import hadamard_quant_fp8
     from torch_kvoffload.ops.triton import interpreting, triton_available
 
     if not (triton_available() and interpreting()):
         pytest.skip("needs triton under TRITON_INTERPRET=1")
     g = torch.Generator().manual_seed(5)
-    host, dev = _runtime(_config()), _runtime(_config(), step_path="device")
+    fp8_index = indexer == FP8
+    di = 128 if fp8_index else DI  # FP8 indexer rows: 128-wide Hadamard groups
+    cfg = _config(indexer_dtype=indexer)
+    host, dev = _runtime(cfg), _runtime(cfg, step_path="device")
     assert dev.device_step and not host.device_step
     ids, lengths = [0, 1, 2], [21, 14, 30]
-    k_cache = [torch.randn(host.pool.num_blocks, BS, DI, generator=g) for _ in range(LAYERS)]
+    k_cache = [torch.randn(host.pool.num_blocks, BS, di, generator=g) for _ in range(LAYERS)]
+    keys = {"k_fp8_rows": [hadamard_quant_fp8(k) for k in k_cache]} if fp8_index else {"k_cache": k_cache}
     try:
         for rt in (host, dev):
             for r in ids:
@@ -155,8 +162,9 @@ def test_the_device_step_equals_the_host_step():
             assert torch.equal(bt, dev.pool.block_table(order, max_blocks=MAX_LEN // BS))
             for ly in range(LAYERS):
                 idx = IndexerInputs(
-                    q=torch.randn(3, HI, DI, generator=g), weights=torch.rand(3, HI, generator=g), block_table=bt,
-                    cu_seqlens_q=torch.arange(4, dtype=torch.int32), seq_lens_k=seq, k_cache=k_cache[ly],
+                    q=torch.randn(3, HI, di, generator=g), weights=torch.rand(3, HI, generator=g), block_table=bt,
+                    cu_seqlens_q=torch.arange(4, dtype=torch.int32), seq_lens_k=seq,
+                    **{name: k[ly] for name, k in keys.items()},
                 )  # fmt: skip
                 q_nope, q_pe = torch.randn(3, H, DC, generator=g), torch.randn(3, H, DR, generator=g)
                 rows = DecodeRows(torch.tensor(order), seq.long(), bt)

@@ -37,6 +37,7 @@ __all__ = [
     "hadamard_quant_fp8",
     "index_head_dim_of",
     "validate_fp8_lightning_indexer",
+    "validate_fp8_lightning_indexer_structure",
     "validate_hadamard_quant_fp8",
 ]
 
@@ -151,6 +152,14 @@ def _fp8_structure(op, q_rows, weights, k_rows, block_table, cu_seqlens_q, seq_l
     for arg, t in (("weights", weights), ("k_rows", k_rows)):
         if t.device != q_rows.device:
             _checks.fail(op, f"argument '{arg}' must be on {q_rows.device} (as 'q_rows'), got {t.device}")
+
+
+def validate_fp8_lightning_indexer_structure(
+    q_rows, weights, k_rows, block_table, cu_seqlens_q, seq_lens_k
+) -> None:
+    """The structural checks of ``fp8_lightning_indexer`` (shapes, dtypes, devices; no value read): what a
+    caller launching the kernels without a host synchronisation checks first."""
+    _fp8_structure("fp8_lightning_indexer", q_rows, weights, k_rows, block_table, cu_seqlens_q, seq_lens_k)
 
 
 def validate_fp8_lightning_indexer(

@@ -42,7 +42,7 @@ class DeviceStep:
         self._on_cpu = device.type == "cpu"
         self._meta: dict[int, dict[str, torch.Tensor]] = {}
         self._meta_last: dict[int, tuple] = {}
-        self._hadamard_norms: dict[int, float] = {}  # int8 path: head dim -> Hadamard norm
+        self._hadamard_norms: dict[int, float] = {}  # int8 / FP8 paths: head dim -> Hadamard norm
 
     def reset(self) -> None:
         """Forget the per-layer metadata and scratch buffers (their sizes follow the hot buffers')."""
@@ -50,11 +50,11 @@ class DeviceStep:
         self._meta_last.clear()
 
     def host_constants(self, indexer: IndexerInputs) -> None:
-        """Compute the host constants of the step's launches (the int8 path's Hadamard norm of the query's
-        head dim) among the host checks, before the step, which then reads nothing back."""
+        """Compute the host constants of the step's launches (the quantized indexers' Hadamard norm of the
+        query's head dim) among the host checks, before the step, which then reads nothing back."""
         D = indexer.q.shape[-1]
         if (
-            self.config.indexer_dtype == "int8"
+            self.config.indexer_dtype in ("int8", "fp8_e4m3")
             and D not in self._hadamard_norms
             and D > 0
             and not D & (D - 1)
@@ -167,13 +167,27 @@ class DeviceStep:
     def _check_launches(self, layer, q_nope, q_pe, indexer, state, ids_t, stable_t, bt, topk, res,
                         hot_kv, hot_pe, out, lse):  # fmt: skip
         """The ops' structural checks of the step's launches (shapes, dtypes, devices; no values), before
-        its first write. Returns the int8 query buffers ``(q_int8, q_scale)`` of the int8 path."""
+        its first write. Returns the quantized query buffers: ``(q_int8, q_scale)`` of the int8 path,
+        ``(q_rows,)`` (``uint8 [T, H, D + 4 * D / 128]``) of the FP8 path."""
         from torch_kvoffload.ops import indexer as idx_ops
         from torch_kvoffload.ops import residency as res_ops
         from torch_kvoffload.ops import sparse_attention as sa_ops
 
         q_int8 = None
-        if self.config.indexer_dtype == "int8":
+        if self.config.indexer_dtype == "fp8_e4m3":
+            from torch_kvoffload.ops import fp8_indexer as fp8_ops
+            from torch_kvoffload.ops.fp8 import index_row_bytes
+
+            fp8_ops.validate_hadamard_quant_fp8(indexer.q)  # structure only: no value is read
+            T, Hi, D = indexer.q.shape
+            q_int8 = (torch.empty(T, Hi, index_row_bytes(D), dtype=torch.uint8, device=self.device),)
+            fp8_ops.validate_fp8_lightning_indexer_structure(
+                *q_int8, indexer.weights, indexer.k_fp8_rows, indexer.block_table, indexer.cu_seqlens_q,
+                indexer.seq_lens_k,
+            )  # fmt: skip
+            res_ops._residency_structure("residency_update", *state, topk, ids_t, stable_t, None,
+                                         self.config.policy, *res.as_tuple(), topk_is_output=True)  # fmt: skip
+        elif self.config.indexer_dtype == "int8":
             idx_ops._hadamard_structure("hadamard_quant_int8", indexer.q)
             q_int8 = (torch.empty(indexer.q.shape, dtype=torch.int8, device=self.device),
                       torch.empty(indexer.q.shape[:-1], dtype=torch.float32, device=self.device))  # fmt: skip
@@ -198,12 +212,21 @@ class DeviceStep:
         return q_int8
 
     def _manage(self, indexer: IndexerInputs, q_int8, state, ids, stable, topk, res) -> None:
-        """Steps 3–4 with the unchecked Triton launches (the int8 path quantises the query first)."""
+        """Steps 3–4 with the unchecked Triton launches (the quantized paths quantise the query first)."""
         from torch_kvoffload.ops.triton.indexer import launch_hadamard_quant_int8
-        from torch_kvoffload.ops.triton.residency import launch_indexer_manage
+        from torch_kvoffload.ops.triton.residency import launch_indexer_manage, launch_residency_rows
 
         idx = (indexer.block_table, indexer.cu_seqlens_q, indexer.seq_lens_k)
-        if q_int8 is not None:
+        if q_int8 is not None and len(q_int8) == 1:  # FP8 rows: scores from FP8 queries and keys
+            from torch_kvoffload.ops.triton.fp8_indexer import (
+                launch_fp8_indexer_topk,
+                launch_hadamard_quant_fp8,
+            )
+
+            launch_hadamard_quant_fp8(indexer.q, q_int8[0], self._hadamard_norms[indexer.q.shape[-1]])
+            launch_fp8_indexer_topk(q_int8[0], indexer.weights, indexer.k_fp8_rows, *idx, topk)
+            launch_residency_rows(*state, topk, ids, stable, None, self.config.policy, *res.as_tuple())
+        elif q_int8 is not None:
             launch_hadamard_quant_int8(indexer.q, *q_int8, self._hadamard_norms[indexer.q.shape[-1]])
             launch_indexer_manage(q_int8[0], indexer.weights, indexer.k_int8_cache, *idx, *state, ids, stable,
                                   "lru", topk, *res.as_tuple(), q_scale=q_int8[1],

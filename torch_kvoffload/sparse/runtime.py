@@ -153,8 +153,7 @@ class SparseDecodeOffload:
             kv_lora_rank=row_c, rope_dim=row_pe, dtype=self.dtype, device=self.device, policy=config.policy,
         )  # fmt: skip
         self._device_path = resolve_step_path(where, step_path, self.device, pool, self.capacity)
-        # the device step's fused manage kernel reads floating or int8 keys; FP8 keys take the host step's ops
-        self._device_step = self._device_path and config.fused and config.indexer_dtype != "fp8_e4m3"
+        self._device_step = self._device_path and config.fused
         fresh = self.device.type == "cpu" and not self._device_path  # new output tensors every step
         self._counters = StepCounters(num_layers, pool.row_bytes, self.device, deferred=fresh)
         self._appender = RowAppender(

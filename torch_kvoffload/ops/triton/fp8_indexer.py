@@ -229,6 +229,24 @@ def _launch_scores(q_rows, weights, k_rows, table, req, visible, out) -> None:
         )
 
 
+def launch_fp8_indexer_topk(q_rows, weights, k_rows, block_table, cu_seqlens_q, seq_lens_k, topk) -> None:
+    """``fp8_lightning_indexer``'s top-k of validated input written into ``topk int32 [T, K]`` (unit last
+    stride), ``−1`` padded; the scores are held whole (``[T, max_blocks * block_size]`` fp32: meant for
+    decode-sized ``T``). Nothing is read back to the host: the request description must be valid (the
+    checked op verifies it with a host synchronisation)."""
+    num_tokens, K = topk.shape
+    width = block_table.shape[1] * k_rows.shape[1]
+    k = min(K, width)
+    if k < K:
+        topk[:, k:].fill_(-1)
+    if num_tokens == 0 or k == 0:
+        return
+    req, visible = _requests(cu_seqlens_q, seq_lens_k, num_tokens, q_rows.device)
+    scores = torch.empty((num_tokens, width), dtype=torch.float32, device=q_rows.device)
+    _launch_scores(q_rows, weights, k_rows, block_table.to(q_rows.device), req, visible, scores)
+    _launch_topk(scores, visible, topk, k)
+
+
 # ----------------------------------------------------------------------------------------- wrappers
 
 

@@ -155,11 +155,6 @@ def test_fp8_indexer_configurations_refused_by_name():
         torch_kvoffload.offload(narrow, {"sparse": FP8})
     with pytest.raises(ValueError, match="policy 'score'"):
         torch_kvoffload.OffloadConfig(sparse={**FP8, "policy": "score"})
-    from torch_kvoffload._utils import free_port
-
-    pd = {"role": "decode", "kv_port": free_port()}
-    with pytest.raises(ValueError, match="fp8_e4m3"):
-        torch_kvoffload.offload(build_model("deepseek_v32", **WIDTHS), {"sparse": FP8, "pd": pd})
 
 
 @pytest.mark.parametrize("fmt", ["offloaded", "resident"])
@@ -285,9 +280,10 @@ def test_the_latent_kv_kept_as_fp8_rows_is_read_dequantized_call_after_call(late
 
 @pytest.mark.parametrize("mode", ["resident", "offloaded"])
 def test_layerwise_prefill_keeps_the_fp8_latent_rows_in_its_buffers_and_store(latent_reference, mode):
-    """Layerwise prefill over FP8 latent rows: its layer buffers, tails and store records hold the rows the
-    resident KV / host pool hold (quantized once), the prompt's attention reads them dequantized, and the
-    second call loads the prompts' full blocks from the store as kept."""
+    """Layerwise prefill over FP8 latent rows and FP8 indexer rows: its layer buffers, tails and store records
+    hold the rows the resident KV / host pool and the indexer cache hold (quantized once), the prompt's
+    attention reads them dequantized, the second call loads the prompts' full blocks from the store as kept,
+    and the blocks decoding completed are stored too."""
     ref, ids, mask, want = latent_reference
     model = torch_kvoffload.offload(
         copy.deepcopy(ref), {"layerwise": {}, "sparse": LATENT[mode], "block_size": BS}
@@ -302,12 +298,19 @@ def test_layerwise_prefill_keeps_the_fp8_latent_rows_in_its_buffers_and_store(la
         assert torch.equal(got.sequences, want.sequences)
         assert _max_diff(got, want) < 1e-4
         saved, hits = after["bytes_d2h"] - before["bytes_d2h"], after["store_hits"] - before["store_hits"]
-        # a block record: per layer 16 FP8 rows and 16 of the model's (fp32) indexer keys
-        assert saved % (layers * BS * (row + DI * 4)) == 0
+        # a block record: per layer 16 FP8 latent rows and 16 FP8 indexer rows
+        assert saved % (layers * BS * (row + index_row_bytes(DI))) == 0
+        assert torch_kvoffload.stats(model)["persist_failures"] == 0
         assert (saved > 0, hits > 0) == ((True, False) if call == 0 else (False, True))
+    # a longer generation completes a block while decoding (width 70 + 12): stored when the sequence ends,
+    # both formats as the caches keep them
+    _generate(model, ids, mask, new=12)
+    session_of(model).end_sequence()
+    s = torch_kvoffload.stats(model)
+    assert s["persisted_blocks"] > 0 and s["persist_failures"] == 0
     lw.rebuild(session_of(model).core.layout)
     comps = lw.runtime.layer_caches(0)
-    assert [(c.dtype, c.shape[-1]) for c in comps] == [(torch.uint8, row), (torch.float32, DI)]
+    assert [(c.dtype, c.shape[-1]) for c in comps] == [(torch.uint8, row), (torch.uint8, index_row_bytes(DI))]
 
 
 def test_fp8_latent_rows_are_refused_where_they_cannot_be_kept():

@@ -3,9 +3,10 @@ layerwise offload and sends every layer over shm while it computes; a decode pro
 its sparse host pool and indexer cache and continues greedy generation from ``past = prompt width``. The
 tokens must equal a single-process ``generate`` of the unmodified model. The padded batch is served a second
 time by the same pair: prefill takes its cached blocks over from the store (prefix reuse) and still sends
-the whole prompt's KV. The single prompt moves DeepSeek's FP8 latent rows (``sparse.kv_dtype="fp8_e4m3"`` on
-both sides: prefill's layer buffers keep them, decode's host pool takes their bytes); its reference passes the
-unmodified model's latent KV through the FP8 row (``support.fp8_reference``)."""
+the whole prompt's KV. The single prompt moves DeepSeek's FP8 rows (``sparse.kv_dtype`` and ``indexer_dtype``
+``"fp8_e4m3"`` on both sides: prefill's layer buffers keep them, decode's host pool and indexer cache take their
+bytes); its reference passes the unmodified model's latent KV through the FP8 row and selects with the FP8
+indexer (``support.fp8_reference``)."""
 
 from __future__ import annotations
 
@@ -22,14 +23,14 @@ pytest.importorskip("transformers")
 pytest.importorskip("zmq")
 pytest.importorskip("msgpack")
 
-from support.fp8_reference import fp8_latent_kv
+from support.fp8_reference import fp8_indexer, fp8_latent_kv
 from support.hf_models import build_model, indexer_boundary_ties, left_padded_batch
 from support.pd_helpers import hf_context, process_s, verdict_s
 
 import torch_kvoffload
 from torch_kvoffload import OffloadConfig
 from torch_kvoffload._utils import free_port
-from torch_kvoffload.ops.fp8 import kv_row_bytes
+from torch_kvoffload.ops.fp8 import index_row_bytes, kv_row_bytes
 from torch_kvoffload.pd import PDConfig, TransferTicket
 
 NEW = 12
@@ -111,9 +112,11 @@ CASES = {"batch1-fp8": [19], "batch2-padded": [21, 10]}
 #: prompts served per session pair: the padded batch a second time, which the prefill node takes over from
 #: its store (it computes only the columns after the cached blocks) and still sends whole
 ROUNDS = {"batch1-fp8": 1, "batch2-padded": 2}
-#: the case moving FP8 latent rows: both sides keep them; their 128-wide tiles need kv_lora_rank 128
+#: the case moving FP8 rows: both sides keep both formats; their 128-wide tiles need a kv_lora_rank and an
+#: index_head_dim of 128
 FP8_CASES = {"batch1-fp8"}
-FP8_WIDTHS = {"kv_lora_rank": 128}
+FP8_WIDTHS = {"kv_lora_rank": 128, "index_head_dim": 128}
+FP8 = {"kv_dtype": "fp8_e4m3", "indexer_dtype": "fp8_e4m3"}
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +141,7 @@ def pd_runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
         port = free_port()
         wait_s = verdict_s(PDConfig(**_pd("decode", port, rdv)), LAYERS)
         cases.append({"ids": ids, "mask": mask, "port": port, "rdv": rdv, "reference": reference,
-                      "widths": widths, "sparse": {"kv_dtype": "fp8_e4m3"} if fp8 else None,
+                      "widths": widths, "sparse": FP8 if fp8 else None,
                       "rounds": ROUNDS[name], "verdict_s": wait_s,
                       "deadline_s": start_s + 2 * work_s + ROUNDS[name] * wait_s})  # fmt: skip
     tickets_q, first_q, p_q, d_q, stop = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
@@ -176,13 +179,16 @@ def _reference(ids: torch.Tensor, mask: torch.Tensor, widths: dict, fp8: bool) -
             return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
                                   return_dict_in_generate=True, output_logits=True)  # fmt: skip
 
-    with fp8_latent_kv(model) if fp8 else contextlib.nullcontext():
+    with contextlib.ExitStack() as formats:
+        if fp8:
+            formats.enter_context(fp8_latent_kv(model))
+            formats.enter_context(fp8_indexer())
         out = run()
         seqs = out.sequences
         rows = [seqs[b][mask[b].bool().tolist() + [True] * NEW] for b in range(ids.shape[0])]
         # an exact tie at the top-k boundary makes the selection implementation-defined: keep data without
         assert indexer_boundary_ties(model, rows) == 0
-    if fp8:  # the rounding of the latent rows shows: the decode node must have read FP8 rows to match
+    if fp8:  # the formats' rounding shows: the decode node must have read FP8 rows to match
         plain = run().logits
         assert max(float((x - y).abs().max()) for x, y in zip(out.logits, plain, strict=True)) > 1e-3
     return seqs[:, ids.shape[1] :]
@@ -206,9 +212,10 @@ def test_prefill_then_decode_tokens_equal_unmodified_generate(name, pd_runs):
     assert d_out["receiver"]["requests_failed"] == 0
     assert p_out["sender"]["requests_done"] == len(lengths)
     # kv_lora_rank + rope dim and the indexer key, fp32; FP8 rows: 128 FP8 values, a scale, 16 bf16 RoPE values
-    latent = kv_row_bytes(128, 16) if name in FP8_CASES else (64 + 16) * 4
-    assert latent in (164, 320)
-    row_bytes = latent + 32 * 4
+    # and 128 FP8 indexer values with their scale
+    fp8 = name in FP8_CASES
+    row_bytes = kv_row_bytes(128, 16) + index_row_bytes(128) if fp8 else (64 + 16) * 4 + 32 * 4
+    assert row_bytes == (164 + 132 if fp8 else 448)
     assert d_out["receiver"]["bytes_received"] == n_layers * blocks * BS * row_bytes
     assert d_out["stats"]["prefill_forwards"] == 0
     assert d_out["stats"]["decode_forwards"] == NEW - 1

@@ -111,8 +111,10 @@ def _layerwise(ctx: _Context, cfg: LayerwiseConfig) -> LayerwiseBackend:
         def factory(lw, specs, store):
             return role.build_layerwise_runtime(lw, specs, store=store)
 
-    return LayerwiseBackend(ctx.spec, cfg, block_size=ctx.block_size, indexed=indexed,
-                            kv_fp8=cfg_all.fp8_kv, build_runtime=factory)  # fmt: skip
+    # FP8 indexer rows where the sparse indexer cache keeps them: a P/D decode peer lands them as they are
+    index_fp8 = cfg_all.sparse is not None and cfg_all.sparse.indexer_dtype == "fp8_e4m3"
+    return LayerwiseBackend(ctx.spec, cfg, block_size=ctx.block_size, indexed=indexed, kv_fp8=cfg_all.fp8_kv,
+                            index_fp8=index_fp8, build_runtime=factory)  # fmt: skip
 
 
 def _kvpp(ctx: _Context, cfg: KVPPConfig) -> KVPPBackend:

@@ -44,7 +44,7 @@ import torch
 
 from torch_kvoffload.kv.backend import IndexerView, KeyRows, KVBackend, NewRows
 from torch_kvoffload.kv.forward import ForwardPlan
-from torch_kvoffload.kv.fp8_rows import latent_fp8_rows
+from torch_kvoffload.kv.fp8_rows import index_fp8_rows, latent_fp8_rows
 from torch_kvoffload.kv.layout import KVLayout
 from torch_kvoffload.kv.requests import Request
 from torch_kvoffload.kv.spec import ModelSpec
@@ -56,7 +56,7 @@ from torch_kvoffload.layerwise.planner import LayerCacheSpec
 from torch_kvoffload.layerwise.prefix_store import layer_cache_specs, store_namespace
 from torch_kvoffload.layerwise.runtime import LayerwiseOffloadRuntime, PrefixEvictedError
 from torch_kvoffload.layerwise.stored import stored_block, stored_spans
-from torch_kvoffload.layerwise.tails import LayerTails
+from torch_kvoffload.layerwise.tails import LayerTails, tail_moves
 from torch_kvoffload.store import build_store
 from torch_kvoffload.store.base import KVStore
 
@@ -102,16 +102,15 @@ class LayerwiseBackend(KVBackend):
     block_size : int
     indexed : bool
         Whether the layer buffers carry the indexer keys (the last component).
-    kv_fp8 : bool
-        The layer buffers, tails and store records keep the latent KV as DeepSeek's FP8 rows (one
-        component ``uint8 [.., Dc + 4 * Dc / 128 + 2 * Dr]``, quantized on write, read as kept).
+    kv_fp8, index_fp8 : bool
+        The layer buffers, tails and store records keep the latent KV (one component ``uint8 [.., Dc + 4 *
+        Dc / 128 + 2 * Dr]``) / the indexer keys (``uint8 [.., Di + 4 * Di / 128]``) as DeepSeek's FP8 rows:
+        quantized on write, read as kept.
     build_runtime : RuntimeFactory, optional
         Supplies the runtime over buffers allocated elsewhere (returns ``None`` to let the backend allocate).
     """
 
     name = "layerwise"
-    #: its records hold the model's indexer keys (a prefix store may hold FP8 ones)
-    index_fp8 = False
 
     def __init__(
         self,
@@ -121,10 +120,11 @@ class LayerwiseBackend(KVBackend):
         block_size: int,
         indexed: bool,
         kv_fp8: bool = False,
+        index_fp8: bool = False,
         build_runtime: RuntimeFactory | None = None,
     ) -> None:
         self.spec, self.config, self.block_size = spec, config, block_size
-        self.indexed, self.kv_fp8 = indexed, kv_fp8
+        self.indexed, self.kv_fp8, self.index_fp8 = indexed, kv_fp8, index_fp8 and indexed
         #: the components of the buffers, tails and records, in order (FP8 latent rows hold the RoPE part)
         self.parts = ("kv_c",) + (() if kv_fp8 else ("k_pe",)) + (("index_k",) if indexed else ())
         self.components = len(self.parts)
@@ -171,10 +171,9 @@ class LayerwiseBackend(KVBackend):
         self._tails.clear()
 
     def _build_runtime(self, layout: KVLayout) -> None:
-        specs = layer_cache_specs(
-            self.spec, layout.num_blocks, self.block_size, self.indexed, kv_fp8=self.kv_fp8
-        )
-        lw = store_namespace(self.config, self.spec, self.indexed, kv_fp8=self.kv_fp8)
+        fp8 = {"index_fp8": self.index_fp8, "kv_fp8": self.kv_fp8}
+        specs = layer_cache_specs(self.spec, layout.num_blocks, self.block_size, self.indexed, **fp8)
+        lw = store_namespace(self.config, self.spec, self.indexed, **fp8)
         rt = self._factory(lw, specs, self.store) if self._factory is not None else None
         self.runtime = (
             rt
@@ -187,9 +186,10 @@ class LayerwiseBackend(KVBackend):
         return min(self.block_size, layout.tokens)
 
     def _build_tails(self, layout: KVLayout) -> None:
-        assert self.runtime is not None
-        comps = self.runtime.layer_caches(0)
-        self._tails.build(comps, self.spec.num_layers, layout.slots, self._tail_rows(layout))
+        assert self.runtime is not None  # tails like the buffers' components
+        self._tails.build(
+            self.runtime.layer_caches(0), self.spec.num_layers, layout.slots, self._tail_rows(layout)
+        )
 
     def _retire(self) -> None:
         rt, self.runtime = self.runtime, None
@@ -284,10 +284,10 @@ class LayerwiseBackend(KVBackend):
         positions: Sequence[Sequence[int] | None],
         spans: Sequence[tuple[int, int]],
     ) -> list[list[torch.Tensor]]:
-        """Per layer, per component (``kv_c``, ``k_pe``, then ``index_k`` when the buffers carry it), the
-        stored rows of tokens ``spans[r] = (start, end)`` of each request one after the other (host,
-        ``[sum of the spans, D]``), read from the blocks of ``key_tokens[r]`` at ``positions[r]`` (each
-        block read once, for every layer). ``RuntimeError`` when the store no longer holds a block."""
+        """Per layer, per component (:attr:`parts`), the stored rows of tokens ``spans[r] = (start, end)`` of
+        each request one after the other (host, ``[sum of the spans, D]``), read from the blocks of
+        ``key_tokens[r]`` at ``positions[r]`` (each block read once, for every layer). ``RuntimeError`` when
+        the store no longer holds a block."""
         assert self.runtime is not None
         return stored_spans(self.runtime, requests, key_tokens, positions, spans)
 
@@ -323,31 +323,18 @@ class LayerwiseBackend(KVBackend):
         cached = rt.begin_forward(
             [self._key_tokens(r) for r in fwd.requests], fwd.block_table.cpu().tolist(), idle=idle, **caps
         )
-        restore_src, restore_dst, keep_src, keep_dst = [], [], [], []
-        for r, (slot, c, old, new) in enumerate(
-            zip(fwd.slots, cached, fwd.old_len, fwd.new_len, strict=True)
-        ):
-            full_old = old // bs * bs
-            if old > 0 and c < full_old:
+        for r, (c, old) in enumerate(zip(cached, fwd.old_len, strict=True)):
+            if old > 0 and c < old // bs * bs:
                 rt.end_forward()
                 raise StoreMissError(
-                    f"KVCore.begin_forward: the host store no longer holds blocks of request {r} ({c} of {full_old} "
-                    "cached tokens found); raise the store capacity (layerwise.store.capacity_bytes)"
+                    f"KVCore.begin_forward: the host store no longer holds blocks of request {r} ({c} of "
+                    f"{old // bs * bs} cached tokens found); raise the store capacity (layerwise.store.capacity_bytes)"
                 )
-            for p in range(max(c, full_old), old):  # rows of the partial block kept in the tail
-                restore_src.append(slot * tr + p - full_old)
-                restore_dst.append(slot * M * bs + p)
-            full_new = new // bs * bs
-            for p in range(full_new, new):
-                keep_src.append(slot * M * bs + p)
-                keep_dst.append(slot * tr + p - full_new)
         dev = self.spec.device
         p = _Pass(cached=cached)
         p.write = fwd.pos >= torch.tensor(cached, dtype=torch.int64, device=dev)[fwd.row]
-        if restore_src:
-            p.tail_restore = (torch.tensor(restore_src, device=dev), torch.tensor(restore_dst, device=dev))
-        if keep_src:
-            p.tail_keep = (torch.tensor(keep_src, device=dev), torch.tensor(keep_dst, device=dev))
+        moves = tail_moves(fwd.slots, cached, fwd.old_len, fwd.new_len, bs, M * bs, tr, dev)
+        p.tail_restore, p.tail_keep = moves
         self._pass = p
 
     def end_forward(self, fwd: ForwardPlan) -> None:
@@ -413,7 +400,9 @@ class LayerwiseBackend(KVBackend):
         news = [latent_fp8_rows(fwd, layer, rows)] if self.kv_fp8 else [rows.kv_c, rows.k_pe]
         if self.indexed:
             assert rows.index_k is not None
-            news.append(rows.index_k.to(self.spec.dtype))
+            news.append(
+                index_fp8_rows(fwd, layer, rows) if self.index_fp8 else rows.index_k.to(self.spec.dtype)
+            )
         w = p.write
         for comp, tail, new in zip(comps, tails, news, strict=True):
             if p.tail_restore is not None:
@@ -442,10 +431,11 @@ class LayerwiseBackend(KVBackend):
         rt, spec, bs = self.runtime, self.spec, self.block_size
         if rt is None or not self._tails or (part == "index_k" and not self.indexed):
             return None
-        if self.kv_fp8 and part != "index_k" and not stored:
+        if (self.index_fp8 if part == "index_k" else self.kv_fp8) and not stored:
+            what = "indexer keys" if part == "index_k" else "latent KV"
             raise RuntimeError(
-                "the layer buffers keep the latent KV as FP8 rows (sparse.kv_dtype='fp8_e4m3'), which do not "
-                "give the model's latent KV back exactly; use the model's dtype to read it"
+                f"the layer buffers keep the {what} as FP8 rows (sparse.kv_dtype / indexer_dtype 'fp8_e4m3'), "
+                f"which do not give the model's {what} back exactly; use the model's dtype to read it"
             )
         if part not in self.parts:
             return None  # FP8 rows: the rotary part is inside the latent rows
@@ -467,7 +457,8 @@ class LayerwiseBackend(KVBackend):
         if not self.indexed or self.runtime is None:
             return None
         keys = self.runtime.layer_caches(layer)[-1]
-        return IndexerView((keys,), fwd.block_table, self.spec.index_topk)
+        fmt = "fp8_e4m3" if self.index_fp8 else "bf16"
+        return IndexerView((keys,), fwd.block_table, self.spec.index_topk, fmt)
 
     # ------------------------------------------------------------------------------ accounting
     def device_tensors(self) -> list[torch.Tensor]:

@@ -6,7 +6,43 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["LayerTails"]
+__all__ = ["LayerTails", "tail_moves"]
+
+Moves = tuple[torch.Tensor, torch.Tensor] | None
+
+
+def tail_moves(
+    slots: Sequence[int],
+    cached: Sequence[int],
+    old_len: Sequence[int],
+    new_len: Sequence[int],
+    block_size: int,
+    request_rows: int,
+    tail_rows: int,
+    device: torch.device,
+) -> tuple[Moves, Moves]:
+    """The row copies of one forward between the tails (flat ``[slots * tail_rows]``) and the layer buffers
+    (flat, slot ``s`` at row ``s * request_rows``): ``(restore, keep)``, each ``(source rows, destination
+    rows)`` int64 on ``device`` or ``None`` when empty. Restore: the rows of each request's partial block
+    that the store does not give (past its ``cached`` tokens), tail to buffer, before the writes; keep: the
+    rows of the partial block after the forward (of ``new_len`` tokens), buffer to tail, after them."""
+    restore: tuple[list[int], list[int]] = ([], [])
+    keep: tuple[list[int], list[int]] = ([], [])
+    for slot, c, old, new in zip(slots, cached, old_len, new_len, strict=True):
+        full_old, full_new = old // block_size * block_size, new // block_size * block_size
+        for p in range(max(c, full_old), old):
+            restore[0].append(slot * tail_rows + p - full_old)
+            restore[1].append(slot * request_rows + p)
+        for p in range(full_new, new):
+            keep[0].append(slot * request_rows + p)
+            keep[1].append(slot * tail_rows + p - full_new)
+
+    def moves(pair: tuple[list[int], list[int]]) -> Moves:
+        return (
+            (torch.tensor(pair[0], device=device), torch.tensor(pair[1], device=device)) if pair[0] else None
+        )
+
+    return moves(restore), moves(keep)
 
 
 class LayerTails:

@@ -36,7 +36,7 @@ import torch
 from torch_kvoffload.counters import Counters
 from torch_kvoffload.kv.backend import IndexerView, KeyRows, KVBackend, NewRows, Queries, SelectedRows
 from torch_kvoffload.kv.forward import ForwardPlan
-from torch_kvoffload.kv.fp8_rows import FP8_KV, check_kv_format, latent_fp8_rows
+from torch_kvoffload.kv.fp8_rows import FP8_KV, check_kv_format, index_fp8_rows, latent_fp8_rows
 from torch_kvoffload.kv.group_outcomes import exchange_outcomes
 from torch_kvoffload.kv.layout import KVLayout
 from torch_kvoffload.kv.requests import Request
@@ -209,7 +209,8 @@ class SparseOffloadBackend(KVBackend):
             kv_c = latent_fp8_rows(fwd, layer, rows)
             k_pe = kv_c[:, :0]
         rt.append_validated(layer, placed, kv_c, k_pe)  # the core checked the rows
-        self.index.write_keys(layer, fwd.index_phys, rows.index_k)
+        keys = index_fp8_rows(fwd, layer, rows) if self.index.fmt == "fp8_e4m3" else rows.index_k
+        self.index.write_keys(layer, fwd.index_phys, keys)
         if not fwd.decode and not fwd.layerwise:
             self._rows[layer] = (kv_c, k_pe)
 

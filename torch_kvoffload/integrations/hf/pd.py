@@ -288,10 +288,11 @@ class DecodeRole(PDRole):
         sparse = session.config.sparse
         if sparse is None:
             raise ValueError("OffloadSession(pd.role='decode'): needs sparse decode offload")
-        if sparse.indexer_dtype in ("int8", "fp8_e4m3"):
+        if sparse.indexer_dtype == "int8":
             raise ValueError(
-                "OffloadSession(pd.role='decode'): prefill sends the floating indexer keys of its layer buffers; "
-                f"sparse.indexer_dtype={sparse.indexer_dtype!r} is not supported with P/D on the Hugging Face path"
+                "OffloadSession(pd.role='decode'): prefill sends the indexer keys of its layer buffers in the "
+                "model's dtype or as FP8 rows; sparse.indexer_dtype='int8' is not supported with P/D on the "
+                "Hugging Face path"
             )
         self.session, self.config = session, config
         self.receiver: DecodeReceiver | None = None

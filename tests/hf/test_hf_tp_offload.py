@@ -2,8 +2,8 @@
 with ``tp_plan="auto"`` on every rank of 2 and of 4 processes (spawn, gloo on 127.0.0.1).
 
 Modes: sparse decode offload over the TP group's shared host pool (TP rank 0 allocates and writes it, the
-other ranks attach it and read; in the model's dtype, and of FP8 latent rows against the unmodified model
-with its latent KV through FlashMLA's quantization), resident sparse, layerwise, layerwise + sparse. Every rank's tokens are
+other ranks attach it and read; in the model's dtype, and of FP8 latent rows with the FP8 indexer against the
+unmodified model with its latent KV through FlashMLA's quantization and its indexer scoring FP8), resident sparse, layerwise, layerwise + sparse. Every rank's tokens are
 compared with the unmodified single-process model's ``generate`` (greedy, left-padded batch; beam search
 too), a chunked prefill's logits with its one-shot forward. The shared pool is checked for real: one
 ``/dev/shm`` file of the size the layout gives, the same name on every rank, rows written by TP rank 0
@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from support.fp8_reference import fp8_latent_kv
+from support.fp8_reference import fp8_indexer, fp8_latent_kv
 from support.hf_models import build_model, left_padded_batch
 from support.kvpp_helpers import spawn_gloo
 from support.store_helpers import store_emptied_after_each_lookup
@@ -34,8 +34,8 @@ from torch_kvoffload.sparse.backend import FENCE_TIMEOUT_S
 
 BS = 4  # tokens per block: the prompts span several blocks (beams share their full ones)
 OVERRIDES = {"num_hidden_layers": 2}  # 4 attention heads (divisible by 2 and 4), 32 indexer heads
-# the FP8 latent rows quantise 128-wide tiles: that family's model has kv_lora_rank 128
-FP8_WIDTHS = {**OVERRIDES, "kv_lora_rank": 128}
+# the FP8 rows quantise 128-wide tiles: that family's model has kv_lora_rank and index_head_dim 128
+FP8_WIDTHS = {**OVERRIDES, "kv_lora_rank": 128, "index_head_dim": 128}
 SHM = "/dev/shm"
 # a reader waits at most FENCE_TIMEOUT_S for the writer, a collective at most spawn_gloo's process-group
 # timeout (60 s); a spawn that outlives both by the run itself is stuck
@@ -55,7 +55,8 @@ CHUNK = (21, 5, 10)  # a prompt of 21 tokens (seed 5) fed as 10 + 11 tokens: the
 CB_LENGTHS, CB_NEW, CB_SLOTS, CB_TOKENS = (3, 40, 7, 25, 12, 33), 8, 3, 64
 
 SPARSE = {"sparse": {}, "block_size": BS}
-SPARSE_FP8 = {"sparse": {"kv_dtype": "fp8_e4m3"}, "block_size": BS}  # a shared host pool of FP8 rows
+# a shared host pool of FP8 latent rows, each rank's indexer cache of FP8 rows
+SPARSE_FP8 = {"sparse": {"kv_dtype": "fp8_e4m3", "indexer_dtype": "fp8_e4m3"}, "block_size": BS}
 RESIDENT = {"sparse": {"offload": False}, "block_size": BS}
 LAYERWISE = {"layerwise": {}, "block_size": BS}
 BOTH = {"layerwise": {}, "sparse": {}, "block_size": BS}
@@ -239,10 +240,11 @@ def saved(tmp_path_factory):
             ref = build_model(family, **OVERRIDES)
             want[family] = {run: ref.generate(**_generate_kwargs(run)) for run in RUNS}
             want[family]["chunk"] = ref(input_ids=_chunk_prompt()).logits[:, CHUNK[2] :]
-        # FP8 latent rows: the unmodified model with its latent KV through FlashMLA's quantization
+        # FP8 rows: the unmodified model with its latent KV through FlashMLA's quantization and its indexer
+        # scoring FP8 queries and keys
         dirs["deepseek_v32-fp8"] = save_tiny("deepseek_v32", root / "fp8", **FP8_WIDTHS)
         ref = build_model("deepseek_v32", **FP8_WIDTHS)
-        with fp8_latent_kv(ref):
+        with fp8_latent_kv(ref), fp8_indexer():
             want["deepseek_v32-fp8"] = {run: ref.generate(**_generate_kwargs(run)) for run in ("a", "b")}
         ref = build_model("deepseek_v32", **OVERRIDES)
         ref.model.embed_tokens.weight[0].normal_()

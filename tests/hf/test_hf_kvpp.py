@@ -4,8 +4,9 @@ loaded with transformers' tensor parallelism (``tp_plan="auto"``): the KVPP grou
 Every rank runs its shard of the model and generates greedily from the same left-padded batch; its KV
 lives in the KVPP pool (owned layers persistent, the others in two scratch buffers filled by the owner's
 broadcast). The reference is the unmodified single-process model, generated on each rank. Byte counts
-are checked against formulas written out here. The four-rank case keeps the latent KV as DeepSeek's FP8 rows
-(``kvpp.kv_dtype="fp8_e4m3"``): its reference passes the unmodified model's latent KV through the FP8 row
+are checked against formulas written out here. The four-rank case keeps the latent KV and the indexer keys as
+DeepSeek's FP8 rows (``kvpp.kv_dtype`` / ``indexer_dtype`` ``"fp8_e4m3"``): its reference passes the unmodified
+model's latent KV through the FP8 row and scores its indexer from FP8 queries and keys
 (``support.fp8_reference``), its bundles and broadcasts hold the rows' bytes.
 """
 
@@ -19,7 +20,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from support.fp8_reference import fp8_latent_kv
+from support.fp8_reference import fp8_indexer, fp8_latent_kv
 from support.hf_models import SMALL, build_model, left_padded_batch
 from support.kvpp_helpers import spawn_gloo
 from support.store_helpers import store_emptied_after_each_lookup
@@ -48,12 +49,13 @@ def _worker(rank: int, world: int, cases: list[tuple], dirs: dict[str, str], out
         with torch.no_grad():
             ref = build_model(family, **overrides)
             # the reference's KV as kept
-            as_kept = functools.partial(fp8_latent_kv, ref) if fp8 else contextlib.nullcontext
+            as_kept = functools.partial(_fp8_formats, ref) if fp8 else contextlib.nullcontext
             with as_kept():
                 want = ref.generate(**kwargs)
                 ref_cache = _reference_cache(ref, want, mask)
             model = load_tp(dirs[name], rank, world)
-            cfg = {"kvpp": {"kv_dtype": "fp8_e4m3"} if fp8 else {}, "block_size": BS}
+            formats = {"kv_dtype": "fp8_e4m3", "indexer_dtype": "fp8_e4m3"}
+            cfg = {"kvpp": formats if fp8 else {}, "block_size": BS}
             model = torch_kvoffload.compile(model, cfg) if compiled else torch_kvoffload.offload(model, cfg)
             got = model.generate(**kwargs)
         session = session_of(model)
@@ -112,6 +114,13 @@ def _worker(rank: int, world: int, cases: list[tuple], dirs: dict[str, str], out
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
+@contextlib.contextmanager
+def _fp8_formats(model):
+    """The unmodified ``model`` with both FP8 roundings: its latent KV and its indexer's scores."""
+    with fp8_latent_kv(model), fp8_indexer():
+        yield
+
+
 def _reference_cache(model, tokens: torch.Tensor, mask: torch.Tensor) -> dict[int, dict[str, list]]:
     """Per layer, the unmodified model's cached latent ``c_kv`` (keys) and ``k_pe`` (values) of every
     request's real tokens, from one forward over the generated sequence less its last token."""
@@ -141,7 +150,8 @@ def _spec(family: str, overrides: dict, fp8: bool) -> tuple[int, int, int]:
     if not fp8:
         return cfg.num_hidden_layers, BS * dense, dense
     latent = cfg.kv_lora_rank + 4 * (cfg.kv_lora_rank // 128) + 2 * cfg.qk_rope_head_dim
-    return cfg.num_hidden_layers, BS * (latent + index_dim * 4), dense
+    index = index_dim + 4 * (index_dim // 128)  # FP8 indexer rows: one fp32 scale per 128 values
+    return cfg.num_hidden_layers, BS * (latent + index), dense
 
 
 def _check(results: list[dict], name: str, family: str, overrides: dict, lengths: list[int]) -> None:
@@ -238,8 +248,8 @@ EAGER = [
 # one compiled family keeps the run short (V3 differs from V3.2 only by the indexer on this path)
 COMPILED = [("v32-compiled", "deepseek_v32", SMALL, [9, 13], True)]
 # 4 ranks: one layer each; 4 heads split one per rank (V3.2, whose bundles also carry the indexer keys;
-# both families run on two ranks); the latent KV as FP8 rows (tiles of 128 latent values)
-FOUR = [("v32-4-fp8", "deepseek_v32", {"kv_lora_rank": 128}, [11, 6], False)]
+# both families run on two ranks); the latent KV and the indexer keys as FP8 rows (tiles of 128 values)
+FOUR = [("v32-4-fp8", "deepseek_v32", {"kv_lora_rank": 128, "index_head_dim": 128}, [11, 6], False)]
 FP8_CASES = {"v32-4-fp8"}
 
 
@@ -369,6 +379,13 @@ def test_kvpp_rejections_leave_nothing_registered():
     with pytest.raises(ValueError, match=r"kvpp: kv_dtype='fp8_e4m3' .*kv_lora_rank=64"):
         torch_kvoffload.offload(v3, {"kvpp": {"kv_dtype": "fp8_e4m3"}})
     assert v3.forward == forward and not hasattr(v3, "_kvoffload_session")
+    with pytest.raises(ValueError, match="indexer_dtype: expected None"):
+        OffloadConfig(kvpp={"indexer_dtype": "int8"})
+    v32 = build_model("deepseek_v32", num_hidden_layers=2)  # index_head_dim 32: not 128-wide groups
+    with pytest.raises(ValueError, match=r"kvpp: indexer_dtype='fp8_e4m3' .*index_head_dim=32"):
+        torch_kvoffload.offload(v32, {"kvpp": {"indexer_dtype": "fp8_e4m3"}})
+    assert not hasattr(v32, "_kvoffload_session")
+    assert OffloadConfig(kvpp={"indexer_dtype": "fp8_e4m3"}).fp8_indexer
     assert OffloadConfig(kvpp={"kv_dtype": "fp8_e4m3"}).fp8_kv
     assert not OffloadConfig(kvpp={"kv_dtype": "fp8_e4m3", "enable_kvpp": False}, sparse={}).fp8_kv
     assert (mla_runtime.runtimes.names(), layer_hooks.runtimes.names(), kvpp.runtimes.names()) == names

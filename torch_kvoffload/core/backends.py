@@ -112,9 +112,8 @@ def _layerwise(ctx: _Context, cfg: LayerwiseConfig) -> LayerwiseBackend:
             return role.build_layerwise_runtime(lw, specs, store=store)
 
     # FP8 indexer rows where the sparse indexer cache keeps them: a P/D decode peer lands them as they are
-    index_fp8 = cfg_all.sparse is not None and cfg_all.sparse.indexer_dtype == "fp8_e4m3"
     return LayerwiseBackend(ctx.spec, cfg, block_size=ctx.block_size, indexed=indexed, kv_fp8=cfg_all.fp8_kv,
-                            index_fp8=index_fp8, build_runtime=factory)  # fmt: skip
+                            index_fp8=cfg_all.fp8_indexer, build_runtime=factory)  # fmt: skip
 
 
 def _kvpp(ctx: _Context, cfg: KVPPConfig) -> KVPPBackend:
@@ -158,10 +157,10 @@ def build_backends(
         holds = out.kvpp is None or spec.num_layers >= out.kvpp.group.size
         if (store := config.prefix_store_config) is not None and spec.weights_fingerprint and holds:
             layers = out.kvpp.owned_layers if out.kvpp is not None else None
-            fp8 = config.sparse is not None and config.sparse.indexer_dtype == "fp8_e4m3"
             out.prefix_store = PrefixStore(
-                spec, store, block_size=block_size, layers=layers, index_fp8=fp8, kv_fp8=config.fp8_kv
-            )
+                spec, store, block_size=block_size, layers=layers, index_fp8=config.fp8_indexer,
+                kv_fp8=config.fp8_kv,
+            )  # fmt: skip
     except BaseException:
         for b in out.all:
             if b is not role:

@@ -170,6 +170,14 @@ class OffloadConfig(ConfigModel):
         return self.sparse is not None and self.sparse.kv_dtype == FP8_KV
 
     @property
+    def fp8_indexer(self) -> bool:
+        """Whether the indexer keys are kept as FP8 rows (``sparse.indexer_dtype="fp8_e4m3"``, or
+        ``kvpp.indexer_dtype`` with KVPP)."""
+        if self.kvpp_requested and self.kvpp is not None and self.kvpp.indexer_dtype == FP8_KV:
+            return True
+        return self.sparse is not None and self.sparse.indexer_dtype == FP8_KV
+
+    @property
     def stores_kv(self) -> bool:
         """Whether the session keeps KV in a store keyed by the model's weights (layerwise offload, or the
         prefix store)."""

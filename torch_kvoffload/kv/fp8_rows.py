@@ -12,7 +12,7 @@ from torch_kvoffload.kv.spec import ModelSpec
 from torch_kvoffload.ops.fp8 import TILE, quantize_kv_fp8
 from torch_kvoffload.ops.fp8_indexer import hadamard_quant_fp8
 
-__all__ = ["FP8_KV", "check_kv_format", "index_fp8_rows", "latent_fp8_rows"]
+__all__ = ["FP8_KV", "check_indexer_format", "check_kv_format", "index_fp8_rows", "latent_fp8_rows"]
 
 #: ``kv_dtype`` of the main KV kept as DeepSeek's FP8 rows (FlashMLA's 656-byte format): the resident KV, the
 #: host pool and hot buffers of sparse decode offload, layerwise prefill's buffers, KVPP's bundles.
@@ -26,6 +26,18 @@ def check_kv_format(kv_dtype: str | None, spec: ModelSpec, where: str = "Offload
         raise ValueError(
             f"{where}: kv_dtype={FP8_KV!r} quantizes the latent KV in tiles of {TILE} values; "
             f"{spec.model_class} has kv_lora_rank={spec.kv_lora_rank}, not a multiple of {TILE}"
+        )
+
+
+def check_indexer_format(indexer_dtype: str | None, spec: ModelSpec, where: str = "sparse") -> None:
+    """``ValueError`` (naming ``where``) when ``spec``'s indexer cannot be kept as ``indexer_dtype``: FP8 rows
+    quantize 128-wide groups after a Hadamard rotation (a power-of-two ``index_head_dim`` of at least 128)."""
+    d = spec.index_head_dim
+    if indexer_dtype == FP8_KV and spec.has_indexer and (d < TILE or d & (d - 1)):
+        raise ValueError(
+            f"{where}: indexer_dtype={FP8_KV!r} keeps the indexer keys as FP8 rows (Hadamard-rotated, one fp32 "
+            f"scale per {TILE} values), which needs a power-of-two index_head_dim of at least {TILE}; "
+            f"{spec.model_class} has index_head_dim={d}"
         )
 
 

@@ -18,7 +18,13 @@ import torch
 
 from torch_kvoffload.kv.backend import IndexerView, KeyRows, KVBackend, NewRows
 from torch_kvoffload.kv.forward import ForwardPlan
-from torch_kvoffload.kv.fp8_rows import FP8_KV, check_kv_format, latent_fp8_rows
+from torch_kvoffload.kv.fp8_rows import (
+    FP8_KV,
+    check_indexer_format,
+    check_kv_format,
+    index_fp8_rows,
+    latent_fp8_rows,
+)
 from torch_kvoffload.kv.layout import KVLayout
 from torch_kvoffload.kv.requests import Request
 from torch_kvoffload.kv.spec import ModelSpec
@@ -69,6 +75,7 @@ class KVPPBackend(KVBackend):
     def __init__(self, spec: ModelSpec, options: KVPPConfig, *, block_size: int, name: str) -> None:
         try:
             check_kv_format(options.kv_dtype, spec, "OffloadConfig.kvpp")
+            check_indexer_format(options.indexer_dtype, spec, "OffloadConfig.kvpp")
             self.config: KVPPConfig = resolve_kvpp_config(options, spec, world_size=_world_size())
             _check_tensor_parallel(spec, self.config)
         except ValueError as exc:
@@ -76,6 +83,7 @@ class KVPPBackend(KVBackend):
         self.spec, self.block_size, self.runtime_name = spec, block_size, name
         cfg = self.config
         self.kv_fp8 = cfg.kv_dtype == FP8_KV
+        self.index_fp8 = spec.has_indexer and cfg.indexer_dtype == FP8_KV
         #: the bundle's components in order (FP8 latent rows hold the RoPE part)
         self.parts = (
             ("kv_c",) + (() if self.kv_fp8 else ("k_pe",)) + (("index_k",) if spec.has_indexer else ())
@@ -113,7 +121,7 @@ class KVPPBackend(KVBackend):
         bundle = BundleSpec.mla(
             self.block_size, spec.kv_lora_rank, spec.rope_dim, spec.dtype,
             index_dim=spec.index_head_dim if spec.has_indexer else 0, index_dtype=spec.dtype,
-            kv_fp8=self.kv_fp8,
+            kv_fp8=self.kv_fp8, index_fp8=self.index_fp8,
         )  # fmt: skip
         self.runtime = build_kvpp_runtime(
             self.config, self.group, dict.fromkeys(range(spec.num_layers), bundle), num_blocks=layout.num_blocks,
@@ -178,7 +186,9 @@ class KVPPBackend(KVBackend):
             return  # a scratch buffer: the owner's broadcast fills it
         news = [latent_fp8_rows(fwd, layer, rows)] if self.kv_fp8 else [rows.kv_c, rows.k_pe]
         if rows.index_k is not None:
-            news.append(rows.index_k.to(self.spec.dtype))
+            news.append(
+                index_fp8_rows(fwd, layer, rows) if self.index_fp8 else rows.index_k.to(self.spec.dtype)
+            )
         for comp, new in zip(self.runtime.caches(layer), news, strict=True):
             comp.view(-1, comp.shape[-1]).index_copy_(0, fwd.phys, new)
 
@@ -194,7 +204,8 @@ class KVPPBackend(KVBackend):
         if not self.spec.has_indexer or self.runtime is None:
             return None
         keys = self.runtime.caches(layer)[-1]
-        return IndexerView((keys,), fwd.block_table, self.spec.index_topk)
+        fmt = FP8_KV if self.index_fp8 else "bf16"
+        return IndexerView((keys,), fwd.block_table, self.spec.index_topk, fmt)
 
     def read(
         self, layer: int, requests: Sequence[Request], part: str, start: int = 0, *, stored: bool = False
@@ -206,10 +217,13 @@ class KVPPBackend(KVBackend):
         rt, layout = self.runtime, self._layout
         if rt is None or layout is None or layer not in rt.allocation.plan.owned:
             return None
-        if self.kv_fp8 and part != "index_k" and not stored:
+        if (self.index_fp8 if part == "index_k" else self.kv_fp8) and not stored:
+            what, field = (
+                ("indexer keys", "indexer_dtype") if part == "index_k" else ("latent KV", "kv_dtype")
+            )
             raise RuntimeError(
-                f"the KVPP bundles keep the latent KV as FP8 rows (kvpp.kv_dtype={FP8_KV!r}), which do not give "
-                "the model's latent KV back exactly; use the model's dtype to read it"
+                f"the KVPP bundles keep the {what} as FP8 rows (kvpp.{field}={FP8_KV!r}), which do not give "
+                f"the model's {what} back exactly; use the model's dtype to read it"
             )
         comps = dict(zip(self.parts, rt.caches(layer), strict=True))
         if part not in comps:

@@ -57,6 +57,10 @@ class KVPPConfig(ConfigModel):
         FP8 rows (one component ``kv_fp8``, ``uint8 [.., Dc + 4 * Dc / 128 + 2 * Dr]``), so each owned layer
         and each broadcast holds those bytes; attention reads them dequantized. Needs a ``kv_lora_rank``
         that is a multiple of 128 (checked against the model).
+    indexer_dtype : ``None`` (the model's dtype) or ``"fp8_e4m3"``: an SFA bundle keeps the indexer keys as
+        DeepSeek's FP8 rows (``uint8 [.., Di + 4 * Di / 128]``, Hadamard-rotated, one fp32 scale per 128
+        values), which the indexer scores as DeepSeek does; needs a power-of-two ``index_head_dim`` of at
+        least 128.
     wait_timeout_s : seconds a CPU wait for a broadcast blocks before ``TimeoutError`` (``None``:
         forever; > 0). On an accelerator a wait is a stream wait and does not block the host. It also
         bounds the host-side collectives: each forward's agreement exchange (every device) and, on CPU,
@@ -77,6 +81,7 @@ class KVPPConfig(ConfigModel):
     kv_role: str = "none"
     max_broadcast_runs: int = Field(default=16, ge=1)
     kv_dtype: str | None = None
+    indexer_dtype: str | None = None
     wait_timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
     @field_validator("enable_kvpp", "hybrid_model", "dynamic_speculative_tokens", mode="before")
@@ -98,11 +103,13 @@ class KVPPConfig(ConfigModel):
             raise ValueError(f"kv_role: expected one of {list(_KV_ROLES)}, got {value!r}")
         return value
 
-    @field_validator("kv_dtype")
+    @field_validator("kv_dtype", "indexer_dtype")
     @classmethod
-    def _known_kv_dtype(cls, value: str | None) -> str | None:
+    def _known_format(cls, value: str | None, info: Any) -> str | None:
         if value is not None and value != FP8_KV:
-            raise ValueError(f"kv_dtype: expected None (the model's dtype) or {FP8_KV!r}, got {value!r}")
+            raise ValueError(
+                f"{info.field_name}: expected None (the model's dtype) or {FP8_KV!r}, got {value!r}"
+            )
         return value
 
     @model_validator(mode="after")

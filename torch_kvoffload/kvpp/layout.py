@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torch_kvoffload.ops.fp8 import kv_row_bytes
+from torch_kvoffload.ops.fp8 import index_row_bytes, kv_row_bytes
 
 __all__ = ["BundleSpec", "ComponentSpec", "bundle_layout"]
 
@@ -84,16 +84,19 @@ class BundleSpec:
         index_dtype: torch.dtype = torch.bfloat16,
         index_scales: bool = False,
         kv_fp8: bool = False,
+        index_fp8: bool = False,
     ) -> BundleSpec:
         """An MLA (``index_dim == 0``) or SFA bundle: c_kv, k_pe[, indexer key[, fp32 scales]]; ``kv_fp8``:
         one ``kv_fp8`` component of DeepSeek's FP8 latent rows (``uint8``, the RoPE values inside) instead
-        of c_kv and k_pe."""
+        of c_kv and k_pe; ``index_fp8``: the indexer key as DeepSeek's FP8 rows (``uint8``, scale inside)."""
         comps = (
             [ComponentSpec("kv_fp8", kv_row_bytes(kv_lora_rank, rope_dim), torch.uint8)]
             if kv_fp8
             else [ComponentSpec("c_kv", kv_lora_rank, dtype), ComponentSpec("k_pe", rope_dim, dtype)]
         )
-        if index_dim:
+        if index_dim and index_fp8:
+            comps.append(ComponentSpec("index_k", index_row_bytes(index_dim), torch.uint8))
+        elif index_dim:
             comps.append(ComponentSpec("index_k", index_dim, index_dtype))
             if index_scales:
                 comps.append(ComponentSpec("index_scale", 1, torch.float32))

@@ -36,7 +36,13 @@ import torch
 from torch_kvoffload.counters import Counters
 from torch_kvoffload.kv.backend import IndexerView, KeyRows, KVBackend, NewRows, Queries, SelectedRows
 from torch_kvoffload.kv.forward import ForwardPlan
-from torch_kvoffload.kv.fp8_rows import FP8_KV, check_kv_format, index_fp8_rows, latent_fp8_rows
+from torch_kvoffload.kv.fp8_rows import (
+    FP8_KV,
+    check_indexer_format,
+    check_kv_format,
+    index_fp8_rows,
+    latent_fp8_rows,
+)
 from torch_kvoffload.kv.group_outcomes import exchange_outcomes
 from torch_kvoffload.kv.layout import KVLayout
 from torch_kvoffload.kv.requests import Request
@@ -46,7 +52,6 @@ from torch_kvoffload.ops.fp8_attention import dequantize_rows
 from torch_kvoffload.sparse.config import (
     SparseDecodeConfig,
     SparseOptions,
-    check_indexer_format,
     resolve_sparse_config,
 )
 from torch_kvoffload.sparse.host_pool import HostKVPool

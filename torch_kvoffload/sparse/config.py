@@ -9,7 +9,7 @@ from pydantic import Field, StrictBool, StrictInt, field_validator, model_valida
 
 from torch_kvoffload._utils import dtype_name, parse_dtype
 from torch_kvoffload.config import ConfigModel, parse_lax_bool
-from torch_kvoffload.kv.fp8_rows import FP8_KV, check_kv_format
+from torch_kvoffload.kv.fp8_rows import FP8_KV, check_indexer_format, check_kv_format
 from torch_kvoffload.ops.fp8 import kv_row_bytes
 from torch_kvoffload.store.sizes import check_host_bytes
 
@@ -25,7 +25,6 @@ __all__ = [
     "IndexerDtype",
     "SparseDecodeConfig",
     "SparseOptions",
-    "check_indexer_format",
     "resolve_sparse_config",
 ]
 
@@ -281,15 +280,3 @@ def resolve_sparse_config(
     pool = spec.num_layers * cfg.host_pool_blocks * cfg.block_size * row_bytes
     check_host_bytes(f"sparse decode offload of {spec.model_class}", "host_pool_blocks (the host pool)", pool)
     return cfg
-
-
-def check_indexer_format(indexer_dtype: str, spec: ModelSpec) -> None:
-    """``ValueError`` when ``spec``'s indexer cannot be kept as ``indexer_dtype``: FP8 rows quantize
-    128-wide groups after a Hadamard rotation (a power-of-two ``index_head_dim`` of at least 128)."""
-    d = spec.index_head_dim
-    if indexer_dtype == "fp8_e4m3" and spec.has_indexer and (d < 128 or d & (d - 1)):
-        raise ValueError(
-            f"sparse: indexer_dtype='fp8_e4m3' keeps the indexer keys as FP8 rows (Hadamard-rotated, one fp32 "
-            f"scale per 128 values), which needs a power-of-two index_head_dim of at least 128; "
-            f"{spec.model_class} has index_head_dim={d}"
-        )

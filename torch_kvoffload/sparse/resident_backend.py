@@ -19,13 +19,13 @@ import torch
 from torch_kvoffload._utils import dtype_name, parse_dtype
 from torch_kvoffload.kv.backend import IndexerView, KeyRows, KVBackend, NewRows
 from torch_kvoffload.kv.forward import ForwardPlan
-from torch_kvoffload.kv.fp8_rows import FP8_KV, check_kv_format, latent_fp8_rows
+from torch_kvoffload.kv.fp8_rows import FP8_KV, check_indexer_format, check_kv_format, latent_fp8_rows
 from torch_kvoffload.kv.layout import KVLayout
 from torch_kvoffload.kv.paged import SlotPages
 from torch_kvoffload.kv.requests import Request
 from torch_kvoffload.kv.spec import ModelSpec
 from torch_kvoffload.ops.fp8 import kv_row_bytes
-from torch_kvoffload.sparse.config import SparseOptions, check_indexer_format
+from torch_kvoffload.sparse.config import SparseOptions
 from torch_kvoffload.sparse.indexer_cache import IndexerCache
 
 __all__ = ["ResidentSparseBackend"]

@@ -2,16 +2,19 @@
 copy of the same bytes, how much of the transfer prefill compute hides, and the time from a peer's death
 to the error.
 
-Layer set: DeepSeek-V3.2 rows (``kv_lora_rank`` 512 + ``rope`` 64 bf16 main KV, 128-dim int8 indexer key +
-fp32 scale), 32768 tokens in 128-token blocks, ``--layers`` layers. A prefill process publishes each layer
+Layer set: DeepSeek-V3.2 rows, 32768 tokens in 128-token blocks, ``--layers`` layers, in each ``--formats``
+format: ``bf16`` (``kv_lora_rank`` 512 + ``rope`` 64 bf16 main KV and a 128-dim bf16 indexer key: 1,408 bytes a
+token), ``int8-indexer`` (the same main KV, the 128-dim int8 indexer key + fp32 scale: 1,284) and ``fp8``
+(DeepSeek's 656-byte FP8 latent rows and 132-byte FP8 indexer rows: 788). A prefill process publishes each layer
 (LAYER_READY) and waits for decode's READ_DONE; decode (another process) validates and pulls the layer into
 its host pool and indexer. Throughput = layer bytes / (LAYER_READY -> READ_DONE); the local copy is one
 process copying the same bytes (each component contiguously, ``Tensor.copy_``). "hidden" = 1 - (forward
 time with P/D - without) / (layers x transfer time), medians of interleaved forwards with a matmul per layer.
 
     python benchmarks/pd_bench.py [--layers 4] [--tokens 32768] [--transports shm,mooncake]
+                                  [--formats bf16,int8-indexer,fp8]
 
-Prints a table and writes ``benchmarks/results/pd_bench.json``.
+Prints a table and writes ``benchmarks/results/pd_bench.{json,png}`` (bytes per request of each run).
 """
 
 from __future__ import annotations
@@ -28,20 +31,32 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import format_table, write_json
+from _common import RESULTS_DIR, format_table, pyplot, write_json
 
 BS, R, P, D = 128, 512, 64, 128
-MAIN = [((R,), torch.bfloat16), ((P,), torch.bfloat16)]
-IDX = [((D,), torch.int8), ((1,), torch.float32)]
+#: per format: the main KV components and the indexer components, ``(row shape, dtype)`` each; the decode
+#: host pool of the FP8 rows keeps them as its ``kv_c`` with an empty ``k_pe`` (rope_dim 0)
+FORMATS = {
+    "bf16": ([((R,), torch.bfloat16), ((P,), torch.bfloat16)], [((D,), torch.bfloat16)]),
+    "int8-indexer": ([((R,), torch.bfloat16), ((P,), torch.bfloat16)], [((D,), torch.int8), ((1,), torch.float32)]),
+    "fp8": ([((R + 4 * (R // 128) + 2 * P,), torch.uint8)], [((D + 4 * (D // 128),), torch.uint8)]),
+}  # fmt: skip
 
 
-def _compat(layers: int):
+def _compat(layers: int, fmt: str):
     from torch_kvoffload.pd import make_compatibility
 
+    main, idx = FORMATS[fmt]
     return make_compatibility(
         model_fingerprint="deepseek-like", num_layers=layers, block_size=BS,
-        main=[torch.empty(1, BS, *r, dtype=d) for r, d in MAIN], indexer=[torch.empty(1, BS, *r, dtype=d) for r, d in IDX],
+        main=[torch.empty(1, BS, *r, dtype=d) for r, d in main], indexer=[torch.empty(1, BS, *r, dtype=d) for r, d in idx],
     )  # fmt: skip
+
+
+def _row_bytes(fmt: str) -> int:
+    """Bytes a token moves in ``fmt`` (main KV and indexer key)."""
+    main, idx = FORMATS[fmt]
+    return sum(torch.Size(r).numel() * torch.empty((), dtype=d).element_size() for r, d in main + idx)
 
 
 def _cfg(role: str, a: dict):
@@ -58,11 +73,15 @@ def decode_proc(a: dict, tickets_q, result_q, stop) -> None:
     from torch_kvoffload.sparse import HostKVPool
 
     layers, nb = a["layers"], a["tokens"] // BS
-    pool = HostKVPool.create(layers, nb, BS, R, P, torch.bfloat16)
+    main, idx = FORMATS[a["fmt"]]
+    if len(main) == 1:  # FP8 rows: one component of bytes
+        pool = HostKVPool.create(layers, nb, BS, main[0][0][0], 0, torch.uint8)
+    else:
+        pool = HostKVPool.create(layers, nb, BS, R, P, torch.bfloat16)
     for layer in range(layers):
         pool.kv_c(layer).zero_()
         pool.k_pe(layer).zero_()
-    indexer = [tuple(torch.zeros(nb, BS, *r, dtype=d) for r, d in IDX) for _ in range(layers)]
+    indexer = [tuple(torch.zeros(nb, BS, *r, dtype=d) for r, d in idx) for _ in range(layers)]
 
     class Receiver(DecodeReceiver):
         def _reply(self, peer, msg):
@@ -71,7 +90,7 @@ def decode_proc(a: dict, tickets_q, result_q, stop) -> None:
                 os._exit(3)
             super()._reply(peer, msg)
 
-    recv = Receiver(_cfg("decode", a), pool=pool, compat=_compat(layers), indexer=indexer)
+    recv = Receiver(_cfg("decode", a), pool=pool, compat=_compat(layers, a["fmt"]), indexer=indexer)
     rounds = []
     main = pool.allocate(0, a["tokens"])
     for rid in range(a["rounds"]):  # rounds run one after the other: they may share the destinations
@@ -101,8 +120,9 @@ def prefill_proc(a: dict, tickets_q, result_q) -> None:
     )
 
     layers, nb = a["layers"], a["tokens"] // BS
-    specs = [LayerCacheSpec(tuple(TensorSpec((nb, BS, *r), d) for r, d in MAIN),
-                            tuple(TensorSpec((nb, BS, *r), d) for r, d in IDX)) for _ in range(layers)]  # fmt: skip
+    main, idx = FORMATS[a["fmt"]]
+    specs = [LayerCacheSpec(tuple(TensorSpec((nb, BS, *r), d) for r, d in main),
+                            tuple(TensorSpec((nb, BS, *r), d) for r, d in idx)) for _ in range(layers)]  # fmt: skip
     plan = plan_layer_buffers(specs, 2, ())
     transport = make_transport(_cfg("prefill", a), rank_name="p0")
     try:
@@ -119,10 +139,10 @@ def _prefill(a: dict, tickets_q, result_q, layers: int, nb: int, plan, transport
     buffers = export_layer_buffers(plan, transport)
     for group in [*buffers.main, *buffers.indexer]:
         for t in group or ():
-            t.copy_(torch.randint(-100, 100, t.shape, dtype=torch.int8).view(torch.uint8).view(t.dtype)
-                    if t.dtype == torch.int8 else torch.randn(t.shape).to(t.dtype))  # fmt: skip
+            t.copy_(torch.randint(-100, 100, t.shape, dtype=torch.int8).view(t.dtype)
+                    if t.dtype in (torch.int8, torch.uint8) else torch.randn(t.shape).to(t.dtype))  # fmt: skip
     sender = PrefillSender(
-        _cfg("prefill", a), p_rank=0, buffers=buffers, transport=transport, compat=_compat(layers)
+        _cfg("prefill", a), p_rank=0, buffers=buffers, transport=transport, compat=_compat(layers, a["fmt"])
     )
     tickets = [TransferTicket.from_dict(d) for d in tickets_q.get(timeout=120)]
     table = [list(range(nb))]
@@ -211,6 +231,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--transports", default="shm,mooncake")
+    ap.add_argument("--formats", default="bf16,int8-indexer,fp8", help=f"of {', '.join(FORMATS)}")
     ap.add_argument("--mm", type=int, default=768, help="matmul size of the per-layer compute")
     ap.add_argument("--mm-reps", type=int, default=8)
     args = ap.parse_args()
@@ -218,37 +239,46 @@ def main() -> None:
     ctx.set_forkserver_preload(
         ["torch", "torch_kvoffload.pd", "torch_kvoffload.layerwise", "torch_kvoffload.sparse"]
     )
-    layer_bytes = args.tokens * sum(
-        torch.Size(r).numel() * torch.empty((), dtype=d).element_size() for r, d in MAIN + IDX
-    )
-    rows, results = (
-        [],
-        {"layer_bytes": layer_bytes, "layers": args.layers, "tokens": args.tokens, "transports": {}},
-    )
-    for name in args.transports.split(","):
-        with tempfile.TemporaryDirectory() as rdv:
-            a = dict(transport=name, port=free_port(), rdv=rdv, layers=args.layers, tokens=args.tokens, rounds=6,
-                     transfer_rounds=3, mm=args.mm, mm_reps=args.mm_reps)  # fmt: skip
-            pre, dec = run(a, ctx)
-        if "error" in pre:
-            print(f"{name}: {pre['error']}", file=sys.stderr)
-            continue
-        per = statistics.median(pre["transfer_seconds"])
-        local = statistics.median(pre["local_copy_seconds"])
-        overhead = pre["with_transfer_seconds"] - pre["compute_only_seconds"]
-        hidden = min(1.0, max(0.0, 1.0 - overhead / (per * args.layers)))
-        results["transports"][name] = {**pre, "median_transfer_seconds_per_layer": per, "hidden_fraction": hidden,
-                                       "median_local_copy_seconds_per_layer": local, "vs_local": local / per,
-                                       "decode": dec}  # fmt: skip
-        rows.append([name, f"{layer_bytes / 2**20:.1f}", local * 1e3, per * 1e3, layer_bytes / per / 1e9, local / per,
-                     f"{pre['compute_only_seconds'] * 1e3:.0f} / {pre['with_transfer_seconds'] * 1e3:.0f}",
-                     f"{hidden:.2f}"])  # fmt: skip
+    formats = args.formats.split(",")
+    rows = []
+    results: dict = {"layers": args.layers, "tokens": args.tokens, "runs": {}}
+    for fmt in formats:
+        layer_bytes = args.tokens * _row_bytes(fmt)
+        for name in args.transports.split(","):
+            with tempfile.TemporaryDirectory() as rdv:
+                a = dict(transport=name, port=free_port(), rdv=rdv, layers=args.layers, tokens=args.tokens,
+                         rounds=6, transfer_rounds=3, mm=args.mm, mm_reps=args.mm_reps, fmt=fmt)  # fmt: skip
+                pre, dec = run(a, ctx)
+            if "error" in pre:
+                print(f"{fmt} / {name}: {pre['error']}", file=sys.stderr)
+                continue
+            per = statistics.median(pre["transfer_seconds"])
+            local = statistics.median(pre["local_copy_seconds"])
+            overhead = pre["with_transfer_seconds"] - pre["compute_only_seconds"]
+            hidden = min(1.0, max(0.0, 1.0 - overhead / (per * args.layers)))
+            counters = dec.get("counters", {})
+            # bytes the decode receiver counted per request (every round moves one request of `tokens`)
+            per_request = counters.get("bytes_received", 0) / max(counters.get("requests_done", 0), 1)
+            results["runs"][f"{fmt}/{name}"] = {
+                **pre, "format": fmt, "transport": name, "layer_bytes": layer_bytes, "row_bytes": _row_bytes(fmt),
+                "bytes_per_request": per_request, "median_transfer_seconds_per_layer": per,
+                "hidden_fraction": hidden, "median_local_copy_seconds_per_layer": local, "vs_local": local / per,
+                "decode": dec,
+            }  # fmt: skip
+            rows.append([fmt, name, _row_bytes(fmt), f"{per_request / 2**20:.1f}", local * 1e3, per * 1e3,
+                         layer_bytes / per / 1e9, local / per,
+                         f"{pre['compute_only_seconds'] * 1e3:.0f} / {pre['with_transfer_seconds'] * 1e3:.0f}",
+                         f"{hidden:.2f}"])  # fmt: skip
+    base = next((r for r in results["runs"].values() if r["format"] == "bf16"), None)
+    for r in results["runs"].values():
+        if base is not None and base["bytes_per_request"]:
+            r["bytes_vs_bf16"] = r["bytes_per_request"] / base["bytes_per_request"]
     # time from a peer's death to the error (default heartbeats), shm
     with tempfile.TemporaryDirectory() as rdv:
         kill_file = os.path.join(rdv, "killed_at")
         a = dict(transport="shm", port=free_port(), rdv=rdv, layers=args.layers, tokens=args.tokens // 8, rounds=1,
-                 transfer_rounds=1,
-                 die_at=1, kill_file=kill_file, mm=args.mm, mm_reps=args.mm_reps)  # fmt: skip
+                 transfer_rounds=1, die_at=1, kill_file=kill_file, mm=args.mm, mm_reps=args.mm_reps,
+                 fmt=formats[0])  # fmt: skip
         pre, _ = run(a, ctx)
         death = pre.get("error_at", float("nan")) - float(Path(kill_file).read_text())
     results["death_to_error_seconds"] = death
@@ -256,8 +286,10 @@ def main() -> None:
     print(
         format_table(
             [
+                "format",
                 "transport",
-                "MiB/layer",
+                "B/token",
+                "MiB/request",
                 "local copy ms",
                 "transfer ms",
                 "GB/s",
@@ -271,6 +303,19 @@ def main() -> None:
     print(f"decode killed -> prefill error: {death:.2f} s ({pre.get('error', 'no error!')[:160]})")
     path = write_json("pd_bench", results)
     print(f"wrote {path}")
+    plt = pyplot()
+    if plt is not None and results["runs"]:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        runs = list(results["runs"].items())
+        ax.bar([k for k, _ in runs], [r["bytes_per_request"] / 2**20 for _, r in runs], color="tab:blue")
+        ax.set_ylabel("MiB per request (decode receiver)")
+        ax.set_title(f"P/D bytes per request, {args.tokens} tokens x {args.layers} layers")
+        for i, (_, r) in enumerate(runs):
+            ax.text(i, r["bytes_per_request"] / 2**20, f"{r['median_transfer_seconds_per_layer'] * 1e3:.0f} ms/layer",
+                    ha="center", va="bottom", fontsize=8)  # fmt: skip
+        fig.autofmt_xdate()
+        fig.tight_layout()
+        fig.savefig(RESULTS_DIR / "pd_bench.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -148,7 +148,9 @@ def test_the_device_step_equals_the_host_step(indexer):
         for rt in (host, dev):
             for r in ids:
                 rt.reserve(r, MAX_LEN)
-        for step in range(4):
+        # the FP8 indexer's own launches: a prefill step and a decode step out of order (the residency and copy
+        # paths after them are the floating variant's, stepped further)
+        for step in range(2 if fp8_index else 4):
             order = [1, 2, 0] if step % 2 else ids
             lens = [n + step for n in lengths]
             for ly in range(LAYERS):

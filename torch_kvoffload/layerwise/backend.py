@@ -272,8 +272,8 @@ class LayerwiseBackend(KVBackend):
         return 0 if rt is None else rt.stored_blocks(self._key_tokens(request), self._key_positions(request))
 
     def write_block(self, request: Request, block: int, rows: Sequence[Sequence[torch.Tensor]]) -> None:
-        """Store full block ``block`` of ``request`` from ``rows`` (per layer: ``kv_c``, ``k_pe``, then
-        ``index_k`` when the buffers carry it, host ``[block_size, D]`` in the model's dtype)."""
+        """Store full block ``block`` of ``request`` from ``rows`` (per layer, per component of :attr:`parts`,
+        host ``[block_size, D]`` as the buffers keep it: the model's dtype or FP8 rows)."""
         assert self.runtime is not None
         self.runtime.write_block(self._key_tokens(request), block, self._key_positions(request), rows)
 

@@ -157,13 +157,16 @@ def test_fp8_indexer_configurations_refused_by_name():
         torch_kvoffload.OffloadConfig(sparse={**FP8, "policy": "score"})
 
 
-@pytest.mark.parametrize("fmt", ["offloaded", "resident"])
+@pytest.mark.parametrize("fmt", ["layerwise-offloaded", "resident"])
 def test_a_compiled_model_reads_fp8_rows_call_after_call(fmt):
-    """Both formats on sparse offload's decode steps (host pool and hot buffers of FP8 rows) and on the
-    resident KV, compiled."""
+    """Both formats compiled: through layerwise prefill's buffers and sparse offload's decode steps (host
+    pool and hot buffers of FP8 rows), and on the resident KV."""
     widths = {k: WIDTHS[k] for k in ("index_head_dim", "index_n_heads", "index_topk")}
     ref = build_model("deepseek_v32", **{**ONE_LAYER, **widths, "kv_lora_rank": DC})
-    config = {"sparse": FP8_OFFLOADED if fmt == "offloaded" else FP8_BOTH, "block_size": BS}
+    if fmt == "resident":
+        config = {"sparse": FP8_BOTH, "block_size": BS}
+    else:
+        config = {"layerwise": {}, "sparse": FP8_OFFLOADED, "block_size": BS}
     model = torch_kvoffload.compile(copy.deepcopy(ref), config)
     differs = []
     for lengths in ([40, 30], [52, 20]):

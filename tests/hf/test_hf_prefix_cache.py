@@ -133,6 +133,51 @@ def test_rows_of_a_batch_hit_different_lengths_and_spans_end_inside_blocks(mode)
     assert _delta(model, before, "prefix_store_tokens") == 10
 
 
+@pytest.mark.parametrize("mode", ["v3-layerwise", "v32-both", "v32-sparse"])
+def test_rows_sharing_a_prefix_the_store_lacks_compute_it_once(mode):
+    """Three prompts starting with one 48-token system prompt (3 blocks), nothing stored: the system prompt
+    runs once on its own, then the batch skips the columns every row has cached (the padded batch's rule:
+    the least of each row's padding plus its cached tokens) and each row takes its cached part over. Again:
+    the store holds it, nothing runs first. With an unrelated row that has no padding the batch would skip
+    nothing: nothing runs first either. Tokens and logits are the unmodified model's."""
+    family, config = MODES[mode]
+    model = build_model(family)
+    ref = copy.deepcopy(model)
+    model = torch_kvoffload.offload(model, config)
+    system = _prompt(48, seed=21)[0]
+    suffixes = [_prompt(n, seed=22 + n)[0] for n in (7, 12, 3)]
+    rows = [torch.cat([system, x]) for x in suffixes]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for b, r in enumerate(rows):
+        ids[b, width - len(r) :], mask[b, width - len(r) :] = r, 1
+    want = _generate(ref, ids, mask)
+    _check_no_ties(ref, family, want, mask)
+    pads = [width - len(r) for r in rows]
+    skip = min(p + 48 for p in pads)  # every row holds the system prompt once it ran
+    for call in range(2):
+        before = torch_kvoffload.stats(model)
+        got = _generate(model, ids, mask)
+        assert torch.equal(got.sequences, want.sequences)
+        for g, w in zip(got.logits, want.logits, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        ran_first = 48 if call == 0 else 0
+        adopted = sum(skip - p for p in pads)
+        assert _delta(model, before, "shared_prefix_tokens") == ran_first
+        assert _delta(model, before, "prefix_store_tokens") == adopted
+        assert _delta(model, before, "prompt_tokens_computed") == ran_first + sum(map(len, rows)) - adopted
+
+    other = _prompt(width, seed=40)
+    ids2, mask2 = torch.cat([ids, other]), torch.cat([mask, torch.ones_like(other)])
+    ids2[:3, :4] = _prompt(4, seed=41)  # the system prompt's first block differs now: nothing stored matches
+    mask2[:3, :4] = 1
+    want = _generate(ref, ids2, mask2)
+    before = torch_kvoffload.stats(model)
+    assert torch.equal(_generate(model, ids2, mask2).sequences, want.sequences)
+    assert _delta(model, before, "shared_prefix_tokens") == 0
+
+
 def test_beams_and_returned_sequences_reuse_the_prefix(monkeypatch):
     family, config = MODES["v32-both"]
     model = build_model(family)

@@ -61,7 +61,7 @@ ROUND_BLOCKS = 32
 
 _COUNTERS = (
     "prefix_lookups", "prefix_lookup_seconds", "prompt_tokens", "prefix_store_tokens", "prefix_fallbacks",
-    "persisted_blocks", "persist_failures", "prefix_waits", "prefix_live_tokens",
+    "persisted_blocks", "persist_failures", "prefix_waits", "prefix_live_tokens", "shared_prefix_tokens",
 )  # fmt: skip
 
 
@@ -176,6 +176,40 @@ class PrefixReuse:
         finally:
             self.counters.add("prefix_lookups")
             self.counters.add("prefix_lookup_seconds", time.perf_counter() - start)
+
+    def shared_unstored(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+        """The prefixes to compute once before a batch of new ``prompts`` (token ids, each prompt's token
+        ``t`` at position ``t``) starts, so that its rows take them over instead of each computing them: for
+        each prompt the longest run of whole blocks it starts with that another prompt of the batch starts
+        with too (:func:`shared_prefix`), longest first, none that a kept one starts with, and none the store
+        holds already. Empty when reuse is off, on a P/D node (a forward there belongs to its transfers) or
+        for fewer than two prompts. Under tensor parallelism or KVPP the store is not asked (the ranks' stores
+        differ; every rank must run the same forwards), only the prompts decide."""
+        core = self.core
+        if not self.enabled or core.backends.role is not None or len(prompts) < 2:
+            return []
+        bs = core.block_size
+        wanted = []
+        for i, p in enumerate(prompts):
+            n = max((shared_prefix(p, q, bs) for j, q in enumerate(prompts) if j != i), default=0)
+            if n:
+                wanted.append(list(p[:n]))
+        kept: list[list[int]] = []
+        for w in sorted(wanted, key=len, reverse=True):
+            if not any(k[: len(w)] == w for k in kept):
+                kept.append(w)
+        lw, group = core.backends.store, self._group()
+        if (group is not None and group.size > 1) or lw is None or not kept:
+            return kept
+        released = not lw.built and core.layout is not None
+        if released:  # layerwise buffers released for decode: the store's keys come with them
+            lw.rebuild(core.layout)
+        try:
+            # one token more: the lookup leaves the last token to compute, here past the prefix's last block
+            return [w for w in kept if lw.cached_prefix([*w, 0], None) < len(w)]
+        finally:
+            if released:
+                lw.free()
 
     def adopt(
         self,

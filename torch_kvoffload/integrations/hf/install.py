@@ -56,6 +56,7 @@ from torch_kvoffload.integrations.hf.packed import (
 from torch_kvoffload.integrations.hf.pd import make_role
 from torch_kvoffload.integrations.hf.prefix import skip_cached_prefix
 from torch_kvoffload.integrations.hf.session import OffloadSession, session_of
+from torch_kvoffload.integrations.hf.shared_prefix import compute_shared_prefixes
 from torch_kvoffload.layerwise.errors import StoreMissError
 
 __all__ = [
@@ -388,6 +389,14 @@ def _generate(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     if use_cache is not False and cache is None:
         kwargs["cache"] = session.new_cache()
     with exclusive(session, name):
+        if (
+            isinstance(input_ids, torch.Tensor)
+            and embeds is None
+            and cache is None
+            and use_cache is not False
+        ):
+            pad = _generation_option(model, kwargs, "pad_token_id")
+            compute_shared_prefixes(model, session, input_ids, kwargs.get("attention_mask"), pad)
         prompt = input_ids if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else None
         if prompt is None and isinstance(embeds, torch.Tensor) and embeds.dim() == 3:
             prompt = embeds

@@ -52,8 +52,12 @@ echo "accelerator: ${KIND:-unknown}"
 step "build C++ extension" build.log env MAX_JOBS=${MAX_JOBS:-$(nproc)} $PY setup.py -q build_ext --inplace
 
 # ---- tests: the op suites (every op's Triton kernel on the device), device layer, end to end
-OP_TESTS="tests/ops/test_copy_ops.py tests/ops/test_indexer_ops.py tests/ops/test_residency_ops.py tests/ops/test_sparse_attention_ops.py"
-E2E_TESTS="tests/sparse/test_sparse_runtime.py tests/sparse/test_sparse_e2e.py tests/layerwise/test_layerwise_runtime.py"
+# the FP8 kernels' tests run their Triton launches on CUDA copies of their inputs where a device is present
+OP_TESTS="tests/ops/test_copy_ops.py tests/ops/test_indexer_ops.py tests/ops/test_residency_ops.py tests/ops/test_sparse_attention_ops.py
+    tests/ops/test_triton_fp8_attention.py tests/ops/test_triton_fp8_indexer.py tests/ops/test_fp8_copy_attention_ops.py"
+# test_sparse_device.py: the device step without a host synchronisation and in a CUDA graph (CUDA only)
+E2E_TESTS="tests/sparse/test_sparse_runtime.py tests/sparse/test_sparse_e2e.py tests/layerwise/test_layerwise_runtime.py
+    tests/sparse/test_sparse_device.py tests/sparse/test_sparse_fp8_kv.py"
 HF_TESTS=$(ls tests/hf/test_hf_*.py 2>/dev/null | tr '\n' ' ')
 if [ "$KIND" = "cpu" ] || [ -z "$KIND" ]; then
     skip "op tests on the accelerator" "no accelerator (make test runs them on CPU)"
@@ -62,9 +66,9 @@ if [ "$KIND" = "cpu" ] || [ -z "$KIND" ]; then
     skip "Hugging Face generate on the accelerator" "no accelerator"
 else
     export KVOFFLOAD_TEST_DEVICE=$KIND
-    step "op tests on $KIND" ops.log timeout 240 $PY -m pytest -q -x -p no:cacheprovider $OP_TESTS
+    step "op tests on $KIND" ops.log timeout 300 $PY -m pytest -q -x -p no:cacheprovider $OP_TESTS
     step "device-layer tests on $KIND" device.log timeout 60 $PY -m pytest -q -p no:cacheprovider tests/test_device.py
-    step "sparse decode / layerwise end to end on $KIND" e2e.log timeout 120 $PY -m pytest -q -p no:cacheprovider $E2E_TESTS
+    step "sparse decode / layerwise end to end on $KIND" e2e.log timeout 180 $PY -m pytest -q -p no:cacheprovider $E2E_TESTS
     if [ -n "$HF_TESTS" ]; then
         step "Hugging Face generate on $KIND" hf.log timeout 180 $PY -m pytest -q -p no:cacheprovider $HF_TESTS
     else

@@ -32,9 +32,9 @@ def _config(**kw) -> SparseDecodeConfig:
     return SparseDecodeConfig(**{**base, **kw})
 
 
-def _runtime(cfg: SparseDecodeConfig, **kw) -> SparseDecodeOffload:
+def _runtime(cfg: SparseDecodeConfig, device: torch.device = CPU, **kw) -> SparseDecodeOffload:
     return SparseDecodeOffload(
-        cfg, num_layers=LAYERS, max_rows=3, kv_lora_rank=DC, rope_dim=DR, device=CPU, **kw
+        cfg, num_layers=LAYERS, max_rows=3, kv_lora_rank=DC, rope_dim=DR, device=device, **kw
     )
 
 
@@ -126,23 +126,25 @@ def test_the_pool_and_hot_buffers_hold_the_rows_bytes_and_bad_rows_change_nothin
 
 @pytest.mark.parametrize("indexer", ["bf16", FP8])
 def test_the_device_step_equals_the_host_step(indexer):
-    """The host-sync-free device step (Triton launches; here under the interpreter) over FP8 rows, with the
-    floating indexer or the FP8 one (its queries quantized on the device, scores from FP8 rows): the host
-    step's top-k, hot-buffer bytes and counts, and its output within fp32 rounding, step after step, with the
-    rows in order and out of order."""
+    """The host-sync-free device step (Triton launches: on a CUDA device where there is one, else under the
+    interpreter) over FP8 rows, with the floating indexer or the FP8 one (its queries quantized on the
+    device, scores from FP8 rows): the host step's top-k, hot-buffer bytes and counts, and its output within
+    fp32 rounding, step after step, with the rows in order and out of order."""
     from torch_kvoffload.ops.fp8_indexer import hadamard_quant_fp8
     from torch_kvoffload.ops.triton import interpreting, triton_available
 
-    if not (triton_available() and interpreting()):
-        pytest.skip("needs triton under TRITON_INTERPRET=1")
+    on_gpu = torch.cuda.is_available()
+    if not (triton_available() and (interpreting() or on_gpu)):
+        pytest.skip("needs triton on a CUDA device or under TRITON_INTERPRET=1")
+    device = torch.device("cuda") if on_gpu else CPU
     g = torch.Generator().manual_seed(5)
     fp8_index = indexer == FP8
     di = 128 if fp8_index else DI  # FP8 indexer rows: 128-wide Hadamard groups
     cfg = _config(indexer_dtype=indexer)
-    host, dev = _runtime(cfg), _runtime(cfg, step_path="device")
+    host, dev = _runtime(cfg, device, step_path="host"), _runtime(cfg, device, step_path="device")
     assert dev.device_step and not host.device_step
     ids, lengths = [0, 1, 2], [21, 14, 30]
-    k_cache = [torch.randn(host.pool.num_blocks, BS, di, generator=g) for _ in range(LAYERS)]
+    k_cache = [torch.randn(host.pool.num_blocks, BS, di, generator=g).to(device) for _ in range(LAYERS)]
     keys = {"k_fp8_rows": [hadamard_quant_fp8(k) for k in k_cache]} if fp8_index else {"k_cache": k_cache}
     try:
         for rt in (host, dev):
@@ -158,17 +160,18 @@ def test_the_device_step_equals_the_host_step(indexer):
                     pos = torch.arange(n - 1, n) if step else torch.arange(n)
                     kv, pe = torch.randn(len(pos), DC, generator=g), torch.randn(len(pos), DR, generator=g)
                     for rt in (host, dev):
-                        rt.append(ly, [r] * len(pos), pos, kv, pe)
+                        rt.append(ly, [r] * len(pos), pos, kv.to(device), pe.to(device))
             seq = torch.tensor([lens[ids.index(r)] for r in order], dtype=torch.int32)
             bt = host.pool.block_table(order, max_blocks=MAX_LEN // BS)
             assert torch.equal(bt, dev.pool.block_table(order, max_blocks=MAX_LEN // BS))
             for ly in range(LAYERS):
                 idx = IndexerInputs(
-                    q=torch.randn(3, HI, di, generator=g), weights=torch.rand(3, HI, generator=g), block_table=bt,
-                    cu_seqlens_q=torch.arange(4, dtype=torch.int32), seq_lens_k=seq,
-                    **{name: k[ly] for name, k in keys.items()},
+                    q=torch.randn(3, HI, di, generator=g).to(device), weights=torch.rand(3, HI, generator=g).to(device),
+                    block_table=bt.to(device), cu_seqlens_q=torch.arange(4, dtype=torch.int32).to(device),
+                    seq_lens_k=seq.to(device), **{name: k[ly] for name, k in keys.items()},
                 )  # fmt: skip
-                q_nope, q_pe = torch.randn(3, H, DC, generator=g), torch.randn(3, H, DR, generator=g)
+                q_nope = torch.randn(3, H, DC, generator=g).to(device)
+                q_pe = torch.randn(3, H, DR, generator=g).to(device)
                 rows = DecodeRows(torch.tensor(order), seq.long(), bt)
                 a = host.attend(ly, q_nope, q_pe, SCALE, idx, rows)
                 b = dev.attend(ly, q_nope, q_pe, SCALE, idx, rows)

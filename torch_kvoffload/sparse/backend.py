@@ -40,7 +40,6 @@ from torch_kvoffload.kv.fp8_rows import (
     FP8_KV,
     check_indexer_format,
     check_kv_format,
-    index_fp8_rows,
     latent_fp8_rows,
 )
 from torch_kvoffload.kv.group_outcomes import exchange_outcomes
@@ -214,8 +213,7 @@ class SparseOffloadBackend(KVBackend):
             kv_c = latent_fp8_rows(fwd, layer, rows)
             k_pe = kv_c[:, :0]
         rt.append_validated(layer, placed, kv_c, k_pe)  # the core checked the rows
-        keys = index_fp8_rows(fwd, layer, rows) if self.index.fmt == "fp8_e4m3" else rows.index_k
-        self.index.write_keys(layer, fwd.index_phys, keys)
+        self.index.write_keys(layer, fwd, rows)
         if not fwd.decode and not fwd.layerwise:
             self._rows[layer] = (kv_c, k_pe)
 

@@ -13,13 +13,13 @@ from collections.abc import Sequence
 
 import torch
 
-from torch_kvoffload.kv.backend import IndexerView
+from torch_kvoffload.kv.backend import IndexerView, NewRows
 from torch_kvoffload.kv.forward import ForwardPlan
+from torch_kvoffload.kv.fp8_rows import index_fp8_rows
 from torch_kvoffload.kv.paged import SlotPages
 from torch_kvoffload.kv.requests import Request
 from torch_kvoffload.kv.spec import ModelSpec
 from torch_kvoffload.ops.fp8 import index_row_bytes
-from torch_kvoffload.ops.fp8_indexer import hadamard_quant_fp8
 from torch_kvoffload.ops.indexer import hadamard_quant_int8
 from torch_kvoffload.sparse.config import IndexerDtype
 
@@ -39,18 +39,19 @@ class IndexerCache(SlotPages):
         super().__init__(spec.num_layers, comps, spec.device)
         self.fmt: IndexerDtype = fmt
 
-    def write_keys(self, layer: int, rows_at: torch.Tensor, index_k: torch.Tensor) -> None:
-        """Write ``index_k [N, Di]`` (the model's keys: quantised here for int8 / FP8) at flat rows ``rows_at
-        int64 [N]`` of ``layer``; for FP8, ``index_k`` may also be rows as kept (``uint8 [N, row bytes]``,
-        from :meth:`read_stored`), written as they are."""
+    def write_keys(self, layer: int, fwd: ForwardPlan, rows: NewRows) -> None:
+        """Write ``rows.index_k [N, Di]`` (the model's keys: quantised here for int8; for FP8 once per layer
+        for every cache of the forward keeping FP8 rows, :func:`~torch_kvoffload.kv.fp8_rows.index_fp8_rows`,
+        or rows as kept, ``uint8 [N, row bytes]`` from :meth:`read_stored`, as they are) at ``fwd``'s flat
+        rows ``index_phys`` of ``layer``."""
+        index_k = rows.index_k
+        assert index_k is not None
         if self.fmt == "int8":
-            self.write(layer, rows_at, hadamard_quant_int8(index_k))
+            self.write(layer, fwd.index_phys, hadamard_quant_int8(index_k))
         elif self.fmt == "fp8_e4m3":
-            self.write(
-                layer, rows_at, [index_k if index_k.dtype == torch.uint8 else hadamard_quant_fp8(index_k)]
-            )
+            self.write(layer, fwd.index_phys, [index_fp8_rows(fwd, layer, rows)])
         else:
-            self.write(layer, rows_at, [index_k])
+            self.write(layer, fwd.index_phys, [index_k])
 
     def read_keys(self, layer: int, requests: Sequence[Request]) -> list[torch.Tensor]:
         """Per request, a copy of its indexer keys ``[length, Di]`` of ``layer`` as written (model dtype).

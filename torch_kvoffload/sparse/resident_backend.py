@@ -98,7 +98,7 @@ class ResidentSparseBackend(KVBackend):
         else:
             main = [rows.kv_c, rows.k_pe]
         self.main.write(layer, fwd.index_phys, main)
-        self.index.write_keys(layer, fwd.index_phys, rows.index_k)
+        self.index.write_keys(layer, fwd, rows)
 
     def keys(self, layer: int, fwd: ForwardPlan) -> KeyRows:
         assert self._layout is not None

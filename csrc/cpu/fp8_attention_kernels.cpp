@@ -36,6 +36,27 @@ inline int64_t kv_row_bytes(int64_t dc, int64_t dr) {
   return dc + 4 * (dc / kTile) + 2 * dr;
 }
 
+// The latent width Dc of checked queries: a positive multiple of the tile (check_fp8_queries).
+int64_t fp8_latent_width(const char* op, const at::Tensor& q_nope) {
+  const int64_t Dc = q_nope.size(2);
+  TORCH_CHECK_VALUE(
+      Dc % kTile == 0 && Dc != 0, "kvoffload::", op,
+      ": argument 'q_nope' must have a latent width (Dc) that is a positive multiple of ", kTile,
+      " (one fp32 scale per ", kTile, " values of an FP8 row), got shape ", shape_str(q_nope));
+  return Dc;
+}
+
+// FP8 latent rows of `dims` dims, each kv_row_bytes(Dc, Dr) bytes (check_fp8_rows).
+void check_fp8_rows(const char* op, const char* name, const at::Tensor& t, int64_t dims, int64_t Dc, int64_t Dr) {
+  check_dtype(op, name, t, at::kByte);
+  check_dim(op, name, t, dims);
+  const int64_t want = kv_row_bytes(Dc, Dr);
+  TORCH_CHECK_VALUE(
+      t.size(dims - 1) == want, "kvoffload::", op, ": argument '", name, "' must have ", want,
+      " bytes per row (Dc ", Dc, " fp8 values, ", Dc / kTile, " fp32 scales, Dr ", Dr,
+      " bf16 RoPE values), got shape ", shape_str(t));
+}
+
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "decode8 reads the codes as little-endian words");
 
@@ -98,18 +119,8 @@ std::tuple<at::Tensor, at::Tensor> fp8_sparse_mla_attention_cpu(
   constexpr const char* op = "fp8_sparse_mla_attention";
   // validate_fp8_sparse_mla_attention: the structure, in its order, then the indices' range.
   check_queries(op, q_nope_in, q_pe_in);
-  const int64_t Dc = q_nope_in.size(2), Dr = q_pe_in.size(2);
-  TORCH_CHECK_VALUE(
-      Dc % kTile == 0 && Dc != 0, "kvoffload::", op,
-      ": argument 'q_nope' must have a latent width (Dc) that is a positive multiple of ", kTile,
-      " (one fp32 scale per ", kTile, " values of an FP8 row), got shape ", shape_str(q_nope_in));
-  check_dtype(op, "kv_rows", kv_rows_in, at::kByte);
-  check_dim(op, "kv_rows", kv_rows_in, 2);
-  const int64_t want = kv_row_bytes(Dc, Dr);
-  TORCH_CHECK_VALUE(
-      kv_rows_in.size(1) == want, "kvoffload::", op, ": argument 'kv_rows' must have ", want,
-      " bytes per row (Dc ", Dc, " fp8 values, ", Dc / kTile, " fp32 scales, Dr ", Dr,
-      " bf16 RoPE values), got shape ", shape_str(kv_rows_in));
+  const int64_t Dc = fp8_latent_width(op, q_nope_in), Dr = q_pe_in.size(2);
+  check_fp8_rows(op, "kv_rows", kv_rows_in, 2, Dc, Dr);
   check_int32(op, "indices", indices, 2);
   TORCH_CHECK_VALUE(
       indices.size(0) == q_nope_in.size(0), "kvoffload::", op, ": argument 'indices' must have ",
@@ -152,21 +163,9 @@ void fp8_scatter_copy_sparse_mla_attention_cpu(
   constexpr const char* op = "fp8_scatter_copy_sparse_mla_attention";
   // validate_fp8_copy_sfa: the structure, in its order, then the miss list and the slots' range.
   check_queries(op, q_nope_in, q_pe_in);
-  const int64_t Dc = q_nope_in.size(2), Dr = q_pe_in.size(2);
-  TORCH_CHECK_VALUE(
-      Dc % kTile == 0 && Dc != 0, "kvoffload::", op,
-      ": argument 'q_nope' must have a latent width (Dc) that is a positive multiple of ", kTile,
-      " (one fp32 scale per ", kTile, " values of an FP8 row), got shape ", shape_str(q_nope_in));
-  const int64_t want = kv_row_bytes(Dc, Dr);
-  for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"host_rows", &host_rows_in},
-                         {"hot_rows", &hot_rows}}) {
-    check_dtype(op, name, *t, at::kByte);
-    check_dim(op, name, *t, 3);
-    TORCH_CHECK_VALUE(
-        t->size(2) == want, "kvoffload::", op, ": argument '", name, "' must have ", want,
-        " bytes per row (Dc ", Dc, " fp8 values, ", Dc / kTile, " fp32 scales, Dr ", Dr,
-        " bf16 RoPE values), got shape ", shape_str(*t));
-  }
+  const int64_t Dc = fp8_latent_width(op, q_nope_in), Dr = q_pe_in.size(2);
+  check_fp8_rows(op, "host_rows", host_rows_in, 3, Dc, Dr);
+  check_fp8_rows(op, "hot_rows", hot_rows, 3, Dc, Dr);
   check_copy_sfa_lists(
       op, q_nope_in, "hot_rows", hot_rows, block_table_in, miss_tokens_in, miss_slots_in, miss_count_in, slots_in,
       out, lse);
@@ -197,7 +196,7 @@ void fp8_scatter_copy_sparse_mla_attention_cpu(
   const int64_t h0 = hot.stride(0), h1 = hot.stride(1);
   lists.copy(
       static_cast<const char*>(host_rows.const_data_ptr()), host_rows.stride(0), host_rows.stride(1),
-      reinterpret_cast<char*>(hp), h0, h1, want);
+      reinterpret_cast<char*>(hp), h0, h1, kv_row_bytes(Dc, Dr));
   KVO_DISPATCH_FLOAT_BF16(q_nope.scalar_type(), "fp8_scatter_copy_sparse_mla_attention", [&] {
     attend_all<scalar_t>(
         q_nope, q_pe, [&](int64_t r) { return Fp8RowSource{hp + r * h0, h1, sp + r * K, K}; },

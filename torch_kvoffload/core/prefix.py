@@ -330,8 +330,7 @@ class PrefixReuse:
     def _persist(self, lw: Any, holder: Any, live: Sequence[Request]) -> None:
         core = self.core
         bs, spec = core.block_size, core.spec
-        # FP8 latent rows are one part (their RoPE values inside)
-        parts = ["kv_c"] + ([] if lw.kv_fp8 else ["k_pe"]) + (["index_k"] if lw.indexed else [])
+        parts = lw.parts  # the records' components (FP8 latent rows hold their RoPE values)
         # rows as the holder keeps them only where the records hold that format (FP8 rows); the records
         # take the model's values otherwise, which an FP8 cache refuses
         stored = {"kv_c": lw.kv_fp8, "k_pe": False, "index_k": lw.index_fp8}

@@ -24,12 +24,18 @@ if TYPE_CHECKING:
     from torch_kvoffload.kv.requests import Request
 
 __all__ = [
-    "ROW_PARTS", "IndexerView", "KVBackend", "KeyRows", "NewRows", "Queries", "SelectedRows",
+    "ROW_PARTS", "IndexerView", "KVBackend", "KeyRows", "NewRows", "Queries", "SelectedRows", "row_parts",
 ]  # fmt: skip
 
 #: The components of a layer's rows :meth:`KVBackend.read` gives back: the latent, the rotary key, the
 #: indexer key.
 ROW_PARTS = ("kv_c", "k_pe", "index_k")
+
+
+def row_parts(kv_fp8: bool, indexed: bool) -> tuple[str, ...]:
+    """The components a layer's cache keeps, in order, of :data:`ROW_PARTS`: FP8 latent rows hold the rotary
+    part (no ``k_pe``); ``index_k`` when the cache carries the indexer keys."""
+    return ("kv_c",) + (() if kv_fp8 else ("k_pe",)) + (("index_k",) if indexed else ())
 
 
 class NewRows(NamedTuple):

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from torch_kvoffload.kv.backend import IndexerView, KeyRows, KVBackend, NewRows
+from torch_kvoffload.kv.backend import IndexerView, KeyRows, KVBackend, NewRows, row_parts
 from torch_kvoffload.kv.forward import ForwardPlan
 from torch_kvoffload.kv.fp8_rows import (
     FP8_KV,
@@ -85,9 +85,7 @@ class KVPPBackend(KVBackend):
         self.kv_fp8 = cfg.kv_dtype == FP8_KV
         self.index_fp8 = spec.has_indexer and cfg.indexer_dtype == FP8_KV
         #: the bundle's components in order (FP8 latent rows hold the RoPE part)
-        self.parts = (
-            ("kv_c",) + (() if self.kv_fp8 else ("k_pe",)) + (("index_k",) if spec.has_indexer else ())
-        )
+        self.parts = row_parts(self.kv_fp8, spec.has_indexer)
         self.group = create_kvpp_group(dp=1, pp=1, pcp=cfg.pcp_size, tp=cfg.tp_size, device=spec.device)
         if spec.tp is not None and self.group.ranks != spec.tp.ranks:
             raise ValueError(

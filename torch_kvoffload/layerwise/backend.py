@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from torch_kvoffload.kv.backend import IndexerView, KeyRows, KVBackend, NewRows
+from torch_kvoffload.kv.backend import IndexerView, KeyRows, KVBackend, NewRows, row_parts
 from torch_kvoffload.kv.forward import ForwardPlan
 from torch_kvoffload.kv.fp8_rows import index_fp8_rows, latent_fp8_rows
 from torch_kvoffload.kv.layout import KVLayout
@@ -126,7 +126,7 @@ class LayerwiseBackend(KVBackend):
         self.spec, self.config, self.block_size = spec, config, block_size
         self.indexed, self.kv_fp8, self.index_fp8 = indexed, kv_fp8, index_fp8 and indexed
         #: the components of the buffers, tails and records, in order (FP8 latent rows hold the RoPE part)
-        self.parts = ("kv_c",) + (() if kv_fp8 else ("k_pe",)) + (("index_k",) if indexed else ())
+        self.parts = row_parts(kv_fp8, indexed)
         self.components = len(self.parts)
         self._factory = build_runtime
         self.store: KVStore = build_store(config.store)

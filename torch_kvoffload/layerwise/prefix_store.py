@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from torch_kvoffload.kv.backend import row_parts
 from torch_kvoffload.kv.requests import Request
 from torch_kvoffload.kv.spec import ModelSpec
 from torch_kvoffload.layerwise.build import build_layerwise_runtime
@@ -117,6 +118,8 @@ class PrefixStore:
         self.indexed = spec.has_indexer
         self.index_fp8 = index_fp8 and self.indexed
         self.kv_fp8 = kv_fp8
+        #: the components of its records, in order
+        self.parts = row_parts(kv_fp8, self.indexed)
         every = list(range(spec.num_layers))
         self.layers: list[int] = every if layers is None else sorted(layers)
         if not self.layers or not set(self.layers) <= set(every):

@@ -24,6 +24,7 @@ __all__ = [
     "advise_huge_pages",
     "default_device",
     "empty_host",
+    "free_device_bytes",
     "pin_memory_enabled",
     "probe_npu",
     "set_thread_intraop_threads",
@@ -60,6 +61,18 @@ def default_device() -> torch.device:
     if kind == "cpu":
         return torch.device("cpu")
     return torch.device(kind, torch.accelerator.current_device_index())
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Bytes free on ``device`` now: the accelerator's free memory (``mem_get_info``), or for the CPU the
+    physical memory not in use."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "npu":
+        return int(torch.npu.mem_get_info(device)[0])  # type: ignore[attr-defined]  # torch_npu registered it
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def pin_memory_enabled() -> bool:

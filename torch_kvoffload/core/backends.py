@@ -6,8 +6,8 @@ backend lives in its feature's package and is given only its feature's config (d
 :class:`~torch_kvoffload.layerwise.LayerwiseConfig` → :class:`~torch_kvoffload.layerwise.backend.LayerwiseBackend`,
 :class:`~torch_kvoffload.kvpp.KVPPConfig` (requested) → :class:`~torch_kvoffload.kvpp.backend.KVPPBackend`,
 :class:`~torch_kvoffload.sparse.config.SparseOptions` → :class:`~torch_kvoffload.sparse.backend.SparseOffloadBackend`
-(``offload=True``) or :class:`~torch_kvoffload.sparse.resident_backend.ResidentSparseBackend`
-(``offload=False``); a P/D role (built by the integration from the :class:`~torch_kvoffload.pd.PDConfig`)
+(``offload=True``), :class:`~torch_kvoffload.sparse.resident_backend.ResidentSparseBackend`
+(``offload=False``) or :class:`~torch_kvoffload.sparse.hybrid_backend.HybridSparseBackend` (``"auto"``); a P/D role (built by the integration from the :class:`~torch_kvoffload.pd.PDConfig`)
 comes first.
 """
 
@@ -28,6 +28,7 @@ from torch_kvoffload.layerwise.backend import LayerwiseBackend
 from torch_kvoffload.layerwise.prefix_store import PrefixStore
 from torch_kvoffload.sparse.backend import SparseOffloadBackend
 from torch_kvoffload.sparse.config import SparseOptions
+from torch_kvoffload.sparse.hybrid_backend import HybridSparseBackend
 from torch_kvoffload.sparse.resident_backend import ResidentSparseBackend
 
 __all__ = ["Backends", "build_backends"]
@@ -41,7 +42,7 @@ class Backends:
     role: PDRole | None = None
     layerwise: LayerwiseBackend | None = None
     kvpp: KVPPBackend | None = None
-    sparse: SparseOffloadBackend | ResidentSparseBackend | None = None
+    sparse: SparseOffloadBackend | ResidentSparseBackend | None = None  # HybridSparseBackend is a SparseOffloadBackend
     #: the store of prefix reuse without layerwise offload (no forward takes part in it)
     prefix_store: PrefixStore | None = None
 
@@ -121,6 +122,9 @@ def _kvpp(ctx: _Context, cfg: KVPPConfig) -> KVPPBackend:
 
 
 def _sparse(ctx: _Context, cfg: SparseOptions) -> SparseOffloadBackend | ResidentSparseBackend:
+    if cfg.offload == "auto":
+        budget = ctx.config.serving.device_kv_budget
+        return HybridSparseBackend(ctx.spec, cfg, block_size=ctx.block_size, budget=budget)
     if cfg.offload:
         return SparseOffloadBackend(ctx.spec, cfg, block_size=ctx.block_size)
     return ResidentSparseBackend(ctx.spec, cfg)
@@ -152,6 +156,8 @@ def build_backends(
             backend = _BUILDERS[type(feature)](ctx, feature)
             setattr(out, _SLOTS[type(feature)], backend)
             out.all.append(backend)
+        if isinstance(out.sparse, HybridSparseBackend):  # the budget holds every device cache
+            out.sparse.others = [b for b in out.all if b is not out.sparse]
         # none for a spec without the weights' fingerprint (a core driven directly): its keys could match
         # another model's; none on any rank when a KVPP group outnumbers the layers (a rank would own none)
         holds = out.kvpp is None or spec.num_layers >= out.kvpp.group.size

@@ -222,32 +222,27 @@ class SparseOffloadBackend(KVBackend):
         rows as they are kept: ``KeyRows.fp8``)."""
         if fwd.decode or layer not in self._rows:
             return None
-        rt, spec = self.runtime, self.spec
-        assert rt is not None
         rows_c, rows_pe = self._rows[layer]
         if fwd.first:
             n_new = [n - o for o, n in zip(fwd.old_len, fwd.new_len, strict=True)]
             return KeyRows(rows_c, rows_pe, [0, *itertools.accumulate(n_new)][:-1], fp8=self.fp8)
-        rt.wait_rows(layer)  # the appends so far are in the pool (a TP reader: the writer published them)
-        pool = rt.pool
-        host_c, host_pe = pool.rows(layer)
-        earlier: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-        def read() -> None:
-            for r, old in enumerate(fwd.old_len):
-                slots = pool.slots(fwd.requests[r].id, torch.arange(old))
-                earlier.append((host_c[slots].to(spec.device), host_pe[slots].to(spec.device)))
-
-        rt.transfer_streams["h2d"].submit(read, inline=True).wait()
+        earlier = self.earlier_rows(layer, fwd)
         parts_c, parts_pe, starts, off, pos = [], [], [], 0, 0
         for r, (old, new) in enumerate(zip(fwd.old_len, fwd.new_len, strict=True)):
             parts_c += [earlier[r][0], rows_c[pos : pos + new - old]]
             parts_pe += [earlier[r][1], rows_pe[pos : pos + new - old]]
-            self.counters.add("prefill_host_bytes_h2d", old * pool.row_bytes)
             starts.append(off)
             off += new
             pos += new - old
         return KeyRows(torch.cat(parts_c), torch.cat(parts_pe), starts, fp8=self.fp8)
+
+    def earlier_rows(self, layer: int, fwd: ForwardPlan) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each request's rows before ``fwd`` (``kv_c``, ``k_pe``) on the device: read from the host pool."""
+        rt = self.runtime
+        assert rt is not None
+        spans = [(r.id, 0, old) for r, old in zip(fwd.requests, fwd.old_len, strict=True)]
+        self.counters.add("prefill_host_bytes_h2d", sum(fwd.old_len) * rt.pool.row_bytes)
+        return self.pool_rows(layer, spans)
 
     def indexer(self, layer: int, fwd: ForwardPlan) -> IndexerView | None:
         assert self.runtime is not None
@@ -277,14 +272,26 @@ class SparseOffloadBackend(KVBackend):
                 f"the host pool keeps the main KV in {pool.dtype} (sparse.kv_dtype), not in the model's "
                 f"{spec.dtype}: its rows do not give the model's values back exactly"
             )
+        at = 0 if part == "kv_c" else 1
+        return [rows[at] for rows in self.pool_rows(layer, [(r.id, start, r.length) for r in requests])]
+
+    def pool_rows(
+        self, layer: int, spans: Sequence[tuple[int, int, int]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies on the device of each ``(request id, start, end)``'s host-pool rows of positions ``start ..
+        end - 1`` of ``layer`` (``kv_c``, ``k_pe``), after the layer's appends so far landed, on the
+        runtime's ``h2d`` stream."""
+        rt, device = self.runtime, self.spec.device
+        assert rt is not None
         rt.wait_rows(layer)  # the appends so far are in the pool (a TP reader: the writer published them)
-        host = pool.rows(layer)[0 if part == "kv_c" else 1]
-        out: list[torch.Tensor] = []
+        pool = rt.pool
+        host_c, host_pe = pool.rows(layer)
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def copy() -> None:  # indexing gathers into a new tensor: the pool is never handed out
-            out.extend(
-                host[pool.slots(r.id, torch.arange(start, r.length))].to(spec.device) for r in requests
-            )
+            for rid, a, b in spans:
+                slots = pool.slots(rid, torch.arange(a, b))
+                out.append((host_c[slots].to(device), host_pe[slots].to(device)))
 
         rt.transfer_streams["h2d"].submit(copy, inline=True).wait()
         return out
@@ -293,38 +300,62 @@ class SparseOffloadBackend(KVBackend):
         """The fused decode step (indexer + residency + Copy-SFA) over the host pool and hot buffers."""
         if not fwd.decode:
             return None
+        step = self.offload_step(layer, fwd, q)
+        self._last_step = (layer, fwd, step)
+        return step.out
+
+    def offload_step(
+        self, layer: int, fwd: ForwardPlan, q: Queries, at: Sequence[int] | None = None
+    ) -> StepResult:
+        """The fused decode step of ``layer`` for the decode rows ``at`` of ``fwd`` (default: every row; a
+        decode forward has one query per request, so a row is a request and its query)."""
         rt, layout = self.runtime, self._layout
         assert rt is not None and layout is not None and q.index_q is not None and q.index_weights is not None
+        sub = fwd.memo.get(("sparse_sub", None if at is None else tuple(at)))
+        if sub is None:  # the step's per-forward inputs, the same tensors for every layer
+            ids = fwd.request_ids if at is None else [fwd.request_ids[i] for i in at]
+            pick = None if at is None else torch.tensor(at, dtype=torch.int64, device=fwd.index_table.device)
+            tables = (fwd.index_table, fwd.cu_seqlens_q, fwd.seq_lens_k)
+            if pick is not None:
+                cu = torch.arange(len(at) + 1, dtype=torch.int32, device=fwd.cu_seqlens_q.device)
+                tables = (fwd.index_table[pick], cu, fwd.seq_lens_k[pick])
+            sub = fwd.memo[("sparse_sub", None if at is None else tuple(at))] = [ids, pick, tables, None]
+        ids, pick, (index_table, cu_seqlens_q, seq_lens_k), rows = sub
+        index_q, weights, q_nope, q_pe = q.index_q, q.index_weights, q.q_nope, q.q_pe
+        if pick is not None:
+            index_q, weights, q_nope, q_pe = index_q[pick], weights[pick], q_nope[pick], q_pe[pick]
         cache = self.index.layers[layer]
-        common = dict(q=q.index_q, weights=q.index_weights, block_table=fwd.index_table,
-                      cu_seqlens_q=fwd.cu_seqlens_q, seq_lens_k=fwd.seq_lens_k)  # fmt: skip
+        common = dict(q=index_q, weights=weights, block_table=index_table,
+                      cu_seqlens_q=cu_seqlens_q, seq_lens_k=seq_lens_k)  # fmt: skip
         if self.index.fmt == "int8":
             indexer = IndexerInputs(**common, k_int8_cache=cache[0], k_scale_cache=cache[1])
         elif self.index.fmt == "fp8_e4m3":
             indexer = IndexerInputs(**common, k_fp8_rows=cache[0])
         else:
-            common["q"] = q.index_q.to(cache[0].dtype)
+            common["q"] = index_q.to(cache[0].dtype)
             indexer = IndexerInputs(**common, k_cache=cache[0])
-        rows = fwd.memo.get("sparse_rows")
         if rows is None or rows.epoch != rt.epoch:  # e.g. a copy-on-write changed a block table
-            ids = fwd.request_ids
+            stable = fwd.new_len if at is None else [fwd.new_len[i] for i in at]
             decode_rows = DecodeRows(
                 request_ids=torch.tensor(ids, dtype=torch.int64),
-                stable_len=torch.tensor(fwd.new_len, dtype=torch.int64),
+                stable_len=torch.tensor(stable, dtype=torch.int64),
                 host_block_table=rt.pool.block_table(ids, max_blocks=layout.blocks_per_request),
             )
-            rows = fwd.memo["sparse_rows"] = rt.check_rows(decode_rows, fwd.cu_seqlens_q, fwd.seq_lens_k)
-        step = rt.attend(layer, q.q_nope.contiguous(), q.q_pe.contiguous(), q.scale, indexer, rows)
-        self._last_step = (layer, fwd, step)
-        return step.out
+            rows = sub[3] = rt.check_rows(decode_rows, cu_seqlens_q, seq_lens_k)
+        return rt.attend(layer, q_nope.contiguous(), q_pe.contiguous(), q.scale, indexer, rows)
 
     def attended(self, layer: int, fwd: ForwardPlan) -> SelectedRows | None:
         """The rows the decode step of ``layer`` just read: its top-k positions and their hot-buffer rows
         (the residency slots it attended over)."""
-        last, rt = self._last_step, self.runtime
-        if last is None or last[0] != layer or last[1] is not fwd or rt is None:
+        last = self._last_step
+        if last is None or last[0] != layer or last[1] is not fwd or self.runtime is None:
             return None
-        step = last[2]
+        return self.step_rows(layer, last[2])
+
+    def step_rows(self, layer: int, step: StepResult) -> SelectedRows:
+        """The rows decode step ``step`` of ``layer`` read: its top-k positions and their hot-buffer rows."""
+        rt = self.runtime
+        assert rt is not None
         slots = step.residency.slots.long()  # [T, K], -1 where the top-k entry is -1
         rows = torch.tensor(step.rows, dtype=torch.int64, device=slots.device)[:, None]
         at = slots.clamp(min=0)

@@ -192,7 +192,12 @@ class SparseOptions(ConfigModel):
     ``fused``) are refused, and ``kv_dtype`` must be the model's dtype (checked when the session is built) or
     ``"fp8_e4m3"``: the resident latent KV kept as DeepSeek's FP8 rows (``kv_lora_rank`` a multiple of 128;
     656 bytes a token for 512 + 64 instead of 1,152 in bf16), quantized as the rows are written and
-    dequantized where attention reads them; refused with ``offload=True``.
+    dequantized where attention reads them; refused with ``offload=True``. ``"auto"``: each request's
+    latent KV stays resident on the device while it fits in the device KV budget
+    (``serving.device_kv_budget``, else what is free) and is spilled to the host pool (sparse decode
+    offload's hot buffers then serve it) when it does not, promoted back when space frees
+    (:class:`~torch_kvoffload.sparse.hybrid_backend.HybridSparseBackend`); ``kv_dtype`` the model's dtype or
+    ``"fp8_e4m3"``.
 
     The other fields are those of :class:`~torch_kvoffload.sparse.config.SparseDecodeConfig` to set; the
     ones left ``None`` are resolved when the session is built (``top_k`` from the model's ``index_topk``,
@@ -200,7 +205,7 @@ class SparseOptions(ConfigModel):
     validated at construction with SparseDecodeConfig's own rules.
     """
 
-    offload: StrictBool = True
+    offload: StrictBool | Literal["auto"] = True
     top_k: StrictInt | None = None
     capacity: StrictInt | None = None
     host_pool_blocks: StrictInt | None = None
@@ -228,7 +233,7 @@ class SparseOptions(ConfigModel):
                 f"{sorted(SparseDecodeConfig.model_fields)} or 'offload'"
             )
         fields = dict(value)
-        if "offload" in fields:
+        if "offload" in fields and fields["offload"] != "auto":
             fields["offload"] = parse_lax_bool("sparse.offload", fields["offload"])
         if fields.get("offload") is False:
             host_only = sorted(k for k in _OFFLOAD_ONLY if fields.get(k) is not None)

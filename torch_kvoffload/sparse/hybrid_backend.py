@@ -1,0 +1,521 @@
+"""``HybridSparseBackend``: sparse attention whose requests keep their latent KV resident while it fits in
+one device budget and are spilled to the host pool when it does not (``sparse={"offload": "auto"}``).
+
+Every request has a host-pool reservation, hot buffers and indexer-cache rows from admission (its
+*offloaded footprint*, what admission counts). What is left of the device KV budget
+(``serving.device_kv_budget``, else what is free on the device) after those and the other backends' device
+caches is a pool of blocks (:class:`~torch_kvoffload.sparse.device_blocks.DeviceBlocks`) holding the latent
+rows of the *resident* requests; the others are *offloaded*: their rows live in the host pool and their
+decode steps run sparse decode offload's fused step over the hot buffers (only the misses copied).
+
+Where a row lives never changes a token: both kinds select with the same indexer over the same indexer
+cache and attend over the same rows with the same sparse attention arithmetic (the resident rows in place,
+the offloaded ones after their copy into the hot buffers).
+
+Pressure, decided when a forward (or a part of a mixed one) begins, never inside one:
+
+* a request's first forward claims blocks for its rows (it starts resident); a resident request claims
+  the blocks its new rows need;
+* while the claims do not fit, the longest context among the resident requests and the claimants (not
+  taking part in a part of this forward already begun) gives way: a resident one is *spilled* (its rows
+  not yet in the host pool are copied there, whole blocks, its blocks freed), a new one starts offloaded;
+* then offloaded requests are *promoted*, shortest first, while their rows and one block of growth per
+  resident request fit: their host rows are copied into blocks.
+
+A resident request writes its rows to its blocks only; the host pool learns them when it is spilled
+(``_host_len``: how many leading rows the pool already holds, so a request spilled again copies only
+what it wrote since). A failed spill or promotion leaves the request where it was (counted in
+``spill_failures`` / ``promote_failures``); the forward that needed it raises.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from torch_kvoffload._utils import dtype_name, parse_dtype
+from torch_kvoffload.counters import Counters
+from torch_kvoffload.device import free_device_bytes
+from torch_kvoffload.kv.backend import KVBackend, NewRows, Queries, SelectedRows
+from torch_kvoffload.kv.forward import ForwardPlan
+from torch_kvoffload.kv.fp8_rows import FP8_KV, latent_fp8_rows
+from torch_kvoffload.kv.layout import KVLayout
+from torch_kvoffload.kv.requests import Request
+from torch_kvoffload.kv.spec import ModelSpec
+from torch_kvoffload.ops.fp8 import kv_row_bytes
+from torch_kvoffload.ops.fp8_attention import dequantize_rows, fp8_sparse_mla_attention
+from torch_kvoffload.ops.fp8_indexer import fp8_lightning_indexer, hadamard_quant_fp8
+from torch_kvoffload.ops.indexer import hadamard_quant_int8, lightning_indexer, quant_lightning_indexer
+from torch_kvoffload.ops.sparse_attention import sparse_mla_attention
+from torch_kvoffload.sparse.backend import SparseOffloadBackend
+from torch_kvoffload.sparse.config import SparseOptions
+from torch_kvoffload.sparse.device_blocks import DeviceBlocks
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FREE_DEVICE_SHARE", "HybridSparseBackend"]
+
+#: Share of the free device memory the resident KV may take when no ``serving.device_kv_budget`` is given.
+FREE_DEVICE_SHARE = 0.9
+
+_COUNTERS = (
+    "spills", "promotions", "spill_bytes_d2h", "promote_bytes_h2d", "spill_failures", "promote_failures",
+    "started_offloaded",
+)  # fmt: skip
+
+
+class HybridSparseBackend(SparseOffloadBackend):
+    """Sparse attention over ``spec``'s KV, resident while it fits in ``budget`` bytes of device KV
+    (``None``: what is free on the device), offloaded when it does not (see the module docstring).
+
+    ``ValueError`` at construction when ``sparse.kv_dtype`` is neither the model's dtype nor ``"fp8_e4m3"``
+    (a resident and an offloaded row must be the same bytes), with tensor parallelism, or when ``budget``
+    cannot hold even the hot buffers and indexer rows of one request of ``capacity`` tokens."""
+
+    name = "hybrid sparse"
+
+    def __init__(
+        self, spec: ModelSpec, options: SparseOptions, *, block_size: int, budget: int | None
+    ) -> None:
+        super().__init__(spec, options, block_size=block_size)
+        want = options.kv_dtype
+        if want is not None and not self.fp8 and parse_dtype("sparse.kv_dtype", want) != spec.dtype:
+            raise ValueError(
+                f"OffloadConfig.sparse: offload='auto' keeps a request's latent KV on the device or in the host "
+                f"pool as the same rows: the model's dtype {dtype_name(spec.dtype)} or FP8 rows ({FP8_KV!r}); "
+                f"got kv_dtype={want!r}"
+            )
+        if spec.tp is not None and spec.tp.size > 1:
+            raise ValueError(
+                "OffloadConfig.sparse: offload='auto' does not run under tensor parallelism yet; use "
+                "offload=True (the TP ranks share one host pool) or offload=False"
+            )
+        main = [(kv_row_bytes(spec.kv_lora_rank, spec.rope_dim), torch.uint8)] if self.fp8 else [
+            (spec.kv_lora_rank, spec.dtype), (spec.rope_dim, spec.dtype)]  # fmt: skip
+        self.blocks = DeviceBlocks(spec.num_layers, main, block_size, spec.device)
+        self.budget = budget
+        if budget is not None:
+            self._check_budget_holds_one(options)
+        #: the model's other backends, whose device caches take from the same budget (set by build_backends)
+        self.others: list[KVBackend] = []
+        self._requests: dict[int, Request] = {}
+        self._written: dict[int, int] = {}  # rows each request wrote (its forwards that ended)
+        self._host_len: dict[int, int] = {}  # leading rows the host pool holds, per request
+        self._offloaded: set[int] = set()
+        self._pinned: set[int] = set()  # requests of the running forward's parts already begun
+        self.hybrid = Counters(_COUNTERS)
+        # the last decode step of a forward with resident rows: (layer, plan, top-k, block rows, offloaded step)
+        self._last_hybrid: tuple | None = None
+
+    def _check_budget_holds_one(self, options: SparseOptions) -> None:
+        spec, budget = self.spec, self.budget
+        capacity = options.capacity or 2 * (options.top_k or spec.index_topk)
+        main_row = self.blocks.block_bytes // (self.block_size * spec.num_layers)
+        index_row = sum((w or 1) * dt.itemsize for w, dt in self.index.components)
+        need = spec.num_layers * capacity * (main_row + index_row)
+        if budget is not None and budget < need:
+            raise ValueError(
+                f"serving.device_kv_budget={budget} bytes cannot hold one offloaded request: its hot buffers "
+                f"and indexer rows of {capacity} tokens over {spec.num_layers} layers take {need} bytes"
+            )
+
+    # -------------------------------------------------------------------------------- sizing
+    def _pool_blocks(self, layout: KVLayout) -> int:
+        """Blocks of resident KV the budget leaves beside every other device cache, at most what every
+        request of ``layout`` fully resident takes."""
+        if self.budget is None:  # the other caches are allocated already: they are not free
+            avail = int(FREE_DEVICE_SHARE * free_device_bytes(self.spec.device)) + self.resident_pool_bytes
+        else:
+            rest = sum(t.nbytes for b in self.others for t in b.device_tensors())
+            rest += sum(t.nbytes for t in super().device_tensors())
+            if self.budget < rest:
+                raise ValueError(
+                    f"serving.device_kv_budget={self.budget} bytes cannot hold {layout.slots} offloaded "
+                    f"request(s) of {layout.tokens} tokens: their hot buffers and indexer cache and the other "
+                    f"device caches take {rest} bytes; lower the requests or their tokens, or raise the budget"
+                )
+            avail = self.budget - rest
+        full = layout.slots * self.blocks.blocks_for(layout.tokens)
+        return min(full, avail // self.blocks.block_bytes)
+
+    def resize(self, layout: KVLayout, live: Sequence[Request]) -> None:
+        super().resize(layout, live)
+        if not live:
+            self._forget()
+        blocks = self._pool_blocks(layout)
+        while sum(self.blocks.held(r) for r in self.blocks.holders()) > blocks:
+            self._spill(self._longest(self.blocks.holders()))
+        self.blocks.allocate(blocks)
+
+    def _forget(self) -> None:
+        self.blocks.free()
+        for d in (self._requests, self._written, self._host_len):
+            d.clear()
+        self._offloaded.clear()
+        self._pinned.clear()
+
+    def free(self) -> None:
+        try:
+            super().free()
+        finally:
+            self._forget()
+
+    # ------------------------------------------------------------------------------ requests
+    def admit(self, layout: KVLayout, requests: Sequence[Request]) -> None:
+        super().admit(layout, requests)
+        for r in requests:
+            self._requests[r.id], self._written[r.id], self._host_len[r.id] = r, 0, 0
+
+    def release(self, request_ids: Sequence[int]) -> None:
+        for rid in request_ids:
+            self.blocks.drop(rid)
+            self._offloaded.discard(rid)
+            for d in (self._requests, self._written, self._host_len):
+                d.pop(rid, None)
+        super().release(request_ids)
+
+    def fork(self, layout: KVLayout, src: Request, dst: Request, length: int) -> None:
+        """``dst`` continues ``src``: resident when ``src`` is and its blocks fit (rows copied on the device),
+        else offloaded (``src``'s rows brought into the host pool first, then shared copy-on-write)."""
+        self.index.copy_rows(src.slot, dst.slot, length)
+        self._written[dst.id] = length
+        if self.blocks.holds(src.id) and self._fits(self.blocks.blocks_for(length)):
+            self.blocks.ensure(dst.id, length)
+            self.blocks.copy_rows(src.id, dst.id, length)
+            return
+        if self.blocks.holds(src.id):
+            self._to_host(src.id, length)
+        assert self.runtime is not None
+        self.runtime.fork(src.id, dst.id, length)
+        self._host_len[dst.id] = length
+        if length:
+            self._offloaded.add(dst.id)
+
+    def truncate(self, request: Request, length: int) -> None:
+        super().truncate(request, length)
+        rid = request.id
+        self._written[rid] = min(self._written.get(rid, 0), length)
+        self._host_len[rid] = min(self._host_len.get(rid, 0), length)
+        self.blocks.shrink(rid, length)
+
+    # ---------------------------------------------------------------------- spill / promote
+    def _fits(self, blocks: int) -> bool:
+        """Whether ``blocks`` more fit beside one block of growth per resident request."""
+        return blocks + len(self.blocks.holders()) <= self.blocks.free_blocks
+
+    def _longest(self, candidates: Sequence[int], tokens: dict[int, int] | None = None) -> int:
+        tokens = tokens or {}
+        return max(candidates, key=lambda r: (tokens.get(r, self._written.get(r, 0)), r))
+
+    def _to_host(self, rid: int, upto: int) -> int:
+        """Copy ``rid``'s resident rows the host pool lacks (``_host_len .. upto - 1``) there, in every
+        layer, through the pool's appends (copy-on-write of shared blocks included); returns the bytes."""
+        rt = self.runtime
+        assert rt is not None
+        start = self._host_len.get(rid, 0)
+        if upto <= start:
+            return 0
+        pos = torch.arange(start, upto)
+        placed = rt.place_rows([rid] * len(pos), pos)
+        for layer in range(self.spec.num_layers):
+            parts = self.blocks.read(layer, rid, start, upto)
+            kv_c, k_pe = (parts[0], parts[0][:, :0]) if self.fp8 else parts
+            rt.append_validated(layer, placed, kv_c, k_pe)
+        rt.sync()
+        self._host_len[rid] = upto
+        return (upto - start) * rt.pool.row_bytes * self.spec.num_layers
+
+    def _spill(self, rid: int) -> None:
+        """Move resident ``rid`` to the host pool (its rows the pool lacks copied, its blocks freed)."""
+        try:
+            moved = self._to_host(rid, self._written.get(rid, 0))
+        except BaseException:
+            self.hybrid.add("spill_failures")
+            raise
+        self.blocks.drop(rid)
+        self._offloaded.add(rid)
+        self.hybrid.add("spills")
+        self.hybrid.add("spill_bytes_d2h", moved)
+        logger.debug("hybrid sparse: request %d spilled to the host pool (%d bytes)", rid, moved)
+
+    def _promote(self, rid: int, tokens: int) -> None:
+        """Bring offloaded ``rid``'s rows from the host pool into device blocks for ``tokens`` rows."""
+        n = self._written.get(rid, 0)
+        assert self.blocks.ensure(rid, tokens)
+        try:
+            if n:
+                at = self.blocks.rows(rid, torch.arange(n, device=self.spec.device))
+                for layer in range(self.spec.num_layers):
+                    ((kv_c, k_pe),) = self.pool_rows(layer, [(rid, 0, n)])
+                    self.blocks.write(layer, at, [kv_c] if self.fp8 else [kv_c, k_pe])
+        except BaseException:
+            self.blocks.drop(rid)
+            self.hybrid.add("promote_failures")
+            raise
+        self._offloaded.discard(rid)
+        self.hybrid.add("promotions")
+        assert self.runtime is not None
+        self.hybrid.add("promote_bytes_h2d", n * self.runtime.pool.row_bytes * self.spec.num_layers)
+
+    def _place(self, fwd: ForwardPlan) -> None:
+        """Decide where each request of ``fwd`` runs (see the module docstring)."""
+        ids, new_len = fwd.request_ids, fwd.new_len
+        claims = {rid: n for rid, n in zip(ids, new_len, strict=True) if rid not in self._offloaded}
+        spilled: set[int] = set()
+        while sum(self.blocks.need(r, n) for r, n in claims.items()) > self.blocks.free_blocks:
+            others = [r for r in self.blocks.holders() if r not in self._pinned and r not in claims]
+            victim = self._longest([*others, *claims], claims)
+            if victim in claims:
+                del claims[victim]
+                if not self.blocks.holds(victim):  # its first rows: it starts offloaded
+                    self._offloaded.add(victim)
+                    self.hybrid.add("started_offloaded")
+                    continue
+            self._spill(victim)
+            spilled.add(victim)
+        for rid, n in claims.items():
+            assert self.blocks.ensure(rid, n)
+        tokens = dict(zip(ids, new_len, strict=True))
+        waiting = sorted(
+            (r for r in self._offloaded if r not in self._pinned and r not in spilled),
+            key=lambda r: (tokens.get(r, self._written.get(r, 0)), r),
+        )
+        for rid in waiting:
+            want = tokens.get(rid, self._written.get(rid, 0))
+            if not self._fits(self.blocks.blocks_for(want)):
+                break
+            self._promote(rid, want)
+
+    # ------------------------------------------------------------------------------ forwards
+    def begin_forward(self, fwd: ForwardPlan) -> None:
+        super().begin_forward(fwd)
+        self._last_hybrid = None
+        self._place(fwd)
+        ids = fwd.request_ids
+        self._pinned.update(ids)
+        resident = [i for i, rid in enumerate(ids) if self.blocks.holds(rid)]
+        offloaded = [i for i, rid in enumerate(ids) if not self.blocks.holds(rid)]
+        fwd.memo["hybrid"] = (resident, offloaded)
+
+    def end_forward(self, fwd: ForwardPlan) -> None:
+        try:
+            super().end_forward(fwd)
+        finally:
+            for rid, n in zip(fwd.request_ids, fwd.new_len, strict=True):
+                self._pinned.discard(rid)
+                if rid in self._written:
+                    self._written[rid] = n
+                    if rid in self._offloaded:
+                        self._host_len[rid] = n
+
+    def abort_forward(self, fwd: ForwardPlan) -> None:
+        """The forward's rows count as never written (its requests keep their earlier rows)."""
+        try:
+            SparseOffloadBackend.end_forward(self, fwd)
+        finally:
+            for rid, old in zip(fwd.request_ids, fwd.old_len, strict=True):
+                self._pinned.discard(rid)
+                if rid in self._host_len:
+                    self._host_len[rid] = min(self._host_len[rid], old)
+
+    def _split(self, fwd: ForwardPlan) -> tuple[list[int], list[int]]:
+        """Batch rows of ``fwd`` whose requests are resident, and offloaded."""
+        return fwd.memo["hybrid"]
+
+    # ------------------------------------------------------------------------------ per layer
+    def layer_caches(self, layer: int) -> list[torch.Tensor]:
+        own = list(self.blocks.flat(layer)) if self.blocks.built else []
+        return [*super().layer_caches(layer), *own]
+
+    def write(self, layer: int, fwd: ForwardPlan, rows: NewRows) -> None:
+        resident, offloaded = self._split(fwd)
+        if not resident:
+            super().write(layer, fwd, rows)
+            return
+        rt = self.runtime
+        assert rt is not None and rows.index_k is not None
+        kv_c, k_pe = rows.kv_c, rows.k_pe
+        if self.fp8:
+            kv_c = latent_fp8_rows(fwd, layer, rows)
+            k_pe = kv_c[:, :0]
+        split = fwd.memo.get("hybrid_rows")
+        if split is None:  # once per forward part: each layer writes the same rows
+            split = fwd.memo["hybrid_rows"] = self._row_split(fwd, resident, offloaded)
+        dev_at, dev_rows, host_at, placed = split
+        self.blocks.write(layer, dev_rows, [kv_c[dev_at]] if self.fp8 else [kv_c[dev_at], k_pe[dev_at]])
+        if placed is not None:
+            rt.append_validated(layer, placed, kv_c[host_at], k_pe[host_at])
+        self.index.write_keys(layer, fwd, rows)
+        if not fwd.decode and not fwd.layerwise:
+            self._rows[layer] = (kv_c, k_pe)
+
+    def _row_split(self, fwd: ForwardPlan, resident: list[int], offloaded: list[int]) -> tuple:
+        """``(device row indices, their flat block rows, host row indices, the pool's placed rows or
+        None)`` of the forward's new rows, by where their requests live."""
+        rt, device = self.runtime, self.spec.device
+        assert rt is not None
+        row = fwd.row.cpu()
+        on_dev = torch.zeros(fwd.B, dtype=torch.bool)
+        on_dev[resident] = True
+        mask = on_dev[row]
+        dev_at, host_at = mask.nonzero().flatten(), (~mask).nonzero().flatten()
+        ids = fwd.request_ids
+        table = self.blocks.table(ids, torch.device("cpu"))
+        pos, bs = fwd.pos.cpu()[dev_at], self.block_size
+        dev_rows = table[row[dev_at], pos // bs] * bs + pos % bs
+        placed = None
+        if offloaded:
+            placed = rt.place_rows([ids[r] for r in row[host_at].tolist()], fwd.pos.cpu()[host_at])
+        return dev_at.to(device), dev_rows.to(device), host_at.to(device), placed
+
+    def earlier_rows(self, layer: int, fwd: ForwardPlan) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each request's rows before ``fwd``: a resident one's from its blocks, an offloaded one's from the
+        host pool."""
+        resident, offloaded = self._split(fwd)
+        if not resident:
+            return super().earlier_rows(layer, fwd)
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * fwd.B
+        for i in resident:
+            parts = self.blocks.read(layer, fwd.request_ids[i], 0, fwd.old_len[i])
+            out[i] = (parts[0], parts[0][:, :0]) if self.fp8 else (parts[0], parts[1])
+        if offloaded:
+            rt = self.runtime
+            assert rt is not None
+            spans = [(fwd.request_ids[i], 0, fwd.old_len[i]) for i in offloaded]
+            self.counters.add("prefill_host_bytes_h2d", sum(s[2] for s in spans) * rt.pool.row_bytes)
+            for i, got in zip(offloaded, self.pool_rows(layer, spans), strict=True):
+                out[i] = got
+        return out  # type: ignore[return-value]
+
+    def attend(self, layer: int, fwd: ForwardPlan, q: Queries) -> torch.Tensor | None:
+        """A decode step: the resident requests' sparse attention over their blocks in place, the
+        offloaded ones' fused step over the hot buffers."""
+        if not fwd.decode:
+            return None
+        resident, offloaded = self._split(fwd)
+        if not resident:
+            return super().attend(layer, fwd, q)
+        out = torch.empty_like(q.q_nope)
+        topk, rows_at = self._resident_topk(layer, fwd, q, resident)
+        pick = fwd.memo["hybrid_pick"]
+        q_nope, q_pe = q.q_nope[pick], q.q_pe[pick]
+        if self.fp8:
+            out[pick] = fp8_sparse_mla_attention(q_nope, q_pe, self.blocks.flat(layer)[0], rows_at, q.scale)[
+                0
+            ]
+        else:
+            kv_c, k_pe = self.blocks.flat(layer)
+            out[pick] = sparse_mla_attention(q_nope, q_pe, kv_c, k_pe, rows_at, q.scale)[0]
+        step = self.offload_step(layer, fwd, q, offloaded) if offloaded else None
+        if step is not None:
+            out[fwd.memo["hybrid_host_pick"]] = step.out
+        self._last_hybrid = (layer, fwd, topk, rows_at, step)
+        return out
+
+    def _resident_topk(
+        self, layer: int, fwd: ForwardPlan, q: Queries, resident: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer's top-k positions ``int32 [R, K]`` of the resident decode rows and their flat block
+        rows (−1 where no position), selected as sparse decode offload's step selects."""
+        assert self.runtime is not None and q.index_q is not None and q.index_weights is not None
+        sub = fwd.memo.get("hybrid_sub")
+        if sub is None:
+            device = fwd.index_table.device
+            pick = torch.tensor(resident, dtype=torch.int64, device=device)
+            _, offloaded = self._split(fwd)
+            fwd.memo["hybrid_pick"] = pick
+            fwd.memo["hybrid_host_pick"] = torch.tensor(offloaded, dtype=torch.int64, device=device)
+            cu = torch.arange(len(resident) + 1, dtype=torch.int32, device=fwd.cu_seqlens_q.device)
+            table = self.blocks.table([fwd.request_ids[i] for i in resident], self.spec.device)
+            sub = fwd.memo["hybrid_sub"] = (fwd.index_table[pick], cu, fwd.seq_lens_k[pick], table)
+        pick = fwd.memo["hybrid_pick"]
+        index_table, cu, lens, table = sub
+        caches, k = self.index.layers[layer], self.runtime.top_k
+        index_q, weights = q.index_q[pick], q.index_weights[pick]
+        if self.index.fmt == "int8":
+            q8, qs = hadamard_quant_int8(index_q)
+            topk = quant_lightning_indexer(q8, qs, weights, *caches, index_table, cu, lens, k)
+        elif self.index.fmt == "fp8_e4m3":
+            topk = fp8_lightning_indexer(
+                hadamard_quant_fp8(index_q), weights, *caches, index_table, cu, lens, k
+            )
+        else:
+            topk = lightning_indexer(
+                index_q.to(caches[0].dtype), weights, caches[0], index_table, cu, lens, k
+            )
+        pos = topk.long().clamp(min=0)
+        bs = self.block_size
+        flat = torch.gather(table, 1, pos // bs) * bs + pos % bs
+        return topk, torch.where(topk >= 0, flat, -1).to(torch.int32)
+
+    def attended(self, layer: int, fwd: ForwardPlan) -> SelectedRows | None:
+        last = self._last_hybrid
+        resident = self._split(fwd)[0] if "hybrid" in fwd.memo else []
+        if not resident:
+            return super().attended(layer, fwd)
+        if last is None or last[0] != layer or last[1] is not fwd:
+            return None
+        _, _, topk, rows_at, step = last
+        at = rows_at.long().clamp(min=0)
+        if self.fp8:
+            kv_c, k_pe = dequantize_rows(self.blocks.flat(layer)[0][at], self.spec.kv_lora_rank)
+        else:
+            kv_c, k_pe = (t[at] for t in self.blocks.flat(layer))
+        positions = torch.where(topk >= 0, topk.long(), -1)
+        if step is None:
+            return SelectedRows(positions, kv_c, k_pe)
+        other = self.step_rows(layer, step)
+        n, k = fwd.B, positions.shape[1]
+        out_pos = positions.new_full((n, k), -1)
+        out_c = kv_c.new_zeros((n, k, kv_c.shape[-1]))
+        out_pe = k_pe.new_zeros((n, k, k_pe.shape[-1]))
+        for dst, src in ((fwd.memo["hybrid_pick"], (positions, kv_c, k_pe)),
+                         (fwd.memo["hybrid_host_pick"], other)):  # fmt: skip
+            out_pos[dst], out_c[dst], out_pe[dst] = src[0], src[1].to(out_c.dtype), src[2].to(out_pe.dtype)
+        return SelectedRows(out_pos, out_c, out_pe)
+
+    def read(
+        self, layer: int, requests: Sequence[Request], part: str, start: int = 0, *, stored: bool = False
+    ) -> list[torch.Tensor] | None:
+        """As :meth:`SparseOffloadBackend.read`, a resident request's rows from its blocks."""
+        if part == "index_k" or not any(self.blocks.holds(r.id) for r in requests):
+            return super().read(layer, requests, part, start, stored=stored)
+        out = []
+        for r in requests:
+            if not self.blocks.holds(r.id):
+                got = super().read(layer, [r], part, start, stored=stored)
+                assert got is not None
+                out.append(got[0])
+                continue
+            if self.fp8 and not stored:
+                raise RuntimeError(
+                    f"the resident KV keeps FP8 rows (sparse.kv_dtype={FP8_KV!r}), which do not give the "
+                    "model's latent KV back exactly; use the model's dtype to read it"
+                )
+            out.append(self.blocks.read(layer, r.id, start, r.length)[0 if part == "kv_c" else 1])
+        return out
+
+    # ------------------------------------------------------------------------------ accounting
+    def device_tensors(self) -> list[torch.Tensor]:
+        return super().device_tensors() + self.blocks.tensors()
+
+    @property
+    def resident_pool_bytes(self) -> int:
+        """Device bytes of the resident requests' block pool (what gives way under pressure)."""
+        return sum(t.nbytes for t in self.blocks.tensors())
+
+    def stats(self) -> dict[str, float]:
+        """Sparse decode offload's counters, and: ``resident_requests`` / ``offloaded_requests`` now,
+        ``spills`` / ``promotions`` and their bytes (``spill_bytes_d2h``, ``promote_bytes_h2d``),
+        ``spill_failures`` / ``promote_failures``, ``started_offloaded`` (requests whose first rows did
+        not fit), ``resident_pool_blocks`` / ``resident_pool_free_blocks``."""
+        return {
+            **super().stats(),
+            **self.hybrid.snapshot(),
+            "resident_requests": len(self.blocks.holders()),
+            "offloaded_requests": len(self._offloaded),
+            "resident_pool_blocks": self.blocks.num_blocks,
+            "resident_pool_free_blocks": self.blocks.free_blocks,
+        }

@@ -42,7 +42,9 @@ class Backends:
     role: PDRole | None = None
     layerwise: LayerwiseBackend | None = None
     kvpp: KVPPBackend | None = None
-    sparse: SparseOffloadBackend | ResidentSparseBackend | None = None  # HybridSparseBackend is a SparseOffloadBackend
+    sparse: SparseOffloadBackend | ResidentSparseBackend | None = (
+        None  # HybridSparseBackend is a SparseOffloadBackend
+    )
     #: the store of prefix reuse without layerwise offload (no forward takes part in it)
     prefix_store: PrefixStore | None = None
 

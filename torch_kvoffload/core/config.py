@@ -120,6 +120,11 @@ class OffloadConfig(ConfigModel):
                     "OffloadConfig: pd.role='decode' needs sparse decode offload (the KV lands in its host pool)"
                     + ("; sparse.offload=False keeps no host pool" if self.sparse is not None else "")
                 )
+            if self.sparse is not None and self.sparse.offload == "auto":
+                raise ValueError(
+                    f"OffloadConfig: pd.role={self.pd.role!r} with sparse.offload='auto' is not supported yet; "
+                    "use sparse.offload=True on a P/D node"
+                )
         if self.kvpp_requested and (self.layerwise is not None or self.sparse is not None):
             both = [n for n in ("layerwise", "sparse") if getattr(self, n) is not None]
             raise ValueError(

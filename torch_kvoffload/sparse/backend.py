@@ -72,6 +72,8 @@ class SparseOffloadBackend(KVBackend):
     (see the module docstring)."""
 
     name = "sparse"
+    #: counters :meth:`stats` adds beyond the runtime's and the host pool's (none here; hybrid sparse has some)
+    STATS: tuple[str, ...] = ()
 
     def __init__(self, spec: ModelSpec, options: SparseOptions, *, block_size: int) -> None:
         assert options.offload

@@ -30,28 +30,33 @@ what it wrote since). A failed spill or promotion leaves the request where it wa
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from torch_kvoffload._utils import dtype_name, parse_dtype
 from torch_kvoffload.counters import Counters
 from torch_kvoffload.device import free_device_bytes
-from torch_kvoffload.kv.backend import KVBackend, NewRows, Queries, SelectedRows
+from torch_kvoffload.kv.backend import IndexerView, KVBackend, NewRows, Queries, SelectedRows
 from torch_kvoffload.kv.forward import ForwardPlan
 from torch_kvoffload.kv.fp8_rows import FP8_KV, latent_fp8_rows
 from torch_kvoffload.kv.layout import KVLayout
 from torch_kvoffload.kv.requests import Request
 from torch_kvoffload.kv.spec import ModelSpec
 from torch_kvoffload.ops.fp8 import kv_row_bytes
-from torch_kvoffload.ops.fp8_attention import dequantize_rows, fp8_sparse_mla_attention
-from torch_kvoffload.ops.fp8_indexer import fp8_lightning_indexer, hadamard_quant_fp8
-from torch_kvoffload.ops.indexer import hadamard_quant_int8, lightning_indexer, quant_lightning_indexer
-from torch_kvoffload.ops.sparse_attention import sparse_mla_attention
 from torch_kvoffload.sparse.backend import SparseOffloadBackend
 from torch_kvoffload.sparse.config import SparseOptions
 from torch_kvoffload.sparse.device_blocks import DeviceBlocks
+from torch_kvoffload.sparse.placement import plan_pressure, plan_promotions
+from torch_kvoffload.sparse.resident_step import (
+    block_rows,
+    merge_selected,
+    resident_attention,
+    resident_selected,
+    select_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +80,9 @@ class HybridSparseBackend(SparseOffloadBackend):
     cannot hold even the hot buffers and indexer rows of one request of ``capacity`` tokens."""
 
     name = "hybrid sparse"
+    #: what :meth:`stats` adds to sparse decode offload's
+    STATS = (*_COUNTERS, "resident_requests", "offloaded_requests", "resident_pool_blocks",
+             "resident_pool_free_blocks", "offloaded_kv_bytes", "resident_kv_bytes_wanted")  # fmt: skip
 
     def __init__(
         self, spec: ModelSpec, options: SparseOptions, *, block_size: int, budget: int | None
@@ -108,6 +116,8 @@ class HybridSparseBackend(SparseOffloadBackend):
         self.hybrid = Counters(_COUNTERS)
         # the last decode step of a forward with resident rows: (layer, plan, top-k, block rows, offloaded step)
         self._last_hybrid: tuple | None = None
+        self._no_pool = False
+        self._sizes = (0, 0)  # (device bytes besides the pool, the pool of every request resident) at sizing
 
     def _check_budget_holds_one(self, options: SparseOptions) -> None:
         spec, budget = self.spec, self.budget
@@ -122,22 +132,34 @@ class HybridSparseBackend(SparseOffloadBackend):
             )
 
     # -------------------------------------------------------------------------------- sizing
+    @contextlib.contextmanager
+    def without_pool(self) -> Iterator[None]:
+        """Within: caches sized without the resident pool (to measure the requests' offloaded footprint)."""
+        self._no_pool = True
+        try:
+            yield
+        finally:
+            self._no_pool = False
+
     def _pool_blocks(self, layout: KVLayout) -> int:
         """Blocks of resident KV the budget leaves beside every other device cache, at most what every
         request of ``layout`` fully resident takes."""
+        if self._no_pool:
+            return 0
+        rest = sum(t.nbytes for b in self.others for t in b.device_tensors())
+        rest += sum(t.nbytes for t in super().device_tensors())
+        full = layout.slots * self.blocks.blocks_for(layout.tokens)
+        self._sizes = (rest, full * self.blocks.block_bytes)
         if self.budget is None:  # the other caches are allocated already: they are not free
             avail = int(FREE_DEVICE_SHARE * free_device_bytes(self.spec.device)) + self.resident_pool_bytes
+        elif self.budget < rest:
+            raise ValueError(
+                f"serving.device_kv_budget={self.budget} bytes cannot hold {layout.slots} offloaded "
+                f"request(s) of {layout.tokens} tokens: their hot buffers and indexer cache and the other "
+                f"device caches take {rest} bytes; lower the requests or their tokens, or raise the budget"
+            )
         else:
-            rest = sum(t.nbytes for b in self.others for t in b.device_tensors())
-            rest += sum(t.nbytes for t in super().device_tensors())
-            if self.budget < rest:
-                raise ValueError(
-                    f"serving.device_kv_budget={self.budget} bytes cannot hold {layout.slots} offloaded "
-                    f"request(s) of {layout.tokens} tokens: their hot buffers and indexer cache and the other "
-                    f"device caches take {rest} bytes; lower the requests or their tokens, or raise the budget"
-                )
             avail = self.budget - rest
-        full = layout.slots * self.blocks.blocks_for(layout.tokens)
         return min(full, avail // self.blocks.block_bytes)
 
     def resize(self, layout: KVLayout, live: Sequence[Request]) -> None:
@@ -145,8 +167,10 @@ class HybridSparseBackend(SparseOffloadBackend):
         if not live:
             self._forget()
         blocks = self._pool_blocks(layout)
-        while sum(self.blocks.held(r) for r in self.blocks.holders()) > blocks:
-            self._spill(self._longest(self.blocks.holders()))
+        holders = self.blocks.holders()
+        while sum(self.blocks.held(r) for r in holders) > blocks:  # the longest give way first
+            self._spill(max(holders, key=lambda r: (self._written.get(r, 0), r)))
+            holders = self.blocks.holders()
         self.blocks.allocate(blocks)
 
     def _forget(self) -> None:
@@ -181,7 +205,7 @@ class HybridSparseBackend(SparseOffloadBackend):
         else offloaded (``src``'s rows brought into the host pool first, then shared copy-on-write)."""
         self.index.copy_rows(src.slot, dst.slot, length)
         self._written[dst.id] = length
-        if self.blocks.holds(src.id) and self._fits(self.blocks.blocks_for(length)):
+        if self.blocks.holds(src.id) and plan_promotions(self.blocks, {dst.id: length}):
             self.blocks.ensure(dst.id, length)
             self.blocks.copy_rows(src.id, dst.id, length)
             return
@@ -201,14 +225,6 @@ class HybridSparseBackend(SparseOffloadBackend):
         self.blocks.shrink(rid, length)
 
     # ---------------------------------------------------------------------- spill / promote
-    def _fits(self, blocks: int) -> bool:
-        """Whether ``blocks`` more fit beside one block of growth per resident request."""
-        return blocks + len(self.blocks.holders()) <= self.blocks.free_blocks
-
-    def _longest(self, candidates: Sequence[int], tokens: dict[int, int] | None = None) -> int:
-        tokens = tokens or {}
-        return max(candidates, key=lambda r: (tokens.get(r, self._written.get(r, 0)), r))
-
     def _to_host(self, rid: int, upto: int) -> int:
         """Copy ``rid``'s resident rows the host pool lacks (``_host_len .. upto - 1``) there, in every
         layer, through the pool's appends (copy-on-write of shared blocks included); returns the bytes."""
@@ -260,33 +276,22 @@ class HybridSparseBackend(SparseOffloadBackend):
         self.hybrid.add("promote_bytes_h2d", n * self.runtime.pool.row_bytes * self.spec.num_layers)
 
     def _place(self, fwd: ForwardPlan) -> None:
-        """Decide where each request of ``fwd`` runs (see the module docstring)."""
-        ids, new_len = fwd.request_ids, fwd.new_len
-        claims = {rid: n for rid, n in zip(ids, new_len, strict=True) if rid not in self._offloaded}
-        spilled: set[int] = set()
-        while sum(self.blocks.need(r, n) for r, n in claims.items()) > self.blocks.free_blocks:
-            others = [r for r in self.blocks.holders() if r not in self._pinned and r not in claims]
-            victim = self._longest([*others, *claims], claims)
-            if victim in claims:
-                del claims[victim]
-                if not self.blocks.holds(victim):  # its first rows: it starts offloaded
-                    self._offloaded.add(victim)
-                    self.hybrid.add("started_offloaded")
-                    continue
-            self._spill(victim)
-            spilled.add(victim)
-        for rid, n in claims.items():
+        """Decide where each request of ``fwd`` runs, spilling and promoting (:mod:`.placement`)."""
+        tokens = dict(zip(fwd.request_ids, fwd.new_len, strict=True))
+        claims = {rid: n for rid, n in tokens.items() if rid not in self._offloaded}
+        spill, start, kept = plan_pressure(self.blocks, claims, self._written, self._pinned)
+        for rid in spill:
+            self._spill(rid)
+        for rid in start:
+            self._offloaded.add(rid)
+            self.hybrid.add("started_offloaded")
+        for rid, n in kept.items():
             assert self.blocks.ensure(rid, n)
-        tokens = dict(zip(ids, new_len, strict=True))
-        waiting = sorted(
-            (r for r in self._offloaded if r not in self._pinned and r not in spilled),
-            key=lambda r: (tokens.get(r, self._written.get(r, 0)), r),
-        )
-        for rid in waiting:
-            want = tokens.get(rid, self._written.get(rid, 0))
-            if not self._fits(self.blocks.blocks_for(want)):
-                break
-            self._promote(rid, want)
+        waiting = {r: tokens.get(r, self._written.get(r, 0)) for r in self._offloaded}
+        for rid, n in plan_promotions(
+            self.blocks, {r: n for r, n in waiting.items() if r not in self._pinned and r not in spill}
+        ):
+            self._promote(rid, n)
 
     # ------------------------------------------------------------------------------ forwards
     def begin_forward(self, fwd: ForwardPlan) -> None:
@@ -397,84 +402,53 @@ class HybridSparseBackend(SparseOffloadBackend):
         resident, offloaded = self._split(fwd)
         if not resident:
             return super().attend(layer, fwd, q)
+        assert self.runtime is not None and q.index_q is not None and q.index_weights is not None
+        sub = fwd.memo.get("hybrid_sub")
+        if sub is None:  # the resident rows' inputs, the same tensors for every layer
+            device = fwd.index_table.device
+            pick = torch.tensor(resident, dtype=torch.int64, device=device)
+            cu = torch.arange(len(resident) + 1, dtype=torch.int32, device=fwd.cu_seqlens_q.device)
+            table = self.blocks.table([fwd.request_ids[i] for i in resident], self.spec.device)
+            host_pick = torch.tensor(offloaded, dtype=torch.int64, device=device)
+            sub = fwd.memo["hybrid_sub"] = (
+                pick,
+                fwd.index_table[pick],
+                cu,
+                fwd.seq_lens_k[pick],
+                table,
+                host_pick,
+            )
+        pick, index_table, cu, lens, table, host_pick = sub
+        view = IndexerView(self.index.layers[layer], index_table, self.runtime.top_k, fmt=self.index.fmt)
+        topk = select_rows(view, q.index_q[pick], q.index_weights[pick], cu, lens)
+        rows_at = block_rows(topk, table, self.block_size)
         out = torch.empty_like(q.q_nope)
-        topk, rows_at = self._resident_topk(layer, fwd, q, resident)
-        pick = fwd.memo["hybrid_pick"]
-        q_nope, q_pe = q.q_nope[pick], q.q_pe[pick]
-        if self.fp8:
-            out[pick] = fp8_sparse_mla_attention(q_nope, q_pe, self.blocks.flat(layer)[0], rows_at, q.scale)[
-                0
-            ]
-        else:
-            kv_c, k_pe = self.blocks.flat(layer)
-            out[pick] = sparse_mla_attention(q_nope, q_pe, kv_c, k_pe, rows_at, q.scale)[0]
+        layer_rows = self.blocks.flat(layer)
+        out[pick] = resident_attention(
+            layer_rows, q.q_nope[pick], q.q_pe[pick], rows_at, q.scale, fp8=self.fp8
+        )
         step = self.offload_step(layer, fwd, q, offloaded) if offloaded else None
         if step is not None:
-            out[fwd.memo["hybrid_host_pick"]] = step.out
+            out[host_pick] = step.out
         self._last_hybrid = (layer, fwd, topk, rows_at, step)
         return out
 
-    def _resident_topk(
-        self, layer: int, fwd: ForwardPlan, q: Queries, resident: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The indexer's top-k positions ``int32 [R, K]`` of the resident decode rows and their flat block
-        rows (−1 where no position), selected as sparse decode offload's step selects."""
-        assert self.runtime is not None and q.index_q is not None and q.index_weights is not None
-        sub = fwd.memo.get("hybrid_sub")
-        if sub is None:
-            device = fwd.index_table.device
-            pick = torch.tensor(resident, dtype=torch.int64, device=device)
-            _, offloaded = self._split(fwd)
-            fwd.memo["hybrid_pick"] = pick
-            fwd.memo["hybrid_host_pick"] = torch.tensor(offloaded, dtype=torch.int64, device=device)
-            cu = torch.arange(len(resident) + 1, dtype=torch.int32, device=fwd.cu_seqlens_q.device)
-            table = self.blocks.table([fwd.request_ids[i] for i in resident], self.spec.device)
-            sub = fwd.memo["hybrid_sub"] = (fwd.index_table[pick], cu, fwd.seq_lens_k[pick], table)
-        pick = fwd.memo["hybrid_pick"]
-        index_table, cu, lens, table = sub
-        caches, k = self.index.layers[layer], self.runtime.top_k
-        index_q, weights = q.index_q[pick], q.index_weights[pick]
-        if self.index.fmt == "int8":
-            q8, qs = hadamard_quant_int8(index_q)
-            topk = quant_lightning_indexer(q8, qs, weights, *caches, index_table, cu, lens, k)
-        elif self.index.fmt == "fp8_e4m3":
-            topk = fp8_lightning_indexer(
-                hadamard_quant_fp8(index_q), weights, *caches, index_table, cu, lens, k
-            )
-        else:
-            topk = lightning_indexer(
-                index_q.to(caches[0].dtype), weights, caches[0], index_table, cu, lens, k
-            )
-        pos = topk.long().clamp(min=0)
-        bs = self.block_size
-        flat = torch.gather(table, 1, pos // bs) * bs + pos % bs
-        return topk, torch.where(topk >= 0, flat, -1).to(torch.int32)
-
     def attended(self, layer: int, fwd: ForwardPlan) -> SelectedRows | None:
-        last = self._last_hybrid
-        resident = self._split(fwd)[0] if "hybrid" in fwd.memo else []
-        if not resident:
+        """The rows the decode step of ``layer`` read: the resident requests' in their blocks, the offloaded
+        ones' in the hot buffers."""
+        if not fwd.memo.get("hybrid", ((), ()))[0]:
             return super().attended(layer, fwd)
+        last = self._last_hybrid
         if last is None or last[0] != layer or last[1] is not fwd:
             return None
         _, _, topk, rows_at, step = last
-        at = rows_at.long().clamp(min=0)
-        if self.fp8:
-            kv_c, k_pe = dequantize_rows(self.blocks.flat(layer)[0][at], self.spec.kv_lora_rank)
-        else:
-            kv_c, k_pe = (t[at] for t in self.blocks.flat(layer))
-        positions = torch.where(topk >= 0, topk.long(), -1)
+        pick, host_pick = fwd.memo["hybrid_sub"][0], fwd.memo["hybrid_sub"][5]
+        own = resident_selected(
+            self.blocks.flat(layer), topk, rows_at, fp8=self.fp8, dc=self.spec.kv_lora_rank
+        )
         if step is None:
-            return SelectedRows(positions, kv_c, k_pe)
-        other = self.step_rows(layer, step)
-        n, k = fwd.B, positions.shape[1]
-        out_pos = positions.new_full((n, k), -1)
-        out_c = kv_c.new_zeros((n, k, kv_c.shape[-1]))
-        out_pe = k_pe.new_zeros((n, k, k_pe.shape[-1]))
-        for dst, src in ((fwd.memo["hybrid_pick"], (positions, kv_c, k_pe)),
-                         (fwd.memo["hybrid_host_pick"], other)):  # fmt: skip
-            out_pos[dst], out_c[dst], out_pe[dst] = src[0], src[1].to(out_c.dtype), src[2].to(out_pe.dtype)
-        return SelectedRows(out_pos, out_c, out_pe)
+            return own
+        return merge_selected(fwd.B, [(pick, own), (host_pick, self.step_rows(layer, step))])
 
     def read(
         self, layer: int, requests: Sequence[Request], part: str, start: int = 0, *, stored: bool = False
@@ -510,7 +484,9 @@ class HybridSparseBackend(SparseOffloadBackend):
         """Sparse decode offload's counters, and: ``resident_requests`` / ``offloaded_requests`` now,
         ``spills`` / ``promotions`` and their bytes (``spill_bytes_d2h``, ``promote_bytes_h2d``),
         ``spill_failures`` / ``promote_failures``, ``started_offloaded`` (requests whose first rows did
-        not fit), ``resident_pool_blocks`` / ``resident_pool_free_blocks``."""
+        not fit), ``resident_pool_blocks`` / ``resident_pool_free_blocks``; at the last sizing,
+        ``offloaded_kv_bytes`` (every other device cache: what the budget must hold before any request is
+        resident) and ``resident_kv_bytes_wanted`` (the pool every request fully resident would take)."""
         return {
             **super().stats(),
             **self.hybrid.snapshot(),
@@ -518,4 +494,6 @@ class HybridSparseBackend(SparseOffloadBackend):
             "offloaded_requests": len(self._offloaded),
             "resident_pool_blocks": self.blocks.num_blocks,
             "resident_pool_free_blocks": self.blocks.free_blocks,
+            "offloaded_kv_bytes": self._sizes[0],
+            "resident_kv_bytes_wanted": self._sizes[1],
         }

@@ -22,6 +22,7 @@ buffers and indexer rows), so admission counts what really sits on the device.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import weakref
@@ -34,6 +35,7 @@ from torch_kvoffload.integrations.hf.packed import PackedRows
 from torch_kvoffload.integrations.hf.serving_prefix import ServingPrefixes
 from torch_kvoffload.kv.group_outcomes import exchange_outcomes
 from torch_kvoffload.kv.requests import Request
+from torch_kvoffload.sparse.hybrid_backend import HybridSparseBackend
 
 if TYPE_CHECKING:
     from torch_kvoffload.integrations.hf.session import OffloadSession
@@ -52,11 +54,17 @@ def serving_slots(session: OffloadSession) -> tuple[int, int, int]:
     request or ``max_requests`` do not fit in it. Needs no live request."""
     opts, core = session.config.serving, session.core
     tokens = opts.max_request_tokens
-    core.size(1, tokens)
-    one = core.device_kv_bytes()
-    core.size(2, tokens)
-    per = core.device_kv_bytes() - one
-    fixed = one - per
+    hybrid = core.backends.sparse if isinstance(core.backends.sparse, HybridSparseBackend) else None
+    # a hybrid backend's resident pool fills what the budget leaves: a request is held by its offloaded
+    # footprint (hot buffers, indexer rows), measured without the pool
+    with hybrid.without_pool() if hybrid is not None else contextlib.nullcontext():
+        core.size(1, tokens)
+        one = core.device_kv_bytes()
+        core.size(2, tokens)
+        per = core.device_kv_bytes() - one
+        fixed = one - per
+    if hybrid is not None:
+        core.discard()  # sized again below, with the pool
     if opts.device_kv_budget is None:
         slots = opts.max_requests or DEFAULT_REQUESTS
     else:

@@ -47,7 +47,6 @@ from torch_kvoffload.core.pd_role import PDRole
 from torch_kvoffload.integrations.hf.sequence import HFSequence
 from torch_kvoffload.ops import layer_hooks, mla_runtime
 from torch_kvoffload.sparse.backend import SparseOffloadBackend
-from torch_kvoffload.sparse.hybrid_backend import HybridSparseBackend
 
 if TYPE_CHECKING:
     from torch_kvoffload.core.config import OffloadConfig
@@ -76,10 +75,6 @@ _KVPP_KEYS = (
     "kvpp_persistent_bytes", "kvpp_scratch_bytes",
 )  # fmt: skip
 _HOST_POOL_KEYS = ("host_pool_bytes", "shared_host_pool_bytes")
-_HYBRID_KEYS = (
-    "resident_requests", "offloaded_requests", "spills", "promotions", "spill_bytes_d2h", "promote_bytes_h2d",
-    "spill_failures", "promote_failures", "started_offloaded", "resident_pool_blocks", "resident_pool_free_blocks",
-)  # fmt: skip
 
 
 def session_of(model: torch.nn.Module) -> OffloadSession:
@@ -125,9 +120,7 @@ class OffloadSession:
                 "the spec has no weights_fingerprint; pass inspect_model(model).with_weights(model)"
             )
         if config.sparse is not None and not spec.has_indexer:
-            mode = {True: "sparse decode offload", False: "resident sparse attention"}.get(
-                config.sparse.offload, "hybrid sparse attention"
-            )
+            mode = "resident sparse attention" if config.sparse.offload is False else "sparse decode offload"
             raise ValueError(
                 f"torch_kvoffload cannot offload {spec.model_class}: {mode} needs a lightning indexer "
                 "(index_topk / indexer module), which this model does not have"
@@ -491,10 +484,8 @@ class OffloadSession:
         )
         if self.kvpp_on:
             out.update({k: got.get(k, 0) for k in _KVPP_KEYS})
-        if isinstance(self._core.backends.sparse, SparseOffloadBackend):
-            out.update({k: got.get(k, 0) for k in _HOST_POOL_KEYS})
-        if isinstance(self._core.backends.sparse, HybridSparseBackend):
-            out.update({k: got.get(k, 0) for k in _HYBRID_KEYS})
+        if isinstance(sp := self._core.backends.sparse, SparseOffloadBackend):  # hybrid sparse adds its own
+            out.update({k: got.get(k, 0) for k in (*_HOST_POOL_KEYS, *sp.STATS)})
         return out
 
     def close(self) -> None:

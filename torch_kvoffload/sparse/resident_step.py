@@ -1,0 +1,82 @@
+"""The decode step of requests whose latent KV is resident in a device block pool (hybrid sparse attention):
+the lightning indexer's top-k over the device indexer cache, then sparse MLA attention over the selected
+rows in place. The same ops, and so the same arithmetic per query, as resident sparse attention.
+
+Shapes: ``R`` decode rows (one query each), ``K`` top-k, ``H`` heads, ``Dc`` / ``Dr`` latent / rotary
+widths; flat block rows index the pool's ``[num_blocks * block_size, ·]`` tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from torch_kvoffload.kv.backend import IndexerView, SelectedRows
+from torch_kvoffload.ops.fp8_attention import dequantize_rows, fp8_sparse_mla_attention
+from torch_kvoffload.ops.fp8_indexer import fp8_lightning_indexer, hadamard_quant_fp8
+from torch_kvoffload.ops.indexer import hadamard_quant_int8, lightning_indexer, quant_lightning_indexer
+from torch_kvoffload.ops.sparse_attention import sparse_mla_attention
+
+__all__ = ["block_rows", "merge_selected", "resident_attention", "resident_selected", "select_rows"]
+
+
+def select_rows(
+    view: IndexerView, index_q: torch.Tensor, weights: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """``int32 [R, K]``: the top-k logical positions (−1 padded) of queries ``index_q [R, Hi, Di]`` /
+    ``weights fp32 [R, Hi]`` over ``view`` (floating, int8 or FP8 indexer rows)."""
+    args = (view.block_table, cu_seqlens_q, seq_lens_k, view.top_k)
+    if view.fmt == "int8":
+        q8, qs = hadamard_quant_int8(index_q)
+        return quant_lightning_indexer(q8, qs, weights, *view.caches, *args)
+    if view.fmt == "fp8_e4m3":
+        return fp8_lightning_indexer(hadamard_quant_fp8(index_q), weights, *view.caches, *args)
+    keys = view.caches[0]
+    return lightning_indexer(index_q.to(keys.dtype), weights, keys, *args)
+
+
+def block_rows(topk: torch.Tensor, table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``int32 [R, K]``: the flat pool rows of positions ``topk [R, K]`` through each row's blocks ``table
+    int64 [R, M]`` (−1 where the position is −1)."""
+    pos = topk.long().clamp(min=0)
+    flat = torch.gather(table, 1, pos // block_size) * block_size + pos % block_size
+    return torch.where(topk >= 0, flat, -1).to(torch.int32)
+
+
+def resident_attention(
+    layer_rows: Sequence[torch.Tensor], q_nope: torch.Tensor, q_pe: torch.Tensor, rows_at: torch.Tensor,
+    scale: float, *, fp8: bool,
+) -> torch.Tensor:  # fmt: skip
+    """``[R, H, Dc]``: sparse MLA attention of ``q_nope [R, H, Dc]`` / ``q_pe [R, H, Dr]`` over the pool rows
+    ``rows_at int32 [R, K]`` of ``layer_rows`` (``(kv_c, k_pe)``, or ``(FP8 rows,)`` when ``fp8``)."""
+    if fp8:
+        return fp8_sparse_mla_attention(q_nope, q_pe, layer_rows[0], rows_at, scale)[0]
+    return sparse_mla_attention(q_nope, q_pe, layer_rows[0], layer_rows[1], rows_at, scale)[0]
+
+
+def resident_selected(
+    layer_rows: Sequence[torch.Tensor], topk: torch.Tensor, rows_at: torch.Tensor, *, fp8: bool, dc: int
+) -> SelectedRows:
+    """The rows :func:`resident_attention` read: positions ``int64 [R, K]`` and their latent / rotary rows
+    (FP8 rows dequantized)."""
+    at = rows_at.long().clamp(min=0)
+    if fp8:
+        kv_c, k_pe = dequantize_rows(layer_rows[0][at], dc)
+    else:
+        kv_c, k_pe = layer_rows[0][at], layer_rows[1][at]
+    return SelectedRows(torch.where(topk >= 0, topk.long(), -1), kv_c, k_pe)
+
+
+def merge_selected(n: int, parts: Sequence[tuple[torch.Tensor, SelectedRows]]) -> SelectedRows:
+    """One :class:`SelectedRows` of ``n`` queries from ``(query indices int64 [r], their rows)`` parts of
+    equal ``K``; latent / rotary rows in the first part's dtype."""
+    first = parts[0][1]
+    k = first.positions.shape[1]
+    pos = first.positions.new_full((n, k), -1)
+    kv_c = first.kv_c.new_zeros((n, k, first.kv_c.shape[-1]))
+    k_pe = first.k_pe.new_zeros((n, k, first.k_pe.shape[-1]))
+    for at, rows in parts:
+        pos[at], kv_c[at], k_pe[at] = rows.positions, rows.kv_c.to(kv_c.dtype), rows.k_pe.to(k_pe.dtype)
+    return SelectedRows(pos, kv_c, k_pe)

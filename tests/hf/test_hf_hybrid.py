@@ -207,7 +207,7 @@ def test_configuration() -> None:
 
     cfg = OffloadConfig(sparse={"offload": "auto", "capacity": 64, "host_pool_blocks": 8})
     assert cfg.sparse.offload == "auto" and cfg.sparse.capacity == 64
-    with pytest.raises(ValueError, match="sparse.offload"):
+    with pytest.raises(ValueError, match=r"sparse\.offload"):
         OffloadConfig(sparse={"offload": "sometimes"})
     for role in ("prefill", "decode"):
         with pytest.raises(ValueError, match=rf"pd.role='{role}' with sparse.offload='auto'"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from torch_kvoffload.sparse.device_blocks import DeviceBlocks
-from torch_kvoffload.sparse.placement import plan_pressure, plan_promotions
+from torch_kvoffload.sparse.placement import DeviceBudget, plan_pressure, plan_promotions
 
 BS = 4
 COMPONENTS = [(6, torch.float32), (2, torch.float32)]
@@ -95,27 +95,43 @@ def _holding(pool: DeviceBlocks, held: dict[int, int]) -> None:
 
 
 def test_pressure_spills_the_longest_and_new_requests_start_offloaded_when_longest() -> None:
-    pool = _pool(10)
-    _holding(pool, {1: 16, 2: 8, 3: 4})  # 4 + 2 + 1 blocks, 3 free
+    pool = _pool(12)
+    _holding(pool, {1: 16, 2: 8, 3: 4})  # 4 + 2 + 1 blocks
     lengths = {1: 16, 2: 8, 3: 4}
-    # request 2 grows by a block and a new request 4 needs 3: 4 blocks asked, 3 free: request 1 gives way
-    spill, start, kept = plan_pressure(pool, {2: 9, 4: 12}, lengths, pinned=())
+    # 11 blocks of budget, a hot row costs one block, rows come one at a time (at least one)
+    budget = DeviceBudget(total=11, hot_cost=1, chunk=1, max_rows=8)
+    # request 2 grows by a block, a new request 4 needs 3: 4 + 3 + 1 + 3 + one hot row = 12 > 11: the
+    # longest, request 1, is spilled (its 4 blocks for a hot row)
+    spill, start, kept = plan_pressure(pool, budget, {2: 9, 4: 12}, lengths, pinned=(), offloaded=0)
     assert (spill, start, kept) == ([1], [], {2: 9, 4: 12})
     # request 1 taking part in a begun part of the forward is never spilled: the new one, now the
     # longest claimant, starts offloaded instead
-    spill, start, kept = plan_pressure(pool, {2: 9, 4: 12}, lengths, pinned={1})
+    spill, start, kept = plan_pressure(pool, budget, {2: 9, 4: 12}, lengths, pinned={1}, offloaded=0)
     assert (spill, start, kept) == ([], [4], {2: 9})
     # a new request longer than every resident one starts offloaded; nothing moves while the claims fit
-    assert plan_pressure(pool, {5: 40}, lengths, pinned=()) == ([], [5], {})
-    assert plan_pressure(pool, {3: 5, 5: 4}, lengths, pinned=()) == ([], [], {3: 5, 5: 4})
+    assert plan_pressure(pool, budget, {5: 40}, lengths, pinned=(), offloaded=0) == ([], [5], {})
+    assert plan_pressure(pool, budget, {3: 5, 5: 4}, lengths, pinned=(), offloaded=0) == (
+        [],
+        [],
+        {3: 5, 5: 4},
+    )
+    # hot rows costly enough that offloading frees nothing, and every resident request pinned: refused
+    dear = DeviceBudget(total=8, hot_cost=6, chunk=1, max_rows=8)
+    with pytest.raises(RuntimeError, match="cannot hold the requests of this forward"):
+        plan_pressure(pool, dear, {4: 12}, lengths, pinned={1, 2, 3}, offloaded=0)
 
 
 def test_promotions_take_the_shortest_first_and_leave_a_block_of_growth_per_resident_request() -> None:
-    pool = _pool(10)
-    _holding(pool, {1: 8})  # 2 blocks held, 8 free, one resident request
-    # shortest first: 7 rows (2 blocks) + growth for two -> 4 <= 8 free; then 13 rows (4 blocks) + growth
-    # for three -> 7 > the 6 left; 9 rows (3 blocks) + 3 -> 6 fit
-    assert plan_promotions(pool, {3: 13, 2: 7}) == [(2, 7)]
-    assert plan_promotions(pool, {3: 9, 2: 7}) == [(2, 7), (3, 9)]
-    assert plan_promotions(pool, {2: 4}) == [(2, 4)]
-    assert plan_promotions(pool, {2: 30}) == []
+    pool = _pool(12)
+    _holding(pool, {1: 8})  # 2 blocks held, one resident request
+    budget = DeviceBudget(total=12, hot_cost=1, chunk=1, max_rows=8)
+    # 7 rows (2 blocks): 2 + 2 + growth for two + one hot row left = 7 <= 12; then 13 rows (4 blocks):
+    # 4 + 4 + growth for three + one hot row (at least one is kept) = 12 <= 12
+    assert plan_promotions(pool, budget, {3: 13, 2: 7}, offloaded=2) == [(2, 7), (3, 13)]
+    # 17 rows (5 blocks): 4 + 5 + 3 + 1 = 13 > 12
+    assert plan_promotions(pool, budget, {3: 17, 2: 7}, offloaded=2) == [(2, 7)]
+    assert plan_promotions(pool, budget, {2: 60}, offloaded=1) == []
+    # rows come in chunks: promoting one of five offloaded requests keeps a chunk of four rows either way
+    chunked = DeviceBudget(total=12, hot_cost=1, chunk=4, max_rows=8)
+    assert chunked.rows_for(5) == 8 and chunked.rows_for(4) == 4 and chunked.rows_for(0) == 4
+    assert plan_promotions(pool, chunked, {2: 4}, offloaded=5) == [(2, 4)]  # 2 + 1 + 2 + 4 = 9

@@ -126,7 +126,7 @@ class SparseOffloadBackend(KVBackend):
         self._configured = (scfg.top_k, scfg.hot_capacity)
         k, cap = self._hot_sizes(layout, scfg.top_k, scfg.hot_capacity)
         scfg = scfg.model_copy(update={"top_k": k, "capacity": cap})
-        kw = dict(num_layers=spec.num_layers, max_rows=layout.slots, kv_lora_rank=spec.kv_lora_rank,
+        kw = dict(num_layers=spec.num_layers, max_rows=self.hot_rows(layout), kv_lora_rank=spec.kv_lora_rank,
                   rope_dim=spec.rope_dim, device=spec.device)  # fmt: skip
         tp = spec.tp
         if tp is None or tp.size == 1:
@@ -136,6 +136,10 @@ class SparseOffloadBackend(KVBackend):
             self.runtime, self._attached = _shared_runtime(
                 tp, scfg, kw, then=lambda: self.index.allocate(layout)
             )
+
+    def hot_rows(self, layout: KVLayout) -> int:
+        """Decode rows the hot buffers are built for: one per request slot."""
+        return layout.slots
 
     def free(self) -> None:
         rt, self.runtime = self.runtime, None

@@ -1,30 +1,23 @@
 """``HybridSparseBackend``: sparse attention whose requests keep their latent KV resident while it fits in
 one device budget and are spilled to the host pool when it does not (``sparse={"offload": "auto"}``).
 
-Every request has a host-pool reservation, hot buffers and indexer-cache rows from admission (its
-*offloaded footprint*, what admission counts). What is left of the device KV budget
-(``serving.device_kv_budget``, else what is free on the device) after those and the other backends' device
-caches is a pool of blocks (:class:`~torch_kvoffload.sparse.device_blocks.DeviceBlocks`) holding the latent
-rows of the *resident* requests; the others are *offloaded*: their rows live in the host pool and their
-decode steps run sparse decode offload's fused step over the hot buffers (only the misses copied).
+Every request has a host-pool reservation and indexer-cache rows from admission. The device KV budget
+(:mod:`.hybrid_sizing`) holds those, the other backends' caches, and is shared between a pool of blocks
+(:class:`~torch_kvoffload.sparse.device_blocks.DeviceBlocks`) holding the *resident* requests' latent rows
+and hot buffers for the *offloaded* ones, whose rows live in the host pool and whose decode steps run
+sparse decode offload's fused step (only the misses copied). Admission counts the offloaded footprint.
 
 Where a row lives never changes a token: both kinds select with the same indexer over the same indexer
 cache and attend over the same rows with the same sparse attention arithmetic (the resident rows in place,
 the offloaded ones after their copy into the hot buffers).
 
-Pressure, decided when a forward (or a part of a mixed one) begins, never inside one:
-
-* a request's first forward claims blocks for its rows (it starts resident); a resident request claims
-  the blocks its new rows need;
-* while the claims do not fit, the longest context among the resident requests and the claimants (not
-  taking part in a part of this forward already begun) gives way: a resident one is *spilled* (its rows
-  not yet in the host pool are copied there, whole blocks, its blocks freed), a new one starts offloaded;
-* then offloaded requests are *promoted*, shortest first, while their rows and one block of growth per
-  resident request fit: their host rows are copied into blocks.
-
-A resident request writes its rows to its blocks only; the host pool learns them when it is spilled
-(``_host_len``: how many leading rows the pool already holds, so a request spilled again copies only
-what it wrote since). A failed spill or promotion leaves the request where it was (counted in
+Decided when a forward (or a part of a mixed one) begins, never inside one (:mod:`.placement`): a
+request's first forward claims blocks (it starts resident), a resident one the blocks its new rows need;
+while the claims do not fit the longest context gives way (*spilled*: its rows the host pool lacks copied
+there, whole blocks; or a new one starts offloaded); then offloaded requests are *promoted*, shortest
+first, while they fit (their host rows copied into blocks). A resident request writes its rows to its
+blocks only (``_host_len``: the leading rows the host pool already holds, so a request spilled again
+copies only what it wrote since). A failed spill or promotion leaves the request where it was (counted in
 ``spill_failures`` / ``promote_failures``); the forward that needed it raises.
 """
 
@@ -38,7 +31,6 @@ import torch
 
 from torch_kvoffload._utils import dtype_name, parse_dtype
 from torch_kvoffload.counters import Counters
-from torch_kvoffload.device import free_device_bytes
 from torch_kvoffload.kv.backend import IndexerView, KVBackend, NewRows, Queries, SelectedRows
 from torch_kvoffload.kv.forward import ForwardPlan
 from torch_kvoffload.kv.fp8_rows import FP8_KV, latent_fp8_rows
@@ -49,7 +41,8 @@ from torch_kvoffload.ops.fp8 import kv_row_bytes
 from torch_kvoffload.sparse.backend import SparseOffloadBackend
 from torch_kvoffload.sparse.config import SparseOptions
 from torch_kvoffload.sparse.device_blocks import DeviceBlocks
-from torch_kvoffload.sparse.placement import plan_pressure, plan_promotions
+from torch_kvoffload.sparse.hybrid_sizing import check_budget_holds_one, chunk, device_budget, fit
+from torch_kvoffload.sparse.placement import DeviceBudget, plan_pressure, plan_promotions
 from torch_kvoffload.sparse.resident_step import (
     block_rows,
     merge_selected,
@@ -60,10 +53,8 @@ from torch_kvoffload.sparse.resident_step import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FREE_DEVICE_SHARE", "HybridSparseBackend"]
+__all__ = ["HybridSparseBackend"]
 
-#: Share of the free device memory the resident KV may take when no ``serving.device_kv_budget`` is given.
-FREE_DEVICE_SHARE = 0.9
 
 _COUNTERS = (
     "spills", "promotions", "spill_bytes_d2h", "promote_bytes_h2d", "spill_failures", "promote_failures",
@@ -105,7 +96,10 @@ class HybridSparseBackend(SparseOffloadBackend):
         self.blocks = DeviceBlocks(spec.num_layers, main, block_size, spec.device)
         self.budget = budget
         if budget is not None:
-            self._check_budget_holds_one(options)
+            index_row = sum((w or 1) * dt.itemsize for w, dt in self.index.components)
+            main_row = self.blocks.block_bytes // (block_size * spec.num_layers)
+            capacity = options.capacity or 2 * (options.top_k or spec.index_topk)
+            check_budget_holds_one(budget, spec.num_layers, capacity, main_row + index_row)
         #: the model's other backends, whose device caches take from the same budget (set by build_backends)
         self.others: list[KVBackend] = []
         self._requests: dict[int, Request] = {}
@@ -117,19 +111,8 @@ class HybridSparseBackend(SparseOffloadBackend):
         # the last decode step of a forward with resident rows: (layer, plan, top-k, block rows, offloaded step)
         self._last_hybrid: tuple | None = None
         self._no_pool = False
-        self._sizes = (0, 0)  # (device bytes besides the pool, the pool of every request resident) at sizing
-
-    def _check_budget_holds_one(self, options: SparseOptions) -> None:
-        spec, budget = self.spec, self.budget
-        capacity = options.capacity or 2 * (options.top_k or spec.index_topk)
-        main_row = self.blocks.block_bytes // (self.block_size * spec.num_layers)
-        index_row = sum((w or 1) * dt.itemsize for w, dt in self.index.components)
-        need = spec.num_layers * capacity * (main_row + index_row)
-        if budget is not None and budget < need:
-            raise ValueError(
-                f"serving.device_kv_budget={budget} bytes cannot hold one offloaded request: its hot buffers "
-                f"and indexer rows of {capacity} tokens over {spec.num_layers} layers take {need} bytes"
-            )
+        self._sizes = (0, 0)  # (the offloaded footprint of every slot, the pool of every request resident)
+        self._budget: DeviceBudget | None = None  # of the current layout
 
     # -------------------------------------------------------------------------------- sizing
     @contextlib.contextmanager
@@ -141,37 +124,31 @@ class HybridSparseBackend(SparseOffloadBackend):
         finally:
             self._no_pool = False
 
-    def _pool_blocks(self, layout: KVLayout) -> int:
-        """Blocks of resident KV the budget leaves beside every other device cache, at most what every
-        request of ``layout`` fully resident takes."""
-        if self._no_pool:
-            return 0
-        rest = sum(t.nbytes for b in self.others for t in b.device_tensors())
-        rest += sum(t.nbytes for t in super().device_tensors())
-        full = layout.slots * self.blocks.blocks_for(layout.tokens)
-        self._sizes = (rest, full * self.blocks.block_bytes)
-        if self.budget is None:  # the other caches are allocated already: they are not free
-            avail = int(FREE_DEVICE_SHARE * free_device_bytes(self.spec.device)) + self.resident_pool_bytes
-        elif self.budget < rest:
-            raise ValueError(
-                f"serving.device_kv_budget={self.budget} bytes cannot hold {layout.slots} offloaded "
-                f"request(s) of {layout.tokens} tokens: their hot buffers and indexer cache and the other "
-                f"device caches take {rest} bytes; lower the requests or their tokens, or raise the budget"
-            )
-        else:
-            avail = self.budget - rest
-        return min(full, avail // self.blocks.block_bytes)
+    def hot_rows(self, layout: KVLayout) -> int:
+        """Hot rows to start with: one chunk (every slot's while measuring the offloaded footprint)."""
+        return layout.slots if self._no_pool else min(layout.slots, chunk(layout.slots))
+
+    def _fit(self, offloaded: int | None = None) -> None:
+        assert self.runtime is not None and self._budget is not None and self._layout is not None
+        n = len(self._offloaded) if offloaded is None else offloaded
+        fit(self.runtime, self.blocks, self._budget, self._layout, n)
 
     def resize(self, layout: KVLayout, live: Sequence[Request]) -> None:
         super().resize(layout, live)
         if not live:
             self._forget()
-        blocks = self._pool_blocks(layout)
-        holders = self.blocks.holders()
-        while sum(self.blocks.held(r) for r in holders) > blocks:  # the longest give way first
-            self._spill(max(holders, key=lambda r: (self._written.get(r, 0), r)))
-            holders = self.blocks.holders()
-        self.blocks.allocate(blocks)
+        if self._no_pool:
+            self._budget = None
+            return
+        rest = sum(t.nbytes for b in self.others for t in b.device_tensors())
+        assert self.runtime is not None
+        self._budget, self._sizes = device_budget(
+            self.budget, layout, self.runtime, self.blocks, rest + sum(t.nbytes for t in self.index.tensors())
+        )
+        spill, _, _ = plan_pressure(self.blocks, self._budget, {}, self._written, (), len(self._offloaded))
+        for rid in spill:  # the longest first
+            self._spill(rid)
+        self._fit()
 
     def _forget(self) -> None:
         self.blocks.free()
@@ -205,7 +182,12 @@ class HybridSparseBackend(SparseOffloadBackend):
         else offloaded (``src``'s rows brought into the host pool first, then shared copy-on-write)."""
         self.index.copy_rows(src.slot, dst.slot, length)
         self._written[dst.id] = length
-        if self.blocks.holds(src.id) and plan_promotions(self.blocks, {dst.id: length}):
+        budget = self._budget
+        if (
+            self.blocks.holds(src.id)
+            and budget is not None
+            and plan_promotions(self.blocks, budget, {dst.id: length}, len(self._offloaded) + 1)
+        ):
             self.blocks.ensure(dst.id, length)
             self.blocks.copy_rows(src.id, dst.id, length)
             return
@@ -276,21 +258,32 @@ class HybridSparseBackend(SparseOffloadBackend):
         self.hybrid.add("promote_bytes_h2d", n * self.runtime.pool.row_bytes * self.spec.num_layers)
 
     def _place(self, fwd: ForwardPlan) -> None:
-        """Decide where each request of ``fwd`` runs, spilling and promoting (:mod:`.placement`)."""
+        """Decide where each request of ``fwd`` runs, spilling and promoting (:mod:`.placement`), then fit
+        the hot rows and the pool to the decisions."""
+        budget = self._budget
+        assert budget is not None, "HybridSparseBackend: a forward while measuring the offloaded footprint"
         tokens = dict(zip(fwd.request_ids, fwd.new_len, strict=True))
         claims = {rid: n for rid, n in tokens.items() if rid not in self._offloaded}
-        spill, start, kept = plan_pressure(self.blocks, claims, self._written, self._pinned)
+        spill, start, kept = plan_pressure(
+            self.blocks, budget, claims, self._written, self._pinned, len(self._offloaded)
+        )
         for rid in spill:
             self._spill(rid)
         for rid in start:
             self._offloaded.add(rid)
             self.hybrid.add("started_offloaded")
+        self._fit()
         for rid, n in kept.items():
             assert self.blocks.ensure(rid, n)
-        waiting = {r: tokens.get(r, self._written.get(r, 0)) for r in self._offloaded}
-        for rid, n in plan_promotions(
-            self.blocks, {r: n for r, n in waiting.items() if r not in self._pinned and r not in spill}
-        ):
+        waiting = {
+            r: tokens.get(r, self._written.get(r, 0))
+            for r in self._offloaded
+            if r not in self._pinned and r not in spill
+        }
+        promote = plan_promotions(self.blocks, budget, waiting, len(self._offloaded))
+        if promote:
+            self._fit(len(self._offloaded) - len(promote))  # the pool grows first
+        for rid, n in promote:
             self._promote(rid, n)
 
     # ------------------------------------------------------------------------------ forwards

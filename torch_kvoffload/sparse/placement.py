@@ -1,10 +1,13 @@
 """Where hybrid sparse attention keeps each request's latent KV: the decisions, made on block counts alone
 (no rows move here; :class:`~torch_kvoffload.sparse.hybrid_backend.HybridSparseBackend` carries them out).
 
-* :func:`plan_pressure`: when a forward's claims for blocks (its resident requests' growth, its new
-  requests' first rows) exceed the free blocks, the longest context among the resident requests not
-  taking part in a begun part of the forward and the claimants gives way, until the rest fit: a resident
-  one is spilled (its blocks come free), a new one starts offloaded.
+One device budget, counted in blocks of resident KV (:class:`DeviceBudget`), holds the resident requests'
+blocks and the offloaded requests' hot buffers (a decode row's hot buffers take ``hot_cost`` blocks; they
+are allocated ``chunk`` rows at a time, so that their count changes rarely: a change forgets every hot row).
+
+* :func:`plan_pressure`: while a forward's claims (its resident requests' growth, its new requests' first
+  rows) do not fit, the longest context among the resident requests not taking part in a begun part of
+  the forward and the claimants gives way: a resident one is spilled, a new one starts offloaded.
 * :func:`plan_promotions`: offloaded requests, shortest first, take blocks while their rows and one block
   of growth per resident request fit.
 
@@ -15,22 +18,59 @@ a small share of its rows, so it loses the least from living in the host pool.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 
 from torch_kvoffload.sparse.device_blocks import DeviceBlocks
 
-__all__ = ["plan_pressure", "plan_promotions"]
+__all__ = ["DeviceBudget", "plan_pressure", "plan_promotions"]
+
+
+@dataclass(frozen=True)
+class DeviceBudget:
+    """``total`` blocks of device budget; one decode row's hot buffers take ``hot_cost`` of them; hot rows
+    come ``chunk`` at a time, at least ``chunk`` and at most ``max_rows``."""
+
+    total: int
+    hot_cost: int
+    chunk: int
+    max_rows: int
+
+    def rows_for(self, offloaded: int) -> int:
+        """Hot rows allocated for ``offloaded`` requests."""
+        return min(self.max_rows, max(1, -(-offloaded // self.chunk)) * self.chunk)
+
+    def hot_blocks(self, offloaded: int) -> int:
+        return self.rows_for(offloaded) * self.hot_cost
+
+
+def _held(blocks: DeviceBlocks, skip: Collection[int]) -> int:
+    return sum(blocks.held(r) for r in blocks.holders() if r not in skip)
 
 
 def plan_pressure(
-    blocks: DeviceBlocks, claims: Mapping[int, int], lengths: Mapping[int, int], pinned: Collection[int]
-) -> tuple[list[int], list[int], dict[int, int]]:
+    blocks: DeviceBlocks, budget: DeviceBudget, claims: Mapping[int, int], lengths: Mapping[int, int],
+    pinned: Collection[int], offloaded: int,
+) -> tuple[list[int], list[int], dict[int, int]]:  # fmt: skip
     """``(resident requests to spill, in order; new requests to start offloaded; the claims that then fit)``
     for ``claims`` (request id → rows it must hold after the forward), ``lengths`` (rows each live request
-    holds now) and ``pinned`` requests (never spilled)."""
-    kept, spill, start = dict(claims), [], []
-    free = blocks.free_blocks
-    while sum(blocks.need(r, n) for r, n in kept.items()) > free:
+    holds now), ``pinned`` requests (never spilled) and ``offloaded`` requests now. ``RuntimeError`` when
+    even that does not fit (the budget is checked at sizing to hold every request offloaded)."""
+    kept: dict[int, int] = dict(claims)
+    spill: list[int] = []
+    start: list[int] = []
+
+    def used() -> int:
+        held = _held(blocks, {*spill, *kept})
+        held += sum(max(blocks.held(r), blocks.blocks_for(n)) for r, n in kept.items())
+        return held + budget.hot_blocks(offloaded + len(spill) + len(start))
+
+    while used() > budget.total:
         others = [r for r in blocks.holders() if r not in pinned and r not in kept and r not in spill]
+        if not others and not kept:
+            raise RuntimeError(
+                f"hybrid sparse: the device budget of {budget.total} blocks cannot hold the requests of this "
+                f"forward ({used()} blocks with every movable one offloaded)"
+            )
         victim = max([*others, *kept], key=lambda r: (kept.get(r, lengths.get(r, 0)), r))
         if victim in kept:
             del kept[victim]
@@ -38,20 +78,20 @@ def plan_pressure(
                 start.append(victim)
                 continue
         spill.append(victim)
-        free += blocks.held(victim)
     return spill, start, kept
 
 
-def plan_promotions(blocks: DeviceBlocks, waiting: Mapping[int, int]) -> list[tuple[int, int]]:
-    """``(request id, rows)`` of the ``waiting`` offloaded requests (id → rows it must hold) to promote, in
-    order: shortest first, while each one's blocks and one block of growth per resident request (those
-    promoted before it included) fit in the free blocks."""
-    free, holders, out = blocks.free_blocks, len(blocks.holders()), []
+def plan_promotions(
+    blocks: DeviceBlocks, budget: DeviceBudget, waiting: Mapping[int, int], offloaded: int
+) -> list[tuple[int, int]]:
+    """``(request id, rows)`` of the ``waiting`` offloaded requests (id → rows it must hold; ``offloaded``
+    requests in all) to promote, in order: shortest first, while each one's blocks and one block of growth
+    per resident request (those promoted before it included) fit beside the hot rows the others keep."""
+    used, holders, out = _held(blocks, ()), len(blocks.holders()), []
     for rid, tokens in sorted(waiting.items(), key=lambda kv: (kv[1], kv[0])):
         need = blocks.blocks_for(tokens)
-        if need + holders + 1 > free:
+        if used + need + holders + 1 + budget.hot_blocks(offloaded - 1) > budget.total:
             break
         out.append((rid, tokens))
-        free -= need
-        holders += 1
+        used, holders, offloaded = used + need, holders + 1, offloaded - 1
     return out

@@ -332,6 +332,17 @@ class SparseDecodeOffload:
         if self._step is not None:
             self._step.reset()
 
+    def resize_rows(self, max_rows: int) -> None:
+        """Hot buffers for ``max_rows`` decode rows (``>= 1``) from now on; every residency row is forgotten."""
+        check_int("SparseDecodeOffload.resize_rows", "max_rows", max_rows, minimum=1)
+        self.sync()
+        self._epoch += 1
+        self.max_rows = self._hot.max_rows = self._outputs.max_rows = max_rows
+        self._hot.resize(self._hot.capacity, self._hot.top_k)
+        self._outputs.clear()
+        if self._step is not None:
+            self._step.reset()
+
     # ----------------------------------------------------------------------------------- append
     def append(
         self,

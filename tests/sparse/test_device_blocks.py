@@ -94,12 +94,18 @@ def _holding(pool: DeviceBlocks, held: dict[int, int]) -> None:
         assert pool.ensure(rid, rows)
 
 
+def _budget(pool: DeviceBlocks, *, total: int, hot_cost: int, chunk: int) -> DeviceBudget:
+    """A budget of ``total`` blocks of ``pool`` whose hot rows take ``hot_cost`` blocks each."""
+    block = pool.block_bytes
+    return DeviceBudget(total * block, block, hot_cost * block, chunk, max_rows=8)
+
+
 def test_pressure_spills_the_longest_and_new_requests_start_offloaded_when_longest() -> None:
     pool = _pool(12)
     _holding(pool, {1: 16, 2: 8, 3: 4})  # 4 + 2 + 1 blocks
     lengths = {1: 16, 2: 8, 3: 4}
     # 11 blocks of budget, a hot row costs one block, rows come one at a time (at least one)
-    budget = DeviceBudget(total=11, hot_cost=1, chunk=1, max_rows=8)
+    budget = _budget(pool, total=11, hot_cost=1, chunk=1)
     # request 2 grows by a block, a new request 4 needs 3: 4 + 3 + 1 + 3 + one hot row = 12 > 11: the
     # longest, request 1, is spilled (its 4 blocks for a hot row)
     spill, start, kept = plan_pressure(pool, budget, {2: 9, 4: 12}, lengths, pinned=(), offloaded=0)
@@ -116,7 +122,7 @@ def test_pressure_spills_the_longest_and_new_requests_start_offloaded_when_longe
         {3: 5, 5: 4},
     )
     # hot rows costly enough that offloading frees nothing, and every resident request pinned: refused
-    dear = DeviceBudget(total=8, hot_cost=6, chunk=1, max_rows=8)
+    dear = _budget(pool, total=8, hot_cost=6, chunk=1)
     with pytest.raises(RuntimeError, match="cannot hold the requests of this forward"):
         plan_pressure(pool, dear, {4: 12}, lengths, pinned={1, 2, 3}, offloaded=0)
 
@@ -124,7 +130,7 @@ def test_pressure_spills_the_longest_and_new_requests_start_offloaded_when_longe
 def test_promotions_take_the_shortest_first_and_leave_a_block_of_growth_per_resident_request() -> None:
     pool = _pool(12)
     _holding(pool, {1: 8})  # 2 blocks held, one resident request
-    budget = DeviceBudget(total=12, hot_cost=1, chunk=1, max_rows=8)
+    budget = _budget(pool, total=12, hot_cost=1, chunk=1)
     # 7 rows (2 blocks): 2 + 2 + growth for two + one hot row left = 7 <= 12; then 13 rows (4 blocks):
     # 4 + 4 + growth for three + one hot row (at least one is kept) = 12 <= 12
     assert plan_promotions(pool, budget, {3: 13, 2: 7}, offloaded=2) == [(2, 7), (3, 13)]
@@ -132,6 +138,6 @@ def test_promotions_take_the_shortest_first_and_leave_a_block_of_growth_per_resi
     assert plan_promotions(pool, budget, {3: 17, 2: 7}, offloaded=2) == [(2, 7)]
     assert plan_promotions(pool, budget, {2: 60}, offloaded=1) == []
     # rows come in chunks: promoting one of five offloaded requests keeps a chunk of four rows either way
-    chunked = DeviceBudget(total=12, hot_cost=1, chunk=4, max_rows=8)
+    chunked = _budget(pool, total=12, hot_cost=1, chunk=4)
     assert chunked.rows_for(5) == 8 and chunked.rows_for(4) == 4 and chunked.rows_for(0) == 4
     assert plan_promotions(pool, chunked, {2: 4}, offloaded=5) == [(2, 4)]  # 2 + 1 + 2 + 4 = 9

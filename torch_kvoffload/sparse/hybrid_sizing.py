@@ -47,8 +47,7 @@ def device_budget(
     hot_row = rt.capacity * rt.pool.row_bytes * rt.num_layers  # one decode row's hot buffers
     full = layout.slots * blocks.blocks_for(layout.tokens)
     block = blocks.block_bytes
-    hot_cost = -(-hot_row // block)
-    floor = rest + layout.slots * hot_cost * block
+    floor = rest + layout.slots * hot_row
     if budget is None:  # what is allocated now is not free
         hot_now = sum(t.nbytes for t in (*rt.hot_kv_c, *rt.hot_k_pe))
         pool_now = sum(t.nbytes for t in blocks.tensors())
@@ -61,8 +60,8 @@ def device_budget(
         )
     else:
         avail = budget - rest
-    total = min(avail // block, full + layout.slots * hot_cost)
-    return DeviceBudget(total, hot_cost, chunk(layout.slots), layout.slots), (floor, full * block)
+    total = min(avail, full * block + layout.slots * hot_row)
+    return DeviceBudget(total, block, hot_row, chunk(layout.slots), layout.slots), (floor, full * block)
 
 
 def fit(
@@ -71,7 +70,7 @@ def fit(
     """Hot rows for ``offloaded`` requests, the rest of ``budget`` to the resident pool (at most what every
     request of ``layout`` resident takes); the one that shrinks goes first."""
     rows = budget.rows_for(offloaded)
-    pool = min(layout.slots * blocks.blocks_for(layout.tokens), budget.total - rows * budget.hot_cost)
+    pool = min(layout.slots * blocks.blocks_for(layout.tokens), budget.pool_blocks(offloaded))
     if rows > rt.max_rows:
         blocks.allocate(pool)
         rt.resize_rows(rows)

@@ -1,9 +1,9 @@
 """Where hybrid sparse attention keeps each request's latent KV: the decisions, made on block counts alone
 (no rows move here; :class:`~torch_kvoffload.sparse.hybrid_backend.HybridSparseBackend` carries them out).
 
-One device budget, counted in blocks of resident KV (:class:`DeviceBudget`), holds the resident requests'
-blocks and the offloaded requests' hot buffers (a decode row's hot buffers take ``hot_cost`` blocks; they
-are allocated ``chunk`` rows at a time, so that their count changes rarely: a change forgets every hot row).
+One device budget in bytes (:class:`DeviceBudget`) holds the resident requests' blocks and the offloaded
+requests' hot buffers (``hot_row`` bytes a decode row; allocated ``chunk`` rows at a time, so that their
+count changes rarely: a change forgets every hot row).
 
 * :func:`plan_pressure`: while a forward's claims (its resident requests' growth, its new requests' first
   rows) do not fit, the longest context among the resident requests not taking part in a begun part of
@@ -27,11 +27,13 @@ __all__ = ["DeviceBudget", "plan_pressure", "plan_promotions"]
 
 @dataclass(frozen=True)
 class DeviceBudget:
-    """``total`` blocks of device budget; one decode row's hot buffers take ``hot_cost`` of them; hot rows
-    come ``chunk`` at a time, at least ``chunk`` and at most ``max_rows``."""
+    """``total`` bytes of device budget for resident blocks of ``block`` bytes and hot rows of ``hot_row``
+    bytes (one decode row's hot buffers, every layer); hot rows come ``chunk`` at a time, at least ``chunk``
+    and at most ``max_rows``."""
 
     total: int
-    hot_cost: int
+    block: int
+    hot_row: int
     chunk: int
     max_rows: int
 
@@ -39,8 +41,12 @@ class DeviceBudget:
         """Hot rows allocated for ``offloaded`` requests."""
         return min(self.max_rows, max(1, -(-offloaded // self.chunk)) * self.chunk)
 
-    def hot_blocks(self, offloaded: int) -> int:
-        return self.rows_for(offloaded) * self.hot_cost
+    def hot_bytes(self, offloaded: int) -> int:
+        return self.rows_for(offloaded) * self.hot_row
+
+    def pool_blocks(self, offloaded: int) -> int:
+        """Blocks left to the resident pool beside the hot rows of ``offloaded`` requests."""
+        return (self.total - self.hot_bytes(offloaded)) // self.block
 
 
 def _held(blocks: DeviceBlocks, skip: Collection[int]) -> int:
@@ -62,14 +68,14 @@ def plan_pressure(
     def used() -> int:
         held = _held(blocks, {*spill, *kept})
         held += sum(max(blocks.held(r), blocks.blocks_for(n)) for r, n in kept.items())
-        return held + budget.hot_blocks(offloaded + len(spill) + len(start))
+        return held * budget.block + budget.hot_bytes(offloaded + len(spill) + len(start))
 
     while used() > budget.total:
         others = [r for r in blocks.holders() if r not in pinned and r not in kept and r not in spill]
         if not others and not kept:
             raise RuntimeError(
-                f"hybrid sparse: the device budget of {budget.total} blocks cannot hold the requests of this "
-                f"forward ({used()} blocks with every movable one offloaded)"
+                f"hybrid sparse: the device budget of {budget.total} bytes cannot hold the requests of this "
+                f"forward ({used()} bytes with every movable one offloaded)"
             )
         victim = max([*others, *kept], key=lambda r: (kept.get(r, lengths.get(r, 0)), r))
         if victim in kept:
@@ -90,7 +96,7 @@ def plan_promotions(
     used, holders, out = _held(blocks, ()), len(blocks.holders()), []
     for rid, tokens in sorted(waiting.items(), key=lambda kv: (kv[1], kv[0])):
         need = blocks.blocks_for(tokens)
-        if used + need + holders + 1 + budget.hot_blocks(offloaded - 1) > budget.total:
+        if (used + need + holders + 1) * budget.block + budget.hot_bytes(offloaded - 1) > budget.total:
             break
         out.append((rid, tokens))
         used, holders, offloaded = used + need, holders + 1, offloaded - 1

@@ -125,6 +125,7 @@ def ramp(args) -> dict[str, Any]:
         r["decode_step_s"] = min(medians) if medians else None
         r["decode_tok_s"] = r["held"] / r["decode_step_s"] if medians else None
         r["tokens_equal_resident"] = r["tokens"] == runs[("resident", n)]["tokens"]
+    for r in runs.values():
         del r["tokens"]
     for n in loads:
         best = max(runs[(v, n)]["decode_tok_s"] or 0 for v in ("resident", "offloaded"))

@@ -84,7 +84,7 @@ def test_tokens_equal_the_resident_run_through_spills_and_promotions(ref, shape,
             "the resident run is the unmodified model's"
         )
     moved = {"spills": 0, "started_offloaded": 0, "promotions": 0}
-    for budget in _budgets(model, ids, mask, extra, (0.6, 0.3), **kw):
+    for budget in _budgets(model, ids, mask, extra, (0.3, 0.1), **kw):
         auto = torch_kvoffload.offload(copy.deepcopy(model), _auto(extra, budget))
         assert torch.equal(_generate(auto, ids, mask, **kw), want)
         assert torch.equal(_generate(auto, ids, mask, **kw), want), "a second call (prefix reuse) too"
@@ -96,7 +96,7 @@ def test_tokens_equal_the_resident_run_through_spills_and_promotions(ref, shape,
             moved[k] += st[k]
         if st["spills"]:
             assert st["spill_bytes_d2h"] > 0
-    assert moved["started_offloaded"] > 0, moved
+    assert moved["spills"] + moved["started_offloaded"] > 0, moved
     if shape == "beams":  # ended beams free blocks: offloaded beams are promoted
         assert moved["promotions"] > 0, moved
     else:
@@ -185,7 +185,8 @@ def test_a_budget_too_small_is_a_clear_error(ref) -> None:
 def test_continuous_batching_admits_by_the_offloaded_footprint_and_promotes_when_requests_end() -> None:
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    model = build_model("deepseek_v32", **WIDTHS)
+    # a top-k of 4: hot buffers (8 rows) far smaller than a request's rows, as at production lengths
+    model = build_model("deepseek_v32", **{**WIDTHS, "index_topk": 4})
     with torch.no_grad():
         model.model.embed_tokens.weight[0].normal_()  # a zero embedding ties every indexer score
     g = torch.Generator().manual_seed(0)
@@ -198,9 +199,10 @@ def test_continuous_batching_admits_by_the_offloaded_footprint_and_promotes_when
                                "serving": {"max_requests": 3, "max_request_tokens": 64}},
     )  # fmt: skip
     probe.init_continuous_batching(generation_config=gen, continuous_batching_config=cb).stop()
-    s, wanted = session_of(probe).serving, torch_kvoffload.stats(probe)["resident_kv_bytes_wanted"]
-    # three requests' offloaded footprints and an eighth of their resident KV
-    budget = s.fixed_device_bytes + 3 * s.device_bytes_per_request + wanted // 8
+    s = session_of(probe).serving
+    # three requests' offloaded footprints: what the indexer rows and hot buffers the requests do not use
+    # yet leave holds some of them resident
+    budget = s.fixed_device_bytes + 3 * s.device_bytes_per_request
     serving = {"max_requests": 3, "max_request_tokens": 64, "device_kv_budget": budget}
     torch_kvoffload.offload(model, {"sparse": {"offload": "auto"}, "block_size": 8, "serving": serving})
     out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
@@ -209,7 +211,8 @@ def test_continuous_batching_admits_by_the_offloaded_footprint_and_promotes_when
     st = torch_kvoffload.stats(model)
     assert st["serving_slots"] == 3, "slots counted by the offloaded footprint"
     assert st["device_kv_bytes"] <= budget
-    assert st["spills"] + st["started_offloaded"] > 0 and st["promotions"] > 0, st
+    moved = {k: st[k] for k in ("spills", "started_offloaded", "promotions", "resident_pool_blocks")}
+    assert moved["spills"] + moved["started_offloaded"] > 0 and moved["promotions"] > 0, moved
     assert st["resident_requests"] == st["offloaded_requests"] == 0, "every request released"
 
 

@@ -320,11 +320,12 @@ class SparseOffloadBackend(KVBackend):
         sub = fwd.memo.get(("sparse_sub", None if at is None else tuple(at)))
         if sub is None:  # the step's per-forward inputs, the same tensors for every layer
             ids = fwd.request_ids if at is None else [fwd.request_ids[i] for i in at]
-            pick = None if at is None else torch.tensor(at, dtype=torch.int64, device=fwd.index_table.device)
-            tables = (fwd.index_table, fwd.cu_seqlens_q, fwd.seq_lens_k)
+            index_table = self.index.fwd_table(fwd)
+            pick = None if at is None else torch.tensor(at, dtype=torch.int64, device=index_table.device)
+            tables = (index_table, fwd.cu_seqlens_q, fwd.seq_lens_k)
             if pick is not None:
                 cu = torch.arange(len(at) + 1, dtype=torch.int32, device=fwd.cu_seqlens_q.device)
-                tables = (fwd.index_table[pick], cu, fwd.seq_lens_k[pick])
+                tables = (index_table[pick], cu, fwd.seq_lens_k[pick])
             sub = fwd.memo[("sparse_sub", None if at is None else tuple(at))] = [ids, pick, tables, None]
         ids, pick, (index_table, cu_seqlens_q, seq_lens_k), rows = sub
         index_q, weights, q_nope, q_pe = q.index_q, q.index_weights, q.q_nope, q.q_pe

@@ -1,7 +1,7 @@
 """``DeviceBlocks``: the resident requests' latent KV of hybrid sparse attention, in a device pool of blocks.
 
 Per layer and component one tensor ``[num_blocks * block_size, width]`` (the model's ``kv_c`` / ``k_pe`` rows,
-or one ``uint8`` FP8 row); a request holds a list of blocks, its logical position ``p`` at flat row
+one ``uint8`` FP8 row, indexer keys; ``width`` ``None``: ``[num_blocks * block_size]``, a value per row); a request holds a list of blocks, its logical position ``p`` at flat row
 ``blocks[p // block_size] * block_size + p % block_size``. Blocks are taken from a free list as a request
 grows and given back when it ends, is truncated or is spilled to the host pool, so the pool is shared by
 however many requests fit in it, whatever their lengths.
@@ -23,7 +23,7 @@ class DeviceBlocks:
     def __init__(
         self,
         num_layers: int,
-        components: Sequence[tuple[int, torch.dtype]],
+        components: Sequence[tuple[int | None, torch.dtype]],
         block_size: int,
         device: torch.device,
     ) -> None:
@@ -37,7 +37,7 @@ class DeviceBlocks:
     @property
     def block_bytes(self) -> int:
         """Bytes one block takes over every layer and component."""
-        row = sum(w * dt.itemsize for w, dt in self.components)
+        row = sum((w or 1) * dt.itemsize for w, dt in self.components)
         return row * self.block_size * self.num_layers
 
     @property
@@ -164,6 +164,12 @@ class DeviceBlocks:
 
     def flat(self, layer: int) -> tuple[torch.Tensor, ...]:
         return self.layers[layer]
+
+    def paged(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """``layer``'s components as ``[num_blocks, block_size, width]`` (``[num_blocks, block_size]``) views,
+        the paged-cache layout the indexer ops read through a block table."""
+        bs = self.block_size
+        return tuple(t.view(-1, bs, *t.shape[1:]) for t in self.layers[layer])
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for layer in self.layers for t in layer]

@@ -39,6 +39,7 @@ from torch_kvoffload.kv.requests import Request
 from torch_kvoffload.kv.spec import ModelSpec
 from torch_kvoffload.ops.fp8 import kv_row_bytes
 from torch_kvoffload.sparse.backend import SparseOffloadBackend
+from torch_kvoffload.sparse.block_indexer import BlockIndexerCache
 from torch_kvoffload.sparse.config import SparseOptions
 from torch_kvoffload.sparse.device_blocks import DeviceBlocks
 from torch_kvoffload.sparse.hybrid_sizing import check_budget_holds_one, chunk, device_budget, fit
@@ -49,6 +50,7 @@ from torch_kvoffload.sparse.resident_step import (
     resident_attention,
     resident_selected,
     select_rows,
+    split_new_rows,
 )
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,7 @@ class HybridSparseBackend(SparseOffloadBackend):
         self, spec: ModelSpec, options: SparseOptions, *, block_size: int, budget: int | None
     ) -> None:
         super().__init__(spec, options, block_size=block_size)
+        self.index = BlockIndexerCache(spec, options.indexer_dtype or "bf16", block_size)
         want = options.kv_dtype
         if want is not None and not self.fp8 and parse_dtype("sparse.kv_dtype", want) != spec.dtype:
             raise ValueError(
@@ -128,34 +131,49 @@ class HybridSparseBackend(SparseOffloadBackend):
         """Hot rows to start with: one chunk (every slot's while measuring the offloaded footprint)."""
         return layout.slots if self._no_pool else min(layout.slots, chunk(layout.slots))
 
-    def _fit(self, offloaded: int | None = None) -> None:
+    def _index_need(self, grow: dict[int, int]) -> int:
+        """Indexer blocks the live requests hold once the requests in ``grow`` (slot → rows) have theirs."""
+        index = self.index.blocks
+        held = {r.slot: index.held(r.slot) for r in self._requests.values()}
+        for slot, n in grow.items():
+            held[slot] = max(held.get(slot, 0), index.blocks_for(n))
+        return sum(held.values())
+
+    def _fit(self, index_need: int, offloaded: int | None = None) -> None:
         assert self.runtime is not None and self._budget is not None and self._layout is not None
         n = len(self._offloaded) if offloaded is None else offloaded
-        fit(self.runtime, self.blocks, self._budget, self._layout, n)
+        fit(self.runtime, self.blocks, self.index.blocks, self._budget, self._layout, n, index_need)
+
+    def _make_room(self, grow: dict[int, int]) -> int:
+        """Spill the longest resident requests until the indexer rows of ``grow`` (slot → rows) fit; returns
+        the indexer blocks then needed (sizes not yet fitted)."""
+        assert self._budget is not None
+        need = self._index_need(grow)
+        pool = self._budget.index_pool(need, self.index.blocks.num_blocks)
+        spill, _, _ = plan_pressure(self.blocks, self._budget, {}, self._written, self._pinned,
+                                    len(self._offloaded), pool)  # fmt: skip
+        for rid in spill:  # the longest first
+            self._spill(rid)
+        return need
 
     def resize(self, layout: KVLayout, live: Sequence[Request]) -> None:
         super().resize(layout, live)
         if not live:
             self._forget()
-        if self._no_pool:
+        index = self.index.blocks
+        if self._no_pool:  # every slot's full indexer rows and hot buffers: the offloaded footprint
             self._budget = None
+            index.allocate(layout.slots * index.blocks_for(layout.tokens))
             return
         rest = sum(t.nbytes for b in self.others for t in b.device_tensors())
         assert self.runtime is not None
-        self._budget, self._sizes = device_budget(
-            self.budget, layout, self.runtime, self.blocks, rest + sum(t.nbytes for t in self.index.tensors())
-        )
-        spill, _, _ = plan_pressure(self.blocks, self._budget, {}, self._written, (), len(self._offloaded))
-        for rid in spill:  # the longest first
-            self._spill(rid)
-        self._fit()
+        self._budget, self._sizes = device_budget(self.budget, layout, self.runtime, self.blocks, index, rest)
+        self._fit(self._make_room({}))
 
     def _forget(self) -> None:
         self.blocks.free()
-        for d in (self._requests, self._written, self._host_len):
-            d.clear()
-        self._offloaded.clear()
-        self._pinned.clear()
+        for c in (self._requests, self._written, self._host_len, self._offloaded, self._pinned):
+            c.clear()
 
     def free(self) -> None:
         try:
@@ -171,6 +189,8 @@ class HybridSparseBackend(SparseOffloadBackend):
 
     def release(self, request_ids: Sequence[int]) -> None:
         for rid in request_ids:
+            if rid in self._requests:
+                self.index.blocks.drop(self._requests[rid].slot)
             self.blocks.drop(rid)
             self._offloaded.discard(rid)
             for d in (self._requests, self._written, self._host_len):
@@ -180,13 +200,15 @@ class HybridSparseBackend(SparseOffloadBackend):
     def fork(self, layout: KVLayout, src: Request, dst: Request, length: int) -> None:
         """``dst`` continues ``src``: resident when ``src`` is and its blocks fit (rows copied on the device),
         else offloaded (``src``'s rows brought into the host pool first, then shared copy-on-write)."""
+        budget = self._budget
+        assert budget is not None
+        need = self._make_room({dst.slot: length})
+        self._fit(need)
         self.index.copy_rows(src.slot, dst.slot, length)
         self._written[dst.id] = length
-        budget = self._budget
-        if (
-            self.blocks.holds(src.id)
-            and budget is not None
-            and plan_promotions(self.blocks, budget, {dst.id: length}, len(self._offloaded) + 1)
+        pool = self.index.blocks.num_blocks
+        if self.blocks.holds(src.id) and plan_promotions(
+            self.blocks, budget, {dst.id: length}, len(self._offloaded) + 1, pool
         ):
             self.blocks.ensure(dst.id, length)
             self.blocks.copy_rows(src.id, dst.id, length)
@@ -205,6 +227,7 @@ class HybridSparseBackend(SparseOffloadBackend):
         self._written[rid] = min(self._written.get(rid, 0), length)
         self._host_len[rid] = min(self._host_len.get(rid, 0), length)
         self.blocks.shrink(rid, length)
+        self.index.blocks.shrink(request.slot, length)
 
     # ---------------------------------------------------------------------- spill / promote
     def _to_host(self, rid: int, upto: int) -> int:
@@ -258,21 +281,25 @@ class HybridSparseBackend(SparseOffloadBackend):
         self.hybrid.add("promote_bytes_h2d", n * self.runtime.pool.row_bytes * self.spec.num_layers)
 
     def _place(self, fwd: ForwardPlan) -> None:
-        """Decide where each request of ``fwd`` runs, spilling and promoting (:mod:`.placement`), then fit
-        the hot rows and the pool to the decisions."""
+        """Decide where each request of ``fwd`` runs, spilling and promoting (:mod:`.placement`), fit the
+        pools and hot rows to the decisions, give the requests their blocks."""
         budget = self._budget
         assert budget is not None, "HybridSparseBackend: a forward while measuring the offloaded footprint"
         tokens = dict(zip(fwd.request_ids, fwd.new_len, strict=True))
+        need = self._index_need(dict(zip(fwd.slots, fwd.new_len, strict=True)))
+        index_pool = budget.index_pool(need, self.index.blocks.num_blocks)
         claims = {rid: n for rid, n in tokens.items() if rid not in self._offloaded}
         spill, start, kept = plan_pressure(
-            self.blocks, budget, claims, self._written, self._pinned, len(self._offloaded)
+            self.blocks, budget, claims, self._written, self._pinned, len(self._offloaded), index_pool
         )
         for rid in spill:
             self._spill(rid)
         for rid in start:
             self._offloaded.add(rid)
             self.hybrid.add("started_offloaded")
-        self._fit()
+        self._fit(need)
+        for slot, n in zip(fwd.slots, fwd.new_len, strict=True):
+            assert self.index.blocks.ensure(slot, n)
         for rid, n in kept.items():
             assert self.blocks.ensure(rid, n)
         waiting = {
@@ -280,9 +307,10 @@ class HybridSparseBackend(SparseOffloadBackend):
             for r in self._offloaded
             if r not in self._pinned and r not in spill
         }
-        promote = plan_promotions(self.blocks, budget, waiting, len(self._offloaded))
+        index_pool = self.index.blocks.num_blocks
+        promote = plan_promotions(self.blocks, budget, waiting, len(self._offloaded), index_pool)
         if promote:
-            self._fit(len(self._offloaded) - len(promote))  # the pool grows first
+            self._fit(need, len(self._offloaded) - len(promote))  # the pool grows first
         for rid, n in promote:
             self._promote(rid, n)
 
@@ -340,7 +368,13 @@ class HybridSparseBackend(SparseOffloadBackend):
             k_pe = kv_c[:, :0]
         split = fwd.memo.get("hybrid_rows")
         if split is None:  # once per forward part: each layer writes the same rows
-            split = fwd.memo["hybrid_rows"] = self._row_split(fwd, resident, offloaded)
+            dev_at, dev_rows, host_at = split_new_rows(fwd, self.blocks, resident, self.spec.device)
+            ids = fwd.request_ids
+            placed = None
+            if offloaded:
+                host_rows = fwd.row.cpu()[host_at.cpu()]
+                placed = rt.place_rows([ids[r] for r in host_rows.tolist()], fwd.pos.cpu()[host_at.cpu()])
+            split = fwd.memo["hybrid_rows"] = (dev_at, dev_rows, host_at, placed)
         dev_at, dev_rows, host_at, placed = split
         self.blocks.write(layer, dev_rows, [kv_c[dev_at]] if self.fp8 else [kv_c[dev_at], k_pe[dev_at]])
         if placed is not None:
@@ -348,25 +382,6 @@ class HybridSparseBackend(SparseOffloadBackend):
         self.index.write_keys(layer, fwd, rows)
         if not fwd.decode and not fwd.layerwise:
             self._rows[layer] = (kv_c, k_pe)
-
-    def _row_split(self, fwd: ForwardPlan, resident: list[int], offloaded: list[int]) -> tuple:
-        """``(device row indices, their flat block rows, host row indices, the pool's placed rows or
-        None)`` of the forward's new rows, by where their requests live."""
-        rt, device = self.runtime, self.spec.device
-        assert rt is not None
-        row = fwd.row.cpu()
-        on_dev = torch.zeros(fwd.B, dtype=torch.bool)
-        on_dev[resident] = True
-        mask = on_dev[row]
-        dev_at, host_at = mask.nonzero().flatten(), (~mask).nonzero().flatten()
-        ids = fwd.request_ids
-        table = self.blocks.table(ids, torch.device("cpu"))
-        pos, bs = fwd.pos.cpu()[dev_at], self.block_size
-        dev_rows = table[row[dev_at], pos // bs] * bs + pos % bs
-        placed = None
-        if offloaded:
-            placed = rt.place_rows([ids[r] for r in row[host_at].tolist()], fwd.pos.cpu()[host_at])
-        return dev_at.to(device), dev_rows.to(device), host_at.to(device), placed
 
     def earlier_rows(self, layer: int, fwd: ForwardPlan) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each request's rows before ``fwd``: a resident one's from its blocks, an offloaded one's from the
@@ -398,14 +413,14 @@ class HybridSparseBackend(SparseOffloadBackend):
         assert self.runtime is not None and q.index_q is not None and q.index_weights is not None
         sub = fwd.memo.get("hybrid_sub")
         if sub is None:  # the resident rows' inputs, the same tensors for every layer
-            device = fwd.index_table.device
+            device = fwd.cu_seqlens_q.device
             pick = torch.tensor(resident, dtype=torch.int64, device=device)
             cu = torch.arange(len(resident) + 1, dtype=torch.int32, device=fwd.cu_seqlens_q.device)
             table = self.blocks.table([fwd.request_ids[i] for i in resident], self.spec.device)
             host_pick = torch.tensor(offloaded, dtype=torch.int64, device=device)
             sub = fwd.memo["hybrid_sub"] = (
                 pick,
-                fwd.index_table[pick],
+                self.index.fwd_table(fwd)[pick],
                 cu,
                 fwd.seq_lens_k[pick],
                 table,
@@ -447,21 +462,14 @@ class HybridSparseBackend(SparseOffloadBackend):
         self, layer: int, requests: Sequence[Request], part: str, start: int = 0, *, stored: bool = False
     ) -> list[torch.Tensor] | None:
         """As :meth:`SparseOffloadBackend.read`, a resident request's rows from its blocks."""
-        if part == "index_k" or not any(self.blocks.holds(r.id) for r in requests):
-            return super().read(layer, requests, part, start, stored=stored)
+        if part != "index_k" and self.fp8 and not stored:
+            return super().read(layer, requests, part, start, stored=stored)  # refused there
         out = []
         for r in requests:
-            if not self.blocks.holds(r.id):
-                got = super().read(layer, [r], part, start, stored=stored)
-                assert got is not None
-                out.append(got[0])
-                continue
-            if self.fp8 and not stored:
-                raise RuntimeError(
-                    f"the resident KV keeps FP8 rows (sparse.kv_dtype={FP8_KV!r}), which do not give the "
-                    "model's latent KV back exactly; use the model's dtype to read it"
-                )
-            out.append(self.blocks.read(layer, r.id, start, r.length)[0 if part == "kv_c" else 1])
+            if part == "index_k" or not self.blocks.holds(r.id):
+                out += super().read(layer, [r], part, start, stored=stored) or []
+            else:
+                out.append(self.blocks.read(layer, r.id, start, r.length)[0 if part == "kv_c" else 1])
         return out
 
     # ------------------------------------------------------------------------------ accounting
@@ -474,12 +482,10 @@ class HybridSparseBackend(SparseOffloadBackend):
         return sum(t.nbytes for t in self.blocks.tensors())
 
     def stats(self) -> dict[str, float]:
-        """Sparse decode offload's counters, and: ``resident_requests`` / ``offloaded_requests`` now,
-        ``spills`` / ``promotions`` and their bytes (``spill_bytes_d2h``, ``promote_bytes_h2d``),
-        ``spill_failures`` / ``promote_failures``, ``started_offloaded`` (requests whose first rows did
-        not fit), ``resident_pool_blocks`` / ``resident_pool_free_blocks``; at the last sizing,
-        ``offloaded_kv_bytes`` (every other device cache: what the budget must hold before any request is
-        resident) and ``resident_kv_bytes_wanted`` (the pool every request fully resident would take)."""
+        """Sparse decode offload's counters and :attr:`STATS`: requests resident / offloaded now, spills and
+        promotions (bytes, failures), requests whose first rows did not fit, the latent pool's blocks; at
+        the last sizing the offloaded footprint of every slot (what the budget must hold) and the pool
+        every request fully resident would take."""
         return {
             **super().stats(),
             **self.hybrid.snapshot(),

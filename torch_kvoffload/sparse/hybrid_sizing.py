@@ -39,43 +39,51 @@ def check_budget_holds_one(budget: int, num_layers: int, capacity: int, row_byte
 
 
 def device_budget(
-    budget: int | None, layout: KVLayout, rt: SparseDecodeOffload, blocks: DeviceBlocks, rest: int
-) -> tuple[DeviceBudget, tuple[int, int]]:
-    """The :class:`DeviceBudget` of ``layout`` (``rest``: bytes of every other device cache), and ``(the
-    offloaded footprint of every slot, the pool of every request resident)`` in bytes. ``ValueError`` when
-    ``budget`` cannot hold every request offloaded."""
+    budget: int | None, layout: KVLayout, rt: SparseDecodeOffload, blocks: DeviceBlocks, index: DeviceBlocks,
+    rest: int,
+) -> tuple[DeviceBudget, tuple[int, int]]:  # fmt: skip
+    """The :class:`DeviceBudget` of ``layout`` (``rest``: bytes of the other backends' device caches; ``blocks``
+    / ``index``: the latent and indexer pools), and ``(the offloaded footprint of every slot, the latent pool
+    of every request resident)`` in bytes. ``ValueError`` when ``budget`` cannot hold every request
+    offloaded (its indexer rows and hot buffers)."""
     hot_row = rt.capacity * rt.pool.row_bytes * rt.num_layers  # one decode row's hot buffers
+    per_slot = index.blocks_for(layout.tokens)
     full = layout.slots * blocks.blocks_for(layout.tokens)
-    block = blocks.block_bytes
-    floor = rest + layout.slots * hot_row
+    block, index_block = blocks.block_bytes, index.block_bytes
+    floor = rest + layout.slots * (hot_row + per_slot * index_block)
     if budget is None:  # what is allocated now is not free
-        hot_now = sum(t.nbytes for t in (*rt.hot_kv_c, *rt.hot_k_pe))
-        pool_now = sum(t.nbytes for t in blocks.tensors())
-        avail = int(FREE_DEVICE_SHARE * free_device_bytes(rt.device)) + pool_now + hot_now
+        now = sum(t.nbytes for t in (*rt.hot_kv_c, *rt.hot_k_pe, *blocks.tensors(), *index.tensors()))
+        avail = int(FREE_DEVICE_SHARE * free_device_bytes(rt.device)) + now
     elif budget < floor:
         raise ValueError(
             f"serving.device_kv_budget={budget} bytes cannot hold {layout.slots} offloaded request(s) of "
-            f"{layout.tokens} tokens: their hot buffers and indexer cache and the other device caches take "
+            f"{layout.tokens} tokens: their hot buffers and indexer rows and the other device caches take "
             f"{floor} bytes; lower the requests or their tokens, or raise the budget"
         )
     else:
         avail = budget - rest
-    total = min(avail, full * block + layout.slots * hot_row)
-    return DeviceBudget(total, block, hot_row, chunk(layout.slots), layout.slots), (floor, full * block)
+    total = min(avail, floor - rest + full * block)
+    dev = DeviceBudget(
+        total, block, hot_row, chunk(layout.slots), layout.slots, index_block, layout.slots * per_slot
+    )
+    return dev, (floor, full * block)
 
 
 def fit(
-    rt: SparseDecodeOffload, blocks: DeviceBlocks, budget: DeviceBudget, layout: KVLayout, offloaded: int
-) -> None:
-    """Hot rows for ``offloaded`` requests, the rest of ``budget`` to the resident pool (at most what every
-    request of ``layout`` resident takes); the one that shrinks goes first."""
+    rt: SparseDecodeOffload, blocks: DeviceBlocks, index: DeviceBlocks, budget: DeviceBudget, layout: KVLayout,
+    offloaded: int, index_need: int,
+) -> None:  # fmt: skip
+    """Hot rows for ``offloaded`` requests, an indexer pool for ``index_need`` blocks (with slack), the rest
+    of ``budget`` to the latent pool (at most what every request of ``layout`` resident takes); whatever
+    shrinks goes first, so the device never holds more than the budget."""
     rows = budget.rows_for(offloaded)
-    pool = min(layout.slots * blocks.blocks_for(layout.tokens), budget.pool_blocks(offloaded))
-    if rows > rt.max_rows:
-        blocks.allocate(pool)
-        rt.resize_rows(rows)
-    elif rows < rt.max_rows:
-        rt.resize_rows(rows)
-        blocks.allocate(pool)
-    elif pool != blocks.num_blocks:
-        blocks.allocate(pool)
+    index_blocks = budget.index_pool(index_need, index.num_blocks)
+    pool = min(layout.slots * blocks.blocks_for(layout.tokens), budget.pool_blocks(offloaded, index_blocks))
+    resizes = [
+        (rt.max_rows, rows, rt.resize_rows),
+        (index.num_blocks, index_blocks, index.allocate),
+        (blocks.num_blocks, pool, blocks.allocate),
+    ]
+    for now, want, resize in sorted(resizes, key=lambda r: r[1] - r[0]):  # the largest shrink first
+        if want != now:
+            resize(want)

@@ -13,12 +13,16 @@ from collections.abc import Sequence
 import torch
 
 from torch_kvoffload.kv.backend import IndexerView, SelectedRows
+from torch_kvoffload.kv.forward import ForwardPlan
 from torch_kvoffload.ops.fp8_attention import dequantize_rows, fp8_sparse_mla_attention
 from torch_kvoffload.ops.fp8_indexer import fp8_lightning_indexer, hadamard_quant_fp8
 from torch_kvoffload.ops.indexer import hadamard_quant_int8, lightning_indexer, quant_lightning_indexer
 from torch_kvoffload.ops.sparse_attention import sparse_mla_attention
+from torch_kvoffload.sparse.device_blocks import DeviceBlocks
 
-__all__ = ["block_rows", "merge_selected", "resident_attention", "resident_selected", "select_rows"]
+__all__ = [
+    "block_rows", "merge_selected", "resident_attention", "resident_selected", "select_rows", "split_new_rows",
+]  # fmt: skip
 
 
 def select_rows(
@@ -80,3 +84,19 @@ def merge_selected(n: int, parts: Sequence[tuple[torch.Tensor, SelectedRows]]) -
     for at, rows in parts:
         pos[at], kv_c[at], k_pe[at] = rows.positions, rows.kv_c.to(kv_c.dtype), rows.k_pe.to(k_pe.dtype)
     return SelectedRows(pos, kv_c, k_pe)
+
+
+def split_new_rows(
+    fwd: ForwardPlan, blocks: DeviceBlocks, resident: Sequence[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(indices of fwd's new rows whose requests are resident, their flat rows in ``blocks``, indices of
+    the others)``, int64 on ``device``; ``resident``: the batch rows of resident requests."""
+    row = fwd.row.cpu()
+    on_dev = torch.zeros(fwd.B, dtype=torch.bool)
+    on_dev[list(resident)] = True
+    mask = on_dev[row]
+    dev_at, host_at = mask.nonzero().flatten(), (~mask).nonzero().flatten()
+    table = blocks.table(fwd.request_ids, torch.device("cpu"))
+    pos, bs = fwd.pos.cpu()[dev_at], blocks.block_size
+    dev_rows = table[row[dev_at], pos // bs] * bs + pos % bs
+    return dev_at.to(device), dev_rows.to(device), host_at.to(device)

@@ -19,8 +19,8 @@ On this machine the "device" is the CPU: the budget is an accounting limit, the 
 Writes ``benchmarks/results/hybrid_bench.json``, ``.md`` and ``.png`` (tok/s and requests held against the
 load, three lines each).
 
-    python benchmarks/hybrid_bench.py            # 2 layers, 512-token prompts (~10 minutes)
-    python benchmarks/hybrid_bench.py --quick    # 1 layer, 128-token prompts (~2 minutes)
+    python benchmarks/hybrid_bench.py            # 2 layers, 472-token prompts (~10 minutes)
+    python benchmarks/hybrid_bench.py --quick    # 1 layer, 104-token prompts (~2 minutes)
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def ramp(args) -> dict[str, Any]:
                   f"{'-' if step is None else f'{1e3 * step:.1f} ms'} ({r['wall_s']:.1f} s) {r['stats']}", flush=True)  # fmt: skip
             first = runs.setdefault((v, n), {**r, "round_step_s": []})
             first["round_step_s"].append(step)
-    for (v, n), r in runs.items():
+    for (_, n), r in runs.items():
         medians = [m for m in r["round_step_s"] if m is not None]
         r["decode_step_s"] = min(medians) if medians else None
         r["decode_tok_s"] = r["held"] / r["decode_step_s"] if medians else None
@@ -188,7 +188,8 @@ def plot(result: dict[str, Any], path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--prompt", type=int, default=512)
+    # prompt + new a multiple of the 128-token block: every variant's caches hold exactly the requests' rows
+    p.add_argument("--prompt", type=int, default=472)
     p.add_argument("--new", type=int, default=40, help="new tokens per request (the decode window)")
     p.add_argument("--top-k", type=int, default=None, help="default 2048 x prompt / 32K")
     p.add_argument("--resident-requests", type=int, default=4, help="budget: the resident KV of this many")
@@ -201,7 +202,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="1 layer, 128-token prompts, loads to 16, one round")
     args = p.parse_args()
     if args.quick:
-        args.layers, args.prompt, args.new, args.rounds, args.max_load = 1, 128, 24, 1, 16
+        args.layers, args.prompt, args.new, args.rounds, args.max_load = 1, 104, 24, 1, 16
     if args.top_k is None:
         args.top_k = max(1, PRODUCTION_TOP_K * args.prompt // 32768)
     t0 = time.perf_counter()

@@ -83,3 +83,33 @@ def test_fixed_pools_refuse_growth_before_any_change():
         core.grow(8)  # what the pool holds: nothing to do
     finally:
         core.close()
+
+
+@pytest.mark.parametrize("name", ["sparse-offload", "sparse-auto", "layerwise"])
+def test_a_backend_failing_to_begin_leaves_the_requests_as_they_were(name, monkeypatch):
+    indexer, cfg = CONFIGS[name]
+    core = KVCore(_spec(indexer), OffloadConfig(**cfg, block_size=BS), name=f"core-begin-{name}")
+    try:
+        core.size(2, 12)
+        a, b = core.admit(2)
+        drv = _driver(core, seed=2)
+        drv.forward([a, b], drv.random_tokens(5, 3))
+        backend = core.backends.all[-1]
+        real = type(backend).begin_forward
+        calls = {"n": 0}
+
+        def failing(self, fwd):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise OSError("injected: the backend cannot begin")
+            return real(self, fwd)
+
+        monkeypatch.setattr(type(backend), "begin_forward", failing)
+        tokens = (list(a.tokens), list(b.tokens))
+        with pytest.raises(OSError, match="injected"):
+            drv.forward([a, b], drv.random_tokens(1, 1))
+        assert core.forward is None and (a.tokens, b.tokens) == tokens
+        drv.forward([a, b], drv.random_tokens(1, 1))  # checked against the reference
+        assert (a.length, b.length) == (6, 4)
+    finally:
+        core.close()

@@ -104,10 +104,10 @@ def test_pressure_spills_the_longest_and_new_requests_start_offloaded_when_longe
     pool = _pool(12)
     _holding(pool, {1: 16, 2: 8, 3: 4})  # 4 + 2 + 1 blocks
     lengths = {1: 16, 2: 8, 3: 4}
-    # 11 blocks of budget, a hot row costs one block, rows come one at a time (at least one)
-    budget = _budget(pool, total=11, hot_cost=1, chunk=1)
-    # request 2 grows by a block, a new request 4 needs 3: 4 + 3 + 1 + 3 + one hot row = 12 > 11: the
-    # longest, request 1, is spilled (its 4 blocks for a hot row)
+    # 10 blocks of budget, a hot row costs one block, rows come one at a time (none while none is offloaded)
+    budget = _budget(pool, total=10, hot_cost=1, chunk=1)
+    # request 2 grows by a block, a new request 4 needs 3: 4 + 3 + 1 + 3 = 11 > 10: the longest, request 1,
+    # is spilled (its 4 blocks for a hot row)
     spill, start, kept = plan_pressure(pool, budget, {2: 9, 4: 12}, lengths, pinned=(), offloaded=0)
     assert (spill, start, kept) == ([1], [], {2: 9, 4: 12})
     # request 1 taking part in a begun part of the forward is never spilled: the new one, now the
@@ -132,12 +132,12 @@ def test_promotions_take_the_shortest_first_and_leave_a_block_of_growth_per_resi
     _holding(pool, {1: 8})  # 2 blocks held, one resident request
     budget = _budget(pool, total=12, hot_cost=1, chunk=1)
     # 7 rows (2 blocks): 2 + 2 + growth for two + one hot row left = 7 <= 12; then 13 rows (4 blocks):
-    # 4 + 4 + growth for three + one hot row (at least one is kept) = 12 <= 12
+    # 4 + 4 + growth for three, no hot row left = 11 <= 12
     assert plan_promotions(pool, budget, {3: 13, 2: 7}, offloaded=2) == [(2, 7), (3, 13)]
-    # 17 rows (5 blocks): 4 + 5 + 3 + 1 = 13 > 12
-    assert plan_promotions(pool, budget, {3: 17, 2: 7}, offloaded=2) == [(2, 7)]
+    # 21 rows (6 blocks): 4 + 6 + growth for three, no hot row left = 13 > 12
+    assert plan_promotions(pool, budget, {3: 21, 2: 7}, offloaded=2) == [(2, 7)]
     assert plan_promotions(pool, budget, {2: 60}, offloaded=1) == []
     # rows come in chunks: promoting one of five offloaded requests keeps a chunk of four rows either way
     chunked = _budget(pool, total=12, hot_cost=1, chunk=4)
-    assert chunked.rows_for(5) == 8 and chunked.rows_for(4) == 4 and chunked.rows_for(0) == 4
+    assert chunked.rows_for(5) == 8 and chunked.rows_for(4) == 4 and chunked.rows_for(0) == 0
     assert plan_promotions(pool, chunked, {2: 4}, offloaded=5) == [(2, 4)]  # 2 + 1 + 2 + 4 = 9

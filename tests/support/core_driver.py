@@ -25,6 +25,8 @@ CORE_CONFIGS = {
     "sparse-resident": (True, {"sparse": {"offload": False}}),
     "layerwise+sparse": (True, {"layerwise": {}, "sparse": {}}),
     "layerwise+resident": (True, {"layerwise": {}, "sparse": {"offload": False}}),
+    # resident while the free memory holds them: the hybrid's block pools and indexer blocks
+    "sparse-auto": (True, {"sparse": {"offload": "auto"}}),
 }
 
 

@@ -376,8 +376,11 @@ class KVCore:
             for part, b in self._engaged(fwd):
                 b.begin_forward(part)
                 begun.append((part, b))
-        except BaseException:
+        except BaseException:  # the requests keep the tokens they had
             self._close_failed(begun)
+            for r, old in zip(requests, old_len, strict=True):
+                del r.tokens[old:]
+                r.truncate_positions(old)
             raise
         self.forward = fwd
         return fwd

@@ -109,7 +109,6 @@ class HybridSparseBackend(SparseOffloadBackend):
         self._written: dict[int, int] = {}  # rows each request wrote (its forwards that ended)
         self._host_len: dict[int, int] = {}  # leading rows the host pool holds, per request
         self._offloaded: set[int] = set()
-        self._pinned: set[int] = set()  # requests of the running forward's parts already begun
         self.hybrid = Counters(_COUNTERS)
         # the last decode step of a forward with resident rows: (layer, plan, top-k, block rows, offloaded step)
         self._last_hybrid: tuple | None = None
@@ -150,8 +149,9 @@ class HybridSparseBackend(SparseOffloadBackend):
         assert self._budget is not None
         need = self._index_need(grow)
         pool = self._budget.index_pool(need, self.index.blocks.num_blocks)
-        spill, _, _ = plan_pressure(self.blocks, self._budget, {}, self._written, self._pinned,
-                                    len(self._offloaded), pool)  # fmt: skip
+        spill, _, _ = plan_pressure(
+            self.blocks, self._budget, {}, self._written, (), len(self._offloaded), pool
+        )
         for rid in spill:  # the longest first
             self._spill(rid)
         return need
@@ -172,7 +172,7 @@ class HybridSparseBackend(SparseOffloadBackend):
 
     def _forget(self) -> None:
         self.blocks.free()
-        for c in (self._requests, self._written, self._host_len, self._offloaded, self._pinned):
+        for c in (self._requests, self._written, self._host_len, self._offloaded):
             c.clear()
 
     def free(self) -> None:
@@ -290,7 +290,7 @@ class HybridSparseBackend(SparseOffloadBackend):
         index_pool = budget.index_pool(need, self.index.blocks.num_blocks)
         claims = {rid: n for rid, n in tokens.items() if rid not in self._offloaded}
         spill, start, kept = plan_pressure(
-            self.blocks, budget, claims, self._written, self._pinned, len(self._offloaded), index_pool
+            self.blocks, budget, claims, self._written, (), len(self._offloaded), index_pool
         )
         for rid in spill:
             self._spill(rid)
@@ -302,11 +302,8 @@ class HybridSparseBackend(SparseOffloadBackend):
             assert self.index.blocks.ensure(slot, n)
         for rid, n in kept.items():
             assert self.blocks.ensure(rid, n)
-        waiting = {
-            r: tokens.get(r, self._written.get(r, 0))
-            for r in self._offloaded
-            if r not in self._pinned and r not in spill
-        }
+        # a request's length counts the tokens of this forward (of any part)
+        waiting = {r: self._requests[r].length for r in self._offloaded if r not in spill}
         index_pool = self.index.blocks.num_blocks
         promote = plan_promotions(self.blocks, budget, waiting, len(self._offloaded), index_pool)
         if promote:
@@ -319,18 +316,12 @@ class HybridSparseBackend(SparseOffloadBackend):
         super().begin_forward(fwd)
         self._last_hybrid = None
         self._place(fwd)
-        ids = fwd.request_ids
-        self._pinned.update(ids)
-        resident = [i for i, rid in enumerate(ids) if self.blocks.holds(rid)]
-        offloaded = [i for i, rid in enumerate(ids) if not self.blocks.holds(rid)]
-        fwd.memo["hybrid"] = (resident, offloaded)
 
     def end_forward(self, fwd: ForwardPlan) -> None:
         try:
             super().end_forward(fwd)
         finally:
             for rid, n in zip(fwd.request_ids, fwd.new_len, strict=True):
-                self._pinned.discard(rid)
                 if rid in self._written:
                     self._written[rid] = n
                     if rid in self._offloaded:
@@ -342,13 +333,18 @@ class HybridSparseBackend(SparseOffloadBackend):
             SparseOffloadBackend.end_forward(self, fwd)
         finally:
             for rid, old in zip(fwd.request_ids, fwd.old_len, strict=True):
-                self._pinned.discard(rid)
                 if rid in self._host_len:
                     self._host_len[rid] = min(self._host_len[rid], old)
 
     def _split(self, fwd: ForwardPlan) -> tuple[list[int], list[int]]:
-        """Batch rows of ``fwd`` whose requests are resident, and offloaded."""
-        return fwd.memo["hybrid"]
+        """Batch rows of ``fwd`` whose requests are resident, and offloaded: decided when every part of the
+        forward began (a later part's decisions may move a request of an earlier one; no layer ran yet)."""
+        split = fwd.memo.get("hybrid")
+        if split is None:
+            ids = fwd.request_ids
+            resident = [i for i, rid in enumerate(ids) if self.blocks.holds(rid)]
+            split = fwd.memo["hybrid"] = (resident, [i for i in range(len(ids)) if i not in set(resident)])
+        return split
 
     # ------------------------------------------------------------------------------ per layer
     def layer_caches(self, layer: int) -> list[torch.Tensor]:
@@ -444,7 +440,7 @@ class HybridSparseBackend(SparseOffloadBackend):
     def attended(self, layer: int, fwd: ForwardPlan) -> SelectedRows | None:
         """The rows the decode step of ``layer`` read: the resident requests' in their blocks, the offloaded
         ones' in the hot buffers."""
-        if not fwd.memo.get("hybrid", ((), ()))[0]:
+        if not self._split(fwd)[0]:
             return super().attended(layer, fwd)
         last = self._last_hybrid
         if last is None or last[0] != layer or last[1] is not fwd:

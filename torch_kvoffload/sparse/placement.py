@@ -7,8 +7,8 @@ bytes a decode row; allocated ``chunk`` rows at a time, so that their count chan
 forgets every hot row). The indexer pool grows and shrinks with some slack for the same reason.
 
 * :func:`plan_pressure`: while a forward's claims (its resident requests' growth, its new requests' first
-  rows) do not fit, the longest context among the resident requests not taking part in a begun part of
-  the forward and the claimants gives way: a resident one is spilled, a new one starts offloaded.
+  rows) do not fit, the longest context among the resident requests and the claimants gives way: a
+  resident one is spilled, a new one starts offloaded (``pinned`` requests never do).
 * :func:`plan_promotions`: offloaded requests, shortest first, take blocks while their rows and one block
   of growth per resident request fit.
 
@@ -30,7 +30,7 @@ __all__ = ["DeviceBudget", "plan_pressure", "plan_promotions"]
 class DeviceBudget:
     """``total`` bytes of device budget for indexer blocks of ``index_block`` bytes (at most ``index_full``:
     every slot's full length), resident latent blocks of ``block`` bytes and hot rows of ``hot_row`` bytes
-    (one decode row's hot buffers, every layer); hot rows come ``chunk`` at a time, at least ``chunk`` and at
+    (one decode row's hot buffers, every layer); hot rows come ``chunk`` at a time (none for none), at
     most ``max_rows``."""
 
     total: int
@@ -50,8 +50,8 @@ class DeviceBudget:
         return min(self.index_full, need + slack)
 
     def rows_for(self, offloaded: int) -> int:
-        """Hot rows allocated for ``offloaded`` requests."""
-        return min(self.max_rows, max(1, -(-offloaded // self.chunk)) * self.chunk)
+        """Hot rows allocated for ``offloaded`` requests (none for none)."""
+        return min(self.max_rows, -(-offloaded // self.chunk) * self.chunk)
 
     def hot_bytes(self, offloaded: int) -> int:
         return self.rows_for(offloaded) * self.hot_row

@@ -333,8 +333,8 @@ class SparseDecodeOffload:
             self._step.reset()
 
     def resize_rows(self, max_rows: int) -> None:
-        """Hot buffers for ``max_rows`` decode rows (``>= 1``) from now on; every residency row is forgotten."""
-        check_int("SparseDecodeOffload.resize_rows", "max_rows", max_rows, minimum=1)
+        """Hot buffers for ``max_rows`` decode rows (``>= 0``) from now on; every residency row is forgotten."""
+        check_int("SparseDecodeOffload.resize_rows", "max_rows", max_rows, minimum=0)
         self.sync()
         self._epoch += 1
         self.max_rows = self._hot.max_rows = self._outputs.max_rows = max_rows

@@ -148,9 +148,8 @@ class HybridSparseBackend(SparseOffloadBackend):
         the indexer blocks then needed (sizes not yet fitted)."""
         assert self._budget is not None
         need = self._index_need(grow)
-        pool = self._budget.index_pool(need, self.index.blocks.num_blocks)
         spill, _, _ = plan_pressure(
-            self.blocks, self._budget, {}, self._written, (), len(self._offloaded), pool
+            self.blocks, self._budget, {}, self._written, (), len(self._offloaded), need
         )
         for rid in spill:  # the longest first
             self._spill(rid)
@@ -206,9 +205,8 @@ class HybridSparseBackend(SparseOffloadBackend):
         self._fit(need)
         self.index.copy_rows(src.slot, dst.slot, length)
         self._written[dst.id] = length
-        pool = self.index.blocks.num_blocks
         if self.blocks.holds(src.id) and plan_promotions(
-            self.blocks, budget, {dst.id: length}, len(self._offloaded) + 1, pool
+            self.blocks, budget, {dst.id: length}, len(self._offloaded) + 1, need
         ):
             self.blocks.ensure(dst.id, length)
             self.blocks.copy_rows(src.id, dst.id, length)
@@ -287,10 +285,9 @@ class HybridSparseBackend(SparseOffloadBackend):
         assert budget is not None, "HybridSparseBackend: a forward while measuring the offloaded footprint"
         tokens = dict(zip(fwd.request_ids, fwd.new_len, strict=True))
         need = self._index_need(dict(zip(fwd.slots, fwd.new_len, strict=True)))
-        index_pool = budget.index_pool(need, self.index.blocks.num_blocks)
         claims = {rid: n for rid, n in tokens.items() if rid not in self._offloaded}
         spill, start, kept = plan_pressure(
-            self.blocks, budget, claims, self._written, (), len(self._offloaded), index_pool
+            self.blocks, budget, claims, self._written, (), len(self._offloaded), need
         )
         for rid in spill:
             self._spill(rid)
@@ -304,8 +301,7 @@ class HybridSparseBackend(SparseOffloadBackend):
             assert self.blocks.ensure(rid, n)
         # a request's length counts the tokens of this forward (of any part)
         waiting = {r: self._requests[r].length for r in self._offloaded if r not in spill}
-        index_pool = self.index.blocks.num_blocks
-        promote = plan_promotions(self.blocks, budget, waiting, len(self._offloaded), index_pool)
+        promote = plan_promotions(self.blocks, budget, waiting, len(self._offloaded), need)
         if promote:
             self._fit(need, len(self._offloaded) - len(promote))  # the pool grows first
         for rid, n in promote:

@@ -73,12 +73,18 @@ def fit(
     rt: SparseDecodeOffload, blocks: DeviceBlocks, index: DeviceBlocks, budget: DeviceBudget, layout: KVLayout,
     offloaded: int, index_need: int,
 ) -> None:  # fmt: skip
-    """Hot rows for ``offloaded`` requests, an indexer pool for ``index_need`` blocks (with slack), the rest
-    of ``budget`` to the latent pool (at most what every request of ``layout`` resident takes); whatever
+    """Hot rows for ``offloaded`` requests, an indexer pool for ``index_need`` blocks (with slack where the
+    latent pool leaves room), the rest of ``budget`` to the latent pool (at most what every request of ``layout`` resident takes); whatever
     shrinks goes first, so the device never holds more than the budget."""
     rows = budget.rows_for(offloaded)
-    index_blocks = budget.index_pool(index_need, index.num_blocks)
-    pool = min(layout.slots * blocks.blocks_for(layout.tokens), budget.pool_blocks(offloaded, index_blocks))
+    full = layout.slots * blocks.blocks_for(layout.tokens)
+    # the indexer pool's slack only from what the latent pool cannot use: resident rows come first
+    spare = budget.total - budget.hot_bytes(offloaded) - index_need * budget.index_block
+    spare -= min(full, budget.pool_blocks(offloaded, index_need)) * budget.block
+    index_blocks = min(
+        budget.index_pool(index_need, index.num_blocks), index_need + spare // budget.index_block
+    )
+    pool = min(full, budget.pool_blocks(offloaded, index_blocks))
     resizes = [
         (rt.max_rows, rows, rt.resize_rows),
         (index.num_blocks, index_blocks, index.allocate),

@@ -76,9 +76,10 @@ class BlockIndexerCache(IndexReads):
         at ``fwd``'s new positions of each request's blocks."""
         at = fwd.memo.get("index_block_rows")
         if at is None:
-            table, bs = self.fwd_table(fwd).long(), self.blocks.block_size
-            row, pos = fwd.row.to(table.device), fwd.pos.to(table.device)
-            at = fwd.memo["index_block_rows"] = table[row, pos // bs] * bs + pos % bs
+            slots = fwd.slots
+            at = fwd.memo["index_block_rows"] = self.blocks.flat_rows(
+                [slots[r] for r in fwd.row.tolist()], fwd.pos.tolist(), fwd.pos.device
+            )
         self.blocks.write(layer, at, index_values(self.fmt, layer, fwd, rows))
 
     def read(self, layer: int, requests: Sequence[Request]) -> list[list[torch.Tensor]]:

@@ -135,14 +135,18 @@ class DeviceBlocks:
         bs = self.block_size
         return table[positions // bs] * bs + positions % bs
 
+    def flat_rows(self, keys: Sequence[int], positions: Sequence[int], device: torch.device) -> torch.Tensor:
+        """int64 ``[N]``: the flat rows of ``(keys[i], positions[i])`` (host ints: cheaper than tensor indexing
+        for the few rows of a decode step)."""
+        bs, held = self.block_size, self._blocks
+        return torch.tensor([held[k][p // bs] * bs + p % bs for k, p in zip(keys, positions, strict=True)],
+                            dtype=torch.int64, device=device)  # fmt: skip
+
     def table(self, request_ids: Sequence[int], device: torch.device) -> torch.Tensor:
         """int64 ``[B, max blocks]``: each request's blocks (0 past its own)."""
-        width = max((self.held(r) for r in request_ids), default=0)
-        out = torch.zeros((len(request_ids), max(width, 1)), dtype=torch.int64)
-        for i, r in enumerate(request_ids):
-            blocks = self._blocks.get(r, [])
-            out[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
-        return out.to(device)
+        held = [self._blocks.get(r, []) for r in request_ids]
+        width = max(1, *(len(b) for b in held)) if held else 1
+        return torch.tensor([b + [0] * (width - len(b)) for b in held], dtype=torch.int64, device=device)
 
     def write(self, layer: int, rows_at: torch.Tensor, values: Sequence[torch.Tensor]) -> None:
         """Write ``values[c] [N, width]`` at flat rows ``rows_at int64 [N]`` of component ``c``."""

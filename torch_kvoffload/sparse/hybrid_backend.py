@@ -29,11 +29,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from torch_kvoffload._utils import dtype_name, parse_dtype
 from torch_kvoffload.counters import Counters
 from torch_kvoffload.kv.backend import IndexerView, KVBackend, NewRows, Queries, SelectedRows
 from torch_kvoffload.kv.forward import ForwardPlan
-from torch_kvoffload.kv.fp8_rows import FP8_KV, latent_fp8_rows
+from torch_kvoffload.kv.fp8_rows import latent_fp8_rows
 from torch_kvoffload.kv.layout import KVLayout
 from torch_kvoffload.kv.requests import Request
 from torch_kvoffload.kv.spec import ModelSpec
@@ -42,7 +41,7 @@ from torch_kvoffload.sparse.backend import SparseOffloadBackend
 from torch_kvoffload.sparse.block_indexer import BlockIndexerCache
 from torch_kvoffload.sparse.config import SparseOptions
 from torch_kvoffload.sparse.device_blocks import DeviceBlocks
-from torch_kvoffload.sparse.hybrid_sizing import check_budget_holds_one, chunk, device_budget, fit
+from torch_kvoffload.sparse.hybrid_sizing import check_options, chunk, device_budget, fit
 from torch_kvoffload.sparse.placement import DeviceBudget, plan_pressure, plan_promotions
 from torch_kvoffload.sparse.resident_step import (
     block_rows,
@@ -82,27 +81,17 @@ class HybridSparseBackend(SparseOffloadBackend):
     ) -> None:
         super().__init__(spec, options, block_size=block_size)
         self.index = BlockIndexerCache(spec, options.indexer_dtype or "bf16", block_size)
-        want = options.kv_dtype
-        if want is not None and not self.fp8 and parse_dtype("sparse.kv_dtype", want) != spec.dtype:
-            raise ValueError(
-                f"OffloadConfig.sparse: offload='auto' keeps a request's latent KV on the device or in the host "
-                f"pool as the same rows: the model's dtype {dtype_name(spec.dtype)} or FP8 rows ({FP8_KV!r}); "
-                f"got kv_dtype={want!r}"
-            )
-        if spec.tp is not None and spec.tp.size > 1:
-            raise ValueError(
-                "OffloadConfig.sparse: offload='auto' does not run under tensor parallelism yet; use "
-                "offload=True (the TP ranks share one host pool) or offload=False"
-            )
         main = [(kv_row_bytes(spec.kv_lora_rank, spec.rope_dim), torch.uint8)] if self.fp8 else [
             (spec.kv_lora_rank, spec.dtype), (spec.rope_dim, spec.dtype)]  # fmt: skip
         self.blocks = DeviceBlocks(spec.num_layers, main, block_size, spec.device)
         self.budget = budget
-        if budget is not None:
-            index_row = sum((w or 1) * dt.itemsize for w, dt in self.index.components)
-            main_row = self.blocks.block_bytes // (block_size * spec.num_layers)
-            capacity = options.capacity or 2 * (options.top_k or spec.index_topk)
-            check_budget_holds_one(budget, spec.num_layers, capacity, main_row + index_row)
+        check_options(
+            spec,
+            options,
+            budget,
+            self.blocks.block_bytes // block_size,
+            self.index.blocks.block_bytes // block_size,
+        )
         #: the model's other backends, whose device caches take from the same budget (set by build_backends)
         self.others: list[KVBackend] = []
         self._requests: dict[int, Request] = {}
@@ -113,6 +102,7 @@ class HybridSparseBackend(SparseOffloadBackend):
         # the last decode step of a forward with resident rows: (layer, plan, top-k, block rows, offloaded step)
         self._last_hybrid: tuple | None = None
         self._no_pool = False
+        self._freed = True  # blocks came free since the last decisions (a promotion may fit)
         self._sizes = (0, 0)  # (the offloaded footprint of every slot, the pool of every request resident)
         self._budget: DeviceBudget | None = None  # of the current layout
 
@@ -167,9 +157,11 @@ class HybridSparseBackend(SparseOffloadBackend):
         rest = sum(t.nbytes for b in self.others for t in b.device_tensors())
         assert self.runtime is not None
         self._budget, self._sizes = device_budget(self.budget, layout, self.runtime, self.blocks, index, rest)
+        self._freed = True
         self._fit(self._make_room({}))
 
     def _forget(self) -> None:
+        self._freed = True
         self.blocks.free()
         for c in (self._requests, self._written, self._host_len, self._offloaded):
             c.clear()
@@ -187,6 +179,7 @@ class HybridSparseBackend(SparseOffloadBackend):
             self._requests[r.id], self._written[r.id], self._host_len[r.id] = r, 0, 0
 
     def release(self, request_ids: Sequence[int]) -> None:
+        self._freed = True
         for rid in request_ids:
             if rid in self._requests:
                 self.index.blocks.drop(self._requests[rid].slot)
@@ -224,6 +217,7 @@ class HybridSparseBackend(SparseOffloadBackend):
         rid = request.id
         self._written[rid] = min(self._written.get(rid, 0), length)
         self._host_len[rid] = min(self._host_len.get(rid, 0), length)
+        self._freed = True
         self.blocks.shrink(rid, length)
         self.index.blocks.shrink(request.slot, length)
 
@@ -283,6 +277,13 @@ class HybridSparseBackend(SparseOffloadBackend):
         pools and hot rows to the decisions, give the requests their blocks."""
         budget = self._budget
         assert budget is not None, "HybridSparseBackend: a forward while measuring the offloaded footprint"
+        index, rows = self.index.blocks, zip(fwd.request_ids, fwd.slots, fwd.new_len, strict=True)
+        if not self._freed and all(
+            index.need(slot, n) == 0 and (rid in self._offloaded or self.blocks.need(rid, n) == 0)
+            for rid, slot, n in rows
+        ):
+            return  # no block claimed, none came free since the last decisions: nothing would change
+        self._freed = False
         tokens = dict(zip(fwd.request_ids, fwd.new_len, strict=True))
         need = self._index_need(dict(zip(fwd.slots, fwd.new_len, strict=True)))
         claims = {rid: n for rid, n in tokens.items() if rid not in self._offloaded}
@@ -368,7 +369,8 @@ class HybridSparseBackend(SparseOffloadBackend):
                 placed = rt.place_rows([ids[r] for r in host_rows.tolist()], fwd.pos.cpu()[host_at.cpu()])
             split = fwd.memo["hybrid_rows"] = (dev_at, dev_rows, host_at, placed)
         dev_at, dev_rows, host_at, placed = split
-        self.blocks.write(layer, dev_rows, [kv_c[dev_at]] if self.fp8 else [kv_c[dev_at], k_pe[dev_at]])
+        values = [kv_c] if self.fp8 else [kv_c, k_pe]
+        self.blocks.write(layer, dev_rows, [v[dev_at] for v in values] if offloaded else values)
         if placed is not None:
             rt.append_validated(layer, placed, kv_c[host_at], k_pe[host_at])
         self.index.write_keys(layer, fwd, rows)
@@ -420,15 +422,19 @@ class HybridSparseBackend(SparseOffloadBackend):
             )
         pick, index_table, cu, lens, table, host_pick = sub
         view = IndexerView(self.index.layers[layer], index_table, self.runtime.top_k, fmt=self.index.fmt)
-        topk = select_rows(view, q.index_q[pick], q.index_weights[pick], cu, lens)
-        rows_at = block_rows(topk, table, self.block_size)
-        out = torch.empty_like(q.q_nope)
-        layer_rows = self.blocks.flat(layer)
-        out[pick] = resident_attention(
-            layer_rows, q.q_nope[pick], q.q_pe[pick], rows_at, q.scale, fp8=self.fp8
-        )
-        step = self.offload_step(layer, fwd, q, offloaded) if offloaded else None
-        if step is not None:
+        layer_rows, step = self.blocks.flat(layer), None
+        if not offloaded:  # every row resident: the queries as they are
+            topk = select_rows(view, q.index_q, q.index_weights, cu, lens)
+            rows_at = block_rows(topk, table, self.block_size)
+            out = resident_attention(layer_rows, q.q_nope, q.q_pe, rows_at, q.scale, fp8=self.fp8)
+        else:
+            topk = select_rows(view, q.index_q[pick], q.index_weights[pick], cu, lens)
+            rows_at = block_rows(topk, table, self.block_size)
+            out = torch.empty_like(q.q_nope)
+            out[pick] = resident_attention(
+                layer_rows, q.q_nope[pick], q.q_pe[pick], rows_at, q.scale, fp8=self.fp8
+            )
+            step = self.offload_step(layer, fwd, q, offloaded)
             out[host_pick] = step.out
         self._last_hybrid = (layer, fwd, topk, rows_at, step)
         return out

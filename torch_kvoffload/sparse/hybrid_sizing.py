@@ -9,13 +9,17 @@ fully resident would take, is shared as requests come and go (:func:`fit`).
 
 from __future__ import annotations
 
+from torch_kvoffload._utils import dtype_name, parse_dtype
 from torch_kvoffload.device import free_device_bytes
+from torch_kvoffload.kv.fp8_rows import FP8_KV
 from torch_kvoffload.kv.layout import KVLayout
+from torch_kvoffload.kv.spec import ModelSpec
+from torch_kvoffload.sparse.config import SparseOptions
 from torch_kvoffload.sparse.device_blocks import DeviceBlocks
 from torch_kvoffload.sparse.placement import DeviceBudget
 from torch_kvoffload.sparse.runtime import SparseDecodeOffload
 
-__all__ = ["FREE_DEVICE_SHARE", "check_budget_holds_one", "chunk", "device_budget", "fit"]
+__all__ = ["FREE_DEVICE_SHARE", "check_options", "chunk", "device_budget", "fit"]
 
 #: Share of the free device memory the KV may take when no ``serving.device_kv_budget`` is given.
 FREE_DEVICE_SHARE = 0.9
@@ -27,14 +31,31 @@ def chunk(slots: int) -> int:
     return max(1, -(-slots // 8))
 
 
-def check_budget_holds_one(budget: int, num_layers: int, capacity: int, row_bytes: int) -> None:
-    """``ValueError`` when ``budget`` bytes cannot hold one offloaded request's hot buffers and indexer rows
-    of ``capacity`` tokens (``row_bytes``: a token's latent and indexer bytes in one layer)."""
-    need = num_layers * capacity * row_bytes
-    if budget < need:
+def check_options(
+    spec: ModelSpec, options: SparseOptions, budget: int | None, main_row: int, index_row: int
+) -> None:
+    """``ValueError`` when ``options`` cannot run hybrid: ``sparse.kv_dtype`` neither the model's dtype nor
+    ``"fp8_e4m3"`` (a resident and an offloaded row must be the same bytes), tensor parallelism, or a
+    ``budget`` that cannot hold one offloaded request's hot buffers and indexer rows of ``capacity`` tokens
+    (``main_row`` / ``index_row``: a token's latent / indexer bytes over every layer)."""
+    want = options.kv_dtype
+    if want is not None and want != FP8_KV and parse_dtype("sparse.kv_dtype", want) != spec.dtype:
+        raise ValueError(
+            f"OffloadConfig.sparse: offload='auto' keeps a request's latent KV on the device or in the host pool "
+            f"as the same rows: the model's dtype {dtype_name(spec.dtype)} or FP8 rows ({FP8_KV!r}); got "
+            f"kv_dtype={want!r}"
+        )
+    if spec.tp is not None and spec.tp.size > 1:
+        raise ValueError(
+            "OffloadConfig.sparse: offload='auto' does not run under tensor parallelism yet; use offload=True "
+            "(the TP ranks share one host pool) or offload=False"
+        )
+    capacity = options.capacity or 2 * (options.top_k or spec.index_topk)
+    need = capacity * (main_row + index_row)
+    if budget is not None and budget < need:
         raise ValueError(
             f"serving.device_kv_budget={budget} bytes cannot hold one offloaded request: its hot buffers and "
-            f"indexer rows of {capacity} tokens over {num_layers} layers take {need} bytes"
+            f"indexer rows of {capacity} tokens over {spec.num_layers} layers take {need} bytes"
         )
 
 

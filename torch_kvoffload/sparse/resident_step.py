@@ -91,12 +91,10 @@ def split_new_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(indices of fwd's new rows whose requests are resident, their flat rows in ``blocks``, indices of
     the others)``, int64 on ``device``; ``resident``: the batch rows of resident requests."""
-    row = fwd.row.cpu()
-    on_dev = torch.zeros(fwd.B, dtype=torch.bool)
-    on_dev[list(resident)] = True
-    mask = on_dev[row]
-    dev_at, host_at = mask.nonzero().flatten(), (~mask).nonzero().flatten()
-    table = blocks.table(fwd.request_ids, torch.device("cpu"))
-    pos, bs = fwd.pos.cpu()[dev_at], blocks.block_size
-    dev_rows = table[row[dev_at], pos // bs] * bs + pos % bs
-    return dev_at.to(device), dev_rows.to(device), host_at.to(device)
+    keep = set(resident)
+    row, pos, ids = fwd.row.tolist(), fwd.pos.tolist(), fwd.request_ids
+    dev_at = [i for i, r in enumerate(row) if r in keep]
+    host_at = [i for i, r in enumerate(row) if r not in keep]
+    dev_rows = blocks.flat_rows([ids[row[i]] for i in dev_at], [pos[i] for i in dev_at], device)
+    return (torch.tensor(dev_at, dtype=torch.int64, device=device), dev_rows,
+            torch.tensor(host_at, dtype=torch.int64, device=device))  # fmt: skip

@@ -71,8 +71,11 @@ def _budget_where(model, ids, mask, counter: str, **kw) -> int:
     raise AssertionError(f"no budget tried counts {counter}")
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("extra", [{}, {"layerwise": {}}], ids=["sparse", "layerwise-sparse"])
+@pytest.mark.parametrize(
+    ("shape", "extra"),
+    [("batch", {}), ("beams", {}), ("forks", {}), ("batch", {"layerwise": {}})],
+    ids=["batch", "beams", "forks", "layerwise-batch"],
+)
 def test_tokens_equal_the_resident_run_through_spills_and_promotions(ref, shape, extra) -> None:
     model, ids, mask = ref
     kw = SHAPES[shape]
@@ -90,6 +93,7 @@ def test_tokens_equal_the_resident_run_through_spills_and_promotions(ref, shape,
         assert torch.equal(_generate(auto, ids, mask, **kw), want)
         assert torch.equal(_generate(auto, ids, mask, **kw), want), "a second call (prefix reuse) too"
         st = torch_kvoffload.stats(auto)
+        assert st["prefix_store_tokens"] > 0, "the second call took its prompts' blocks from the store"
         assert st["device_kv_bytes"] <= budget
         assert st["spill_failures"] == st["promote_failures"] == 0
         assert st["resident_requests"] + st["offloaded_requests"] == st["reserved_requests"] > 0

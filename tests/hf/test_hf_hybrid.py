@@ -234,3 +234,29 @@ def test_configuration() -> None:
         torch_kvoffload.offload(
             build_model("deepseek_v32", **WIDTHS), {"sparse": {"offload": "auto", "kv_dtype": "bf16"}}
         )
+
+
+def test_output_attentions_through_resident_and_offloaded_rows(ref) -> None:
+    """Decode steps whose batch holds resident and offloaded requests return the probabilities the resident
+    run returns (itself the eager model's, tests/hf/test_hf_attentions.py)."""
+    model, ids, mask = ref
+
+    def run(m):
+        with torch.no_grad():
+            return m.generate(
+                ids, attention_mask=mask, max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
+                output_attentions=True,
+            )  # fmt: skip
+
+    resident = torch_kvoffload.offload(copy.deepcopy(model), {"sparse": {"offload": False}, "block_size": BS})
+    want = run(resident)
+    (budget,) = _budgets(model, ids, mask, {}, (0.0,))
+    auto = torch_kvoffload.offload(copy.deepcopy(model), _auto({}, budget))
+    got = run(auto)
+    st = torch_kvoffload.stats(auto)
+    assert st["resident_requests"] > 0 and st["offloaded_requests"] > 0, "decode steps of both kinds"
+    assert torch.equal(got.sequences, want.sequences)
+    for step_got, step_want in zip(got.attentions, want.attentions, strict=True):
+        for g, w in zip(step_got, step_want, strict=True):
+            assert g.shape == w.shape
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)

@@ -352,16 +352,27 @@ BAD_PLANS = [
     ),
     # 8 requests of 4M tokens: transformers' step buffers alone would be 512 x 32M x 4 bytes (65 GB)
     ({"sparse": {}, "serving": {"max_request_tokens": 4 * 10**6}}, "serving.max_request_tokens=4000000"),
+    # offload under memory pressure: the budget holds the requests offloaded (the server sized once by it),
+    # or it is refused
+    (
+        {"sparse": {"offload": "auto"}, "serving": {"max_requests": 64, "device_kv_budget": 10**6}},
+        "serving.device_kv_budget=1000000",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("config", "needle"), BAD_PLANS, ids=["budget", "capacity", "host_pool", "huge"])
+@pytest.mark.parametrize(
+    ("config", "needle"), BAD_PLANS, ids=["budget", "capacity", "host_pool", "huge", "auto-budget"]
+)
 def test_a_serving_plan_that_cannot_hold_is_refused_by_prepare(config: dict, needle: str) -> None:
     model = build_model("deepseek_v32", index_n_heads=8, **SMALL)
     with pytest.raises(ValueError, match=re.escape(needle)):
         serve.prepare(model, config=config, cb_max_batch_tokens=None)
     good = build_model("deepseek_v32", index_n_heads=8, **SMALL)
     assert serve.prepare(good, config=SERVING_CONFIG, cb_max_batch_tokens=16) is good  # and a good plan holds
+    auto = build_model("deepseek_v32", index_n_heads=8, **SMALL)
+    config = {"sparse": {"offload": "auto"}, "serving": {"max_requests": 4, "device_kv_budget": 10**7}}
+    assert serve.prepare(auto, config=config, cb_max_batch_tokens=16) is auto
 
 
 def test_a_bad_serving_plan_exits_before_listening(model_dir: Path, held_port: int, tmp_path: Path) -> None:

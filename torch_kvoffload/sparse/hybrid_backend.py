@@ -283,7 +283,6 @@ class HybridSparseBackend(SparseOffloadBackend):
             for rid, slot, n in rows
         ):
             return  # no block claimed, none came free since the last decisions: nothing would change
-        self._freed = False
         tokens = dict(zip(fwd.request_ids, fwd.new_len, strict=True))
         need = self._index_need(dict(zip(fwd.slots, fwd.new_len, strict=True)))
         claims = {rid: n for rid, n in tokens.items() if rid not in self._offloaded}
@@ -307,6 +306,7 @@ class HybridSparseBackend(SparseOffloadBackend):
             self._fit(need, len(self._offloaded) - len(promote))  # the pool grows first
         for rid, n in promote:
             self._promote(rid, n)
+        self._freed = False  # decisions complete (a failure above leaves the next forward deciding again)
 
     # ------------------------------------------------------------------------------ forwards
     def begin_forward(self, fwd: ForwardPlan) -> None:

@@ -257,7 +257,7 @@ DOCS: dict[str, Doc] = {
     "docs/huggingface.md": Doc(_hf_reader, peer_timeout_s=lambda: GLOO_TIMEOUT_S),
     "docs/kvpp.md": Doc(_kvpp_reader, close=("rt",), peer_timeout_s=lambda: GLOO_TIMEOUT_S),
     "docs/layerwise.md": Doc(_layerwise_reader, close=("rt",)),
-    "docs/memory-pressure.md": Doc(_hf_reader),
+    "docs/memory-pressure.md": Doc(_hf_reader, prints=("\n2\n",)),
     "docs/prefix-cache.md": Doc(prints=("'prefix_store_tokens': 96",)),
     "docs/serving.md": Doc(),
     "docs/sparse-decode.md": Doc(),

@@ -10,7 +10,9 @@ Then (``--num-beams``, default 3; one process only) a beam search on both models
 second sequence, its beams forked requests sharing host-pool blocks.
 
 Modes: ``none`` (unmodified model only), ``layerwise``, ``sparse`` (DeepseekV32 only), ``both``, ``kvpp``
-(each rank stores only the layers it owns; the owner broadcasts a layer just before it runs).
+(each rank stores only the layers it owns; the owner broadcasts a layer just before it runs), ``auto``
+(DeepseekV32: each request resident while it fits in ``--device-kv-budget`` bytes, else spilled to the host
+pool; one process).
 
 Tensor parallelism (``--tp N``, always on with ``--mode kvpp``): rank 0 saves the random model to a
 temporary directory, every rank loads it with transformers' tensor parallelism (``tp_plan="auto"``: V3.2
@@ -38,7 +40,7 @@ import torch
 
 import torch_kvoffload
 
-MODES = ("none", "layerwise", "sparse", "both", "kvpp")
+MODES = ("none", "layerwise", "sparse", "both", "kvpp", "auto")
 
 
 def build(args: argparse.Namespace) -> torch.nn.Module:
@@ -150,6 +152,10 @@ def _offload_config(args: argparse.Namespace) -> dict:
         cfg["layerwise"] = {}
     if args.mode in ("sparse", "both"):
         cfg["sparse"] = {}
+    if args.mode == "auto":  # resident while the KV fits in the budget, spilled to the host pool when not
+        cfg["sparse"] = {"offload": "auto"}
+        if args.device_kv_budget is not None:
+            cfg["serving"] = {"device_kv_budget": args.device_kv_budget}
     return cfg
 
 
@@ -297,6 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=("deepseek_v3", "deepseek_v32"), default="deepseek_v32")
     p.add_argument("--mode", choices=MODES, default="both")
+    p.add_argument(
+        "--device-kv-budget",
+        type=int,
+        default=None,
+        help="--mode auto: device KV bytes (default: what is free)",
+    )
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--batch", type=int, default=2)

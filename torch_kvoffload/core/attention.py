@@ -32,8 +32,8 @@ import torch
 from torch_kvoffload.kv.backend import IndexerView, KeyRows, KVBackend, Queries, SelectedRows
 from torch_kvoffload.kv.forward import ForwardPlan
 from torch_kvoffload.ops.fp8_attention import dequantize_rows, fp8_sparse_mla_attention
-from torch_kvoffload.ops.fp8_indexer import fp8_lightning_indexer, fp8_logits, hadamard_quant_fp8
-from torch_kvoffload.ops.indexer import hadamard_quant_int8, lightning_indexer, quant_lightning_indexer
+from torch_kvoffload.ops.fp8_indexer import fp8_logits, hadamard_quant_fp8
+from torch_kvoffload.ops.indexer import hadamard_quant_int8
 from torch_kvoffload.ops.indexer_reference import float_logits, quant_logits, score_matrix
 from torch_kvoffload.ops.sparse_attention import sparse_mla_attention
 
@@ -59,19 +59,9 @@ def select_topk(view: IndexerView, fwd: ForwardPlan, q: Queries, *, pad: bool = 
     padding queries, each over its visible rows."""
     assert q.index_q is not None and q.index_weights is not None
     if pad:
-        n = fwd.n_pad
-        cu = torch.arange(n + 1, dtype=torch.int32, device=fwd.pad_len.device)
-        args = (view.block_table[fwd.pad_row], cu, fwd.pad_len)
-    else:
-        args = (view.block_table, fwd.cu_seqlens_q, fwd.seq_lens_k)
-    if view.fmt == "int8":
-        q8, qs = hadamard_quant_int8(q.index_q)
-        return quant_lightning_indexer(q8, qs, q.index_weights, *view.caches, *args, view.top_k)
-    if view.fmt == "fp8_e4m3":
-        q_rows = hadamard_quant_fp8(q.index_q)
-        return fp8_lightning_indexer(q_rows, q.index_weights, *view.caches, *args, view.top_k)
-    keys = view.caches[0]
-    return lightning_indexer(q.index_q.to(keys.dtype), q.index_weights, keys, *args, view.top_k)
+        cu = torch.arange(fwd.n_pad + 1, dtype=torch.int32, device=fwd.pad_len.device)
+        return view.select(q.index_q, q.index_weights, cu, fwd.pad_len, view.block_table[fwd.pad_row])
+    return view.select(q.index_q, q.index_weights, fwd.cu_seqlens_q, fwd.seq_lens_k)
 
 
 def topk_attention(

@@ -16,6 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+from torch_kvoffload.ops.fp8_indexer import fp8_lightning_indexer, hadamard_quant_fp8
+from torch_kvoffload.ops.indexer import hadamard_quant_int8, lightning_indexer, quant_lightning_indexer
+
 if TYPE_CHECKING:
     import torch
 
@@ -89,6 +92,25 @@ class IndexerView(NamedTuple):
     block_table: torch.Tensor
     top_k: int
     fmt: str = "bf16"
+
+    def select(
+        self, index_q: torch.Tensor, weights: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,
+        block_table: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """``int32 [N, top_k]``: the top-k logical positions (−1 padded) of queries ``index_q [N, Hi, Di]`` /
+        ``weights fp32 [N, Hi]`` of requests ``cu_seqlens_q int32 [B + 1]`` over their first ``seq_lens_k
+        int32 [B]`` rows, through ``block_table`` (default: the view's), quantizing the queries as the
+        cache's format is."""
+
+        table = self.block_table if block_table is None else block_table
+        args = (table, cu_seqlens_q, seq_lens_k, self.top_k)
+        if self.fmt == "int8":
+            q8, qs = hadamard_quant_int8(index_q)
+            return quant_lightning_indexer(q8, qs, weights, *self.caches, *args)
+        if self.fmt == "fp8_e4m3":
+            return fp8_lightning_indexer(hadamard_quant_fp8(index_q), weights, *self.caches, *args)
+        keys = self.caches[0]
+        return lightning_indexer(index_q.to(keys.dtype), weights, keys, *args)
 
 
 class KVBackend:

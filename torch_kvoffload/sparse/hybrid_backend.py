@@ -36,19 +36,18 @@ from torch_kvoffload.kv.fp8_rows import latent_fp8_rows
 from torch_kvoffload.kv.layout import KVLayout
 from torch_kvoffload.kv.requests import Request
 from torch_kvoffload.kv.spec import ModelSpec
-from torch_kvoffload.ops.fp8 import kv_row_bytes
 from torch_kvoffload.sparse.backend import SparseOffloadBackend
 from torch_kvoffload.sparse.block_indexer import BlockIndexerCache
 from torch_kvoffload.sparse.config import SparseOptions
 from torch_kvoffload.sparse.device_blocks import DeviceBlocks
 from torch_kvoffload.sparse.hybrid_sizing import check_options, chunk, device_budget, fit
 from torch_kvoffload.sparse.placement import DeviceBudget, plan_pressure, plan_promotions
+from torch_kvoffload.sparse.resident_backend import resident_rows
 from torch_kvoffload.sparse.resident_step import (
     block_rows,
     merge_selected,
     resident_attention,
     resident_selected,
-    select_rows,
     split_new_rows,
 )
 
@@ -81,8 +80,8 @@ class HybridSparseBackend(SparseOffloadBackend):
     ) -> None:
         super().__init__(spec, options, block_size=block_size)
         self.index = BlockIndexerCache(spec, options.indexer_dtype or "bf16", block_size)
-        main = [(kv_row_bytes(spec.kv_lora_rank, spec.rope_dim), torch.uint8)] if self.fp8 else [
-            (spec.kv_lora_rank, spec.dtype), (spec.rope_dim, spec.dtype)]  # fmt: skip
+        # a resident and an offloaded row are the same bytes: the model's, or FP8 rows
+        main = resident_rows(spec, options.kv_dtype, "offload='auto'")
         self.blocks = DeviceBlocks(spec.num_layers, main, block_size, spec.device)
         self.budget = budget
         check_options(
@@ -424,11 +423,11 @@ class HybridSparseBackend(SparseOffloadBackend):
         view = IndexerView(self.index.layers[layer], index_table, self.runtime.top_k, fmt=self.index.fmt)
         layer_rows, step = self.blocks.flat(layer), None
         if not offloaded:  # every row resident: the queries as they are
-            topk = select_rows(view, q.index_q, q.index_weights, cu, lens)
+            topk = view.select(q.index_q, q.index_weights, cu, lens)
             rows_at = block_rows(topk, table, self.block_size)
             out = resident_attention(layer_rows, q.q_nope, q.q_pe, rows_at, q.scale, fp8=self.fp8)
         else:
-            topk = select_rows(view, q.index_q[pick], q.index_weights[pick], cu, lens)
+            topk = view.select(q.index_q[pick], q.index_weights[pick], cu, lens)
             rows_at = block_rows(topk, table, self.block_size)
             out = torch.empty_like(q.q_nope)
             out[pick] = resident_attention(

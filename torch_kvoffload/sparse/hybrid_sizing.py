@@ -9,9 +9,7 @@ fully resident would take, is shared as requests come and go (:func:`fit`).
 
 from __future__ import annotations
 
-from torch_kvoffload._utils import dtype_name, parse_dtype
 from torch_kvoffload.device import free_device_bytes
-from torch_kvoffload.kv.fp8_rows import FP8_KV
 from torch_kvoffload.kv.layout import KVLayout
 from torch_kvoffload.kv.spec import ModelSpec
 from torch_kvoffload.sparse.config import SparseOptions
@@ -34,17 +32,9 @@ def chunk(slots: int) -> int:
 def check_options(
     spec: ModelSpec, options: SparseOptions, budget: int | None, main_row: int, index_row: int
 ) -> None:
-    """``ValueError`` when ``options`` cannot run hybrid: ``sparse.kv_dtype`` neither the model's dtype nor
-    ``"fp8_e4m3"`` (a resident and an offloaded row must be the same bytes), tensor parallelism, or a
-    ``budget`` that cannot hold one offloaded request's hot buffers and indexer rows of ``capacity`` tokens
-    (``main_row`` / ``index_row``: a token's latent / indexer bytes over every layer)."""
-    want = options.kv_dtype
-    if want is not None and want != FP8_KV and parse_dtype("sparse.kv_dtype", want) != spec.dtype:
-        raise ValueError(
-            f"OffloadConfig.sparse: offload='auto' keeps a request's latent KV on the device or in the host pool "
-            f"as the same rows: the model's dtype {dtype_name(spec.dtype)} or FP8 rows ({FP8_KV!r}); got "
-            f"kv_dtype={want!r}"
-        )
+    """``ValueError`` when ``options`` cannot run hybrid: tensor parallelism, or a ``budget`` that cannot hold
+    one offloaded request's hot buffers and indexer rows of ``capacity`` tokens (``main_row`` /
+    ``index_row``: a token's latent / indexer bytes over every layer)."""
     if spec.tp is not None and spec.tp.size > 1:
         raise ValueError(
             "OffloadConfig.sparse: offload='auto' does not run under tensor parallelism yet; use offload=True "

@@ -28,7 +28,22 @@ from torch_kvoffload.ops.fp8 import kv_row_bytes
 from torch_kvoffload.sparse.config import SparseOptions
 from torch_kvoffload.sparse.indexer_cache import IndexerCache
 
-__all__ = ["ResidentSparseBackend"]
+__all__ = ["ResidentSparseBackend", "resident_rows"]
+
+
+def resident_rows(spec: ModelSpec, kv_dtype: str | None, mode: str) -> list[tuple[int, torch.dtype]]:
+    """``(width, dtype)`` of the tensors a latent row kept on the device takes: the model's ``kv_c`` and
+    ``k_pe``, or one ``uint8`` FP8 row (``kv_dtype="fp8_e4m3"``). ``ValueError`` (naming ``mode``) for any
+    other ``kv_dtype`` than the model's, or FP8 rows of a ``kv_lora_rank`` not a multiple of 128."""
+    check_kv_format(kv_dtype, spec)
+    if kv_dtype == FP8_KV:
+        return [(kv_row_bytes(spec.kv_lora_rank, spec.rope_dim), torch.uint8)]
+    if kv_dtype is not None and parse_dtype("sparse.kv_dtype", kv_dtype) != spec.dtype:
+        raise ValueError(
+            f"OffloadConfig.sparse: {mode} keeps the latent KV on the device as the model's rows, in its dtype "
+            f"{dtype_name(spec.dtype)} or as FP8 rows ({FP8_KV!r}); got kv_dtype={kv_dtype!r}"
+        )
+    return [(spec.kv_lora_rank, spec.dtype), (spec.rope_dim, spec.dtype)]
 
 
 class ResidentSparseBackend(KVBackend):
@@ -44,23 +59,12 @@ class ResidentSparseBackend(KVBackend):
     def __init__(self, spec: ModelSpec, options: SparseOptions) -> None:
         sparse = options
         assert not sparse.offload
-        want = sparse.kv_dtype
-        self.fp8 = want == FP8_KV
-        check_kv_format(want, spec)
-        if want is not None and not self.fp8 and parse_dtype("sparse.kv_dtype", want) != spec.dtype:
-            raise ValueError(
-                f"OffloadConfig.sparse: offload=False keeps the main KV resident in the model's dtype "
-                f"{dtype_name(spec.dtype)} or as FP8 rows ({FP8_KV!r}); got kv_dtype={want!r}"
-            )
+        main = resident_rows(spec, sparse.kv_dtype, "offload=False")
+        self.fp8 = sparse.kv_dtype == FP8_KV
         self.spec = spec
         self.top_k = sparse.top_k or spec.index_topk
         check_indexer_format(sparse.indexer_dtype or "bf16", spec)
         self.index = IndexerCache(spec, sparse.indexer_dtype or "bf16")
-        main = (
-            [(kv_row_bytes(spec.kv_lora_rank, spec.rope_dim), torch.uint8)]
-            if self.fp8
-            else [(spec.kv_lora_rank, spec.dtype), (spec.rope_dim, spec.dtype)]
-        )
         self.main = SlotPages(spec.num_layers, main, spec.device)
         self._layout: KVLayout | None = None
 

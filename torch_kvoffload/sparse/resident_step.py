@@ -1,6 +1,7 @@
 """The decode step of requests whose latent KV is resident in a device block pool (hybrid sparse attention):
-the lightning indexer's top-k over the device indexer cache, then sparse MLA attention over the selected
-rows in place. The same ops, and so the same arithmetic per query, as resident sparse attention.
+after the lightning indexer's top-k over the device indexer cache (``IndexerView.select``), sparse MLA
+attention over the selected rows in place. The same ops, and so the same arithmetic per query, as
+resident sparse attention.
 
 Shapes: ``R`` decode rows (one query each), ``K`` top-k, ``H`` heads, ``Dc`` / ``Dr`` latent / rotary
 widths; flat block rows index the pool's ``[num_blocks * block_size, ·]`` tensors.
@@ -12,33 +13,15 @@ from collections.abc import Sequence
 
 import torch
 
-from torch_kvoffload.kv.backend import IndexerView, SelectedRows
+from torch_kvoffload.kv.backend import SelectedRows
 from torch_kvoffload.kv.forward import ForwardPlan
 from torch_kvoffload.ops.fp8_attention import dequantize_rows, fp8_sparse_mla_attention
-from torch_kvoffload.ops.fp8_indexer import fp8_lightning_indexer, hadamard_quant_fp8
-from torch_kvoffload.ops.indexer import hadamard_quant_int8, lightning_indexer, quant_lightning_indexer
 from torch_kvoffload.ops.sparse_attention import sparse_mla_attention
 from torch_kvoffload.sparse.device_blocks import DeviceBlocks
 
 __all__ = [
-    "block_rows", "merge_selected", "resident_attention", "resident_selected", "select_rows", "split_new_rows",
+    "block_rows", "merge_selected", "resident_attention", "resident_selected", "split_new_rows",
 ]  # fmt: skip
-
-
-def select_rows(
-    view: IndexerView, index_q: torch.Tensor, weights: torch.Tensor, cu_seqlens_q: torch.Tensor,
-    seq_lens_k: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
-    """``int32 [R, K]``: the top-k logical positions (−1 padded) of queries ``index_q [R, Hi, Di]`` /
-    ``weights fp32 [R, Hi]`` over ``view`` (floating, int8 or FP8 indexer rows)."""
-    args = (view.block_table, cu_seqlens_q, seq_lens_k, view.top_k)
-    if view.fmt == "int8":
-        q8, qs = hadamard_quant_int8(index_q)
-        return quant_lightning_indexer(q8, qs, weights, *view.caches, *args)
-    if view.fmt == "fp8_e4m3":
-        return fp8_lightning_indexer(hadamard_quant_fp8(index_q), weights, *view.caches, *args)
-    keys = view.caches[0]
-    return lightning_indexer(index_q.to(keys.dtype), weights, keys, *args)
 
 
 def block_rows(topk: torch.Tensor, table: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -40,10 +40,10 @@ def ref():
     return model, ids, mask
 
 
-def _generate(model, ids, mask, **kw):
+def _generate(model, ids, mask, new: int = NEW, **kw):
     kw.setdefault("do_sample", False)
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, **kw)
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, **kw)
 
 
 def _auto(extra: dict, budget: int) -> dict:
@@ -242,11 +242,7 @@ def test_output_attentions_through_resident_and_offloaded_rows(ref) -> None:
     model, ids, mask = ref
 
     def run(m):
-        with torch.no_grad():
-            return m.generate(
-                ids, attention_mask=mask, max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
-                output_attentions=True,
-            )  # fmt: skip
+        return _generate(m, ids, mask, 6, return_dict_in_generate=True, output_attentions=True)
 
     resident = torch_kvoffload.offload(copy.deepcopy(model), {"sparse": {"offload": False}, "block_size": BS})
     want = run(resident)

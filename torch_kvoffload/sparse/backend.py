@@ -242,12 +242,16 @@ class SparseOffloadBackend(KVBackend):
             pos += new - old
         return KeyRows(torch.cat(parts_c), torch.cat(parts_pe), starts, fp8=self.fp8)
 
-    def earlier_rows(self, layer: int, fwd: ForwardPlan) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each request's rows before ``fwd`` (``kv_c``, ``k_pe``) on the device: read from the host pool."""
+    def earlier_rows(
+        self, layer: int, fwd: ForwardPlan, at: Sequence[int] | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The rows before ``fwd`` (``kv_c``, ``k_pe``) of its requests ``at`` (batch rows; default every
+        one) on the device: read from the host pool (counted in ``prefill_host_bytes_h2d``)."""
         rt = self.runtime
         assert rt is not None
-        spans = [(r.id, 0, old) for r, old in zip(fwd.requests, fwd.old_len, strict=True)]
-        self.counters.add("prefill_host_bytes_h2d", sum(fwd.old_len) * rt.pool.row_bytes)
+        rows = range(fwd.B) if at is None else at
+        spans = [(fwd.requests[i].id, 0, fwd.old_len[i]) for i in rows]
+        self.counters.add("prefill_host_bytes_h2d", sum(s[2] for s in spans) * rt.pool.row_bytes)
         return self.pool_rows(layer, spans)
 
     def indexer(self, layer: int, fwd: ForwardPlan) -> IndexerView | None:

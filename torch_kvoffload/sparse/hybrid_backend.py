@@ -326,7 +326,7 @@ class HybridSparseBackend(SparseOffloadBackend):
     def abort_forward(self, fwd: ForwardPlan) -> None:
         """The forward's rows count as never written (its requests keep their earlier rows)."""
         try:
-            SparseOffloadBackend.end_forward(self, fwd)
+            super().end_forward(fwd)  # sparse offload's: this class's would count the rows as written
         finally:
             for rid, old in zip(fwd.request_ids, fwd.old_len, strict=True):
                 if rid in self._host_len:
@@ -338,8 +338,11 @@ class HybridSparseBackend(SparseOffloadBackend):
         split = fwd.memo.get("hybrid")
         if split is None:
             ids = fwd.request_ids
-            resident = [i for i, rid in enumerate(ids) if self.blocks.holds(rid)]
-            split = fwd.memo["hybrid"] = (resident, [i for i in range(len(ids)) if i not in set(resident)])
+            on = [self.blocks.holds(rid) for rid in ids]
+            split = fwd.memo["hybrid"] = (
+                [i for i, r in enumerate(on) if r],
+                [i for i, r in enumerate(on) if not r],
+            )
         return split
 
     # ------------------------------------------------------------------------------ per layer
@@ -376,9 +379,11 @@ class HybridSparseBackend(SparseOffloadBackend):
         if not fwd.decode and not fwd.layerwise:
             self._rows[layer] = (kv_c, k_pe)
 
-    def earlier_rows(self, layer: int, fwd: ForwardPlan) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def earlier_rows(
+        self, layer: int, fwd: ForwardPlan, at: Sequence[int] | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each request's rows before ``fwd``: a resident one's from its blocks, an offloaded one's from the
-        host pool."""
+        host pool (every request: ``at`` is the base class's)."""
         resident, offloaded = self._split(fwd)
         if not resident:
             return super().earlier_rows(layer, fwd)
@@ -387,11 +392,7 @@ class HybridSparseBackend(SparseOffloadBackend):
             parts = self.blocks.read(layer, fwd.request_ids[i], 0, fwd.old_len[i])
             out[i] = (parts[0], parts[0][:, :0]) if self.fp8 else (parts[0], parts[1])
         if offloaded:
-            rt = self.runtime
-            assert rt is not None
-            spans = [(fwd.request_ids[i], 0, fwd.old_len[i]) for i in offloaded]
-            self.counters.add("prefill_host_bytes_h2d", sum(s[2] for s in spans) * rt.pool.row_bytes)
-            for i, got in zip(offloaded, self.pool_rows(layer, spans), strict=True):
+            for i, got in zip(offloaded, super().earlier_rows(layer, fwd, offloaded), strict=True):
                 out[i] = got
         return out  # type: ignore[return-value]
 
@@ -472,11 +473,6 @@ class HybridSparseBackend(SparseOffloadBackend):
     # ------------------------------------------------------------------------------ accounting
     def device_tensors(self) -> list[torch.Tensor]:
         return super().device_tensors() + self.blocks.tensors()
-
-    @property
-    def resident_pool_bytes(self) -> int:
-        """Device bytes of the resident requests' block pool (what gives way under pressure)."""
-        return sum(t.nbytes for t in self.blocks.tensors())
 
     def stats(self) -> dict[str, float]:
         """Sparse decode offload's counters and :attr:`STATS`: requests resident / offloaded now, spills and

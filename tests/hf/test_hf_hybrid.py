@@ -227,9 +227,10 @@ def test_configuration() -> None:
     assert cfg.sparse.offload == "auto" and cfg.sparse.capacity == 64
     with pytest.raises(ValueError, match=r"sparse\.offload"):
         OffloadConfig(sparse={"offload": "sometimes"})
-    for role in ("prefill", "decode"):
-        with pytest.raises(ValueError, match=rf"pd.role='{role}' with sparse.offload='auto'"):
-            OffloadConfig(layerwise={}, sparse={"offload": "auto"}, pd={"role": role})
+    # a prefill node runs no decode step; a decode node receives into the host pool (tests/hf/test_pd_hf.py)
+    with pytest.raises(ValueError, match=r"pd.role='prefill' with sparse.offload='auto'.*no decode"):
+        OffloadConfig(layerwise={}, sparse={"offload": "auto"}, pd={"role": "prefill"})
+    assert OffloadConfig(sparse={"offload": "auto"}, pd={"role": "decode"}).pd.role == "decode"
     with pytest.raises(ValueError, match=r"offload='auto'.*kv_dtype='bf16'"):
         torch_kvoffload.offload(
             build_model("deepseek_v32", **WIDTHS), {"sparse": {"offload": "auto", "kv_dtype": "bf16"}}

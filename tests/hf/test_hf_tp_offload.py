@@ -8,7 +8,9 @@ compared with the unmodified single-process model's ``generate`` (greedy, left-p
 too), a chunked prefill's logits with its one-shot forward. The shared pool is checked for real: one
 ``/dev/shm`` file of the size the layout gives, the same name on every rank, rows written by TP rank 0
 only, a new pool for a sequence of other sizes and the old one removed, a failed attach raising on every
-rank. Prefix reuse: a prompt run again is taken over from every rank's store alike, in ``generate`` and
+rank. Hybrid sparse (``offload="auto"``) at a budget that spills requests mid-generation: every rank takes the
+decisions the single-process model takes at that budget (same counts), a spill failing on one rank fails
+the call on every rank, and the next call works. Prefix reuse: a prompt run again is taken over from every rank's store alike, in ``generate`` and
 under continuous batching; when one rank's store loses it after the lookup no rank takes it over. All cases
 of a world size run in one spawn (process start-up dominates).
 """
@@ -16,6 +18,7 @@ of a world size run in one spawn (process start-up dominates).
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 
 import pytest
@@ -58,6 +61,9 @@ SPARSE = {"sparse": {}, "block_size": BS}
 # a shared host pool of FP8 latent rows, each rank's indexer cache of FP8 rows
 SPARSE_FP8 = {"sparse": {"kv_dtype": "fp8_e4m3", "indexer_dtype": "fp8_e4m3"}, "block_size": BS}
 RESIDENT = {"sparse": {"offload": False}, "block_size": BS}
+# hybrid sparse; the fixture sets serving.device_kv_budget (see _auto_budget)
+AUTO = {"sparse": {"offload": "auto", "capacity": 8}, "block_size": BS}  # hot rows: a top-k of 8
+AUTO_MOVES = ("spills", "promotions", "started_offloaded", "spill_bytes_d2h", "promote_bytes_h2d")
 LAYERWISE = {"layerwise": {}, "block_size": BS}
 BOTH = {"layerwise": {}, "sparse": {}, "block_size": BS}
 SERVING = {
@@ -76,6 +82,7 @@ TWO = [
     ("v3-layerwise", "deepseek_v3", LAYERWISE, ["a", "a_again", "b"]),
     ("v32-both-cb", "deepseek_v32-cb", SERVING, ["cb_diverged", "cb_failed", "cb", "cb_again"]),
     ("v32-sparse-fp8", "deepseek_v32-fp8", SPARSE_FP8, ["a", "b"]),
+    ("v32-auto", "deepseek_v32", AUTO, ["a", "beam", "auto_fail", "a_again"]),
 ]
 # four ranks: one attention head each, the host pool shared by four; the modes' own paths run on two
 FOUR = [
@@ -142,6 +149,8 @@ def _run(run: str, model, session) -> dict:
         return {"logits": logits, **_record(model, session)}
     if run == "fail":
         return _failed_attach(model, session)
+    if run == "auto_fail":
+        return _failed_spill(model, session)
     if run == "a_lost":
         with store_emptied_after_each_lookup(active=session.spec.tp.rank == 1):  # TP rank 1's store only
             return {"tokens": model.generate(**_generate_kwargs(run)), **_record(model, session)}
@@ -210,6 +219,41 @@ def _failed_attach(model, session) -> dict:
     return {"error": f"{type(info.value).__name__}: {info.value}", **_record(model, session)}
 
 
+def _failed_spill(model, session) -> dict:
+    """TP rank 1 cannot spill: every rank's call raises (rank 0 naming rank 1's error)."""
+    from torch_kvoffload.sparse.hybrid_backend import HybridSparseBackend
+
+    real = HybridSparseBackend._to_host
+
+    def refuse(self, rid, upto):
+        raise RuntimeError("injected: rank 1 cannot spill")
+
+    if session.spec.tp.rank == 1:
+        HybridSparseBackend._to_host = refuse
+    try:
+        with pytest.raises(Exception) as info:
+            model.generate(**_generate_kwargs("beam"))
+    finally:
+        HybridSparseBackend._to_host = real
+    return {"error": f"{type(info.value).__name__}: {info.value}", **_record(model, session)}
+
+
+def _auto_budget(ref) -> tuple[int, dict]:
+    """A budget holding the beam run's offloaded footprint and a fifth of the pool its beams fully resident
+    take (its beams are spilled and promoted, run "a"'s requests stay resident), and the single-process
+    model's move counts after each run at that budget."""
+    roomy = torch_kvoffload.offload(copy.deepcopy(ref), {**AUTO, "serving": {"device_kv_budget": 1 << 40}})
+    roomy.generate(**_generate_kwargs("beam"))
+    st = torch_kvoffload.stats(roomy)
+    budget = int(st["offloaded_kv_bytes"] + st["resident_kv_bytes_wanted"] // 5)
+    probe = torch_kvoffload.offload(copy.deepcopy(ref), {**AUTO, "serving": {"device_kv_budget": budget}})
+    moves = {}
+    for run in ("a", "beam"):
+        probe.generate(**_generate_kwargs(run))
+        moves[run] = {k: torch_kvoffload.stats(probe)[k] for k in AUTO_MOVES}
+    return budget, moves
+
+
 def _worker(rank: int, world: int, dirs: dict[str, str], cases: list, out_dir: str) -> None:
     from torch_kvoffload.integrations.hf import session_of
 
@@ -240,6 +284,8 @@ def saved(tmp_path_factory):
             ref = build_model(family, **OVERRIDES)
             want[family] = {run: ref.generate(**_generate_kwargs(run)) for run in RUNS}
             want[family]["chunk"] = ref(input_ids=_chunk_prompt()).logits[:, CHUNK[2] :]
+            if family == "deepseek_v32":
+                want["auto_budget"], want["auto_moves"] = _auto_budget(ref)
         # FP8 rows: the unmodified model with its latent KV through FlashMLA's quantization and its indexer
         # scoring FP8 queries and keys
         dirs["deepseek_v32-fp8"] = save_tiny("deepseek_v32", root / "fp8", **FP8_WIDTHS)
@@ -268,7 +314,9 @@ def _spawn(tmp_path_factory, dirs: dict, world: int, cases: list) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two_ranks(saved, tmp_path_factory):
-    return _spawn(tmp_path_factory, saved[0], 2, TWO)
+    budget = {"serving": {"device_kv_budget": saved[1]["auto_budget"]}}
+    cases = [(n, f, {**c, **budget} if c is AUTO else c, r) for n, f, c, r in TWO]
+    return _spawn(tmp_path_factory, saved[0], 2, cases)
 
 
 @pytest.fixture(scope="module")
@@ -332,6 +380,12 @@ def _check_case(results: list[dict], want: dict, case: tuple) -> None:
             assert all(e.startswith("OSError: injected") for e in readers), readers
             # no rank holds a pool, TP rank 0 removed the file it created for the failed sequence
             assert got[0]["pool_files"] == set() and all(g["pool"] is None for g in got)
+            prev_name, prev_d2h, prev_run = None, got[0]["backend"]["bytes_d2h"], None
+            continue
+        if run == "auto_fail":
+            rank0, rank1 = (g["error"] for g in got)
+            assert rank1 == "RuntimeError: injected: rank 1 cannot spill", rank1
+            assert rank0.startswith("RuntimeError: hybrid sparse: a spill failed on TP rank 1"), rank0
             prev_name, prev_d2h, prev_run = None, got[0]["backend"]["bytes_d2h"], None
             continue
         if run in ("cb_diverged", "cb_failed"):  # the first step's requests fail on every rank, by name
@@ -414,13 +468,22 @@ def _check_case(results: list[dict], want: dict, case: tuple) -> None:
         public = [(g["stats"]["host_pool_bytes"], g["stats"]["shared_host_pool_bytes"]) for g in got]
         assert public == [(size, 0)] + [(0, size)] * (world - 1)
         # the rows reach the pool once: TP rank 0 copied every new row of every layer, the readers none
-        written = _rows_written(run)
         d2h = backend[0]["bytes_d2h"] - prev_d2h
-        assert d2h == layers * written * sum(row) if written is not None else d2h > 0
+        if config is AUTO:  # the rows reach the pool as requests are offloaded: the single process's moves
+            moves = [{k: b[k] for k in AUTO_MOVES} for b in backend]
+            if run in want["auto_moves"]:
+                assert moves == [want["auto_moves"][run]] * world, (run, moves)
+            assert moves[0]["spills"] > 0 or run == "a", "the budget spills beams mid-generation"
+        else:
+            written = _rows_written(run)
+            assert d2h == layers * written * sum(row) if written is not None else d2h > 0
         assert all(b["bytes_d2h"] == 0 for b in backend[1:])
         # every rank loads its own hot rows from the shared pool
-        assert all(b["bytes_h2d"] == backend[0]["bytes_h2d"] > 0 for b in backend)
-        if run == "beam":  # the beams share their prompts' full blocks on every rank alike
+        assert all(b["bytes_h2d"] == backend[0]["bytes_h2d"] for b in backend)
+        assert backend[0]["bytes_h2d"] > 0 or (config is AUTO and run == "a"), "hybrid: run a stays resident"
+        if (
+            run == "beam" and config is not AUTO
+        ):  # the beams share their prompts' full blocks on every rank alike
             assert all(b["fork_shared_blocks"] == backend[0]["fork_shared_blocks"] > 0 for b in backend)
         prev_name, prev_d2h, prev_run = pools[0]["name"], backend[0]["bytes_d2h"], run
     for rank, r in enumerate(results):

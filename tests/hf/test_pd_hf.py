@@ -6,7 +6,9 @@ time by the same pair: prefill takes its cached blocks over from the store (pref
 the whole prompt's KV. The single prompt moves DeepSeek's FP8 rows (``sparse.kv_dtype`` and ``indexer_dtype``
 ``"fp8_e4m3"`` on both sides: prefill's layer buffers keep them, decode's host pool and indexer cache take their
 bytes); its reference passes the unmodified model's latent KV through the FP8 row and selects with the FP8
-indexer (``support.fp8_reference``)."""
+indexer (``support.fp8_reference``). The padded batch also reaches a decode node with hybrid sparse
+(``sparse.offload="auto"``): the received requests start offloaded and are promoted into its device pool
+before their first decode step."""
 
 from __future__ import annotations
 
@@ -83,7 +85,7 @@ def _decode(cases: list[dict], tickets_q, first_q, out_q) -> None:
 
     for case in cases:
         try:
-            cfg = OffloadConfig(sparse=case["sparse"] or {}, block_size=BS,
+            cfg = OffloadConfig(**{"sparse": case["sparse"] or {}, **case["decode"]}, block_size=BS,
                                 pd=_pd("decode", case["port"], case["rdv"]))  # fmt: skip
             model = torch_kvoffload.offload(build_model("deepseek_v32", **case["widths"]), cfg)
             role = decode_role(model)
@@ -108,10 +110,12 @@ def _decode(cases: list[dict], tickets_q, first_q, out_q) -> None:
             return
 
 
-CASES = {"batch1-fp8": [19], "batch2-padded": [21, 10]}
+CASES = {"batch1-fp8": [19], "batch2-padded": [21, 10], "batch2-hybrid": [21, 10]}
 #: prompts served per session pair: the padded batch a second time, which the prefill node takes over from
 #: its store (it computes only the columns after the cached blocks) and still sends whole
-ROUNDS = {"batch1-fp8": 1, "batch2-padded": 2}
+ROUNDS = {"batch1-fp8": 1, "batch2-padded": 2, "batch2-hybrid": 2}
+#: decode nodes with hybrid sparse (the budget: what is free, room for every request resident)
+HYBRID = {"batch2-hybrid": {"sparse": {"offload": "auto"}}}
 #: the case moving FP8 rows: both sides keep both formats; their 128-wide tiles need a kv_lora_rank and an
 #: index_head_dim of 128
 FP8_CASES = {"batch1-fp8"}
@@ -141,7 +145,7 @@ def pd_runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
         port = free_port()
         wait_s = verdict_s(PDConfig(**_pd("decode", port, rdv)), LAYERS)
         cases.append({"ids": ids, "mask": mask, "port": port, "rdv": rdv, "reference": reference,
-                      "widths": widths, "sparse": FP8 if fp8 else None,
+                      "widths": widths, "sparse": FP8 if fp8 else None, "decode": HYBRID.get(name, {}),
                       "rounds": ROUNDS[name], "verdict_s": wait_s,
                       "deadline_s": start_s + 2 * work_s + ROUNDS[name] * wait_s})  # fmt: skip
     tickets_q, first_q, p_q, d_q, stop = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
@@ -219,6 +223,12 @@ def test_prefill_then_decode_tokens_equal_unmodified_generate(name, pd_runs):
     assert d_out["receiver"]["bytes_received"] == n_layers * blocks * BS * row_bytes
     assert d_out["stats"]["prefill_forwards"] == 0
     assert d_out["stats"]["decode_forwards"] == NEW - 1
+    if name in HYBRID:  # every received request started offloaded, then moved into the device pool
+        for i, rnd in enumerate(d_out["rounds"], start=1):
+            st = rnd["stats"]
+            assert st["promotions"] == i * len(lengths) and st["spills"] == 0, st
+            assert st["promote_bytes_h2d"] == i * n_layers * sum(lengths) * (64 + 16) * 4
+            assert st["resident_requests"] == len(lengths) and st["offloaded_requests"] == 0
     if ROUNDS[name] == 1:
         return
     # the prompt again: the prefill node took its cached blocks over from the store and computed only the

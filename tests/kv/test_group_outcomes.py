@@ -43,6 +43,12 @@ def _ranks(rank: int, world: int) -> None:
     assert out.values == [None if r % 2 else r for r in range(world)]
     assert out.failures() == "; ".join(f"TP rank {r}: OSError: no pool on {r}" for r in sorted(odd))
     assert (out.error is not None) == bool(rank % 2)
+    # values_or_raise: this rank's own error, else one naming the ranks that failed
+    with pytest.raises(OSError if rank % 2 else RuntimeError) as info:
+        out.values_or_raise("the step")
+    if not rank % 2:
+        assert str(info.value) == f"the step failed on {out.failures()}"
+    assert every.values_or_raise("the step") == every.values
     # the group is still in step after a failure: a third exchange agrees
     assert exchange_outcomes(tp, lambda: "again").values == ["again"] * world
 

@@ -141,3 +141,11 @@ def test_promotions_take_the_shortest_first_and_leave_a_block_of_growth_per_resi
     chunked = _budget(pool, total=12, hot_cost=1, chunk=4)
     assert chunked.rows_for(5) == 8 and chunked.rows_for(4) == 4 and chunked.rows_for(0) == 0
     assert plan_promotions(pool, chunked, {2: 4}, offloaded=5) == [(2, 4)]  # 2 + 1 + 2 + 4 = 9
+
+
+def test_a_fixed_indexer_pool_keeps_every_slots_rows() -> None:
+    """On a P/D decode node transfers write into the indexer pool: it is always every slot's full size."""
+    elastic = DeviceBudget(1000, 10, 5, 1, 4, index_block=2, index_full=64)
+    fixed = DeviceBudget(1000, 10, 5, 1, 4, index_block=2, index_full=64, fixed_index=True)
+    assert elastic.index_pool(8, 0) == 8 + 4 and elastic.index_pool(8, 12) == 12
+    assert fixed.index_pool(8, 0) == fixed.index_pool(0, 64) == fixed.index_pool(64, 64) == 64

@@ -126,7 +126,9 @@ def _kvpp(ctx: _Context, cfg: KVPPConfig) -> KVPPBackend:
 def _sparse(ctx: _Context, cfg: SparseOptions) -> SparseOffloadBackend | ResidentSparseBackend:
     if cfg.offload == "auto":
         budget = ctx.config.serving.device_kv_budget
-        return HybridSparseBackend(ctx.spec, cfg, block_size=ctx.block_size, budget=budget)
+        return HybridSparseBackend(
+            ctx.spec, cfg, block_size=ctx.block_size, budget=budget, receives=ctx.role is not None
+        )
     if cfg.offload:
         return SparseOffloadBackend(ctx.spec, cfg, block_size=ctx.block_size)
     return ResidentSparseBackend(ctx.spec, cfg)

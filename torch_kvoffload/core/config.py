@@ -120,10 +120,10 @@ class OffloadConfig(ConfigModel):
                     "OffloadConfig: pd.role='decode' needs sparse decode offload (the KV lands in its host pool)"
                     + ("; sparse.offload=False keeps no host pool" if self.sparse is not None else "")
                 )
-            if self.sparse is not None and self.sparse.offload == "auto":
+            if self.pd.role == "prefill" and self.sparse is not None and self.sparse.offload == "auto":
                 raise ValueError(
-                    f"OffloadConfig: pd.role={self.pd.role!r} with sparse.offload='auto' is not supported yet; "
-                    "use sparse.offload=True on a P/D node"
+                    "OffloadConfig: pd.role='prefill' with sparse.offload='auto': a prefill node runs no decode "
+                    "step to place; use sparse.offload=True (or no sparse) on it, 'auto' on the decode node"
                 )
         if self.kvpp_requested and (self.layerwise is not None or self.sparse is not None):
             both = [n for n in ("layerwise", "sparse") if getattr(self, n) is not None]

@@ -125,13 +125,8 @@ class PrefixReuse:
         tp = self._group()
         if tp is None or tp.size == 1:
             return list(found)
-        outcome = exchange_outcomes(tp, lambda: list(found))
-        outcome.raise_own()
-        if outcome.failed:
-            raise RuntimeError(
-                f"prefix reuse: the ranks' lookups could not be gathered: {outcome.failures()}"
-            )
-        return [min(values) for values in zip(*outcome.values, strict=True)]
+        gathered = exchange_outcomes(tp, lambda: list(found)).values_or_raise("prefix reuse: the lookup")
+        return [min(values) for values in zip(*gathered, strict=True)]
 
     def together(
         self, adopt: Callable[[], Any], undo: Callable[[], None], recoverable: Collection[str] | None

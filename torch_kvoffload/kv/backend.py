@@ -156,6 +156,10 @@ class KVBackend:
     def release(self, request_ids: Sequence[int]) -> None:
         """Requests end; what they hold is freed."""
 
+    def received(self, request: Request, length: int) -> None:
+        """``request``'s first ``length`` rows were computed elsewhere and are being placed in this backend's
+        host pool and indexer blocks by a transfer (a P/D decode node, before its first forward)."""
+
     def fork(self, layout: KVLayout, src: Request, dst: Request, length: int) -> None:
         """``dst`` (admitted, no tokens yet) continues ``src``: from now on it holds ``src``'s first
         ``length`` rows as its own (all of them: beam search, ``num_return_sequences``; fewer: a new request

@@ -32,6 +32,14 @@ class GroupOutcomes:
         if self.error is not None:
             raise self.error
 
+    def values_or_raise(self, what: str) -> list[Any]:
+        """Every rank's result, or this rank's own error, or ``RuntimeError("{what} failed on TP rank r:
+        ...")`` naming the ranks that failed."""
+        self.raise_own()
+        if self.failed:
+            raise RuntimeError(f"{what} failed on {self.failures()}")
+        return self.values
+
     def failures(self) -> str:
         """``"TP rank r: Type: message; ..."`` over the failed ranks."""
         return "; ".join(f"TP rank {r}: {kind}: {msg}" for r, (kind, msg) in sorted(self.failed.items()))

@@ -74,6 +74,12 @@ class SlotPages:
     def free(self) -> None:
         self.layers, self._layout = [], None
 
+    def slot_pages(self, slot: int) -> list[int]:
+        """The pages of request slot ``slot``."""
+        assert self._layout is not None, "SlotPages.slot_pages before allocate()"
+        pages = self._layout.page[1]
+        return list(range(slot * pages, slot * pages + pages))
+
     @property
     def built(self) -> bool:
         return bool(self.layers)

@@ -57,6 +57,10 @@ class BlockIndexerCache(IndexReads):
     def free(self) -> None:
         self.blocks.free()
 
+    def slot_pages(self, slot: int) -> list[int]:
+        """The blocks request slot ``slot`` holds (given by its owner), in row order."""
+        return self.blocks.blocks_of(slot)
+
     def copy_rows(self, src_slot: int, dst_slot: int, n: int) -> None:
         """Slot ``dst_slot`` gets blocks for and a copy of ``src_slot``'s first ``n`` rows of every layer."""
         if not self.blocks.ensure(dst_slot, n):

@@ -127,6 +127,10 @@ class DeviceBlocks:
     def holders(self) -> list[int]:
         return list(self._blocks)
 
+    def blocks_of(self, request_id: int) -> list[int]:
+        """The blocks ``request_id`` holds, in row order."""
+        return list(self._blocks.get(request_id, ()))
+
     # ---------------------------------------------------------------------------- rows
     def rows(self, request_id: int, positions: torch.Tensor) -> torch.Tensor:
         """int64 flat rows of ``request_id``'s logical ``positions`` (int64, any shape, on any device; each

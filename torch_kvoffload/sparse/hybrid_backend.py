@@ -19,13 +19,18 @@ first, while they fit (their host rows copied into blocks). A resident request w
 blocks only (``_host_len``: the leading rows the host pool already holds, so a request spilled again
 copies only what it wrote since). A failed spill or promotion leaves the request where it was (counted in
 ``spill_failures`` / ``promote_failures``); the forward that needed it raises.
+
+Tensor parallelism: the ranks share the host pool and take the same decisions over their own device pools:
+they agree on one budget at each sizing (the smallest) and, after a forward's moves, on whether every
+rank's succeeded; a move failed on any rank fails the forward on all and ends the sequence. P/D decode:
+a received request starts offloaded (:meth:`received`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -33,6 +38,7 @@ from torch_kvoffload.counters import Counters
 from torch_kvoffload.kv.backend import IndexerView, KVBackend, NewRows, Queries, SelectedRows
 from torch_kvoffload.kv.forward import ForwardPlan
 from torch_kvoffload.kv.fp8_rows import latent_fp8_rows
+from torch_kvoffload.kv.group_outcomes import exchange_outcomes
 from torch_kvoffload.kv.layout import KVLayout
 from torch_kvoffload.kv.requests import Request
 from torch_kvoffload.kv.spec import ModelSpec
@@ -44,9 +50,9 @@ from torch_kvoffload.sparse.hybrid_sizing import check_options, chunk, device_bu
 from torch_kvoffload.sparse.placement import DeviceBudget, plan_pressure, plan_promotions
 from torch_kvoffload.sparse.resident_backend import resident_rows
 from torch_kvoffload.sparse.resident_step import (
-    block_rows,
+    ResidentInputs,
     merge_selected,
-    resident_attention,
+    resident_decode,
     resident_selected,
     split_new_rows,
 )
@@ -67,8 +73,8 @@ class HybridSparseBackend(SparseOffloadBackend):
     (``None``: what is free on the device), offloaded when it does not (see the module docstring).
 
     ``ValueError`` at construction when ``sparse.kv_dtype`` is neither the model's dtype nor ``"fp8_e4m3"``
-    (a resident and an offloaded row must be the same bytes), with tensor parallelism, or when ``budget``
-    cannot hold even the hot buffers and indexer rows of one request of ``capacity`` tokens."""
+    (a resident and an offloaded row must be the same bytes), or when ``budget`` cannot hold even the hot
+    buffers and indexer rows of one request of ``capacity`` tokens. ``receives``: a P/D decode node."""
 
     name = "hybrid sparse"
     #: what :meth:`stats` adds to sparse decode offload's
@@ -76,21 +82,18 @@ class HybridSparseBackend(SparseOffloadBackend):
              "resident_pool_free_blocks", "offloaded_kv_bytes", "resident_kv_bytes_wanted")  # fmt: skip
 
     def __init__(
-        self, spec: ModelSpec, options: SparseOptions, *, block_size: int, budget: int | None
-    ) -> None:
+        self, spec: ModelSpec, options: SparseOptions, *, block_size: int, budget: int | None,
+        receives: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__(spec, options, block_size=block_size)
         self.index = BlockIndexerCache(spec, options.indexer_dtype or "bf16", block_size)
         # a resident and an offloaded row are the same bytes: the model's, or FP8 rows
         main = resident_rows(spec, options.kv_dtype, "offload='auto'")
         self.blocks = DeviceBlocks(spec.num_layers, main, block_size, spec.device)
         self.budget = budget
-        check_options(
-            spec,
-            options,
-            budget,
-            self.blocks.block_bytes // block_size,
-            self.index.blocks.block_bytes // block_size,
-        )
+        self.receives = receives  # transfers land indexer keys in the pool: it never moves
+        check_options(spec, options, budget, self.blocks.block_bytes // block_size,
+                      self.index.blocks.block_bytes // block_size)  # fmt: skip
         #: the model's other backends, whose device caches take from the same budget (set by build_backends)
         self.others: list[KVBackend] = []
         self._requests: dict[int, Request] = {}
@@ -104,6 +107,7 @@ class HybridSparseBackend(SparseOffloadBackend):
         self._freed = True  # blocks came free since the last decisions (a promotion may fit)
         self._sizes = (0, 0)  # (the offloaded footprint of every slot, the pool of every request resident)
         self._budget: DeviceBudget | None = None  # of the current layout
+        self._diverged: str | None = None  # a move failed on a TP rank: what to tell the next forwards
 
     # -------------------------------------------------------------------------------- sizing
     @contextlib.contextmanager
@@ -140,8 +144,8 @@ class HybridSparseBackend(SparseOffloadBackend):
         spill, _, _ = plan_pressure(
             self.blocks, self._budget, {}, self._written, (), len(self._offloaded), need
         )
-        for rid in spill:  # the longest first
-            self._spill(rid)
+        if spill:  # the longest first
+            self._moved("spill", lambda: [self._spill(rid) for rid in spill])
         return need
 
     def resize(self, layout: KVLayout, live: Sequence[Request]) -> None:
@@ -153,14 +157,18 @@ class HybridSparseBackend(SparseOffloadBackend):
             self._budget = None
             index.allocate(layout.slots * index.blocks_for(layout.tokens))
             return
-        rest = sum(t.nbytes for b in self.others for t in b.device_tensors())
-        assert self.runtime is not None
-        self._budget, self._sizes = device_budget(self.budget, layout, self.runtime, self.blocks, index, rest)
+        rest, runtime = sum(t.nbytes for b in self.others for t in b.device_tensors()), self.runtime
+        assert runtime is not None
+        sized = exchange_outcomes(
+            self.spec.tp,
+            lambda: device_budget(self.budget, layout, runtime, self.blocks, index, rest, self.receives),
+        ).values_or_raise("hybrid sparse: sizing")
+        self._budget, self._sizes = min(sized, key=lambda s: s[0].total)  # TP: the smallest budget
         self._freed = True
         self._fit(self._make_room({}))
 
     def _forget(self) -> None:
-        self._freed = True
+        self._freed, self._diverged = True, None
         self.blocks.free()
         for c in (self._requests, self._written, self._host_len, self._offloaded):
             c.clear()
@@ -176,6 +184,15 @@ class HybridSparseBackend(SparseOffloadBackend):
         super().admit(layout, requests)
         for r in requests:
             self._requests[r.id], self._written[r.id], self._host_len[r.id] = r, 0, 0
+
+    def received(self, request: Request, length: int) -> None:
+        """A P/D transfer places ``request``'s first ``length`` rows in the host pool and its indexer keys in
+        the blocks it gets here: it starts offloaded, promoted when space allows."""
+        if not self.index.blocks.ensure(request.slot, length):  # the pool holds every slot's full rows
+            raise RuntimeError(f"hybrid sparse: no indexer blocks for {length} received rows")
+        self._written[request.id] = self._host_len[request.id] = length
+        self._offloaded.add(request.id)
+        self._freed = True
 
     def release(self, request_ids: Sequence[int]) -> None:
         self._freed = True
@@ -204,7 +221,7 @@ class HybridSparseBackend(SparseOffloadBackend):
             self.blocks.copy_rows(src.id, dst.id, length)
             return
         if self.blocks.holds(src.id):
-            self._to_host(src.id, length)
+            self._moved("spill", lambda: self._to_host(src.id, length))
         assert self.runtime is not None
         self.runtime.fork(src.id, dst.id, length)
         self._host_len[dst.id] = length
@@ -288,8 +305,8 @@ class HybridSparseBackend(SparseOffloadBackend):
         spill, start, kept = plan_pressure(
             self.blocks, budget, claims, self._written, (), len(self._offloaded), need
         )
-        for rid in spill:
-            self._spill(rid)
+        if spill:
+            self._moved("spill", lambda: [self._spill(rid) for rid in spill])
         for rid in start:
             self._offloaded.add(rid)
             self.hybrid.add("started_offloaded")
@@ -303,12 +320,25 @@ class HybridSparseBackend(SparseOffloadBackend):
         promote = plan_promotions(self.blocks, budget, waiting, len(self._offloaded), need)
         if promote:
             self._fit(need, len(self._offloaded) - len(promote))  # the pool grows first
-        for rid, n in promote:
-            self._promote(rid, n)
+            self._moved("promotion", lambda: [self._promote(rid, n) for rid, n in promote])
         self._freed = False  # decisions complete (a failure above leaves the next forward deciding again)
+
+    def _moved(self, what: str, moves: Callable[[], object]) -> None:
+        """Run ``moves``; under TP every rank learns whether every rank's succeeded (see the module docstring)."""
+        try:
+            exchange_outcomes(self.spec.tp, moves).values_or_raise(f"hybrid sparse: a {what}")
+        except Exception as exc:
+            if self.spec.tp is not None and self.spec.tp.size > 1:
+                self._diverged = f"a {what} failed ({type(exc).__name__}: {exc})"
+            raise
 
     # ------------------------------------------------------------------------------ forwards
     def begin_forward(self, fwd: ForwardPlan) -> None:
+        if self._diverged is not None:
+            raise RuntimeError(
+                f"hybrid sparse: {self._diverged} in an earlier forward of this sequence; the TP ranks may now "
+                "place its requests differently, so they cannot continue: start a new sequence"
+            )
         super().begin_forward(fwd)
         self._last_hybrid = None
         self._place(fwd)
@@ -337,8 +367,7 @@ class HybridSparseBackend(SparseOffloadBackend):
         forward began (a later part's decisions may move a request of an earlier one; no layer ran yet)."""
         split = fwd.memo.get("hybrid")
         if split is None:
-            ids = fwd.request_ids
-            on = [self.blocks.holds(rid) for rid in ids]
+            on = [self.blocks.holds(rid) for rid in fwd.request_ids]
             split = fwd.memo["hybrid"] = (
                 [i for i, r in enumerate(on) if r],
                 [i for i, r in enumerate(on) if not r],
@@ -364,11 +393,10 @@ class HybridSparseBackend(SparseOffloadBackend):
         split = fwd.memo.get("hybrid_rows")
         if split is None:  # once per forward part: each layer writes the same rows
             dev_at, dev_rows, host_at = split_new_rows(fwd, self.blocks, resident, self.spec.device)
-            ids = fwd.request_ids
-            placed = None
-            if offloaded:
-                host_rows = fwd.row.cpu()[host_at.cpu()]
-                placed = rt.place_rows([ids[r] for r in host_rows.tolist()], fwd.pos.cpu()[host_at.cpu()])
+            host, ids = fwd.row.cpu()[host_at.cpu()].tolist(), fwd.request_ids
+            placed = (
+                rt.place_rows([ids[r] for r in host], fwd.pos.cpu()[host_at.cpu()]) if offloaded else None
+            )
             split = fwd.memo["hybrid_rows"] = (dev_at, dev_rows, host_at, placed)
         dev_at, dev_rows, host_at, placed = split
         values = [kv_c] if self.fp8 else [kv_c, k_pe]
@@ -404,38 +432,20 @@ class HybridSparseBackend(SparseOffloadBackend):
         resident, offloaded = self._split(fwd)
         if not resident:
             return super().attend(layer, fwd, q)
-        assert self.runtime is not None and q.index_q is not None and q.index_weights is not None
-        sub = fwd.memo.get("hybrid_sub")
-        if sub is None:  # the resident rows' inputs, the same tensors for every layer
-            device = fwd.cu_seqlens_q.device
-            pick = torch.tensor(resident, dtype=torch.int64, device=device)
-            cu = torch.arange(len(resident) + 1, dtype=torch.int32, device=fwd.cu_seqlens_q.device)
-            table = self.blocks.table([fwd.request_ids[i] for i in resident], self.spec.device)
-            host_pick = torch.tensor(offloaded, dtype=torch.int64, device=device)
-            sub = fwd.memo["hybrid_sub"] = (
-                pick,
-                self.index.fwd_table(fwd)[pick],
-                cu,
-                fwd.seq_lens_k[pick],
-                table,
-                host_pick,
-            )
-        pick, index_table, cu, lens, table, host_pick = sub
-        view = IndexerView(self.index.layers[layer], index_table, self.runtime.top_k, fmt=self.index.fmt)
-        layer_rows, step = self.blocks.flat(layer), None
-        if not offloaded:  # every row resident: the queries as they are
-            topk = view.select(q.index_q, q.index_weights, cu, lens)
-            rows_at = block_rows(topk, table, self.block_size)
-            out = resident_attention(layer_rows, q.q_nope, q.q_pe, rows_at, q.scale, fp8=self.fp8)
-        else:
-            topk = view.select(q.index_q[pick], q.index_weights[pick], cu, lens)
-            rows_at = block_rows(topk, table, self.block_size)
+        assert self.runtime is not None
+        at = fwd.memo.get("hybrid_sub")
+        if at is None:
+            table = self.index.fwd_table(fwd)
+            at = fwd.memo["hybrid_sub"] = ResidentInputs.of(fwd, self.blocks, table, resident, offloaded)
+        view = IndexerView(self.index.layers[layer], at.index_table, self.runtime.top_k, fmt=self.index.fmt)
+        own, topk, rows_at = resident_decode(
+            view, self.blocks.flat(layer), q, at, self.block_size, every=not offloaded, fp8=self.fp8
+        )
+        out, step = own, None
+        if offloaded:
             out = torch.empty_like(q.q_nope)
-            out[pick] = resident_attention(
-                layer_rows, q.q_nope[pick], q.q_pe[pick], rows_at, q.scale, fp8=self.fp8
-            )
             step = self.offload_step(layer, fwd, q, offloaded)
-            out[host_pick] = step.out
+            out[at.pick], out[at.host_pick] = own, step.out
         self._last_hybrid = (layer, fwd, topk, rows_at, step)
         return out
 
@@ -448,13 +458,13 @@ class HybridSparseBackend(SparseOffloadBackend):
         if last is None or last[0] != layer or last[1] is not fwd:
             return None
         _, _, topk, rows_at, step = last
-        pick, host_pick = fwd.memo["hybrid_sub"][0], fwd.memo["hybrid_sub"][5]
+        at = fwd.memo["hybrid_sub"]
         own = resident_selected(
             self.blocks.flat(layer), topk, rows_at, fp8=self.fp8, dc=self.spec.kv_lora_rank
         )
         if step is None:
             return own
-        return merge_selected(fwd.B, [(pick, own), (host_pick, self.step_rows(layer, step))])
+        return merge_selected(fwd.B, [(at.pick, own), (at.host_pick, self.step_rows(layer, step))])
 
     def read(
         self, layer: int, requests: Sequence[Request], part: str, start: int = 0, *, stored: bool = False
@@ -476,9 +486,8 @@ class HybridSparseBackend(SparseOffloadBackend):
 
     def stats(self) -> dict[str, float]:
         """Sparse decode offload's counters and :attr:`STATS`: requests resident / offloaded now, spills and
-        promotions (bytes, failures), requests whose first rows did not fit, the latent pool's blocks; at
-        the last sizing the offloaded footprint of every slot (what the budget must hold) and the pool
-        every request fully resident would take."""
+        promotions (bytes, failures), requests whose first rows did not fit, the latent pool's blocks; at the
+        last sizing the offloaded footprint of every slot and the pool every request resident would take."""
         return {
             **super().stats(),
             **self.hybrid.snapshot(),

@@ -32,14 +32,8 @@ def chunk(slots: int) -> int:
 def check_options(
     spec: ModelSpec, options: SparseOptions, budget: int | None, main_row: int, index_row: int
 ) -> None:
-    """``ValueError`` when ``options`` cannot run hybrid: tensor parallelism, or a ``budget`` that cannot hold
-    one offloaded request's hot buffers and indexer rows of ``capacity`` tokens (``main_row`` /
-    ``index_row``: a token's latent / indexer bytes over every layer)."""
-    if spec.tp is not None and spec.tp.size > 1:
-        raise ValueError(
-            "OffloadConfig.sparse: offload='auto' does not run under tensor parallelism yet; use offload=True "
-            "(the TP ranks share one host pool) or offload=False"
-        )
+    """``ValueError`` when ``budget`` cannot hold one offloaded request's hot buffers and indexer rows of
+    ``capacity`` tokens (``main_row`` / ``index_row``: a token's latent / indexer bytes over every layer)."""
     capacity = options.capacity or 2 * (options.top_k or spec.index_topk)
     need = capacity * (main_row + index_row)
     if budget is not None and budget < need:
@@ -51,10 +45,10 @@ def check_options(
 
 def device_budget(
     budget: int | None, layout: KVLayout, rt: SparseDecodeOffload, blocks: DeviceBlocks, index: DeviceBlocks,
-    rest: int,
+    rest: int, fixed_index: bool = False,
 ) -> tuple[DeviceBudget, tuple[int, int]]:  # fmt: skip
     """The :class:`DeviceBudget` of ``layout`` (``rest``: bytes of the other backends' device caches; ``blocks``
-    / ``index``: the latent and indexer pools), and ``(the offloaded footprint of every slot, the latent pool
+    / ``index``: the latent and indexer pools; ``fixed_index``: the indexer pool never moves), and ``(the offloaded footprint of every slot, the latent pool
     of every request resident)`` in bytes. ``ValueError`` when ``budget`` cannot hold every request
     offloaded (its indexer rows and hot buffers)."""
     hot_row = rt.capacity * rt.pool.row_bytes * rt.num_layers  # one decode row's hot buffers
@@ -74,9 +68,8 @@ def device_budget(
     else:
         avail = budget - rest
     total = min(avail, floor - rest + full * block)
-    dev = DeviceBudget(
-        total, block, hot_row, chunk(layout.slots), layout.slots, index_block, layout.slots * per_slot
-    )
+    dev = DeviceBudget(total, block, hot_row, chunk(layout.slots), layout.slots, index_block,
+                       layout.slots * per_slot, fixed_index)  # fmt: skip
     return dev, (floor, full * block)
 
 
@@ -92,9 +85,9 @@ def fit(
     # the indexer pool's slack only from what the latent pool cannot use: resident rows come first
     spare = budget.total - budget.hot_bytes(offloaded) - index_need * budget.index_block
     spare -= min(full, budget.pool_blocks(offloaded, index_need)) * budget.block
-    index_blocks = min(
-        budget.index_pool(index_need, index.num_blocks), index_need + spare // budget.index_block
-    )
+    index_blocks = budget.index_pool(index_need, index.num_blocks)
+    if not budget.fixed_index:
+        index_blocks = min(index_blocks, index_need + spare // budget.index_block)
     pool = min(full, budget.pool_blocks(offloaded, index_blocks))
     resizes = [
         (rt.max_rows, rows, rt.resize_rows),

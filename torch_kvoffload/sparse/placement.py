@@ -29,7 +29,7 @@ __all__ = ["DeviceBudget", "plan_pressure", "plan_promotions"]
 @dataclass(frozen=True)
 class DeviceBudget:
     """``total`` bytes of device budget for indexer blocks of ``index_block`` bytes (at most ``index_full``:
-    every slot's full length), resident latent blocks of ``block`` bytes and hot rows of ``hot_row`` bytes
+    every slot's full length; always that many with ``fixed_index``), resident latent blocks of ``block`` bytes and hot rows of ``hot_row`` bytes
     (one decode row's hot buffers, every layer); hot rows come ``chunk`` at a time (none for none), at
     most ``max_rows``."""
 
@@ -40,10 +40,14 @@ class DeviceBudget:
     max_rows: int
     index_block: int = 0
     index_full: int = 0
+    fixed_index: bool = False
 
     def index_pool(self, need: int, current: int) -> int:
-        """Indexer blocks to allocate for ``need`` held (``current`` allocated): unchanged while ``need`` fits
-        with at most twice the slack (a sixteenth of ``index_full``) spare, else ``need`` plus the slack."""
+        """Indexer blocks to allocate for ``need`` held (``current`` allocated): ``index_full`` when
+        ``fixed_index`` (a transfer lands keys in the pool: it never moves); else unchanged while ``need``
+        fits with at most twice the slack (a sixteenth of ``index_full``) spare, else ``need`` plus it."""
+        if self.fixed_index:
+            return self.index_full
         slack = max(1, -(-self.index_full // 16))
         if need <= current <= need + 2 * slack:
             return current

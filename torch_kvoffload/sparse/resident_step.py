@@ -10,18 +10,67 @@ widths; flat block rows index the pool's ``[num_blocks * block_size, ·]`` tenso
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from torch_kvoffload.kv.backend import SelectedRows
+from torch_kvoffload.kv.backend import IndexerView, Queries, SelectedRows
 from torch_kvoffload.kv.forward import ForwardPlan
 from torch_kvoffload.ops.fp8_attention import dequantize_rows, fp8_sparse_mla_attention
 from torch_kvoffload.ops.sparse_attention import sparse_mla_attention
 from torch_kvoffload.sparse.device_blocks import DeviceBlocks
 
 __all__ = [
-    "block_rows", "merge_selected", "resident_attention", "resident_selected", "split_new_rows",
+    "ResidentInputs", "block_rows", "merge_selected", "resident_attention", "resident_decode",
+    "resident_selected", "split_new_rows",
 ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ResidentInputs:
+    """A decode forward's inputs of its resident rows, the same for every layer: ``pick`` / ``host_pick``
+    (int64: the batch rows of resident / offloaded requests), ``index_table`` (their indexer-cache blocks),
+    ``cu`` (int32 ``[R + 1]``: one query each), ``lens`` (their rows), ``table`` (int64 ``[R, M]``: their
+    latent blocks)."""
+
+    pick: torch.Tensor
+    host_pick: torch.Tensor
+    index_table: torch.Tensor
+    cu: torch.Tensor
+    lens: torch.Tensor
+    table: torch.Tensor
+
+    @classmethod
+    def of(
+        cls, fwd: ForwardPlan, blocks: DeviceBlocks, index_table: torch.Tensor, resident: Sequence[int],
+        offloaded: Sequence[int],
+    ) -> ResidentInputs:  # fmt: skip
+        """Of the batch rows ``resident`` of ``fwd`` (``index_table``: every row's indexer blocks)."""
+        device = fwd.cu_seqlens_q.device
+        pick = torch.tensor(resident, dtype=torch.int64, device=device)
+        return cls(
+            pick,
+            torch.tensor(offloaded, dtype=torch.int64, device=device),
+            index_table[pick],
+            torch.arange(len(resident) + 1, dtype=torch.int32, device=device),
+            fwd.seq_lens_k[pick],
+            blocks.table([fwd.request_ids[i] for i in resident], blocks.device),
+        )
+
+
+def resident_decode(
+    view: IndexerView, layer_rows: Sequence[torch.Tensor], q: Queries, at: ResidentInputs, block_size: int,
+    *, every: bool, fp8: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(output [R, H, Dc], top-k positions [R, K], their pool rows int32 [R, K])`` of the resident rows
+    ``at`` of the decode queries ``q`` (``every``: they are all of ``q``'s rows, taken as they are)."""
+    index_q, weights, q_nope, q_pe = q.index_q, q.index_weights, q.q_nope, q.q_pe
+    assert index_q is not None and weights is not None
+    if not every:
+        index_q, weights, q_nope, q_pe = (t[at.pick] for t in (index_q, weights, q_nope, q_pe))
+    topk = view.select(index_q, weights, at.cu, at.lens)
+    rows_at = block_rows(topk, at.table, block_size)
+    return resident_attention(layer_rows, q_nope, q_pe, rows_at, q.scale, fp8=fp8), topk, rows_at
 
 
 def block_rows(topk: torch.Tensor, table: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -115,6 +115,11 @@ def _compatibility(session: OffloadSession, main: Sequence[torch.Tensor], indexe
     )  # fmt: skip
 
 
+def _ptrs(session: OffloadSession) -> list[tuple[int, ...]]:
+    """The addresses of the session's indexer caches, per layer."""
+    return [tuple(t.data_ptr() for t in layer) for layer in session.indexer_caches()]
+
+
 def _tp_rank(session: OffloadSession) -> int:
     """This process's rank in the model's tensor-parallel group (0 without tensor parallelism)."""
     tp = session.spec.tp
@@ -297,6 +302,7 @@ class DecodeRole(PDRole):
         self.session, self.config = session, config
         self.receiver: DecodeReceiver | None = None
         self._sparse: Any = None  # the sparse runtime the receiver writes into
+        self._indexer: list[tuple[int, ...]] = []  # the addresses of the indexer caches it writes into
         #: the cache of the sequence started by :meth:`expect`
         self.cache: Any = None
         self._requests: list[int] = []
@@ -310,7 +316,8 @@ class DecodeRole(PDRole):
 
         s = self.session
         s.reserve(batch, max_tokens)
-        if self.receiver is not None and self._sparse is s.sparse_offload:
+        # the destinations registered: the same pool and indexer tensors (hybrid sparse's grow with the requests)
+        if self.receiver is not None and (self._sparse, self._indexer) == (s.sparse_offload, _ptrs(s)):
             return
         self.stop()
         sp = s.sparse_offload
@@ -322,7 +329,7 @@ class DecodeRole(PDRole):
         self.receiver = DecodeReceiver(
             self.config, pool=sp.pool, compat=compat, indexer=indexer, tp_rank=_tp_rank(s)
         )
-        self._sparse = sp
+        self._sparse, self._indexer = sp, _ptrs(s)
 
     def _check_shared_pool(self, pool: Any) -> None:
         """Decode TP ranks receive disjoint shares of each request's blocks into one host pool: it must be

@@ -494,5 +494,7 @@ class HFSequence:
         self._start(len(tokens), owner)
         for r, t in zip(self.requests, tokens, strict=True):
             core.requests.extend(r.id, t)
+            for backend in core.backends.all:
+                backend.received(r, len(t))
         self.seen = width
         self.masks = torch.arange(width)[None, :] >= torch.tensor([width - n for n in lens])[:, None]

@@ -384,15 +384,11 @@ class ServingRequests:
             mine[:] = self._step_requests(step, ids, cu)
             return tuple(step), zlib.crc32(ids.numpy().tobytes())
 
-        outcomes = exchange_outcomes(tp, check)
-        outcomes.raise_own()
-        if outcomes.failed:
-            raise RuntimeError(f"continuous batching: the step failed on {outcomes.failures()}")
-        signature = outcomes.values[tp.rank]
-        if any(sig != signature for sig in outcomes.values):
+        values = exchange_outcomes(tp, check).values_or_raise("continuous batching: the step")
+        signature = values[tp.rank]
+        if any(sig != signature for sig in values):
             described = "; ".join(
-                f"TP rank {r}: {list(sig[0])}, tokens crc32 {sig[1]:08x}"
-                for r, sig in enumerate(outcomes.values)
+                f"TP rank {r}: {list(sig[0])}, tokens crc32 {sig[1]:08x}" for r, sig in enumerate(values)
             )
             raise RuntimeError(
                 "continuous batching under tensor parallelism: the TP ranks run different steps "

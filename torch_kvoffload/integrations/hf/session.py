@@ -395,10 +395,9 @@ class OffloadSession:
         return self._seq.owner
 
     def device_blocks(self, request_id: int) -> list[int]:
-        """The paged device caches' blocks request ``request_id`` of the running sequence owns."""
-        r = self._core.requests.get(request_id)
-        M = self.blocks_per_request
-        return list(range(r.slot * M, r.slot * M + M))
+        """The pages of :meth:`indexer_caches` request ``request_id`` of the running sequence owns."""
+        sparse = self._core.backends.sparse
+        return [] if sparse is None else sparse.index.slot_pages(self._core.requests.get(request_id).slot)
 
     def begin_external_sequence(self, tokens: list[list[int]], width: int, owner: Any) -> list[int]:
         """Start a sequence whose first ``width`` positions (padding included) were computed elsewhere.

@@ -250,8 +250,9 @@ def test_two_offloaded_models_in_one_process_serve_in_two_threads() -> None:
     a, b = _model("deepseek_v32"), _model("deepseek_v32", seed=2)
     prompts = _prompts(6, (5, 14, 9))
     refs = [_reference(a, prompts, _gen()), _reference(b, prompts, _gen())]
-    for m in (a, b):
-        torch_kvoffload.offload(m, {"sparse": {}, "serving": SERVING})
+    # one with sparse offload, one with hybrid sparse (its budget: what is free)
+    for m, offload in ((a, True), (b, "auto")):
+        torch_kvoffload.offload(m, {"sparse": {"offload": offload}, "serving": SERVING})
     results: dict[int, object] = {}
 
     def run(i, m):

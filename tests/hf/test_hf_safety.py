@@ -228,8 +228,9 @@ def test_entry_point_backend_forward_with_autograd_raises():
         torch.testing.assert_close(compiled(ids, attention_mask=mask).logits, want, rtol=1e-4, atol=1e-5)
 
 
-def test_a_second_thread_gets_a_clear_error():
-    _check_second_thread(*_pair("deepseek_v32", "offload"))
+@pytest.mark.parametrize("config", [None, {"sparse": {"offload": "auto"}}], ids=["default", "hybrid"])
+def test_a_second_thread_gets_a_clear_error(config):
+    _check_second_thread(*_pair("deepseek_v32", "offload", config=config))
 
 
 def _check_second_thread(model, ref):

@@ -9,6 +9,7 @@ pool every request fully resident would take, read from ``stats()`` of a run wit
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from transformers import GenerationConfig
 import torch_kvoffload
 from torch_kvoffload.integrations.hf import session_of
 from torch_kvoffload.sparse.hybrid_backend import HybridSparseBackend
+from torch_kvoffload.sparse.hybrid_moves import PromotionLanding
 
 BS = 16
 NEW = 30
@@ -151,27 +153,25 @@ def test_a_failed_spill_or_promotion_fails_the_call_and_the_next_call_runs(ref, 
     want_beams = _generate(resident, ids, mask, num_beams=2)
     budget = _budget_where(model, ids, mask, "promotions", num_beams=2)
     beams = torch_kvoffload.offload(copy.deepcopy(model), _auto({}, budget))
-    real_promote = HybridSparseBackend._promote
+    real_copy = PromotionLanding.copy_layer
+    copies: list[tuple[int, str]] = []
 
-    def failing_promote(self, rid, tokens):
-        if self.hybrid.snapshot()["promote_failures"]:
-            return real_promote(self, rid, tokens)
-
-        def unreadable(layer, spans):
+    def failing_copy(self, layer):
+        copies.append((layer, threading.current_thread().name))
+        if len(copies) == 1:
             raise OSError("injected: the promotion's host read failed")
+        return real_copy(self, layer)
 
-        self.pool_rows = unreadable  # this call only
-        try:
-            return real_promote(self, rid, tokens)
-        finally:
-            del self.pool_rows
-
-    monkeypatch.setattr(HybridSparseBackend, "_promote", failing_promote)
-    with pytest.raises(OSError, match="promotion"):
+    monkeypatch.setattr(PromotionLanding, "copy_layer", failing_copy)
+    with pytest.raises(Exception, match="injected: the promotion"):
         _generate(beams, ids, mask, num_beams=2)
     assert torch_kvoffload.stats(beams)["promote_failures"] == 1
     assert torch.equal(_generate(beams, ids, mask, num_beams=2), want_beams)
     assert torch_kvoffload.stats(beams)["promotions"] > 0
+    # the copies ran on the transfer stream's thread, layer after layer, while the forwards computed
+    assert {name for _, name in copies} == {"kvoffload-sparse-h2d"}, copies
+    layers = beams.config.num_hidden_layers
+    assert [layer for layer, _ in copies] == list(range(layers)) * (len(copies) // layers), copies
 
 
 def test_a_budget_too_small_is_a_clear_error(ref) -> None:

@@ -15,8 +15,10 @@ Decided when a forward (or a part of a mixed one) begins, never inside one (:mod
 request's first forward claims blocks (it starts resident), a resident one the blocks its new rows need;
 while the claims do not fit the longest context gives way (*spilled*: its rows the host pool lacks copied
 there, whole blocks; or a new one starts offloaded); then offloaded requests are *promoted*, shortest
-first, while they fit (their host rows copied into blocks). A resident request writes its rows to its
-blocks only (``_host_len``: the leading rows the host pool already holds, so a request spilled again
+first, while they fit: their host rows are copied into blocks layer by layer during the forward, on the
+transfer stream, each layer's before that layer computes (:mod:`.hybrid_moves`). The forward's per-layer
+reads and writes are :class:`~torch_kvoffload.sparse.hybrid_layers.HybridLayers`'. A resident request
+writes its rows to its blocks only (``_host_len``: the leading rows the host pool already holds, so a request spilled again
 copies only what it wrote since). A failed spill or promotion leaves the request where it was (counted in
 ``spill_failures`` / ``promote_failures``); the forward that needed it raises.
 
@@ -35,27 +37,20 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from torch_kvoffload.counters import Counters
-from torch_kvoffload.kv.backend import IndexerView, KVBackend, NewRows, Queries, SelectedRows
+from torch_kvoffload.kv.backend import KVBackend
 from torch_kvoffload.kv.forward import ForwardPlan
-from torch_kvoffload.kv.fp8_rows import latent_fp8_rows
 from torch_kvoffload.kv.group_outcomes import exchange_outcomes
 from torch_kvoffload.kv.layout import KVLayout
 from torch_kvoffload.kv.requests import Request
 from torch_kvoffload.kv.spec import ModelSpec
-from torch_kvoffload.sparse.backend import SparseOffloadBackend
 from torch_kvoffload.sparse.block_indexer import BlockIndexerCache
 from torch_kvoffload.sparse.config import SparseOptions
 from torch_kvoffload.sparse.device_blocks import DeviceBlocks
+from torch_kvoffload.sparse.hybrid_layers import HybridLayers
+from torch_kvoffload.sparse.hybrid_moves import PromotionLanding, rows_to_host
 from torch_kvoffload.sparse.hybrid_sizing import check_options, chunk, device_budget, fit
 from torch_kvoffload.sparse.placement import DeviceBudget, plan_pressure, plan_promotions
 from torch_kvoffload.sparse.resident_backend import resident_rows
-from torch_kvoffload.sparse.resident_step import (
-    ResidentInputs,
-    merge_selected,
-    resident_decode,
-    resident_selected,
-    split_new_rows,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +63,7 @@ _COUNTERS = (
 )  # fmt: skip
 
 
-class HybridSparseBackend(SparseOffloadBackend):
+class HybridSparseBackend(HybridLayers):
     """Sparse attention over ``spec``'s KV, resident while it fits in ``budget`` bytes of device KV
     (``None``: what is free on the device), offloaded when it does not (see the module docstring).
 
@@ -108,6 +103,8 @@ class HybridSparseBackend(SparseOffloadBackend):
         self._sizes = (0, 0)  # (the offloaded footprint of every slot, the pool of every request resident)
         self._budget: DeviceBudget | None = None  # of the current layout
         self._diverged: str | None = None  # a move failed on a TP rank: what to tell the next forwards
+        self._pending: dict[int, int] = {}  # promoted in this forward: request id -> host rows to copy
+        self._landing: PromotionLanding | None = None  # their copies, from the forward's first layer on
 
     # -------------------------------------------------------------------------------- sizing
     @contextlib.contextmanager
@@ -239,22 +236,11 @@ class HybridSparseBackend(SparseOffloadBackend):
 
     # ---------------------------------------------------------------------- spill / promote
     def _to_host(self, rid: int, upto: int) -> int:
-        """Copy ``rid``'s resident rows the host pool lacks (``_host_len .. upto - 1``) there, in every
-        layer, through the pool's appends (copy-on-write of shared blocks included); returns the bytes."""
-        rt = self.runtime
-        assert rt is not None
-        start = self._host_len.get(rid, 0)
-        if upto <= start:
-            return 0
-        pos = torch.arange(start, upto)
-        placed = rt.place_rows([rid] * len(pos), pos)
-        for layer in range(self.spec.num_layers):
-            parts = self.blocks.read(layer, rid, start, upto)
-            kv_c, k_pe = (parts[0], parts[0][:, :0]) if self.fp8 else parts
-            rt.append_validated(layer, placed, kv_c, k_pe)
-        rt.sync()
-        self._host_len[rid] = upto
-        return (upto - start) * rt.pool.row_bytes * self.spec.num_layers
+        """Copy ``rid``'s resident rows the host pool lacks (``_host_len .. upto - 1``) there; the bytes."""
+        assert self.runtime is not None
+        moved = rows_to_host(self.runtime, self.blocks, rid, self._host_len.get(rid, 0), upto, fp8=self.fp8)
+        self._host_len[rid] = max(upto, self._host_len.get(rid, 0))
+        return moved
 
     def _spill(self, rid: int) -> None:
         """Move resident ``rid`` to the host pool (its rows the pool lacks copied, its blocks freed)."""
@@ -269,24 +255,55 @@ class HybridSparseBackend(SparseOffloadBackend):
         self.hybrid.add("spill_bytes_d2h", moved)
         logger.debug("hybrid sparse: request %d spilled to the host pool (%d bytes)", rid, moved)
 
-    def _promote(self, rid: int, tokens: int) -> None:
-        """Bring offloaded ``rid``'s rows from the host pool into device blocks for ``tokens`` rows."""
-        n = self._written.get(rid, 0)
-        assert self.blocks.ensure(rid, tokens)
+    def _promote(self, promote: Sequence[tuple[int, int]], *, now: bool) -> None:
+        """Offloaded requests (id, rows to hold) become resident: blocks now, their host rows copied ``now``
+        (every layer before the forward) or layer by layer during it (:meth:`HybridLayers._land`)."""
+        for rid, n in promote:
+            assert self.blocks.ensure(rid, n)
+            self._offloaded.discard(rid)
+            self._pending[rid] = self._written.get(rid, 0)
+        if now:
+            landing = self._landing_of_pending()
+            try:
+                landing.run()
+            except BaseException:
+                self._promoted(landing, False)
+                raise
+            self._promoted(landing, True)
+
+    def _land_all(self) -> None:
+        """The forward ended: its promotions complete (a layer no compute asked for is copied now; if that
+        fails, the rows the forward wrote to the requests' blocks go to the host pool and they stay
+        offloaded)."""
+        if self._pending:
+            self._landing_of_pending()
+        landing = self._landing
+        if landing is None:
+            return
         try:
-            if n:
-                at = self.blocks.rows(rid, torch.arange(n, device=self.spec.device))
-                for layer in range(self.spec.num_layers):
-                    ((kv_c, k_pe),) = self.pool_rows(layer, [(rid, 0, n)])
-                    self.blocks.write(layer, at, [kv_c] if self.fp8 else [kv_c, k_pe])
-        except BaseException:
+            landing.finish()
+        except Exception as exc:
+            landing.cancel()
+            logger.warning("hybrid sparse: a promotion failed (%s); its requests stay offloaded", exc)
+            for rid in landing.request_ids:
+                self._to_host(rid, self._requests[rid].length)
+            self._promoted(landing, False)
+        else:
+            self._promoted(landing, True)
+
+    def _promoted(self, landing: PromotionLanding, ok: bool) -> None:
+        """``landing``'s promotion completed (``ok``) or failed: its requests offloaded again, their blocks
+        given up."""
+        self._landing = None
+        if ok:
+            self.hybrid.add("promotions", len(landing.request_ids))
+            self.hybrid.add("promote_bytes_h2d", landing.bytes)
+            return
+        self.hybrid.add("promote_failures")
+        self._freed = True  # the next forward sizes their hot rows and may promote them again
+        for rid in landing.request_ids:
             self.blocks.drop(rid)
-            self.hybrid.add("promote_failures")
-            raise
-        self._offloaded.discard(rid)
-        self.hybrid.add("promotions")
-        assert self.runtime is not None
-        self.hybrid.add("promote_bytes_h2d", n * self.runtime.pool.row_bytes * self.spec.num_layers)
+            self._offloaded.add(rid)
 
     def _place(self, fwd: ForwardPlan) -> None:
         """Decide where each request of ``fwd`` runs, spilling and promoting (:mod:`.placement`), fit the
@@ -320,7 +337,10 @@ class HybridSparseBackend(SparseOffloadBackend):
         promote = plan_promotions(self.blocks, budget, waiting, len(self._offloaded), need)
         if promote:
             self._fit(need, len(self._offloaded) - len(promote))  # the pool grows first
-            self._moved("promotion", lambda: [self._promote(rid, n) for rid, n in promote])
+            if self.spec.tp is not None and self.spec.tp.size > 1:  # every rank's outcome before compute
+                self._moved("promotion", lambda: self._promote(promote, now=True))
+            else:
+                self._promote(promote, now=False)
         self._freed = False  # decisions complete (a failure above leaves the next forward deciding again)
 
     def _moved(self, what: str, moves: Callable[[], object]) -> None:
@@ -345,6 +365,7 @@ class HybridSparseBackend(SparseOffloadBackend):
 
     def end_forward(self, fwd: ForwardPlan) -> None:
         try:
+            self._land_all()
             super().end_forward(fwd)
         finally:
             for rid, n in zip(fwd.request_ids, fwd.new_len, strict=True):
@@ -354,131 +375,19 @@ class HybridSparseBackend(SparseOffloadBackend):
                         self._host_len[rid] = n
 
     def abort_forward(self, fwd: ForwardPlan) -> None:
-        """The forward's rows count as never written (its requests keep their earlier rows)."""
+        """The forward's rows count as never written (its requests keep their earlier rows); a promotion
+        under way is given up (its requests stay offloaded)."""
+        if self._pending:
+            self._landing_of_pending()
+        if self._landing is not None:
+            self._landing.cancel()
+            self._promoted(self._landing, False)
         try:
             super().end_forward(fwd)  # sparse offload's: this class's would count the rows as written
         finally:
             for rid, old in zip(fwd.request_ids, fwd.old_len, strict=True):
                 if rid in self._host_len:
                     self._host_len[rid] = min(self._host_len[rid], old)
-
-    def _split(self, fwd: ForwardPlan) -> tuple[list[int], list[int]]:
-        """Batch rows of ``fwd`` whose requests are resident, and offloaded: decided when every part of the
-        forward began (a later part's decisions may move a request of an earlier one; no layer ran yet)."""
-        split = fwd.memo.get("hybrid")
-        if split is None:
-            on = [self.blocks.holds(rid) for rid in fwd.request_ids]
-            split = fwd.memo["hybrid"] = (
-                [i for i, r in enumerate(on) if r],
-                [i for i, r in enumerate(on) if not r],
-            )
-        return split
-
-    # ------------------------------------------------------------------------------ per layer
-    def layer_caches(self, layer: int) -> list[torch.Tensor]:
-        own = list(self.blocks.flat(layer)) if self.blocks.built else []
-        return [*super().layer_caches(layer), *own]
-
-    def write(self, layer: int, fwd: ForwardPlan, rows: NewRows) -> None:
-        resident, offloaded = self._split(fwd)
-        if not resident:
-            super().write(layer, fwd, rows)
-            return
-        rt = self.runtime
-        assert rt is not None and rows.index_k is not None
-        kv_c, k_pe = rows.kv_c, rows.k_pe
-        if self.fp8:
-            kv_c = latent_fp8_rows(fwd, layer, rows)
-            k_pe = kv_c[:, :0]
-        split = fwd.memo.get("hybrid_rows")
-        if split is None:  # once per forward part: each layer writes the same rows
-            dev_at, dev_rows, host_at = split_new_rows(fwd, self.blocks, resident, self.spec.device)
-            host, ids = fwd.row.cpu()[host_at.cpu()].tolist(), fwd.request_ids
-            placed = (
-                rt.place_rows([ids[r] for r in host], fwd.pos.cpu()[host_at.cpu()]) if offloaded else None
-            )
-            split = fwd.memo["hybrid_rows"] = (dev_at, dev_rows, host_at, placed)
-        dev_at, dev_rows, host_at, placed = split
-        values = [kv_c] if self.fp8 else [kv_c, k_pe]
-        self.blocks.write(layer, dev_rows, [v[dev_at] for v in values] if offloaded else values)
-        if placed is not None:
-            rt.append_validated(layer, placed, kv_c[host_at], k_pe[host_at])
-        self.index.write_keys(layer, fwd, rows)
-        if not fwd.decode and not fwd.layerwise:
-            self._rows[layer] = (kv_c, k_pe)
-
-    def earlier_rows(
-        self, layer: int, fwd: ForwardPlan, at: Sequence[int] | None = None
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each request's rows before ``fwd``: a resident one's from its blocks, an offloaded one's from the
-        host pool (every request: ``at`` is the base class's)."""
-        resident, offloaded = self._split(fwd)
-        if not resident:
-            return super().earlier_rows(layer, fwd)
-        out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * fwd.B
-        for i in resident:
-            parts = self.blocks.read(layer, fwd.request_ids[i], 0, fwd.old_len[i])
-            out[i] = (parts[0], parts[0][:, :0]) if self.fp8 else (parts[0], parts[1])
-        if offloaded:
-            for i, got in zip(offloaded, super().earlier_rows(layer, fwd, offloaded), strict=True):
-                out[i] = got
-        return out  # type: ignore[return-value]
-
-    def attend(self, layer: int, fwd: ForwardPlan, q: Queries) -> torch.Tensor | None:
-        """A decode step: the resident requests' sparse attention over their blocks in place, the
-        offloaded ones' fused step over the hot buffers."""
-        if not fwd.decode:
-            return None
-        resident, offloaded = self._split(fwd)
-        if not resident:
-            return super().attend(layer, fwd, q)
-        assert self.runtime is not None
-        at = fwd.memo.get("hybrid_sub")
-        if at is None:
-            table = self.index.fwd_table(fwd)
-            at = fwd.memo["hybrid_sub"] = ResidentInputs.of(fwd, self.blocks, table, resident, offloaded)
-        view = IndexerView(self.index.layers[layer], at.index_table, self.runtime.top_k, fmt=self.index.fmt)
-        own, topk, rows_at = resident_decode(
-            view, self.blocks.flat(layer), q, at, self.block_size, every=not offloaded, fp8=self.fp8
-        )
-        out, step = own, None
-        if offloaded:
-            out = torch.empty_like(q.q_nope)
-            step = self.offload_step(layer, fwd, q, offloaded)
-            out[at.pick], out[at.host_pick] = own, step.out
-        self._last_hybrid = (layer, fwd, topk, rows_at, step)
-        return out
-
-    def attended(self, layer: int, fwd: ForwardPlan) -> SelectedRows | None:
-        """The rows the decode step of ``layer`` read: the resident requests' in their blocks, the offloaded
-        ones' in the hot buffers."""
-        if not self._split(fwd)[0]:
-            return super().attended(layer, fwd)
-        last = self._last_hybrid
-        if last is None or last[0] != layer or last[1] is not fwd:
-            return None
-        _, _, topk, rows_at, step = last
-        at = fwd.memo["hybrid_sub"]
-        own = resident_selected(
-            self.blocks.flat(layer), topk, rows_at, fp8=self.fp8, dc=self.spec.kv_lora_rank
-        )
-        if step is None:
-            return own
-        return merge_selected(fwd.B, [(at.pick, own), (at.host_pick, self.step_rows(layer, step))])
-
-    def read(
-        self, layer: int, requests: Sequence[Request], part: str, start: int = 0, *, stored: bool = False
-    ) -> list[torch.Tensor] | None:
-        """As :meth:`SparseOffloadBackend.read`, a resident request's rows from its blocks."""
-        if part != "index_k" and self.fp8 and not stored:
-            return super().read(layer, requests, part, start, stored=stored)  # refused there
-        out = []
-        for r in requests:
-            if part == "index_k" or not self.blocks.holds(r.id):
-                out += super().read(layer, [r], part, start, stored=stored) or []
-            else:
-                out.append(self.blocks.read(layer, r.id, start, r.length)[0 if part == "kv_c" else 1])
-        return out
 
     # ------------------------------------------------------------------------------ accounting
     def device_tensors(self) -> list[torch.Tensor]:

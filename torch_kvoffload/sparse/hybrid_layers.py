@@ -172,6 +172,7 @@ class HybridLayers(SparseOffloadBackend):
         """As :meth:`SparseOffloadBackend.read`, a resident request's rows from its blocks."""
         if part != "index_k" and self.fp8 and not stored:
             return super().read(layer, requests, part, start, stored=stored)  # refused there
+        self._land(layer)
         out = []
         for r in requests:
             if part == "index_k" or not self.blocks.holds(r.id):

@@ -126,6 +126,13 @@ def test_fp8_rows_in_both_tiers() -> None:
     assert st["spills"] + st["started_offloaded"] > 0 and st["resident_requests"] > 0
     sp = session_of(auto).core.backends.sparse
     assert isinstance(sp, HybridSparseBackend) and sp.blocks.layers[0][0].dtype == torch.uint8
+    # beams: FP8 rows spilled, and promoted back layer by layer as beams end
+    want = _generate(resident, ids, mask, num_beams=2)
+    (budget,) = _budgets(model, ids, mask, fp8, (0.3,), num_beams=2)
+    beams = torch_kvoffload.offload(copy.deepcopy(model), _auto(fp8, budget))
+    assert torch.equal(_generate(beams, ids, mask, num_beams=2), want)
+    st = torch_kvoffload.stats(beams)
+    assert st["spills"] > 0 and st["promotions"] > 0 and st["promote_failures"] == 0, st
 
 
 def test_a_failed_spill_or_promotion_fails_the_call_and_the_next_call_runs(ref, monkeypatch) -> None:

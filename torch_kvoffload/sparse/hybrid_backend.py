@@ -267,6 +267,7 @@ class HybridSparseBackend(HybridLayers):
             try:
                 landing.run()
             except BaseException:
+                landing.failed = True
                 self._promoted(landing, False)
                 raise
             self._promoted(landing, True)
@@ -284,6 +285,7 @@ class HybridSparseBackend(HybridLayers):
             landing.finish()
         except Exception as exc:
             landing.cancel()
+            landing.failed = True
             logger.warning("hybrid sparse: a promotion failed (%s); its requests stay offloaded", exc)
             for rid in landing.request_ids:
                 self._to_host(rid, self._requests[rid].length)
@@ -292,14 +294,15 @@ class HybridSparseBackend(HybridLayers):
             self._promoted(landing, True)
 
     def _promoted(self, landing: PromotionLanding, ok: bool) -> None:
-        """``landing``'s promotion completed (``ok``) or failed: its requests offloaded again, their blocks
-        given up."""
+        """``landing``'s promotion completed (``ok``) or not (failed, or its forward did): its requests
+        offloaded again, their blocks given up."""
         self._landing = None
         if ok:
             self.hybrid.add("promotions", len(landing.request_ids))
             self.hybrid.add("promote_bytes_h2d", landing.bytes)
             return
-        self.hybrid.add("promote_failures")
+        if landing.failed:
+            self.hybrid.add("promote_failures")
         self._freed = True  # the next forward sizes their hot rows and may promote them again
         for rid in landing.request_ids:
             self.blocks.drop(rid)

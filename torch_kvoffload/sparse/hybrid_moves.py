@@ -61,6 +61,8 @@ class PromotionLanding:
         self.bytes = sum(len(src) for src, _ in self._at) * rt.pool.row_bytes * rt.num_layers
         self._events: dict[int, TransferEvent] = {}
         self._landed: set[int] = set()
+        #: a copy failed (set by :meth:`land` / :meth:`cancel`, or by the owner of a :meth:`run`)
+        self.failed = False
 
     def copy_layer(self, layer: int) -> None:
         """Copy ``layer``'s rows of every promoted request from the host pool into its blocks."""
@@ -95,7 +97,11 @@ class PromotionLanding:
             return
         self._submit(layer)
         self._submit(layer + 1)
-        self._events[layer].wait_on_compute()
+        try:
+            self._events[layer].wait_on_compute()
+        except Exception:
+            self.failed = True
+            raise
         self._landed.add(layer)
 
     def finish(self) -> None:
@@ -108,3 +114,4 @@ class PromotionLanding:
         for event in self._events.values():
             with contextlib.suppress(Exception):  # reported by the forward that needed the layer
                 event.wait()
+            self.failed = self.failed or event.error is not None

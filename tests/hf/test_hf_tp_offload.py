@@ -64,6 +64,8 @@ RESIDENT = {"sparse": {"offload": False}, "block_size": BS}
 # hybrid sparse; the fixture sets serving.device_kv_budget (see _auto_budget)
 AUTO = {"sparse": {"offload": "auto", "capacity": 8}, "block_size": BS}  # hot rows: a top-k of 8
 AUTO_MOVES = ("spills", "promotions", "started_offloaded", "spill_bytes_d2h", "promote_bytes_h2d")
+# hybrid sparse under continuous batching; the fixture sets serving.device_kv_budget (see _auto_cb_budget)
+AUTO_CB = {**AUTO, "serving": {"max_requests": CB_SLOTS, "max_request_tokens": CB_TOKENS}}
 LAYERWISE = {"layerwise": {}, "block_size": BS}
 BOTH = {"layerwise": {}, "sparse": {}, "block_size": BS}
 SERVING = {
@@ -83,6 +85,7 @@ TWO = [
     ("v32-both-cb", "deepseek_v32-cb", SERVING, ["cb_diverged", "cb_failed", "cb", "cb_again"]),
     ("v32-sparse-fp8", "deepseek_v32-fp8", SPARSE_FP8, ["a", "b"]),
     ("v32-auto", "deepseek_v32", AUTO, ["a", "beam", "auto_fail", "a_again"]),
+    ("v32-auto-cb", "deepseek_v32-cb", AUTO_CB, ["cb", "cb_spill_failed", "cb_again"]),
 ]
 # four ranks: one attention head each, the host pool shared by four; the modes' own paths run on two
 FOUR = [
@@ -154,7 +157,7 @@ def _run(run: str, model, session) -> dict:
     if run == "a_lost":
         with store_emptied_after_each_lookup(active=session.spec.tp.rank == 1):  # TP rank 1's store only
             return {"tokens": model.generate(**_generate_kwargs(run)), **_record(model, session)}
-    if run in ("cb", "cb_diverged", "cb_failed", "cb_again"):
+    if run in ("cb", "cb_diverged", "cb_failed", "cb_again", "cb_spill_failed"):
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         cb = ContinuousBatchingConfig(page_size=8, max_batch_tokens=16, max_requests_per_batch=4)
@@ -189,14 +192,27 @@ def _fault_on_rank_1(run: str, rank: int):
             raise RuntimeError("injected: rank 1 cannot run the step")
         return real_check(self, *args)
 
+    from torch_kvoffload.sparse.hybrid_backend import HybridSparseBackend
+
+    real_spill = HybridSparseBackend._to_host
+
+    def spill_failed(self, rid, upto):
+        if first[0]:
+            first[0] = False
+            raise RuntimeError("injected: rank 1 cannot spill")
+        return real_spill(self, rid, upto)
+
     if rank == 1 and run == "cb_diverged":
         ServingRequests.run_step = diverged
     elif rank == 1 and run == "cb_failed":
         ServingRequests._step_requests = failed
+    elif rank == 1 and run == "cb_spill_failed":  # hybrid sparse: the first spill fails on rank 1
+        HybridSparseBackend._to_host = spill_failed
     try:
         yield
     finally:
         ServingRequests.run_step, ServingRequests._step_requests = real_run, real_check
+        HybridSparseBackend._to_host = real_spill
 
 
 def _failed_attach(model, session) -> dict:
@@ -254,6 +270,20 @@ def _auto_budget(ref) -> tuple[int, dict]:
     return budget, moves
 
 
+def _auto_cb_budget(ref) -> int:
+    """Three requests' offloaded footprints under continuous batching: what the hot buffers and indexer rows
+    the requests do not use yet leave holds some of them resident, the others are spilled."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from torch_kvoffload.integrations.hf import session_of
+
+    probe = torch_kvoffload.offload(copy.deepcopy(ref), AUTO_CB)
+    cb = ContinuousBatchingConfig(page_size=8, max_batch_tokens=16, max_requests_per_batch=4)
+    probe.init_continuous_batching(generation_config=_cb_generation(), continuous_batching_config=cb).stop()
+    s = session_of(probe).serving
+    return s.fixed_device_bytes + CB_SLOTS * s.device_bytes_per_request
+
+
 def _worker(rank: int, world: int, dirs: dict[str, str], cases: list, out_dir: str) -> None:
     from torch_kvoffload.integrations.hf import session_of
 
@@ -303,6 +333,7 @@ def saved(tmp_path_factory):
                 for p in _cb_prompts()
             ]
         }
+        want["auto_cb_budget"] = _auto_cb_budget(ref)
     return dirs, want
 
 
@@ -314,8 +345,14 @@ def _spawn(tmp_path_factory, dirs: dict, world: int, cases: list) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two_ranks(saved, tmp_path_factory):
-    budget = {"serving": {"device_kv_budget": saved[1]["auto_budget"]}}
-    cases = [(n, f, {**c, **budget} if c is AUTO else c, r) for n, f, c, r in TWO]
+    budgets = {id(AUTO): saved[1]["auto_budget"], id(AUTO_CB): saved[1]["auto_cb_budget"]}
+
+    def budgeted(c: dict) -> dict:
+        if id(c) not in budgets:
+            return c
+        return {**c, "serving": {**c.get("serving", {}), "device_kv_budget": budgets[id(c)]}}
+
+    cases = [(n, f, budgeted(c), r) for n, f, c, r in TWO]
     return _spawn(tmp_path_factory, saved[0], 2, cases)
 
 
@@ -388,6 +425,21 @@ def _check_case(results: list[dict], want: dict, case: tuple) -> None:
             assert rank0.startswith("RuntimeError: hybrid sparse: a spill failed on TP rank 1"), rank0
             prev_name, prev_d2h, prev_run = None, got[0]["backend"]["bytes_d2h"], None
             continue
+        if run == "cb_spill_failed":  # the step whose spill failed on rank 1 fails on both, by name
+            failed = [[i for i, e in enumerate(g["errors"]) if e is not None] for g in got]
+            assert failed[0] and all(f == failed[0] for f in failed), failed
+            errors = [str(g["errors"][i]) for g in got for i in failed[0]]
+            assert any("injected: rank 1 cannot spill" in e for e in errors), errors
+            assert all("spill failed" in e or "cannot continue" in e or "injected" in e for e in errors), errors
+            # the requests after it ran on caches rebuilt on both ranks: the unmodified model's tokens
+            for g in got:
+                for i, tokens in enumerate(g["tokens"]):
+                    if i not in failed[0]:
+                        assert tokens == want[family]["cb"][i], (run, i)
+            assert len(failed[0]) < len(CB_LENGTHS), "some requests ran after the failure"
+            assert all(g["stats"]["reserved_requests"] == 0 for g in got)
+            prev_name, prev_d2h, prev_run = None, got[0]["backend"]["bytes_d2h"], None
+            continue
         if run in ("cb_diverged", "cb_failed"):  # the first step's requests fail on every rank, by name
             failed = [[i for i, e in enumerate(g["errors"]) if e is not None] for g in got]
             assert failed[0] and all(f == failed[0] for f in failed), failed
@@ -435,7 +487,8 @@ def _check_case(results: list[dict], want: dict, case: tuple) -> None:
             ]
             assert adopted == [16 + 9] * world, adopted
         if run == "cb_again":  # every request took its prompt's full blocks over, on every rank alike
-            before = [r[name]["runs"]["cb"]["stats"]["prefix_store_tokens"] for r in results]
+            previous = runs[runs.index(run) - 1]
+            before = [r[name]["runs"][previous]["stats"]["prefix_store_tokens"] for r in results]
             adopted = [g["stats"]["prefix_store_tokens"] - b for g, b in zip(got, before, strict=True)]
             assert adopted == [sum((n - 1) // BS * BS for n in CB_LENGTHS)] * world, adopted
         if run == "a_lost":  # every rank counts the prefix it did not take over and computed the prompt
@@ -469,11 +522,16 @@ def _check_case(results: list[dict], want: dict, case: tuple) -> None:
         assert public == [(size, 0)] + [(0, size)] * (world - 1)
         # the rows reach the pool once: TP rank 0 copied every new row of every layer, the readers none
         d2h = backend[0]["bytes_d2h"] - prev_d2h
-        if config is AUTO:  # the rows reach the pool as requests are offloaded: the single process's moves
+        if config in (AUTO, AUTO_CB):  # rows reach the pool as requests are offloaded: the same moves on every rank
             moves = [{k: b[k] for k in AUTO_MOVES} for b in backend]
-            if run in want["auto_moves"]:
+            # this run's moves (a spill that failed on one rank only counted on the others before)
+            earlier = runs[: runs.index(run)]
+            last = [r[name]["runs"][earlier[-1]]["backend"] for r in results] if earlier else None
+            own = [{k: m[k] - (b[k] if last else 0) for k in AUTO_MOVES} for m, b in zip(moves, last or moves)]
+            assert all(m == own[0] for m in own), (run, own)
+            if config is AUTO and run in want["auto_moves"]:  # ... and the single process's
                 assert moves == [want["auto_moves"][run]] * world, (run, moves)
-            assert moves[0]["spills"] > 0 or run == "a", "the budget spills beams mid-generation"
+            assert moves[0]["spills"] > 0 or run == "a", "the budget spills requests mid-generation"
         else:
             written = _rows_written(run)
             assert d2h == layers * written * sum(row) if written is not None else d2h > 0

@@ -24,7 +24,8 @@ copies only what it wrote since). A failed spill or promotion leaves the request
 
 Tensor parallelism: the ranks share the host pool and take the same decisions over their own device pools:
 they agree on one budget at each sizing (the smallest) and, after a forward's moves, on whether every
-rank's succeeded; a move failed on any rank fails the forward on all and ends the sequence. P/D decode:
+rank's succeeded; a move failed on any rank fails the forward on all and the live requests cannot continue
+(caches rebuilt, on every rank, when the last of them ends: a server goes on). P/D decode:
 a received request starts offloaded (:meth:`received`).
 """
 
@@ -201,6 +202,8 @@ class HybridSparseBackend(HybridLayers):
             for d in (self._requests, self._written, self._host_len):
                 d.pop(rid, None)
         super().release(request_ids)
+        if self._diverged is not None and not self._requests and self._layout is not None:
+            self.resize(self._layout, [])  # TP ranks in lock step: a new shared pool, placements agree again
 
     def fork(self, layout: KVLayout, src: Request, dst: Request, length: int) -> None:
         """``dst`` continues ``src``: resident when ``src`` is and its blocks fit (rows copied on the device),

@@ -430,7 +430,9 @@ def _check_case(results: list[dict], want: dict, case: tuple) -> None:
             assert failed[0] and all(f == failed[0] for f in failed), failed
             errors = [str(g["errors"][i]) for g in got for i in failed[0]]
             assert any("injected: rank 1 cannot spill" in e for e in errors), errors
-            assert all("spill failed" in e or "cannot continue" in e or "injected" in e for e in errors), errors
+            assert all("spill failed" in e or "cannot continue" in e or "injected" in e for e in errors), (
+                errors
+            )
             # the requests after it ran on caches rebuilt on both ranks: the unmodified model's tokens
             for g in got:
                 for i, tokens in enumerate(g["tokens"]):
@@ -522,12 +524,18 @@ def _check_case(results: list[dict], want: dict, case: tuple) -> None:
         assert public == [(size, 0)] + [(0, size)] * (world - 1)
         # the rows reach the pool once: TP rank 0 copied every new row of every layer, the readers none
         d2h = backend[0]["bytes_d2h"] - prev_d2h
-        if config in (AUTO, AUTO_CB):  # rows reach the pool as requests are offloaded: the same moves on every rank
+        if config in (
+            AUTO,
+            AUTO_CB,
+        ):  # rows reach the pool as requests are offloaded: the same moves on every rank
             moves = [{k: b[k] for k in AUTO_MOVES} for b in backend]
             # this run's moves (a spill that failed on one rank only counted on the others before)
             earlier = runs[: runs.index(run)]
             last = [r[name]["runs"][earlier[-1]]["backend"] for r in results] if earlier else None
-            own = [{k: m[k] - (b[k] if last else 0) for k in AUTO_MOVES} for m, b in zip(moves, last or moves)]
+            own = [
+                {k: m[k] - (b[k] if last else 0) for k in AUTO_MOVES}
+                for m, b in zip(moves, last or moves, strict=True)
+            ]
             assert all(m == own[0] for m in own), (run, own)
             if config is AUTO and run in want["auto_moves"]:  # ... and the single process's
                 assert moves == [want["auto_moves"][run]] * world, (run, moves)

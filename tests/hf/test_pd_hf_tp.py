@@ -3,7 +3,8 @@ of ``p_tp`` ranks (one gloo group) runs the prompt through layerwise offload and
 computes; a decode side of ``d_tp`` ranks (another gloo group) receives it — each decode rank its share of the
 main KV into the host pool its TP ranks share, the whole indexer into its own cache — and continues greedy
 generation. Non-uniform mapping: prefill rank ``p`` sends to decode rank ``p // (p_tp // d_tp)``. The tokens
-of every decode rank must equal a single-process ``generate`` of the unmodified model."""
+of every decode rank must equal a single-process ``generate`` of the unmodified model. The decode side of two
+ranks runs hybrid sparse (``offload="auto"``): the received requests are promoted on both ranks alike."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ BS = 4  # several blocks per prompt, partial last blocks
 LAYERS = 4  # of the tiny models
 LENGTHS = [21, 10]  # a left-padded batch of two
 TOPOLOGIES = {"prefill-tp2-decode-tp1": (2, 1), "prefill-tp4-decode-tp2": (4, 2)}
+#: the decode side's sparse attention per topology: sparse decode offload, or hybrid sparse (its TP ranks
+#: agree on the budget and promote the received requests before their first decode step)
+DECODE_SPARSE = {"prefill-tp2-decode-tp1": {}, "prefill-tp4-decode-tp2": {"offload": "auto"}}
 #: How many times the unmodified model's build + generate one rank's work may take: it loads, offloads and
 #: runs the model with its caches and collectives, on a machine it shares with every other rank.
 WORK_FACTOR = 5.0
@@ -68,7 +72,8 @@ def test_tp_prefill_then_tp_decode_tokens_equal_unmodified_generate(topology, ti
     start_s = process_s(HF_PRELOAD)
     work_s = WORK_FACTOR * ranks * tiny["work_s"]
     case = {"dir": tiny["dir"], "ids": tiny["ids"], "mask": tiny["mask"], "new": NEW, "block_size": BS, "pd": pd,
-            "verdict_s": wait_s, "deadline_s": start_s + 2 * work_s + wait_s}  # fmt: skip
+            "verdict_s": wait_s, "deadline_s": start_s + 2 * work_s + wait_s,
+            "decode_sparse": DECODE_SPARSE[topology]}  # fmt: skip
     results = run_hf_sides(case, p_tp, d_tp, deadline_s=start_s + case["deadline_s"])
     errors = {k: v["error"] for k, v in results.items() if "error" in v}
     assert not errors, "\n".join(f"{side} rank {r}:\n{e}" for (side, r), e in errors.items())
@@ -97,6 +102,8 @@ def test_tp_prefill_then_tp_decode_tokens_equal_unmodified_generate(topology, ti
         assert recv["bytes_received"] == LAYERS * BS * (share * main_row + sum(blocks) * index_row)
         assert out["stats"]["prefill_forwards"] == 0  # nothing recomputed on decode
         assert out["stats"]["decode_forwards"] == NEW - 1
+        if DECODE_SPARSE[topology].get("offload") == "auto":  # received offloaded, then promoted
+            assert out["stats"]["promotions"] == B and out["stats"]["resident_requests"] == B, out["stats"]
         if d_tp > 1:  # decode_tp_size=1 for this model of decode_tp_size ranks: refused, naming both
             assert f"decode_tp_size=1 but the decode model is sharded over {d_tp} " in out["refused"]
     for p in range(p_tp):

@@ -748,7 +748,7 @@ def hf_decode_rank(rank: int, world: int, case: dict, tickets_q, first_q, out_q)
     try:
         model = load_hf_side(case["dir"], rank, world)
         pd = {**case["pd"], "role": "decode"}
-        cfg = {"sparse": {}, "block_size": case["block_size"], "pd": pd}
+        cfg = {"sparse": case.get("decode_sparse", {}), "block_size": case["block_size"], "pd": pd}
         refused = _refusal(model, {**cfg, "pd": {**pd, "decode_tp_size": 1}}) if world > 1 else None
         model = torch_kvoffload.offload(model, cfg)
         role = decode_role(model)

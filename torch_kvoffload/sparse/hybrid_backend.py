@@ -266,7 +266,8 @@ class HybridSparseBackend(HybridLayers):
             self._offloaded.discard(rid)
             self._pending[rid] = self._written.get(rid, 0)
         if now:
-            landing = self._landing_of_pending()
+            landing = self._current_landing()
+            assert landing is not None
             try:
                 landing.run()
             except BaseException:
@@ -279,9 +280,7 @@ class HybridSparseBackend(HybridLayers):
         """The forward ended: its promotions complete (a layer no compute asked for is copied now; if that
         fails, the rows the forward wrote to the requests' blocks go to the host pool and they stay
         offloaded)."""
-        if self._pending:
-            self._landing_of_pending()
-        landing = self._landing
+        landing = self._current_landing()
         if landing is None:
             return
         try:
@@ -383,11 +382,10 @@ class HybridSparseBackend(HybridLayers):
     def abort_forward(self, fwd: ForwardPlan) -> None:
         """The forward's rows count as never written (its requests keep their earlier rows); a promotion
         under way is given up (its requests stay offloaded)."""
-        if self._pending:
-            self._landing_of_pending()
-        if self._landing is not None:
-            self._landing.cancel()
-            self._promoted(self._landing, False)
+        landing = self._current_landing()
+        if landing is not None:
+            landing.cancel()
+            self._promoted(landing, False)
         try:
             super().end_forward(fwd)  # sparse offload's: this class's would count the rows as written
         finally:

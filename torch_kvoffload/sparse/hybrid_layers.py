@@ -46,17 +46,20 @@ class HybridLayers(SparseOffloadBackend):
     def _land(self, layer: int) -> None:
         """Before ``layer`` reads or writes blocks: the promotions' copies of it landed (they start at the
         forward's first layer: every part of it has decided by then, no block moves until it ends)."""
-        if self._pending:
-            self._landing_of_pending()
-        if self._landing is not None:
-            self._landing.land(layer)
+        landing = self._current_landing()
+        if landing is not None:
+            landing.land(layer)
 
-    def _landing_of_pending(self) -> PromotionLanding:
-        """The copies of the promotions decided for this forward (of its every part) that still stand."""
-        assert self.runtime is not None
-        rows = [(r, n) for r, n in self._pending.items() if self.blocks.holds(r) and r not in self._offloaded]
-        self._pending = {}
-        self._landing = PromotionLanding(self.runtime, self.blocks, rows, fp8=self.fp8)
+    def _current_landing(self) -> PromotionLanding | None:
+        """The copies of the promotions decided for this forward (of its every part) that still stand, made
+        at the first ask after they were decided; ``None`` when none was."""
+        if self._pending:
+            assert self.runtime is not None
+            rows = [
+                (r, n) for r, n in self._pending.items() if self.blocks.holds(r) and r not in self._offloaded
+            ]
+            self._pending = {}
+            self._landing = PromotionLanding(self.runtime, self.blocks, rows, fp8=self.fp8)
         return self._landing
 
     def _split(self, fwd: ForwardPlan) -> tuple[list[int], list[int]]:

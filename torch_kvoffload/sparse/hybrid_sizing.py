@@ -48,8 +48,8 @@ def device_budget(
     rest: int, fixed_index: bool = False,
 ) -> tuple[DeviceBudget, tuple[int, int]]:  # fmt: skip
     """The :class:`DeviceBudget` of ``layout`` (``rest``: bytes of the other backends' device caches; ``blocks``
-    / ``index``: the latent and indexer pools; ``fixed_index``: the indexer pool never moves), and ``(the offloaded footprint of every slot, the latent pool
-    of every request resident)`` in bytes. ``ValueError`` when ``budget`` cannot hold every request
+    / ``index``: the latent and indexer pools; ``fixed_index``: the indexer pool never moves), and ``(the
+    offloaded footprint of every slot, the latent pool of every request resident)`` in bytes. ``ValueError`` when ``budget`` cannot hold every request
     offloaded (its indexer rows and hot buffers)."""
     hot_row = rt.capacity * rt.pool.row_bytes * rt.num_layers  # one decode row's hot buffers
     per_slot = index.blocks_for(layout.tokens)
@@ -78,15 +78,16 @@ def fit(
     offloaded: int, index_need: int,
 ) -> None:  # fmt: skip
     """Hot rows for ``offloaded`` requests, an indexer pool for ``index_need`` blocks (with slack where the
-    latent pool leaves room), the rest of ``budget`` to the latent pool (at most what every request of ``layout`` resident takes); whatever
-    shrinks goes first, so the device never holds more than the budget."""
+    latent pool leaves room; every slot's when fixed), the rest of ``budget`` to the latent pool (at most
+    what every request of ``layout`` resident takes); whatever shrinks goes first, so the device never holds
+    more than the budget."""
     rows = budget.rows_for(offloaded)
     full = layout.slots * blocks.blocks_for(layout.tokens)
-    # the indexer pool's slack only from what the latent pool cannot use: resident rows come first
-    spare = budget.total - budget.hot_bytes(offloaded) - index_need * budget.index_block
-    spare -= min(full, budget.pool_blocks(offloaded, index_need)) * budget.block
     index_blocks = budget.index_pool(index_need, index.num_blocks)
     if not budget.fixed_index:
+        # the indexer pool's slack only from what the latent pool cannot use: resident rows come first
+        spare = budget.total - budget.hot_bytes(offloaded) - index_need * budget.index_block
+        spare -= min(full, budget.pool_blocks(offloaded, index_need)) * budget.block
         index_blocks = min(index_blocks, index_need + spare // budget.index_block)
     pool = min(full, budget.pool_blocks(offloaded, index_blocks))
     resizes = [

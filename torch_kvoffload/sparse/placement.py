@@ -29,9 +29,9 @@ __all__ = ["DeviceBudget", "plan_pressure", "plan_promotions"]
 @dataclass(frozen=True)
 class DeviceBudget:
     """``total`` bytes of device budget for indexer blocks of ``index_block`` bytes (at most ``index_full``:
-    every slot's full length; always that many with ``fixed_index``), resident latent blocks of ``block`` bytes and hot rows of ``hot_row`` bytes
-    (one decode row's hot buffers, every layer); hot rows come ``chunk`` at a time (none for none), at
-    most ``max_rows``."""
+    every slot's full length; always that many with ``fixed_index``), resident latent blocks of ``block``
+    bytes and hot rows of ``hot_row`` bytes (one decode row's hot buffers, every layer); hot rows come
+    ``chunk`` at a time (none for none), at most ``max_rows``."""
 
     total: int
     block: int

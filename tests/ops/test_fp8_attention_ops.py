@@ -388,7 +388,7 @@ def test_opcheck(dtype) -> None:
 def test_compile_fullgraph() -> None:
     def step(q_nope, q_pe, kv_c, k_pe, idx):
         out, lse = fp8_sparse_mla_attention(q_nope, q_pe, quantize_kv_fp8(kv_c, k_pe), idx, 0.1)
-        return out * 2, lse.clamp(min=-1e30)
+        return out, lse
 
     q_nope, q_pe, _, idx, _ = _case(3, 4, 128, 16, 20, 6, torch.float32, seed=9)
     args = (q_nope, q_pe, torch.randn(20, 128), torch.randn(20, 16), idx)

@@ -388,13 +388,13 @@ def test_compile_fullgraph() -> None:
         idx = lightning_indexer(q, w, k, table, cu, lens, 16)
         qidx = quant_lightning_indexer(qi, qs, w, ki, ks, table, cu, lens, 16)
         scores = lightning_indexer_scores(q, w, k, table, cu, lens)
-        return idx, qidx, scores.clamp(min=-1e30).sum()
+        return idx, qidx, scores
 
     c = _case([2, 1], [40, 25], integer=True)
     expected = step(*_args(c))
     got = torch.compile(step, fullgraph=True, backend="inductor")(*_args(c))
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-    torch.testing.assert_close(got[2], expected[2])
+    torch.testing.assert_close(got[2], expected[2])  # -inf where a row has no key: equal there too
 
 
 # --------------------------------------------------------------------------------------------- errors

@@ -431,12 +431,14 @@ def test_opcheck(case) -> None:
 
 
 def test_compile_fullgraph() -> None:
-    def step(c: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(c: dict) -> tuple[torch.Tensor, ...]:
         scatter_copy_sparse_mla_attention(**c)
+        # reads the hot rows the first op wrote; returns the mutated out / lse too (no arithmetic here: a
+        # pointwise kernel would make inductor compile C++, which this check of the ops does not need)
         out2, lse2 = sparse_mla_attention(
             c["q_nope"], c["q_pe"], c["hot_kv_c"][0], c["hot_k_pe"][0], c["slots"], c["scale"]
         )
-        return c["out"] * 2 + out2, c["lse"] + lse2.clamp(min=-1e30)
+        return c["out"], c["lse"], out2, lse2
 
     c = _copy_sfa_case(2, 4, 32, 8, 16, 8, torch.float32)
     c["slots"][:, 0] = 0  # every row attends something

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 from collections import Counter
@@ -55,18 +54,6 @@ def any_impl(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """What is loaded by now (torch, transformers, Dynamo, the test modules) lives as long as the session:
-    frozen out of the cyclic collector's reach, so that each full collection scans only what tests made
-    since. transformers' continuous batching runs ``gc.collect()`` at every stop; over the ~400k objects of
-    the imports each took ~0.2 s."""
-    gc.freeze()
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    gc.unfreeze()  # the interpreter's teardown frees them as usual
 
 
 @pytest.hookimpl(trylast=True)

@@ -399,7 +399,7 @@ def mp_context():
     """A forkserver context whose server imported torch and the package once: every child forks from it
     in milliseconds instead of importing for seconds (spawn), and no child inherits a parent's threads."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([*PRELOAD, "support.frozen_heap"])
+    ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
 
 
@@ -621,7 +621,7 @@ HF_PRELOAD = (*PRELOAD, "transformers", "transformers.models.deepseek_v32.modeli
 def hf_context():
     """A forkserver context preloading :data:`HF_PRELOAD` (when this test session starts the server)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([*HF_PRELOAD, "support.frozen_heap"])
+    ctx.set_forkserver_preload(list(HF_PRELOAD))
     return ctx
 
 

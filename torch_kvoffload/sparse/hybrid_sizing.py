@@ -49,8 +49,8 @@ def device_budget(
 ) -> tuple[DeviceBudget, tuple[int, int]]:  # fmt: skip
     """The :class:`DeviceBudget` of ``layout`` (``rest``: bytes of the other backends' device caches; ``blocks``
     / ``index``: the latent and indexer pools; ``fixed_index``: the indexer pool never moves), and ``(the
-    offloaded footprint of every slot, the latent pool of every request resident)`` in bytes. ``ValueError`` when ``budget`` cannot hold every request
-    offloaded (its indexer rows and hot buffers)."""
+    offloaded footprint of every slot, the latent pool of every request resident)`` in bytes. ``ValueError``
+    when ``budget`` cannot hold every request offloaded (its indexer rows and hot buffers)."""
     hot_row = rt.capacity * rt.pool.row_bytes * rt.num_layers  # one decode row's hot buffers
     per_slot = index.blocks_for(layout.tokens)
     full = layout.slots * blocks.blocks_for(layout.tokens)
